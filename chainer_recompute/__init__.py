@@ -1,0 +1,37 @@
+"""chainer-recompute: memory-efficient backpropagation for Chainer by
+recomputation, after Kusumoto et al. (NeurIPS 2019) and Gruslys et al.
+(NIPS 2016).
+
+The pure core (graph, costs, io, units, lower sets, solvers, schedule)
+imports numpy and networkx only; the Chainer glue (capture, executor,
+apply, memory) is imported lazily so that the core works without Chainer.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .errors import (BudgetError, CaptureError, GraphChangedError, GraphError,  # noqa: F401
+                     GraphFormatError, InfeasibleBudgetError, LowerSetExplosionError,
+                     RecomputeError, SchemaVersionError, UnknownSolverError,
+                     UnsafeRecomputeError)
+from .graph import ArrayInfo, Graph, HeldArray, Node  # noqa: F401
+from .io import load_authors_graph, load_graph, save_graph  # noqa: F401
+from .units import format_bytes, parse_bytes  # noqa: F401
+
+__version__ = "0.1.0"
+
+# Names served by modules that import chainer, loaded on first use.
+_LAZY = {
+    "capture": ("capture", "capture"),
+    "CaptureHook": ("capture", "CaptureHook"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+        module, attr = _LAZY[name]
+        value = getattr(importlib.import_module(f".{module}", __name__), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'chainer_recompute' has no attribute {name!r}")

@@ -1,0 +1,65 @@
+"""One small hierarchy of errors for the whole library.
+
+Every error says what was expected, what was found, and what to do.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+
+class RecomputeError(Exception):
+    """Base class of every error raised by chainer_recompute."""
+
+
+class GraphError(RecomputeError, ValueError):
+    """A graph is malformed: a cycle, a dangling reference, no nodes."""
+
+
+class GraphFormatError(GraphError):
+    """A graph file cannot be parsed; ``line`` is the 1-based line number."""
+
+    def __init__(self, path: str, line: Optional[int], message: str) -> None:
+        self.path = path
+        self.line = line
+        where = f"{path}:{line}" if line is not None else path
+        super().__init__(f"{where}: {message}")
+
+
+class SchemaVersionError(GraphError):
+    """A JSON graph file was written with another schema version."""
+
+
+class BudgetError(RecomputeError, ValueError):
+    """A memory budget could not be understood (garbage, zero, negative, NaN)."""
+
+
+class InfeasibleBudgetError(RecomputeError):
+    """No plan fits the budget; ``least_feasible_bytes`` says what would."""
+
+    def __init__(self, message: str, budget_bytes: Optional[float] = None,
+                 least_feasible_bytes: Optional[float] = None,
+                 vanilla_bytes: Optional[float] = None) -> None:
+        self.budget_bytes = budget_bytes
+        self.least_feasible_bytes = least_feasible_bytes
+        self.vanilla_bytes = vanilla_bytes
+        super().__init__(message)
+
+
+class LowerSetExplosionError(RecomputeError):
+    """A graph has too many lower sets for the exact solver."""
+
+
+class UnknownSolverError(RecomputeError, ValueError):
+    """A solver or strategy name is not in the registry."""
+
+
+class CaptureError(RecomputeError):
+    """A model could not be captured into a graph."""
+
+
+class GraphChangedError(RecomputeError):
+    """A model's graph changed between calls with the same input signature."""
+
+
+class UnsafeRecomputeError(RecomputeError):
+    """A function cannot be recomputed safely (randomness, side effects)."""

@@ -1,0 +1,370 @@
+"""The computational graph that the solvers work on.
+
+Pure core: numpy and networkx only, never chainer.
+
+A :class:`Graph` holds the *arrays* of one forward pass (model inputs,
+parameters, intermediates, outputs) and its *nodes*, one per function
+application, with integer ids in topological (execution) order. In the
+paper's terms (PAPER.md §1) node ``v`` stands for the tensors its function
+creates: ``M_v`` is the bytes of its outputs and ``T_v`` its cost under the
+chosen cost model. An edge ``u -> v`` means that ``v``'s function reads an
+output of ``u``. Model inputs and parameters are not nodes: they are always
+in memory.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .errors import GraphError
+
+ARRAY_KINDS = ("input", "param", "intermediate", "output")
+
+
+@dataclass(frozen=True)
+class ArrayInfo:
+    """One array of the forward pass.
+
+    Attributes:
+        id: index in ``Graph.arrays``.
+        shape: the array's shape, or ``None`` where unknown (authors' files).
+        dtype: numpy dtype name, or ``''`` where unknown.
+        nbytes: size in bytes.
+        kind: one of ``input``, ``param``, ``intermediate``, ``output``.
+        producer: id of the node that created it (``None`` for inputs and
+            parameters).
+        name: parameter path (``/predictor/conv1/W``), input index, or ``''``.
+    """
+
+    id: int
+    shape: Optional[Tuple[int, ...]]
+    dtype: str
+    nbytes: int
+    kind: str
+    producer: Optional[int] = None
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class HeldArray:
+    """An array a function object keeps in its own attributes for backward
+    (a dropout mask, max-pooling indexes, BatchNorm statistics)."""
+
+    name: str
+    shape: Optional[Tuple[int, ...]]
+    dtype: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Node:
+    """One function application.
+
+    Attributes:
+        id: index in ``Graph.nodes``; topological order.
+        op: the function's class name (``Convolution2DFunction``).
+        inputs / outputs: array ids.
+        retained_inputs / retained_outputs: array ids that Chainer keeps
+            alive for this function's backward.
+        held: arrays kept in the function object's attributes.
+        forward_time_s / backward_time_s: measured times, if profiled.
+        recomputable: False where re-running the function is not safe.
+        label: free text, e.g. the link path that applied it.
+        attrs: JSON-able function attributes (stride, pad, ...).
+    """
+
+    id: int
+    op: str
+    inputs: Tuple[int, ...]
+    outputs: Tuple[int, ...]
+    retained_inputs: Tuple[int, ...] = ()
+    retained_outputs: Tuple[int, ...] = ()
+    held: Tuple[HeldArray, ...] = ()
+    forward_time_s: Optional[float] = None
+    backward_time_s: Optional[float] = None
+    recomputable: bool = True
+    label: str = ""
+    attrs: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(h.nbytes for h in self.held)
+
+
+class Graph:
+    """Arrays and function nodes of one forward pass, plus a cost model.
+
+    Args:
+        arrays: every array, ``arrays[i].id == i``.
+        nodes: every function application, ``nodes[v].id == v``, in a
+            topological order (each input is produced by an earlier node).
+        batch_size: the batch the graph was captured at (for scaling).
+        cost_model: ``paper``, ``flops`` or ``measured`` (see ``costs``).
+        meta: free-form, JSON-able information (model name, source file).
+
+    >>> g = Graph.from_edges([4, 8, 4], [(0, 1), (1, 2)])
+    >>> g.n, list(g.node_bytes), g.preds[2]
+    (3, [4, 8, 4], (1,))
+    """
+
+    def __init__(self, arrays: Sequence[ArrayInfo], nodes: Sequence[Node], *,
+                 batch_size: Optional[int] = None, cost_model: str = "paper",
+                 meta: Optional[Mapping[str, Any]] = None) -> None:
+        self.arrays: Tuple[ArrayInfo, ...] = tuple(arrays)
+        self.nodes: Tuple[Node, ...] = tuple(nodes)
+        self.batch_size = batch_size
+        self.meta: Dict[str, Any] = dict(meta or {})
+        self._validate()
+        preds: List[set] = [set() for _ in self.nodes]
+        for node in self.nodes:
+            for a in node.inputs:
+                p = self.arrays[a].producer
+                if p is not None:
+                    preds[node.id].add(p)
+        self.preds: Tuple[Tuple[int, ...], ...] = tuple(tuple(sorted(p)) for p in preds)
+        succs: List[List[int]] = [[] for _ in self.nodes]
+        for v, ps in enumerate(self.preds):
+            for u in ps:
+                succs[u].append(v)
+        self.succs: Tuple[Tuple[int, ...], ...] = tuple(tuple(s) for s in succs)
+        self.node_bytes = np.array(
+            [sum(self.arrays[a].nbytes for a in n.outputs) for n in self.nodes],
+            dtype=np.int64)
+        self.node_bytes.setflags(write=False)
+        from .costs import node_costs  # local import: costs imports Graph types
+        self.cost_model = cost_model
+        self.node_cost = node_costs(self, cost_model)
+        self.node_cost.setflags(write=False)
+
+    # ------------------------------------------------------------------ build
+    @classmethod
+    def from_edges(cls, sizes: Sequence[int], edges: Iterable[Tuple[int, int]],
+                   costs: Optional[Sequence[float]] = None,
+                   ops: Optional[Sequence[str]] = None) -> "Graph":
+        """A graph given by node sizes, edges and (optionally) costs.
+
+        Node ``i`` gets one output array of ``sizes[i]`` bytes. Edges may
+        use any numbering of ``0..n-1``; when they are not already in
+        topological order the nodes are renumbered into one, and the
+        original number is kept in ``Node.label``. ``costs`` become the
+        nodes' measured times (cost model ``measured``); without them the
+        ``paper`` model is used (``ops`` name the functions, default
+        ``Op``).
+
+        Raises:
+            GraphError: on a cycle, an empty graph, or an edge to a node
+                that does not exist.
+        """
+        n = len(sizes)
+        if n == 0:
+            raise GraphError("the graph is empty: give at least one node")
+        edges = [(int(u), int(v)) for u, v in edges]
+        for u, v in edges:
+            if not (0 <= u < n and 0 <= v < n) or u == v:
+                raise GraphError(f"edge ({u}, {v}) does not join two distinct nodes of 0..{n - 1}")
+        order = _topological_order(n, edges)
+        new_id = {old: new for new, old in enumerate(order)}
+        arrays = [ArrayInfo(id=new_id[old], shape=None, dtype="", nbytes=int(sizes[old]),
+                            kind="intermediate", producer=new_id[old])
+                  for old in order]
+        has_succ = {u for u, _ in edges}
+        arrays = [dataclasses.replace(a, kind="output") if order[a.id] not in has_succ else a
+                  for a in arrays]
+        preds: Dict[int, List[int]] = {v: [] for v in range(n)}
+        for u, v in edges:
+            preds[new_id[v]].append(new_id[u])
+        nodes = [Node(id=v, op=(ops[order[v]] if ops is not None else "Op"),
+                      inputs=tuple(sorted(set(preds[v]))), outputs=(v,),
+                      forward_time_s=(float(costs[order[v]]) if costs is not None else None),
+                      label=str(order[v]))
+                 for v in range(n)]
+        return cls(arrays, nodes, cost_model="measured" if costs is not None else "paper")
+
+    def _validate(self) -> None:
+        if not self.nodes:
+            raise GraphError("the graph has no function nodes: the forward pass "
+                             "applied no Chainer function")
+        for i, a in enumerate(self.arrays):
+            if a.id != i:
+                raise GraphError(f"array at position {i} has id {a.id}")
+            if a.kind not in ARRAY_KINDS:
+                raise GraphError(f"array {i} has kind {a.kind!r}; expected one of {ARRAY_KINDS}")
+            if a.nbytes < 0:
+                raise GraphError(f"array {i} has negative size {a.nbytes}")
+        for v, node in enumerate(self.nodes):
+            if node.id != v:
+                raise GraphError(f"node at position {v} has id {node.id}")
+            for a in node.inputs + node.outputs:
+                if not 0 <= a < len(self.arrays):
+                    raise GraphError(f"node {v} ({node.op}) refers to array {a}, "
+                                     f"which does not exist")
+            for a in node.inputs:
+                p = self.arrays[a].producer
+                if p is not None and p >= v:
+                    raise GraphError(
+                        f"node {v} ({node.op}) reads array {a} made by node {p}: node ids "
+                        f"must be in topological order (the graph may have a cycle)")
+            for a in node.outputs:
+                if self.arrays[a].producer != v:
+                    raise GraphError(f"array {a} is an output of node {v} but records "
+                                     f"producer {self.arrays[a].producer}")
+
+    # ------------------------------------------------------------- derived
+    @property
+    def n(self) -> int:
+        """Number of nodes |V|."""
+        return len(self.nodes)
+
+    @property
+    def edges(self) -> List[Tuple[int, int]]:
+        return [(u, v) for v, ps in enumerate(self.preds) for u in ps]
+
+    def with_cost_model(self, cost_model: str) -> "Graph":
+        """The same graph under another cost model."""
+        return Graph(self.arrays, self.nodes, batch_size=self.batch_size,
+                     cost_model=cost_model, meta=self.meta)
+
+    def replace(self, *, arrays: Optional[Sequence[ArrayInfo]] = None,
+                nodes: Optional[Sequence[Node]] = None, **kw: Any) -> "Graph":
+        kwargs = dict(batch_size=self.batch_size, cost_model=self.cost_model, meta=self.meta)
+        kwargs.update(kw)
+        return Graph(self.arrays if arrays is None else arrays,
+                     self.nodes if nodes is None else nodes, **kwargs)
+
+    def arrays_of_kind(self, *kinds: str) -> List[ArrayInfo]:
+        return [a for a in self.arrays if a.kind in kinds]
+
+    @property
+    def activation_bytes(self) -> int:
+        """Bytes of every array the functions create (Σ M_v)."""
+        return int(self.node_bytes.sum())
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays_of_kind("param"))
+
+    @property
+    def input_bytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays_of_kind("input"))
+
+    def retained_array_ids(self) -> List[int]:
+        """Non-parameter arrays that some function retains for backward."""
+        ids = set()
+        for node in self.nodes:
+            ids.update(node.retained_inputs)
+            ids.update(node.retained_outputs)
+        return sorted(a for a in ids if self.arrays[a].kind != "param")
+
+    @property
+    def retained_bytes(self) -> int:
+        """Bytes vanilla Chainer keeps alive for backward after the forward
+        pass: retained inputs and outputs (parameters excluded) plus arrays
+        held in function attributes."""
+        return (sum(self.arrays[a].nbytes for a in self.retained_array_ids())
+                + sum(n.held_bytes for n in self.nodes))
+
+    # ------------------------------------------------------------- scaling
+    def scale_batch(self, batch_size: int) -> "Graph":
+        """The graph at another batch size, by linear scaling.
+
+        Arrays other than parameters whose leading dimension is the capture
+        batch get that dimension replaced (and their bytes scaled); the same
+        for arrays held in function attributes. Parameters, scalars and
+        per-channel statistics are unchanged. Measured times scale linearly
+        with the batch.
+
+        Raises:
+            GraphError: when the graph does not know its batch size.
+        """
+        old = self.batch_size
+        if old is None:
+            raise GraphError("this graph does not record the batch size it was captured at; "
+                             "capture it with chainer_recompute.capture or set batch_size")
+        if batch_size <= 0:
+            raise GraphError(f"batch size must be positive, got {batch_size}")
+
+        def scaled(shape: Optional[Tuple[int, ...]], nbytes: int, kind: str):
+            if kind == "param" or not shape or shape[0] != old:
+                return shape, nbytes
+            return (batch_size,) + tuple(shape[1:]), nbytes * batch_size // old
+
+        arrays = []
+        for a in self.arrays:
+            shape, nbytes = scaled(a.shape, a.nbytes, a.kind)
+            arrays.append(dataclasses.replace(a, shape=shape, nbytes=nbytes))
+        ratio = batch_size / old
+        nodes = []
+        for node in self.nodes:
+            held = []
+            for h in node.held:
+                shape, nbytes = scaled(h.shape, h.nbytes, "held")
+                held.append(dataclasses.replace(h, shape=shape, nbytes=nbytes))
+            nodes.append(dataclasses.replace(
+                node, held=tuple(held),
+                forward_time_s=None if node.forward_time_s is None else node.forward_time_s * ratio,
+                backward_time_s=None if node.backward_time_s is None else node.backward_time_s * ratio))
+        return self.replace(arrays=arrays, nodes=nodes, batch_size=batch_size)
+
+    # ------------------------------------------------------------ export
+    def to_networkx(self):
+        """A ``networkx.DiGraph`` with node attributes ``op``, ``bytes`` and
+        ``cost``."""
+        import networkx as nx
+        g = nx.DiGraph()
+        for node in self.nodes:
+            g.add_node(node.id, op=node.op, bytes=int(self.node_bytes[node.id]),
+                       cost=float(self.node_cost[node.id]), label=node.label)
+        g.add_edges_from(self.edges)
+        return g
+
+    def summary(self) -> str:
+        """A few lines: node count, activation, retained and parameter bytes."""
+        from .units import format_bytes
+        n_ops: Dict[str, int] = {}
+        for node in self.nodes:
+            n_ops[node.op] = n_ops.get(node.op, 0) + 1
+        top = ", ".join(f"{k} {v}" for k, v in sorted(n_ops.items(), key=lambda kv: -kv[1])[:6])
+        name = self.meta.get("model", "graph")
+        lines = [
+            f"{name}: {self.n} nodes, {len(self.edges)} edges, batch {self.batch_size}",
+            f"  activations (sum of M_v):       {format_bytes(self.activation_bytes)}",
+            f"  retained by Chainer for backward: {format_bytes(self.retained_bytes)}",
+            f"  parameters:                      {format_bytes(self.param_bytes)}",
+            f"  inputs:                          {format_bytes(self.input_bytes)}",
+            f"  cost model {self.cost_model}: total T(V) = {float(self.node_cost.sum()):.6g}",
+            f"  functions: {top}",
+        ]
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (f"Graph(n={self.n}, edges={len(self.edges)}, arrays={len(self.arrays)}, "
+                f"batch_size={self.batch_size}, cost_model={self.cost_model!r})")
+
+
+def _topological_order(n: int, edges: Sequence[Tuple[int, int]]) -> List[int]:
+    """Kahn's algorithm, smallest index first; GraphError on a cycle."""
+    import heapq
+    indeg = [0] * n
+    out: List[List[int]] = [[] for _ in range(n)]
+    for u, v in set(edges):
+        out[u].append(v)
+        indeg[v] += 1
+    heap = [v for v in range(n) if indeg[v] == 0]
+    heapq.heapify(heap)
+    order = []
+    while heap:
+        u = heapq.heappop(heap)
+        order.append(u)
+        for v in out[u]:
+            indeg[v] -= 1
+            if indeg[v] == 0:
+                heapq.heappush(heap, v)
+    if len(order) != n:
+        stuck = sorted(v for v in range(n) if indeg[v] > 0)
+        raise GraphError(f"the graph has a cycle through nodes {stuck[:10]}"
+                         f"{' ...' if len(stuck) > 10 else ''}: a computational graph "
+                         f"must be acyclic")
+    return order

@@ -1,0 +1,240 @@
+"""Reading and writing graphs: this project's JSON and the authors' format.
+
+Pure core: no chainer import.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+from .errors import GraphError, GraphFormatError, SchemaVersionError
+from .graph import ArrayInfo, Graph, HeldArray, Node, _topological_order
+
+SCHEMA_VERSION = 1
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+# ----------------------------------------------------------------- JSON
+def graph_to_dict(graph: Graph) -> Dict[str, Any]:
+    def arr(a: ArrayInfo) -> Dict[str, Any]:
+        return {"id": a.id, "shape": None if a.shape is None else list(a.shape),
+                "dtype": a.dtype, "nbytes": a.nbytes, "kind": a.kind,
+                "producer": a.producer, "name": a.name}
+
+    def held(h: HeldArray) -> Dict[str, Any]:
+        return {"name": h.name, "shape": None if h.shape is None else list(h.shape),
+                "dtype": h.dtype, "nbytes": h.nbytes}
+
+    def node(n: Node) -> Dict[str, Any]:
+        return {"id": n.id, "op": n.op, "inputs": list(n.inputs), "outputs": list(n.outputs),
+                "retained_inputs": list(n.retained_inputs),
+                "retained_outputs": list(n.retained_outputs),
+                "held": [held(h) for h in n.held],
+                "forward_time_s": n.forward_time_s, "backward_time_s": n.backward_time_s,
+                "recomputable": n.recomputable, "label": n.label, "attrs": dict(n.attrs)}
+
+    return {"schema_version": SCHEMA_VERSION, "batch_size": graph.batch_size,
+            "cost_model": graph.cost_model, "meta": graph.meta,
+            "arrays": [arr(a) for a in graph.arrays], "nodes": [node(n) for n in graph.nodes]}
+
+
+def graph_from_dict(d: Dict[str, Any], source: str = "<dict>") -> Graph:
+    version = d.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise SchemaVersionError(
+            f"{source}: graph schema version {version!r}, but this chainer_recompute reads "
+            f"version {SCHEMA_VERSION}; capture the graph again with this version")
+
+    def shape(s: Optional[List[int]]) -> Optional[Tuple[int, ...]]:
+        return None if s is None else tuple(int(x) for x in s)
+
+    try:
+        arrays = [ArrayInfo(id=a["id"], shape=shape(a["shape"]), dtype=a["dtype"],
+                            nbytes=int(a["nbytes"]), kind=a["kind"], producer=a["producer"],
+                            name=a.get("name", "")) for a in d["arrays"]]
+        nodes = [Node(id=n["id"], op=n["op"], inputs=tuple(n["inputs"]),
+                      outputs=tuple(n["outputs"]),
+                      retained_inputs=tuple(n.get("retained_inputs", ())),
+                      retained_outputs=tuple(n.get("retained_outputs", ())),
+                      held=tuple(HeldArray(h["name"], shape(h["shape"]), h["dtype"],
+                                           int(h["nbytes"])) for h in n.get("held", ())),
+                      forward_time_s=n.get("forward_time_s"),
+                      backward_time_s=n.get("backward_time_s"),
+                      recomputable=n.get("recomputable", True), label=n.get("label", ""),
+                      attrs=n.get("attrs", {})) for n in d["nodes"]]
+    except (KeyError, TypeError) as e:
+        raise GraphFormatError(source, None, f"missing or malformed field {e}") from None
+    return Graph(arrays, nodes, batch_size=d.get("batch_size"),
+                 cost_model=d.get("cost_model", "paper"), meta=d.get("meta", {}))
+
+
+def save_graph(graph: Graph, path: PathLike) -> None:
+    """Write ``graph`` as JSON (schema version :data:`SCHEMA_VERSION`)."""
+    tmp = f"{os.fspath(path)}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(graph_to_dict(graph), f)
+    os.replace(tmp, path)
+
+
+def load_graph(path: PathLike) -> Graph:
+    """Read a graph written by :func:`save_graph`.
+
+    Raises:
+        GraphFormatError: the file is not valid JSON (names the line).
+        SchemaVersionError: the file has another schema version.
+    """
+    source = os.fspath(path)
+    with open(path) as f:
+        text = f.read()
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise GraphFormatError(source, e.lineno, f"not valid JSON: {e.msg}") from None
+    if not isinstance(d, dict):
+        raise GraphFormatError(source, 1, "expected a JSON object with 'schema_version'")
+    return graph_from_dict(d, source)
+
+
+# ------------------------------------------------------- authors' format
+class _Lines:
+    def __init__(self, path: str, text: str) -> None:
+        self.path = path
+        self.lines = text.splitlines()
+        self.i = 0
+
+    def next(self, what: str) -> Tuple[int, str]:
+        while self.i < len(self.lines) and not self.lines[self.i].strip():
+            self.i += 1
+        if self.i >= len(self.lines):
+            raise GraphFormatError(self.path, len(self.lines) + 1,
+                                   f"file ends early: expected {what} (truncated file?)")
+        self.i += 1
+        return self.i, self.lines[self.i - 1].strip()
+
+    def ints(self, what: str, count: int) -> Tuple[int, List[str]]:
+        lineno, line = self.next(what)
+        parts = line.split()
+        if len(parts) < count:
+            raise GraphFormatError(self.path, lineno, f"expected {what}, found {line!r}")
+        try:
+            [int(p) for p in parts[:count]]
+        except ValueError:
+            raise GraphFormatError(self.path, lineno, f"expected {what}, found {line!r}") from None
+        return lineno, parts
+
+    def error(self, lineno: int, msg: str) -> GraphFormatError:
+        return GraphFormatError(self.path, lineno, msg)
+
+
+def load_authors_graph(path: PathLike) -> Graph:
+    """Read a computational graph in the authors' text format
+    (pfnet-research/recompute, ``shared/graphs/README.md``).
+
+    Variables named ``_`` are intermediates, integers are model inputs and
+    ``/...`` paths are parameters. Each ``forward`` record becomes a node;
+    ``backward`` records are checked for shape but not otherwise used. The
+    nodes are put in topological order (the file's records are not). The
+    graph gets the ``paper`` cost model, as the authors used.
+
+    Raises:
+        GraphFormatError: a malformed or truncated file; the message names
+            the line.
+
+    >>> g = load_authors_graph('../shared/graphs/cg_vgg19.txt')  # doctest: +SKIP
+    >>> g.n  # doctest: +SKIP
+    46
+    """
+    source = os.fspath(path)
+    with open(path) as f:
+        lines = _Lines(source, f.read())
+    _, head = lines.ints("'N_VARIABLES N_FUNCTION_RECORDS'", 2)
+    n_vars, n_recs = int(head[0]), int(head[1])
+    var_bytes: Dict[int, int] = {}
+    var_name: Dict[int, str] = {}
+    var_line: Dict[int, int] = {}
+    for _ in range(n_vars):
+        lineno, parts = lines.ints("a variable line 'id bytes name'", 2)
+        if len(parts) != 3:
+            raise lines.error(lineno, f"expected a variable line 'id bytes name', found "
+                                      f"{' '.join(parts)!r}")
+        vid = int(parts[0])
+        if vid in var_bytes:
+            raise lines.error(lineno, f"variable {vid} is defined twice")
+        var_bytes[vid], var_name[vid], var_line[vid] = int(parts[1]), parts[2], lineno
+    records = []  # (lineno, inputs, outputs, op, attrs)
+    for _ in range(n_recs):
+        lineno, direction = lines.next("'forward' or 'backward'")
+        if direction not in ("forward", "backward"):
+            raise lines.error(lineno, f"expected 'forward' or 'backward', found {direction!r}")
+        ln, parts = lines.ints("'n_in n_out'", 2)
+        n_in, n_out = int(parts[0]), int(parts[1])
+        ins, outs = [], []
+        for _ in range(n_in):
+            ln, parts = lines.ints("an input line 'var_id kind'", 1)
+            ins.append((ln, int(parts[0])))
+        for _ in range(n_out):
+            ln, parts = lines.ints("an output line 'var_id'", 1)
+            outs.append((ln, int(parts[0])))
+        _, op = lines.next("a function class name")
+        ln, attr_text = lines.next("a JSON attribute line")
+        try:
+            attrs = json.loads(attr_text)
+        except json.JSONDecodeError as e:
+            raise lines.error(ln, f"attributes are not valid JSON: {e.msg}") from None
+        for ln2, vid in ins + outs:
+            if vid not in var_bytes:
+                raise lines.error(ln2, f"refers to variable {vid}, which is not defined")
+        if direction == "forward":
+            records.append((lineno, [v for _, v in ins], [v for _, v in outs], op, attrs))
+
+    # Arrays: variables in id order.
+    order_ids = sorted(var_bytes)
+    array_of = {vid: i for i, vid in enumerate(order_ids)}
+    producer_rec: Dict[int, int] = {}
+    for r, (lineno, _, outs, _, _) in enumerate(records):
+        for v in outs:
+            if v in producer_rec:
+                raise lines.error(lineno, f"variable {v} is the output of two forward records")
+            producer_rec[v] = r
+    rec_edges = set()
+    for r, (_, ins, _, _, _) in enumerate(records):
+        for v in ins:
+            if v in producer_rec:
+                rec_edges.add((producer_rec[v], r))
+    try:
+        order = _topological_order(len(records), sorted(rec_edges))
+    except GraphError as e:
+        raise GraphFormatError(source, None, str(e)) from None
+    node_of = {r: v for v, r in enumerate(order)}
+    read = {v for _, ins, _, _, _ in records for v in ins}
+
+    arrays = []
+    for vid in order_ids:
+        name = var_name[vid]
+        if name.startswith("/"):
+            kind = "param"
+        elif name == "_":
+            if vid not in producer_rec:
+                raise lines.error(var_line[vid], f"intermediate variable {vid} is made by "
+                                                 f"no forward record")
+            kind = "intermediate" if vid in read else "output"
+        else:
+            kind = "input"
+        producer = node_of[producer_rec[vid]] if vid in producer_rec else None
+        arrays.append(ArrayInfo(id=array_of[vid], shape=None, dtype="",
+                                nbytes=var_bytes[vid], kind=kind, producer=producer,
+                                name="" if name == "_" else name))
+    nodes = []
+    for v, r in enumerate(order):
+        lineno, ins, outs, op, attrs = records[r]
+        keep_in = attrs.get("_input_indexes_to_retain") or ()
+        keep_out = attrs.get("_output_indexes_to_retain") or ()
+        nodes.append(Node(
+            id=v, op=op, inputs=tuple(array_of[x] for x in ins),
+            outputs=tuple(array_of[x] for x in outs),
+            retained_inputs=tuple(array_of[ins[i]] for i in keep_in if i < len(ins)),
+            retained_outputs=tuple(array_of[outs[i]] for i in keep_out if i < len(outs)),
+            label=f"record {r} (line {lineno})", attrs=attrs))
+    return Graph(arrays, nodes, cost_model="paper",
+                 meta={"model": os.path.basename(source), "source": source})

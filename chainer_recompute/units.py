@@ -1,0 +1,86 @@
+"""Byte quantities: parsing budgets and printing sizes.
+
+Binary units are the default, because that is what GPU memory is sold and
+reported in: ``8G`` = ``8Gi`` = ``8GiB`` = 8·2^30 bytes, the capacity of an
+"8 GB" card. The SI forms with a ``B`` (``8GB``, ``512MB``, ``1.5kB``)
+are decimal: ``8GB`` = 8·10^9 bytes, as in the paper's tables. A bare
+number (``1e9``, ``123456``) is bytes.
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Union
+
+from .errors import BudgetError
+
+_BINARY = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+_DECIMAL = {"K": 10 ** 3, "M": 10 ** 6, "G": 10 ** 9, "T": 10 ** 12}
+_PATTERN = re.compile(
+    r"^\s*(?P<num>[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*"
+    r"(?P<unit>(?:[kKmMgGtT](?:i?B|iB|i)?)|B)?\s*$")
+
+ACCEPTED_FORMS = ("8G (= 8GiB = 8·2^30 bytes), 8GiB, 8Gi, 8GB (= 8·10^9 bytes), "
+                  "512M, 1.5G, 1e9 (bytes), 123456 (bytes)")
+
+
+def parse_bytes(value: Union[str, int, float]) -> int:
+    """Parse a memory size such as a budget.
+
+    Args:
+        value: ``'8G'``, ``'8GiB'``, ``'8GB'``, ``'512M'``, ``'1.5G'``,
+            ``'1e9'``, an int or a float (bytes).
+
+    Returns:
+        The number of bytes, a positive int.
+
+    Raises:
+        BudgetError: for garbage, zero, negative, infinite or NaN values;
+            the message lists the accepted forms.
+
+    >>> parse_bytes('8G'), parse_bytes('8GB'), parse_bytes('1.5K'), parse_bytes(1e3)
+    (8589934592, 8000000000, 1536, 1000)
+    """
+    if isinstance(value, bool):
+        raise BudgetError(f"memory size {value!r} is a bool; accepted forms: {ACCEPTED_FORMS}")
+    if isinstance(value, (int, float)):
+        number = float(value)
+        multiplier = 1
+    elif isinstance(value, str):
+        m = _PATTERN.match(value)
+        if m is None:
+            raise BudgetError(f"cannot read memory size {value!r}; accepted forms: "
+                              f"{ACCEPTED_FORMS}")
+        number = float(m.group("num"))
+        unit = m.group("unit") or ""
+        prefix = unit[:1].upper() if unit[:1].upper() in "KMGT" and unit else ""
+        rest = unit[1:] if prefix else unit
+        if prefix and rest == "B":
+            multiplier = _DECIMAL[prefix]
+        else:
+            multiplier = _BINARY[prefix]
+    else:
+        raise BudgetError(f"memory size must be a string or a number, got "
+                          f"{type(value).__name__}; accepted forms: {ACCEPTED_FORMS}")
+    if math.isnan(number) or math.isinf(number):
+        raise BudgetError(f"memory size {value!r} is not finite; accepted forms: {ACCEPTED_FORMS}")
+    nbytes = number * multiplier
+    if nbytes < 1:
+        raise BudgetError(f"memory size {value!r} must be positive (at least one byte); "
+                          f"accepted forms: {ACCEPTED_FORMS}")
+    return int(round(nbytes))
+
+
+def format_bytes(nbytes: float, binary: bool = True) -> str:
+    """``format_bytes(3 * 2**30) == '3.00 GiB'``; ``binary=False`` gives SI
+    units (``'3.22 GB'``), as the paper's tables use."""
+    if nbytes is None or (isinstance(nbytes, float) and math.isnan(nbytes)):
+        return "n/a"
+    base = 1024.0 if binary else 1000.0
+    units = ["B", "KiB", "MiB", "GiB", "TiB"] if binary else ["B", "kB", "MB", "GB", "TB"]
+    x = float(nbytes)
+    for unit in units:
+        if abs(x) < base or unit == units[-1]:
+            return f"{x:.0f} {unit}" if unit == "B" else f"{x:.2f} {unit}"
+        x /= base
+    raise AssertionError("unreachable")

@@ -1,0 +1,29 @@
+"""chainer-recompute: memory-efficient backpropagation for Chainer.
+
+Every version pin of the project lives here. Chainer 7.8.1 ships only as a
+source archive whose setup.py imports ``pkg_resources``: build it with
+``PIP_CONSTRAINT=$PWD/constraints.txt`` (``setuptools<81``), as the README's
+set-up command does. Chainer also imports ``pkg_resources`` at run time,
+hence the run-time pin of setuptools.
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="chainer-recompute",
+    version="0.1.0",
+    description="Graph-theoretic recomputation for memory-efficient backpropagation in Chainer",
+    packages=find_packages(include=["chainer_recompute", "chainer_recompute.*"]),
+    python_requires=">=3.9",
+    install_requires=[
+        "chainer==7.8.1",
+        # Chainer 7.8.1 breaks on NumPy 2 (np.sctypes); chainer_recompute._compat
+        # patches that for GPU machines that have NumPy 2, but CPU installs pin 1.x.
+        "numpy>=1.21,<2",
+        "networkx>=2.6",
+        "setuptools<81",
+    ],
+    extras_require={"test": ["pytest>=7", "pytest-timeout>=2"]},
+    entry_points={"console_scripts": [
+        "chainer-recompute=chainer_recompute.cli:main",
+    ]},
+)

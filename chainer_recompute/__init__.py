@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._compat import ensure_numpy_compat
+
+ensure_numpy_compat()  # before anything imports chainer (NumPy 2 machines)
+
 from .errors import (BudgetError, CaptureError, GraphChangedError, GraphError,  # noqa: F401
                      GraphFormatError, InfeasibleBudgetError, LowerSetExplosionError,
                      RecomputeError, SchemaVersionError, UnknownSolverError,

@@ -51,12 +51,20 @@ class ArrayInfo:
 @dataclass(frozen=True)
 class HeldArray:
     """An array a function object keeps in its own attributes for backward
-    (a dropout mask, max-pooling indexes, BatchNorm statistics)."""
+    (a dropout mask, max-pooling indexes, BatchNorm statistics).
+
+    ``role`` says what a recomputation must do with it: ``derived`` arrays
+    are made again by the function's forward (released with the node),
+    ``state`` arrays must be kept (a dropout mask), ``written`` arrays are
+    pre-existing arrays the forward updates in place (detached during a
+    recomputation; not counted as held bytes).
+    """
 
     name: str
     shape: Optional[Tuple[int, ...]]
     dtype: str
     nbytes: int
+    role: str = "state"
 
 
 @dataclass(frozen=True)
@@ -91,7 +99,7 @@ class Node:
 
     @property
     def held_bytes(self) -> int:
-        return sum(h.nbytes for h in self.held)
+        return sum(h.nbytes for h in self.held if h.role != "written")
 
 
 class Graph:

@@ -24,7 +24,7 @@ def graph_to_dict(graph: Graph) -> Dict[str, Any]:
 
     def held(h: HeldArray) -> Dict[str, Any]:
         return {"name": h.name, "shape": None if h.shape is None else list(h.shape),
-                "dtype": h.dtype, "nbytes": h.nbytes}
+                "dtype": h.dtype, "nbytes": h.nbytes, "role": h.role}
 
     def node(n: Node) -> Dict[str, Any]:
         return {"id": n.id, "op": n.op, "inputs": list(n.inputs), "outputs": list(n.outputs),
@@ -58,7 +58,8 @@ def graph_from_dict(d: Dict[str, Any], source: str = "<dict>") -> Graph:
                       retained_inputs=tuple(n.get("retained_inputs", ())),
                       retained_outputs=tuple(n.get("retained_outputs", ())),
                       held=tuple(HeldArray(h["name"], shape(h["shape"]), h["dtype"],
-                                           int(h["nbytes"])) for h in n.get("held", ())),
+                                           int(h["nbytes"]), h.get("role", "state"))
+                                 for h in n.get("held", ())),
                       forward_time_s=n.get("forward_time_s"),
                       backward_time_s=n.get("backward_time_s"),
                       recomputable=n.get("recomputable", True), label=n.get("label", ""),

@@ -1,0 +1,8 @@
+"""Import Chainer after making NumPy 2 look like NumPy 1 where Chainer 7.8.1
+needs it. Every module of this package that uses Chainer imports it through
+``from . import _chainer`` first."""
+from ._compat import ensure_numpy_compat
+
+ensure_numpy_compat()
+
+import chainer  # noqa: E402,F401

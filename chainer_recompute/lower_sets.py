@@ -1,0 +1,348 @@
+"""Lower sets of a computational graph (PAPER.md §2).
+
+Pure core: numpy only.
+
+A *lower set* ``L`` is closed under predecessors: no edge enters ``L`` from
+outside. Sets of nodes are Python ints used as bitsets (bit ``v`` set when
+node ``v`` is in the set); :func:`mask_to_set` and :func:`set_to_mask`
+convert to and from ``frozenset[int]``. For the dynamic programs the
+family is also held as a matrix of ``uint64`` words, one row per set
+(:class:`LowerSetFamily`), so that subset tests and set sizes are
+vectorised.
+
+Enumeration grows the family node by node in topological order: after
+node ``v`` the family holds exactly the lower sets of the subgraph on
+``0..v``, and each of those is a lower set of the whole graph, so the
+count never goes down and an explosion is detected as soon as it happens.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import FrozenSet, Iterable, List, Optional, Sequence
+
+import numpy as np
+
+from .errors import LowerSetExplosionError
+from .graph import Graph
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_LOWER_SETS = 2_000_000
+"""Default cap on the family size; 2M sets of 1,000 nodes take ~250 MB."""
+
+__all__ = [
+    "DEFAULT_MAX_LOWER_SETS", "LowerSetFamily", "above", "ancestor_closures",
+    "beside", "boundary", "count_lower_sets", "enumerate_lower_sets",
+    "is_lower_set", "mask_to_set", "set_to_mask", "full_mask",
+]
+
+
+# ------------------------------------------------------------ bitset helpers
+def set_to_mask(nodes: Iterable[int]) -> int:
+    """The bitset of ``nodes``.
+
+    >>> set_to_mask([0, 2])
+    5
+    """
+    m = 0
+    for v in nodes:
+        m |= 1 << int(v)
+    return m
+
+
+def mask_to_set(mask: int) -> FrozenSet[int]:
+    """The nodes of bitset ``mask`` as a frozenset.
+
+    >>> sorted(mask_to_set(5))
+    [0, 2]
+    """
+    out = []
+    v = 0
+    while mask:
+        low = mask & -mask
+        v = low.bit_length() - 1
+        out.append(v)
+        mask ^= low
+    return frozenset(out)
+
+
+def full_mask(graph: Graph) -> int:
+    """The bitset of V.
+
+    >>> full_mask(Graph.from_edges([1, 1, 1], [(0, 1), (1, 2)]))
+    7
+    """
+    return (1 << graph.n) - 1
+
+
+def _pred_masks(graph: Graph) -> List[int]:
+    return [set_to_mask(ps) for ps in graph.preds]
+
+
+def _succ_masks(graph: Graph) -> List[int]:
+    return [set_to_mask(ss) for ss in graph.succs]
+
+
+def _as_mask(s) -> int:
+    return s if isinstance(s, int) else set_to_mask(s)
+
+
+def is_lower_set(graph: Graph, nodes) -> bool:
+    """Whether ``nodes`` (bitset or iterable) is closed under predecessors.
+
+    >>> g = Graph.from_edges([1, 1, 1], [(0, 1), (1, 2)])
+    >>> is_lower_set(g, {0, 1}), is_lower_set(g, {1})
+    (True, False)
+    """
+    m = _as_mask(nodes)
+    for v, pm in enumerate(_pred_masks(graph)):
+        if (m >> v) & 1 and pm & ~m:
+            return False
+    return True
+
+
+def boundary(graph: Graph, nodes) -> int:
+    """∂(L): the nodes of ``L`` with a successor outside ``L`` (bitset).
+
+    >>> g = Graph.from_edges([1, 1, 1], [(0, 1), (1, 2), (0, 2)])
+    >>> sorted(mask_to_set(boundary(g, {0, 1})))
+    [0, 1]
+    """
+    m = _as_mask(nodes)
+    out = 0
+    for v, sm in enumerate(_succ_masks(graph)):
+        if (m >> v) & 1 and sm & ~m:
+            out |= 1 << v
+    return out
+
+
+def above(graph: Graph, nodes) -> int:
+    """A(L) = δ+(L) \\ L: successors of ``L`` outside it (bitset); their
+    gradients arrive from above when the block below is backpropagated.
+
+    >>> g = Graph.from_edges([1, 1, 1], [(0, 1), (1, 2)])
+    >>> sorted(mask_to_set(above(g, {0})))
+    [1]
+    """
+    m = _as_mask(nodes)
+    out = 0
+    for v, pm in enumerate(_pred_masks(graph)):
+        if not (m >> v) & 1 and pm & m:
+            out |= 1 << v
+    return out
+
+
+def beside(graph: Graph, nodes) -> int:
+    """B(L) = δ-(A(L)) \\ L: the other forward inputs of the nodes of A(L)
+    (bitset).
+
+    >>> g = Graph.from_edges([1, 1, 1, 1], [(0, 2), (1, 2), (2, 3)])
+    >>> sorted(mask_to_set(beside(g, {0})))
+    [1]
+    """
+    m = _as_mask(nodes)
+    a = above(graph, m)
+    out = 0
+    for v, sm in enumerate(_succ_masks(graph)):
+        if not (m >> v) & 1 and sm & a:
+            out |= 1 << v
+    return out
+
+
+# --------------------------------------------------------------- enumeration
+def _n_words(n: int) -> int:
+    return max(1, (n + 63) // 64)
+
+
+def _words_of_mask(mask: int, n_words: int) -> np.ndarray:
+    return np.frombuffer(mask.to_bytes(8 * n_words, "little"), dtype="<u8").astype(np.uint64)
+
+
+def _mask_of_words(row: np.ndarray) -> int:
+    return int.from_bytes(np.ascontiguousarray(row, dtype="<u8").tobytes(), "little")
+
+
+def _enumerate_words(graph: Graph, max_lower_sets: Optional[int]) -> np.ndarray:
+    n = graph.n
+    nw = _n_words(n)
+    states = np.zeros((1, nw), dtype=np.uint64)
+    for v in range(n):
+        pm = _words_of_mask(set_to_mask(graph.preds[v]), nw)
+        ok = np.all((states & pm) == pm, axis=1)
+        grown = states[ok]
+        grown[:, v >> 6] |= np.uint64(1 << (v & 63))
+        states = np.concatenate([states, grown])
+        if max_lower_sets is not None and len(states) > max_lower_sets:
+            raise LowerSetExplosionError(
+                f"the graph has more than {max_lower_sets:,} lower sets (already "
+                f"{len(states):,} among its first {v + 1} of {n} nodes): too many for the "
+                f"exact solver; use solver='approx' (|V|+2 lower sets) or raise "
+                f"max_lower_sets")
+    return states
+
+
+def count_lower_sets(graph: Graph, limit: Optional[int] = None) -> int:
+    """Number of lower sets of ``graph``, counting ∅ and V.
+
+    Raises:
+        LowerSetExplosionError: when the count exceeds ``limit``.
+
+    >>> count_lower_sets(Graph.from_edges([1, 1, 1], [(0, 1), (1, 2)]))
+    4
+    """
+    return int(len(_enumerate_words(graph, limit)))
+
+
+def enumerate_lower_sets(graph: Graph,
+                         max_lower_sets: Optional[int] = DEFAULT_MAX_LOWER_SETS) -> List[int]:
+    """Every lower set of ``graph`` as a bitset, ∅ and V included, sorted
+    by size then memory M(L) (so every subset precedes its supersets).
+
+    Raises:
+        LowerSetExplosionError: more than ``max_lower_sets`` sets.
+
+    >>> g = Graph.from_edges([1, 1, 1], [(0, 1), (0, 2)])
+    >>> [sorted(mask_to_set(m)) for m in enumerate_lower_sets(g)]
+    [[], [0], [0, 1], [0, 2], [0, 1, 2]]
+    """
+    return LowerSetFamily.all(graph, max_lower_sets=max_lower_sets).masks()
+
+
+def ancestor_closures(graph: Graph) -> List[int]:
+    """The approximate DP's family (PAPER.md §5): ∅, V and, for each node
+    v, L_v = {v} ∪ ancestors(v), without duplicates, as bitsets sorted by
+    size then memory.
+
+    >>> g = Graph.from_edges([1, 1, 1], [(0, 1), (0, 2)])
+    >>> [sorted(mask_to_set(m)) for m in ancestor_closures(g)]
+    [[], [0], [0, 1], [0, 2], [0, 1, 2]]
+    """
+    return LowerSetFamily.ancestor_closures(graph).masks()
+
+
+# ----------------------------------------------------------------- family
+def _popcount_rows(words: np.ndarray) -> np.ndarray:
+    b = np.unpackbits(words.view(np.uint8), axis=1)
+    return b.sum(axis=1, dtype=np.int64)
+
+
+def _weighted_sum(words: np.ndarray, weights: np.ndarray, n: int,
+                  chunk: int = 1 << 15) -> np.ndarray:
+    """Σ weights[v] over the bits of each row of ``words``."""
+    out = np.zeros(len(words), dtype=weights.dtype)
+    for s in range(0, len(words), chunk):
+        bits = np.unpackbits(words[s:s + chunk].view(np.uint8), axis=1, bitorder="little")[:, :n]
+        out[s:s + chunk] = bits @ weights if len(bits) else 0
+    return out
+
+
+@dataclass
+class LowerSetFamily:
+    """A family of lower sets with the quantities the DPs need.
+
+    Rows are sorted by (size, M(L)), so that a subset always comes before
+    its supersets. All arrays are indexed by row.
+
+    Attributes:
+        graph: the graph.
+        words: ``(K, W)`` uint64, the sets as bitset words.
+        size: ``|L|``.
+        mem_bytes: M(L).
+        boundary_words: ∂(L) as words.
+        boundary_time: T(∂(L)).
+        boundary_bytes: M(∂(L)).
+        back_bytes: M(A(L)) + M(B(L)) (overlap counted twice, as the
+            authors do).
+    """
+
+    graph: Graph
+    words: np.ndarray
+    size: np.ndarray
+    mem_bytes: np.ndarray
+    boundary_words: np.ndarray
+    boundary_time: np.ndarray
+    boundary_bytes: np.ndarray
+    back_bytes: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.words)
+
+    @classmethod
+    def from_words(cls, graph: Graph, words: np.ndarray) -> "LowerSetFamily":
+        """Builds the family from raw rows (deduplicated and sorted here)."""
+        n = graph.n
+        nw = _n_words(n)
+        words = np.unique(np.ascontiguousarray(words, dtype=np.uint64).reshape(-1, nw), axis=0)
+        mem = _weighted_sum(words, graph.node_bytes.astype(np.int64), n)
+        size = _popcount_rows(words)
+        order = np.lexsort((mem, size))
+        words = np.ascontiguousarray(words[order])
+        mem, size = mem[order], size[order]
+        inv = ~words
+        bnd = np.zeros_like(words)
+        a = np.zeros_like(words)
+        for v in range(n):
+            w, bit = v >> 6, np.uint64(1 << (v & 63))
+            sm = _words_of_mask(set_to_mask(graph.succs[v]), nw)
+            pm = _words_of_mask(set_to_mask(graph.preds[v]), nw)
+            inside = (words[:, w] & bit) != 0
+            if graph.succs[v]:
+                leaves = np.any(inv & sm, axis=1)
+                bnd[inside & leaves, w] |= bit
+            if graph.preds[v]:
+                fed = np.any(words & pm, axis=1)
+                a[~inside & fed, w] |= bit
+        b = np.zeros_like(words)
+        for v in range(n):
+            if not graph.succs[v]:
+                continue
+            w, bit = v >> 6, np.uint64(1 << (v & 63))
+            sm = _words_of_mask(set_to_mask(graph.succs[v]), nw)
+            outside = (words[:, w] & bit) == 0
+            b[outside & np.any(a & sm, axis=1), w] |= bit
+        nb = graph.node_bytes.astype(np.int64)
+        return cls(graph=graph, words=words, size=size, mem_bytes=mem,
+                   boundary_words=bnd,
+                   boundary_time=_weighted_sum(bnd, graph.node_cost.astype(np.float64), n),
+                   boundary_bytes=_weighted_sum(bnd, nb, n),
+                   back_bytes=_weighted_sum(a, nb, n) + _weighted_sum(b, nb, n))
+
+    @classmethod
+    def all(cls, graph: Graph,
+            max_lower_sets: Optional[int] = DEFAULT_MAX_LOWER_SETS) -> "LowerSetFamily":
+        """Every lower set (see :func:`enumerate_lower_sets`)."""
+        return cls.from_words(graph, _enumerate_words(graph, max_lower_sets))
+
+    @classmethod
+    def ancestor_closures(cls, graph: Graph) -> "LowerSetFamily":
+        """∅, V and the ancestor closure of each node."""
+        anc: List[int] = []
+        for v in range(graph.n):
+            m = 1 << v
+            for p in graph.preds[v]:
+                m |= anc[p]
+            anc.append(m)
+        nw = _n_words(graph.n)
+        masks = [0, full_mask(graph)] + anc
+        words = np.stack([_words_of_mask(m, nw) for m in masks])
+        return cls.from_words(graph, words)
+
+    @classmethod
+    def of_masks(cls, graph: Graph, masks: Sequence[int]) -> "LowerSetFamily":
+        """A family of given lower sets (∅ and V are added)."""
+        nw = _n_words(graph.n)
+        masks = [0, full_mask(graph)] + [int(m) for m in masks]
+        return cls.from_words(graph, np.stack([_words_of_mask(m, nw) for m in masks]))
+
+    def mask(self, i: int) -> int:
+        """Row ``i`` as a bitset."""
+        return _mask_of_words(self.words[i])
+
+    def masks(self) -> List[int]:
+        """Every row as a bitset."""
+        return [_mask_of_words(r) for r in self.words]
+
+    def sets(self) -> List[FrozenSet[int]]:
+        """Every row as a frozenset of node ids."""
+        return [mask_to_set(m) for m in self.masks()]

@@ -1,0 +1,283 @@
+"""From a strategy (a chain of lower sets) to an ordered schedule, and a
+liveness simulator that measures its memory.
+
+Pure core: numpy only.
+
+The *canonical schedule* of a strategy ∅ ⊊ L_1 ⊊ ... ⊊ L_k = V
+(PAPER.md §2), with V_i = L_i \\ L_{i-1} and U_i = ∂(L_i) ∩ V_i:
+
+- forward, i = 1..k: compute the nodes of V_i in topological order; the
+  values of V_i \\ U_i are dropped (freed right after their last reader in
+  the block);
+- backward, i = k..1: recompute V_i \\ U_i, then backpropagate through V_i
+  in reverse topological order.
+
+Backward model (conservative, simple): the backward step of node ``w``
+reads the gradient of ``w`` (accumulated from the backward steps of its
+successors, or seeded when ``w`` is a sink), the forward value of ``w``
+and the forward values of its predecessors; it creates (or accumulates
+into) the gradients of its predecessors. Liveness: every forward value is
+freed right after its last reader (forward recomputation or backward
+step), every gradient right after the backward step that consumes it.
+Sizes: a forward value and its gradient both take M_v bytes.
+
+:func:`simulate` is the ground truth the DP's paper model
+(:func:`paper_peak_bytes`) is compared with; a :class:`~.plan.Plan`
+reports both.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import List, Sequence, Tuple
+
+import numpy as np
+
+from .graph import Graph
+from .lower_sets import above, beside, boundary, mask_to_set, set_to_mask
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Op", "Schedule", "SimResult", "StrategyCost", "build_schedule", "paper_cost",
+           "paper_peak_bytes", "simulate"]
+
+# Op kinds.
+FORWARD = "forward"          # compute v for the first time (allocates M_v)
+RECOMPUTE = "recompute"      # compute v again during backward (allocates M_v)
+FREE = "free"                # free the forward value of v
+BACKWARD = "backward"        # backward step of v: gradients of preds (allocates)
+FREE_GRAD = "free_grad"      # free the gradient of v
+
+Op = Tuple[str, int]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """An ordered list of ``(kind, node)`` operations.
+
+    ``kind`` is one of ``forward``, ``recompute``, ``free``, ``backward``,
+    ``free_grad``.
+    """
+
+    ops: Tuple[Op, ...]
+    n_blocks: int
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+    def count(self, kind: str) -> int:
+        """Number of ops of ``kind``."""
+        return sum(1 for k, _ in self.ops if k == kind)
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """What :func:`simulate` measured.
+
+    Attributes:
+        peak_bytes: the largest memory of intermediates (values and
+            gradients) at any point.
+        peak_step: index of the op after which the peak was reached.
+        memory_bytes: memory after each op, int64 array of ``len(ops)``.
+        recompute_cost: Σ T_v over the ``recompute`` ops.
+    """
+
+    peak_bytes: int
+    peak_step: int
+    memory_bytes: np.ndarray
+    recompute_cost: float
+
+
+@dataclass(frozen=True)
+class StrategyCost:
+    """A strategy's costs under the paper's model (PAPER.md §3)."""
+
+    peak_bytes: int
+    overhead: float
+    block_peaks_bytes: Tuple[int, ...]
+    checkpoints: Tuple[int, ...]  # U_i as bitsets
+
+
+def _masks(lower_sets: Sequence) -> List[int]:
+    return [m if isinstance(m, int) else set_to_mask(m) for m in lower_sets]
+
+
+def paper_cost(graph: Graph, lower_sets: Sequence) -> StrategyCost:
+    """Peak memory and overhead of a strategy under the paper's model:
+    M^(i) = Σ_{j<i} M(U_j) + 2·M(V_i) + M(A_i) + M(B_i) and
+    T = Σ_i T(V_i \\ U_i).
+
+    Args:
+        graph: the graph.
+        lower_sets: L_1 ⊊ ... ⊊ L_k = V as bitsets or sets of node ids.
+
+    >>> g = Graph.from_edges([1, 2, 1], [(0, 1), (1, 2)])
+    >>> c = paper_cost(g, [{0, 1}, {0, 1, 2}])
+    >>> c.peak_bytes, c.overhead
+    (7, 2.0)
+    """
+    nb = graph.node_bytes
+    nc = graph.node_cost
+
+    def m_of(mask: int) -> int:
+        return int(sum(int(nb[v]) for v in mask_to_set(mask)))
+
+    def t_of(mask: int) -> float:
+        return float(sum(float(nc[v]) for v in mask_to_set(mask)))
+
+    prev = 0
+    acc = 0
+    peaks = []
+    ups = []
+    overhead = 0.0
+    for cur in _masks(lower_sets):
+        if cur & prev != prev or cur == prev:
+            raise ValueError("lower sets must form a strictly increasing chain")
+        block = cur & ~prev
+        u = boundary(graph, cur) & block
+        peaks.append(acc + 2 * m_of(block) + m_of(above(graph, cur)) + m_of(beside(graph, cur)))
+        acc += m_of(u)
+        overhead += t_of(block & ~u)
+        ups.append(u)
+        prev = cur
+    return StrategyCost(peak_bytes=max(peaks) if peaks else 0, overhead=overhead,
+                        block_peaks_bytes=tuple(peaks), checkpoints=tuple(ups))
+
+
+def paper_peak_bytes(graph: Graph, lower_sets: Sequence) -> int:
+    """The paper model's peak memory of a strategy (see :func:`paper_cost`).
+
+    >>> g = Graph.from_edges([1, 2, 1], [(0, 1), (1, 2)])
+    >>> paper_peak_bytes(g, [{0, 1, 2}])
+    8
+    """
+    return paper_cost(graph, lower_sets).peak_bytes
+
+
+def build_schedule(graph: Graph, lower_sets: Sequence, *,
+                   recompute: bool = True) -> Schedule:
+    """The canonical schedule of a strategy, with liveness frees.
+
+    Args:
+        graph: the graph.
+        lower_sets: L_1 ⊊ ... ⊊ L_k = V (bitsets or sets).
+        recompute: when False nothing is dropped or recomputed (vanilla
+            backpropagation; only meaningful with ``k = 1``).
+
+    >>> g = Graph.from_edges([1, 1], [(0, 1)])
+    >>> build_schedule(g, [{0, 1}], recompute=False).ops[:2]
+    (('forward', 0), ('forward', 1))
+    """
+    masks = _masks(lower_sets)
+    n = graph.n
+    preds, succs = graph.preds, graph.succs
+    block_of = [-1] * n
+    prev = 0
+    blocks: List[List[int]] = []
+    keep = [False] * n
+    for i, cur in enumerate(masks):
+        nodes = sorted(mask_to_set(cur & ~prev))
+        blocks.append(nodes)
+        for v in nodes:
+            block_of[v] = i
+        for v in mask_to_set(boundary(graph, cur) & (cur & ~prev)):
+            keep[v] = True
+        prev = cur
+    if not recompute:
+        keep = [True] * n
+    ops: List[Op] = []
+    # Forward: drop V_i \ U_i after its last forward reader in the block.
+    for nodes in blocks:
+        pending = {}
+        for v in nodes:
+            ops.append((FORWARD, v))
+            for p in preds[v]:
+                if not keep[p] and p in pending:
+                    pending[p] -= 1
+                    if pending[p] == 0:
+                        ops.append((FREE, p))
+                        del pending[p]
+            if not keep[v]:
+                if succs[v]:
+                    pending[v] = len(succs[v])
+                else:
+                    ops.append((FREE, v))
+        assert not pending
+    # Backward readers of each forward value: its own backward step and the
+    # backward steps of its successors; plus recompute readers.
+    readers = [1 + len(succs[v]) for v in range(n)]
+    grad_alloc = [False] * n
+    for i in range(len(blocks) - 1, -1, -1):
+        nodes = blocks[i]
+        for v in nodes:
+            if not keep[v]:
+                ops.append((RECOMPUTE, v))
+        for w in reversed(nodes):
+            if not grad_alloc[w]:
+                grad_alloc[w] = True  # seed (a sink) or all successors' grads were zero
+            ops.append((BACKWARD, w))
+            for p in preds[w]:
+                grad_alloc[p] = True
+            ops.append((FREE_GRAD, w))
+            for x in preds[w] + (w,):
+                readers[x] -= 1
+                if readers[x] == 0:
+                    ops.append((FREE, x))
+    return Schedule(ops=tuple(ops), n_blocks=len(blocks))
+
+
+def simulate(graph: Graph, schedule: Schedule) -> SimResult:
+    """Replay ``schedule`` and measure memory of intermediates over time.
+
+    A ``backward`` op of ``w`` allocates the gradients of ``w``'s
+    predecessors that are not allocated yet (and ``w``'s own, as a seed,
+    when it is a sink); the memory is recorded after each op.
+
+    >>> g = Graph.from_edges([1, 1], [(0, 1)])
+    >>> simulate(g, build_schedule(g, [{0, 1}], recompute=False)).peak_bytes
+    4
+    """
+    nb = [int(x) for x in graph.node_bytes]
+    nc = graph.node_cost
+    preds = graph.preds
+    fwd = [False] * graph.n
+    grad = [False] * graph.n
+    mem = 0
+    trace = np.zeros(len(schedule.ops), dtype=np.int64)
+    rec_cost = 0.0
+    for k, (kind, v) in enumerate(schedule.ops):
+        if kind == FORWARD or kind == RECOMPUTE:
+            if kind == RECOMPUTE:
+                rec_cost += float(nc[v])
+            if fwd[v]:
+                raise ValueError(f"op {k}: node {v} computed while already held")
+            for p in preds[v]:
+                if not fwd[p]:
+                    raise ValueError(f"op {k}: node {v} computed but its input {p} is not held")
+            fwd[v] = True
+            mem += nb[v]
+        elif kind == FREE:
+            if not fwd[v]:
+                raise ValueError(f"op {k}: freeing node {v}, which is not held")
+            fwd[v] = False
+            mem -= nb[v]
+        elif kind == BACKWARD:
+            for x in preds[v] + (v,):
+                if not fwd[x]:
+                    raise ValueError(f"op {k}: backward of {v} needs the value of {x}")
+            if not grad[v]:
+                grad[v] = True
+                mem += nb[v]
+            for p in preds[v]:
+                if not grad[p]:
+                    grad[p] = True
+                    mem += nb[p]
+        elif kind == FREE_GRAD:
+            grad[v] = False
+            mem -= nb[v]
+        else:
+            raise ValueError(f"unknown op kind {kind!r}")
+        trace[k] = mem
+    peak_step = int(np.argmax(trace)) if len(trace) else 0
+    return SimResult(peak_bytes=int(trace.max()) if len(trace) else 0, peak_step=peak_step,
+                     memory_bytes=trace, recompute_cost=rec_cost)

@@ -1,0 +1,136 @@
+"""Searches over budgets and batch sizes (PAPER.md §6).
+
+Pure core: numpy only.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Callable, Optional, Union
+
+from .errors import GraphError
+from .graph import Graph
+from .lower_sets import DEFAULT_MAX_LOWER_SETS, LowerSetFamily
+from .units import parse_bytes
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["bisect_least", "largest_batch_size", "least_feasible_budget", "scale_bytes"]
+
+
+def bisect_least(feasible: Callable[[int], bool], lo: int, hi: int, rel_tol: float = 0.0) -> int:
+    """The least integer ``x`` in ``(lo, hi]`` with ``feasible(x)``, given
+    ``feasible`` monotone, ``feasible(lo)`` False and ``feasible(hi)`` True;
+    stops when ``hi - lo <= max(1, rel_tol * hi)`` and returns ``hi``.
+
+    >>> bisect_least(lambda x: x >= 37, 0, 100)
+    37
+    """
+    while hi - lo > max(1, int(rel_tol * hi)):
+        mid = (lo + hi) // 2
+        if feasible(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def least_feasible_budget(graph: Graph, solver: str = "approx", strategy: str = "tc", *,
+                          rel_tol: float = 0.0,
+                          max_lower_sets: Optional[int] = DEFAULT_MAX_LOWER_SETS) -> int:
+    """The least budget (bytes, paper model) for which ``solver`` finds a
+    plan.
+
+    For the DPs this is a bisection on the budget over a feasibility-only
+    DP (one state per lower set: the least retained memory), exact to the
+    byte with ``rel_tol=0`` (the default; ~35 cheap DP runs). Feasibility
+    does not depend on the strategy. Chen's sqrt(n) ignores the budget, so
+    its figure is its plan's predicted peak; for Chen's greedy it is the
+    least predicted peak over the ``b`` it tries; for ``none`` it is 2·M(V).
+
+    >>> g = Graph.from_edges([1, 1, 1, 1], [(0, 1), (1, 2), (2, 3)])
+    >>> least_feasible_budget(g, 'exact')
+    4
+    """
+    from .solvers import REGISTRY, solve_chen, solve_chen_greedy
+    from .solvers._dp import run_dp
+    from .errors import UnknownSolverError
+    if solver not in REGISTRY:
+        raise UnknownSolverError(f"unknown solver {solver!r}; known solvers: {sorted(REGISTRY)}")
+    if solver == "none":
+        return 2 * graph.activation_bytes
+    if solver == "chen":
+        return int(solve_chen(graph, None, strategy=strategy).predicted_peak_bytes)
+    if solver == "chen-greedy":
+        return int(solve_chen_greedy(graph, None, strategy=strategy).predicted_peak_bytes)
+    fam = (LowerSetFamily.all(graph, max_lower_sets) if solver == "exact"
+           else LowerSetFamily.ancestor_closures(graph))
+
+    def ok(b: int) -> bool:
+        return run_dp(fam, b, "feasible").chain is not None
+
+    hi = 2 * graph.activation_bytes
+    lo = max(-1, 2 * int(graph.node_bytes.max()) - 1)
+    if hi <= lo + 1 or ok(lo):
+        return max(lo, 0) if ok(max(lo, 0)) else hi
+    return bisect_least(ok, lo, hi, rel_tol)
+
+
+def scale_bytes(graph: Graph, factor: float) -> Graph:
+    """The graph with every non-parameter array (and held array) scaled by
+    ``factor`` (rounded to whole bytes): linear batch scaling for graphs
+    that do not record shapes, such as the authors' files.
+
+    >>> scale_bytes(Graph.from_edges([4, 8], [(0, 1)]), 2.5).node_bytes.tolist()
+    [10, 20]
+    """
+    if not factor > 0:
+        raise GraphError(f"scale factor must be positive, got {factor}")
+    arrays = [a if a.kind == "param" else
+              dataclasses.replace(a, nbytes=int(round(a.nbytes * factor))) for a in graph.arrays]
+    nodes = [dataclasses.replace(n, held=tuple(dataclasses.replace(
+        h, nbytes=int(round(h.nbytes * factor))) for h in n.held)) for n in graph.nodes]
+    return graph.replace(arrays=arrays, nodes=nodes)
+
+
+def largest_batch_size(graph: Graph, budget: Union[str, int, float], solver: str = "approx",
+                       strategy: str = "tc", *, batch_size: Optional[int] = None,
+                       max_batch_size: int = 1 << 20) -> int:
+    """The largest batch size whose graph (activations scaled linearly from
+    the capture batch) still has a feasible plan within ``budget``; 0 when
+    not even batch 1 fits.
+
+    Args:
+        graph: the graph, captured at ``batch_size`` (default
+            ``graph.batch_size``).
+        budget: bytes or a string such as ``'8G'``.
+        solver, strategy: as in :func:`~chainer_recompute.solvers.solve`.
+        batch_size: the batch the graph was captured at, for graphs that
+            do not record it (the authors' files: 32, or 8 for U-Net).
+        max_batch_size: search cap.
+
+    >>> g = Graph.from_edges([4, 4], [(0, 1)])
+    >>> largest_batch_size(g, 32, 'exact', batch_size=1)
+    2
+    """
+    from .solvers import solve
+    base = batch_size if batch_size is not None else graph.batch_size
+    if base is None:
+        raise GraphError("the graph does not record its batch size; pass batch_size=")
+    budget_bytes = parse_bytes(budget)
+
+    def ok(b: int) -> bool:
+        g = graph.scale_batch(b) if (batch_size is None and graph.batch_size) else \
+            scale_bytes(graph, b / base)
+        return solve(g, budget_bytes, solver=solver, strategy=strategy,
+                     raise_infeasible=False).feasible
+
+    if not ok(1):
+        return 0
+    lo = 1
+    hi = 2
+    while hi <= max_batch_size and ok(hi):
+        lo, hi = hi, hi * 2
+    if hi > max_batch_size:
+        return lo
+    return bisect_least(lambda b: not ok(b), lo, hi) - 1

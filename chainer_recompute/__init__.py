@@ -26,8 +26,12 @@ __version__ = "0.1.0"
 
 # Names served by modules that import chainer, loaded on first use.
 _LAZY = {
-    "capture": ("capture", "capture"),
-    "CaptureHook": ("capture", "CaptureHook"),
+    "capture": ("capturing", "capture"),
+    "CaptureHook": ("capturing", "CaptureHook"),
+    "apply": ("runner", "apply"),
+    "remove": ("runner", "remove"),
+    "runner_of": ("runner", "runner_of"),
+    "Recompute": ("runner", "Recompute"),
 }
 
 

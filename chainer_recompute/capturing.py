@@ -139,7 +139,9 @@ class CaptureHook(chainer.FunctionHook):
 
     def forward_preprocess(self, function, in_data):
         self._depth += 1
-        if self._depth > 1:  # nested application inside another forward
+        if self._depth > 1 or not chainer.config.enable_backprop:
+            # A nested application inside another forward, or work outside
+            # the backprop graph: not a node.
             self._stack.append(None)
             return
         rec = _Record(function, tuple(in_data))
@@ -191,6 +193,10 @@ class _ModelState:
                 value = getattr(sub, name, None)
                 self.persistents.append((sub, name, value.copy() if _is_array(value) else value))
         for p in link.params():
+            if p.array is None:
+                # Lazily initialised: the capture forward initialises it, as
+                # the first real forward would have.
+                continue
             self.grads.append((p, None if p.grad is None else p.grad.copy()))
 
     def restore(self) -> None:
@@ -308,7 +314,7 @@ def analyse_recompute(f: chainer.FunctionNode, in_data: Tuple[Any, ...],
 def capture(model: Callable[..., Any], *args: Any, repeat: int = 1, backward: bool = False,
             check_recompute: bool = True, cost_model: str = "measured",
             batch_size: Optional[int] = None, name: Optional[str] = None,
-            **kwargs: Any) -> Graph:
+            link: Optional[chainer.Link] = None, **kwargs: Any) -> Graph:
     """Run ``model(*args, **kwargs)`` once (``repeat`` times for timings)
     and record its computational graph.
 
@@ -327,6 +333,9 @@ def capture(model: Callable[..., Any], *args: Any, repeat: int = 1, backward: bo
         batch_size: the batch size, for scaling; default: the leading
             dimension of the first array argument.
         name: a name for the graph (``meta['model']``).
+        link: the Link whose state the forward may change (default:
+            ``model`` itself, or the Link of a bound method); its persistent
+            values and gradients are restored after the capture.
 
     Returns:
         The :class:`Graph`. The model's parameters, persistent values,
@@ -350,7 +359,7 @@ def capture(model: Callable[..., Any], *args: Any, repeat: int = 1, backward: bo
                            "there is no graph to record: capture outside no_backprop_mode")
     if repeat < 1:
         raise CaptureError(f"repeat must be at least 1, got {repeat}")
-    link = _find_link(model)
+    link = link if link is not None else _find_link(model)
     if link is None:
         logger.info("capture: %r is not a Link; persistent values of links it uses "
                     "cannot be restored after the capture forward", model)
@@ -398,7 +407,7 @@ def capture(model: Callable[..., Any], *args: Any, repeat: int = 1, backward: bo
             raise CaptureError(f"the model returned {type(result).__name__}, not a "
                                f"chainer.Variable; capture needs the forward to return the "
                                f"loss (or an output) as a Variable")
-        records = [r for r in first_hook.records if r.func.inputs is not None]
+        records = first_hook.records
         if not records:
             raise CaptureError("the model applied no Chainer function with backprop enabled; "
                                "nothing to capture")
@@ -508,9 +517,9 @@ def _build_graph(records: List[_Record], link: Optional[chainer.Link],
         io_ids = {id(a) for a in rec.in_data + (rec.out_data or ())}
         held = []
         for owner, aname, a in attribute_arrays(f):
-            if id(a) in io_ids or id(a) in external_ids:
+            role = roles.get(aname, "state")
+            if id(a) in io_ids or (id(a) in external_ids and role != "written"):
                 continue
-            role = roles.get(aname, "derived" if not check_recompute else "state")
             if role == "external":
                 continue
             held.append(HeldArray(aname, tuple(a.shape), str(a.dtype), int(a.nbytes), role))

@@ -51,10 +51,12 @@ def output_size(input_size: int, depth: int = 4) -> int:
                              "use 16 * n + 12, e.g. 188, 204 or 572")
         s //= 2
     s -= 4
+    for _ in range(depth):
+        if s <= 0:
+            break
+        s = 2 * s - 4
     if s <= 0:
         raise ValueError(f"U-Net input {input_size} is too small; use at least 188")
-    for _ in range(depth):
-        s = 2 * s - 4
     return s
 
 

@@ -1,0 +1,339 @@
+"""Tests of chainer_recompute.memory: measured peaks, model state bytes, report."""
+from __future__ import annotations
+
+import tracemalloc
+import types
+from typing import Any, List
+
+import numpy as np
+import pytest
+
+from chainer_recompute.errors import RecomputeError
+from chainer_recompute.memory import (SCOPE_CUPY, SCOPE_NUMPY, SCOPE_TRACED, MemoryMeasurement,
+                                      MemoryMeter, format_memory_report, make_pool_peak_hook,
+                                      measure_memory, model_state_bytes)
+
+KB = 1024
+MB = 10 ** 6
+
+
+def _alloc(nbytes: int) -> np.ndarray:
+    a = np.empty(nbytes, np.uint8)
+    a.fill(1)  # touch it: a real allocation, not a lazy one
+    return a
+
+
+@pytest.fixture(autouse=True)
+def no_tracing_left() -> Any:
+    was = tracemalloc.is_tracing()
+    yield
+    assert tracemalloc.is_tracing() == was, "a test left tracemalloc in another state"
+
+
+def test_numpy_domain_constant() -> None:
+    assert np.lib.tracemalloc_domain == 389047
+
+
+def test_known_allocations_freed_in_between() -> None:
+    with measure_memory() as m:
+        a = _alloc(30 * MB)
+        del a
+        b = _alloc(20 * MB)
+        c = _alloc(15 * MB)   # b + c = 35 MB coexist: the peak
+        del b, c
+        d = _alloc(5 * MB)
+    r = m.result
+    assert r.device == "cpu" and r.scope == SCOPE_NUMPY
+    assert r.start_bytes == pytest.approx(0, abs=4 * KB)
+    assert r.peak_bytes == pytest.approx(35 * MB, abs=4 * KB)
+    assert r.absolute_peak_bytes == r.peak_bytes + r.start_bytes
+    assert r.end_bytes == pytest.approx(5 * MB, abs=4 * KB)
+    assert r.retained_bytes == r.end_bytes - r.start_bytes
+    del d
+    assert not tracemalloc.is_tracing()
+
+
+def test_large_empty_exact() -> None:
+    with measure_memory(np) as m:
+        x = np.empty(10 ** 8, np.uint8)
+        x.fill(0)
+        del x
+    assert m.result.peak_bytes == pytest.approx(10 ** 8, abs=4 * KB)
+    assert m.result.end_bytes == pytest.approx(0, abs=4 * KB)
+
+
+def test_python_objects_not_counted_by_default() -> None:
+    with measure_memory() as m:
+        junk = [str(i) * 10 for i in range(200_000)]  # ~ 15 MB of Python objects
+        a = _alloc(1 * MB)
+        del a
+    assert m.result.peak_bytes == pytest.approx(1 * MB, abs=4 * KB)
+    with measure_memory(numpy_only=False) as m2:
+        junk2 = [str(i) * 10 for i in range(200_000)]
+    assert m2.result.scope == SCOPE_TRACED
+    assert m2.result.peak_bytes > 5 * MB
+    del junk, junk2
+
+
+def test_nested_meters_keep_the_outer_peak() -> None:
+    with measure_memory() as outer:
+        a = _alloc(10 * MB)
+        with measure_memory() as inner:
+            b = _alloc(30 * MB)
+            del b
+            c = _alloc(1 * MB)
+        d = _alloc(5 * MB)
+        del d
+    i, o = inner.result, outer.result
+    assert i.start_bytes == pytest.approx(10 * MB, abs=4 * KB)
+    assert i.peak_bytes == pytest.approx(30 * MB, abs=4 * KB)
+    assert i.absolute_peak_bytes == pytest.approx(40 * MB, abs=4 * KB)
+    assert i.end_bytes == pytest.approx(11 * MB, abs=4 * KB)
+    # The inner reset_peak() did not make the outer meter forget the 40 MB.
+    assert o.peak_bytes == pytest.approx(40 * MB, abs=4 * KB)
+    assert o.end_bytes == pytest.approx(11 * MB, abs=4 * KB)
+    del a, c
+
+
+def test_raising_block_stops_tracing_and_keeps_result() -> None:
+    with pytest.raises(ZeroDivisionError):
+        with measure_memory() as m:
+            a = _alloc(2 * MB)
+            with MemoryMeter() as inner:
+                b = _alloc(3 * MB)
+                1 / 0
+    assert not tracemalloc.is_tracing()
+    assert inner.result is not None and m.result is not None
+    assert inner.result.peak_bytes == pytest.approx(3 * MB, abs=4 * KB)
+    assert m.result.peak_bytes == pytest.approx(5 * MB, abs=4 * KB)
+    # The next meter starts clean.
+    with measure_memory() as again:
+        c = _alloc(1 * MB)
+    assert again.result.start_bytes == pytest.approx(0, abs=4 * KB)
+    assert again.result.peak_bytes == pytest.approx(1 * MB, abs=4 * KB)
+    del a, c
+
+
+def test_tracing_started_by_someone_else_is_left_running() -> None:
+    tracemalloc.start()
+    try:
+        keep = _alloc(4 * MB)
+        with measure_memory() as m:
+            a = _alloc(8 * MB)
+            del a
+        assert tracemalloc.is_tracing()
+        r = m.result
+        assert r.scope == SCOPE_TRACED
+        assert r.start_bytes >= 4 * MB
+        assert 8 * MB <= r.peak_bytes < 8 * MB + 512 * KB
+        del keep
+    finally:
+        tracemalloc.stop()
+
+
+def test_meter_misuse_errors() -> None:
+    meter = MemoryMeter()
+    with pytest.raises(RecomputeError, match="not running"):
+        meter.stop()
+    meter.start()
+    with pytest.raises(RecomputeError, match="already running"):
+        meter.start()
+    meter.stop()
+    with pytest.raises(RecomputeError, match="expected numpy, cupy"):
+        MemoryMeter("tpu")
+    with pytest.raises(RecomputeError, match="expected numpy or cupy"):
+        MemoryMeter(types.SimpleNamespace(__name__="jax.numpy"))
+    assert MemoryMeter("cuda").device == "gpu"
+
+
+# --------------------------------------------------------------------------
+# Chainer
+
+def _mlp(sizes: List[int]) -> Any:
+    import chainer
+    import chainer.links as L
+
+    class MLP(chainer.ChainList):
+        def __init__(self) -> None:
+            super().__init__(*[L.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:])])
+
+        def forward(self, x: Any) -> Any:
+            import chainer.functions as F
+            h = x
+            for i, link in enumerate(self):
+                h = link(h)
+                if i < len(self) - 1:
+                    h = F.relu(h)
+            return h
+    return MLP()
+
+
+def test_chainer_mlp_forward_backward_peak() -> None:
+    import chainer.functions as F
+    batch, sizes = 64, [784, 1000, 1000, 10]
+    model = _mlp(sizes)
+    x = np.random.RandomState(0).standard_normal((batch, sizes[0])).astype(np.float32)
+    t = np.arange(batch, dtype=np.int32) % sizes[-1]
+    model.cleargrads()
+    with measure_memory() as m:
+        loss = F.softmax_cross_entropy(model(x), t)
+        loss.backward()
+        del loss
+    r = m.result
+    # The two hidden ReLU outputs are retained (by ReLU and by the next Linear)
+    # until backward reaches them, so they coexist; so do the new gradients.
+    hidden = 2 * batch * 1000 * 4
+    grads = sum(p.grad.nbytes for p in model.params())
+    params = sum(p.array.nbytes for p in model.params())
+    assert r.peak_bytes >= hidden
+    assert r.end_bytes == pytest.approx(grads, rel=0.01, abs=64 * KB)
+    assert r.peak_bytes >= grads
+    # Reasonable: below everything added up twice over.
+    activations = batch * (sizes[0] + 2 * 1000 * 2 + 10 * 3) * 4
+    assert r.peak_bytes < 2 * (activations + grads + params)
+    text = format_memory_report(r, predicted_peak_bytes=hidden + grads,
+                                state=model_state_bytes(model))
+    assert "measured / predicted" in text
+
+
+def test_model_state_bytes_adam_and_momentum() -> None:
+    import chainer
+    import chainer.functions as F
+    import chainer.optimizers as O
+    for make, per_param in ((O.Adam, 2), (O.MomentumSGD, 1), (O.SGD, 0)):
+        model = _mlp([20, 30, 5])
+        opt = make()
+        opt.setup(model)
+        before = model_state_bytes(model, opt)
+        assert before["optimizer_state"] == 0  # state is made on the first update
+        x = np.ones((4, 20), np.float32)
+        loss = F.sum(model(x))
+        model.cleargrads()
+        loss.backward()
+        opt.update()
+        got = model_state_bytes(model, opt)
+        params = sum(p.array.nbytes for p in model.params())
+        assert got["params"] == params == (20 * 30 + 30 + 30 * 5 + 5) * 4
+        assert got["grads"] == sum(p.grad.nbytes for p in model.params())
+        assert got["optimizer_state"] == per_param * params, make.__name__
+        expected = sum(v.nbytes for p in model.params() for v in p.update_rule.state.values())
+        assert got["optimizer_state"] == expected
+    assert model_state_bytes(model) == {"params": params, "grads": params, "optimizer_state": 0}
+    model.cleargrads()
+    assert model_state_bytes(model)["grads"] == 0
+    assert isinstance(model, chainer.Link)
+
+
+def test_model_state_bytes_shared_array_counted_once() -> None:
+    import chainer.links as L
+    a, b = L.Linear(4, 4), L.Linear(4, 4)
+    b.W.array = a.W.array
+    chain = __import__("chainer").ChainList(a, b)
+    assert model_state_bytes(chain)["params"] == 16 * 4 + 2 * 4 * 4
+
+
+# --------------------------------------------------------------------------
+# GPU path, with a fake CuPy and with the real one.
+
+class _FakePool:
+    def __init__(self) -> None:
+        self.used = 0
+
+    def used_bytes(self) -> int:
+        return self.used
+
+
+def _fake_cupy() -> Any:
+    hooks: List[Any] = []
+
+    class MemoryHook:
+        name = "MemoryHook"
+
+        def __enter__(self) -> Any:
+            if any(h.name == self.name for h in hooks):
+                raise KeyError(f"hook {self.name} already exists")
+            hooks.append(self)
+            return self
+
+        def __exit__(self, *exc: Any) -> None:
+            hooks.remove(self)
+
+        def malloc_postprocess(self, **kwargs: Any) -> None:
+            pass
+
+    pool = _FakePool()
+
+    def malloc(size: int) -> None:
+        pool.used += size
+        for h in list(hooks):
+            h.malloc_postprocess(device_id=0, size=size, mem_size=size, mem_ptr=0, pmem_id=0)
+
+    def free(size: int) -> None:
+        pool.used -= size
+
+    return types.SimpleNamespace(__name__="cupy", cuda=types.SimpleNamespace(MemoryHook=MemoryHook),
+                                 get_default_memory_pool=lambda: pool,
+                                 malloc=malloc, free=free, hooks=hooks)
+
+
+def test_gpu_meter_with_fake_cupy() -> None:
+    cp = _fake_cupy()
+    cp.malloc(1000)  # live at entry
+    with measure_memory(cp, cupy_module=cp) as m:
+        cp.malloc(5000)
+        cp.free(5000)
+        cp.malloc(3000)
+        with measure_memory("gpu", cupy_module=cp) as inner:  # nested: its own hook name
+            assert len(cp.hooks) == 2
+            cp.malloc(2000)
+            cp.free(2000)
+    assert cp.hooks == []
+    r = m.result
+    assert r == MemoryMeasurement(peak_bytes=5000, absolute_peak_bytes=6000, start_bytes=1000,
+                                  end_bytes=4000, device="gpu", scope=SCOPE_CUPY)
+    assert inner.result.start_bytes == 4000 and inner.result.peak_bytes == 2000
+
+
+def test_make_pool_peak_hook_without_cupy(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy -> ImportError
+    with pytest.raises(RecomputeError, match="needs CuPy"):
+        make_pool_peak_hook()
+
+
+@pytest.mark.gpu
+def test_gpu_meter_with_cupy() -> None:
+    cp = pytest.importorskip("cupy")
+    pool = cp.get_default_memory_pool()
+    keep = cp.ones(10 ** 6, cp.uint8)
+    with measure_memory(cp) as m:
+        a = cp.ones(10 ** 8, cp.uint8)
+        del a
+        b = cp.ones(3 * 10 ** 7, cp.uint8)
+    r = m.result
+    assert r.device == "gpu" and r.start_bytes == pool.used_bytes() - b.nbytes
+    assert r.start_bytes >= keep.nbytes
+    assert r.peak_bytes == pytest.approx(10 ** 8, abs=4 * KB)
+    assert r.end_bytes - r.start_bytes == pytest.approx(3 * 10 ** 7, abs=4 * KB)
+
+
+# --------------------------------------------------------------------------
+# Report
+
+def test_format_memory_report() -> None:
+    m = MemoryMeasurement(peak_bytes=3 * 2 ** 20, absolute_peak_bytes=4 * 2 ** 20,
+                          start_bytes=2 ** 20, end_bytes=2 ** 20, device="cpu", scope=SCOPE_NUMPY)
+    text = format_memory_report(m, predicted_peak_bytes=2 * 2 ** 20,
+                                state={"params": 2 ** 20, "grads": 2 ** 20, "optimizer_state": 2 ** 21})
+    assert "3.00 MiB above 1.00 MiB" in text
+    assert "measured / predicted = 1.50" in text
+    assert "total 4.00 MiB" in text
+    assert len(format_memory_report(m).splitlines()) == 1
+    assert "n/a" in format_memory_report(m, predicted_peak_bytes=0)
+    with pytest.raises(dataclasses_frozen_error()):
+        m.peak_bytes = 0  # type: ignore[misc]
+
+
+def dataclasses_frozen_error() -> type:
+    import dataclasses
+    return dataclasses.FrozenInstanceError

@@ -136,6 +136,7 @@ class CaptureHook(chainer.FunctionHook):
         self.records: List[_Record] = []
         self._depth = 0
         self._stack: List[Optional[_Record]] = []
+        self.interrupted: List[_Record] = []  # functions whose forward raised
 
     def forward_preprocess(self, function, in_data):
         self._depth += 1
@@ -169,9 +170,9 @@ class CaptureHook(chainer.FunctionHook):
 
     def deleted(self, function=None):
         # Make sure no instance-level forward wrapper outlives the hook.
-        for rec in self._stack:
-            if rec is not None:
-                vars(rec.func).pop("forward", None)
+        self.interrupted = [rec for rec in self._stack if rec is not None]
+        for rec in self.interrupted:
+            vars(rec.func).pop("forward", None)
         self._stack.clear()
         self._depth = 0
 
@@ -389,10 +390,12 @@ def capture(model: Callable[..., Any], *args: Any, repeat: int = 1, backward: bo
                 with hook:
                     out = model(*args, **kwargs)
             except Exception as e:
-                running = [r for r in hook._stack if r is not None]
+                running = hook.interrupted
+                last = (f" (last: {function_op(hook.records[-1].func)})"
+                        if hook.records else "")
                 where = (f"while running {function_op(running[-1].func)} (function "
                          f"#{len(hook.records)})" if running else
-                         f"after {len(hook.records)} functions")
+                         f"after {len(hook.records)} functions{last}")
                 if hasattr(e, "add_note"):
                     e.add_note(f"chainer_recompute.capture: the model's forward raised {where}")
                 raise

@@ -342,3 +342,16 @@ def test_parameter_paths_match_dumps(small_specs, graph, name):
     ours = {p for p, _ in _small(small_specs, name).link.namedparams()}
     # The dump lists the parameters that a function reads: all of ours.
     assert params == ours
+
+
+def test_pspnet_paper_input_size_at_tiny_width():
+    """713x713 -> 90x90 features (output stride 8), exact PPM bins, 713 output."""
+    from chainer_recompute.models.pspnet import PSPNet
+    net = PSPNet(n_class=17, n_blocks=(1, 1, 1, 1), width=2)
+    x = numpy.zeros((1, 3, 713, 713), numpy.float32)
+    with chainer.using_config("train", False), chainer.no_backprop_mode():
+        res4, res5 = net.trunk(x)
+        y = net.predict(x)
+    assert res4.shape[2:] == res5.shape[2:] == (90, 90)
+    assert [90 // b * b for b in net.ppm.bins] == [90] * 4
+    assert y.shape == (1, 17, 713, 713)

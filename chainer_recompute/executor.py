@@ -128,6 +128,23 @@ def _owner_of(f: Any, name: str) -> Any:
     return f
 
 
+class IterationStats:
+    """Counters of one iteration, kept by the runner after the iteration's
+    arrays are gone (it references no array or graph object)."""
+
+    __slots__ = ("n_dropped", "n_released", "recomputed_nodes", "mismatch")
+
+    def __init__(self, n_dropped: int) -> None:
+        self.n_dropped = n_dropped
+        self.n_released = 0  # arrays released now (after backward: all dropped)
+        self.recomputed_nodes = 0
+        self.mismatch: Optional[str] = None
+
+    def __repr__(self) -> str:
+        return (f"IterationStats(dropped={self.n_dropped}, released={self.n_released}, "
+                f"recomputed_nodes={self.recomputed_nodes}, mismatch={self.mismatch!r})")
+
+
 class IterationHook(chainer.FunctionHook):
     """Drives one forward/backward of a planned model (see module doc)."""
 
@@ -141,10 +158,17 @@ class IterationHook(chainer.FunctionHook):
         self.released: Dict[int, Tuple[Tuple[int, ...], bool]] = {}
         # Backward readers of each dropped node that have not run yet.
         self.remaining: Dict[int, int] = dict(program.readers)
-        self.mismatch: Optional[str] = None
-        self.recomputed_nodes = 0
+        self.stats = IterationStats(len(program.dropped))
         self._depth = 0
         self._top: List[bool] = []
+
+    @property
+    def mismatch(self) -> Optional[str]:
+        return self.stats.mismatch
+
+    @mismatch.setter
+    def mismatch(self, message: Optional[str]) -> None:
+        self.stats.mismatch = message
 
     # ---------------------------------------------------------- forward
     def forward_preprocess(self, function, in_data):
@@ -210,6 +234,7 @@ class IterationHook(chainer.FunctionHook):
         for name in self.program.derived[u]:
             setattr(_owner_of(f, name), name, None)
         self.released[u] = (tuple(outs), had_retained)
+        self.stats.n_released = len(self.released)
 
     # ---------------------------------------------------------- backward
     def backward_preprocess(self, function, in_data, out_grad):
@@ -277,11 +302,12 @@ class IterationHook(chainer.FunctionHook):
             in_data = tuple(self._input_array(f, j, a, values)
                             for j, a in enumerate(node.inputs))
             outs = self._run_forward(f, u, in_data)
-            self.recomputed_nodes += 1
+            self.stats.recomputed_nodes += 1
             for a, y in zip(node.outputs, outs):
                 values[a] = y
             if u in targets_set and u in self.released:
                 out_idx, had_retained = self.released.pop(u)
+                self.stats.n_released = len(self.released)
                 for k in out_idx:
                     vnode = f.outputs[k]()
                     if vnode is not None:

@@ -24,8 +24,8 @@ import chainer
 from chainer import backend
 
 from .capturing import capture
-from .errors import RecomputeError
-from .executor import IterationHook, Program
+from .errors import RecomputeError, UnknownSolverError
+from .executor import IterationHook, IterationStats, Program
 from .graph import Graph
 from .units import format_bytes, parse_bytes
 
@@ -82,10 +82,13 @@ class Recompute:
     def __init__(self, fn: Callable[..., Any], budget: Any, *, solver: str = "approx",
                  strategy: str = "tc", cost: str = "measured", max_plans: int = 8,
                  capture_repeat: int = 1, **solver_options: Any) -> None:
-        from .solvers import check_solver_name
+        from .solvers import REGISTRY, STRATEGIES
         self.fn = fn
         self.budget_bytes = parse_bytes(budget)
-        check_solver_name(solver, strategy)
+        if solver not in REGISTRY or strategy not in STRATEGIES:
+            raise UnknownSolverError(f"unknown solver {solver!r} or strategy {strategy!r}; "
+                                     f"solvers: {sorted(REGISTRY)}, strategies: "
+                                     f"{list(STRATEGIES)}")
         from .costs import COST_MODELS
         if cost not in COST_MODELS:
             raise RecomputeError(f"unknown cost model {cost!r}; known: {sorted(COST_MODELS)}")
@@ -94,7 +97,9 @@ class Recompute:
         self.max_plans = max_plans
         self.capture_repeat = capture_repeat
         self._entries: "collections.OrderedDict[Hashable, _Entry]" = collections.OrderedDict()
-        self.last_hook: Optional[IterationHook] = None
+        # Counters of the last iteration (the hook itself lives as long as
+        # that iteration's graph, as Chainer's retained arrays do).
+        self.last_stats: Optional[IterationStats] = None
 
     @staticmethod
     def _link(args: Tuple[Any, ...]) -> Optional[chainer.Link]:
@@ -154,7 +159,7 @@ class Recompute:
                            "signature (%s); this iteration keeps what it did not release "
                            "yet, and the next call is planned again", hook.mismatch)
             self._entries.pop(sig, None)
-        self.last_hook = hook
+        self.last_stats = hook.stats
         return out
 
 

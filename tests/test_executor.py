@@ -1,0 +1,452 @@
+"""The executor against plain ``loss.backward()``: loss, every gradient and
+BatchNorm statistics bit for bit, over several training steps; measured
+peak memory below vanilla's at a tight budget."""
+import copy
+import gc
+import logging
+
+import numpy as np
+import pytest
+
+import chainer_recompute as cr
+import chainer
+import chainer.functions as F
+import chainer.links as L
+
+from chainer_recompute.capturing import capture
+from chainer_recompute.errors import BudgetError, InfeasibleBudgetError, UnknownSolverError
+from chainer_recompute.memory import MemoryMeter
+from chainer_recompute.search import least_feasible_budget
+
+log = logging.getLogger(__name__)
+
+
+# ------------------------------------------------------------- models
+class MLP(chainer.Chain):
+    def __init__(self, width=256, depth=6):
+        super().__init__()
+        with self.init_scope():
+            self.layers = chainer.ChainList(*[L.Linear(width, width) for _ in range(depth)])
+            self.out = L.Linear(width, 10)
+
+    def forward(self, x, t):
+        h = x
+        for lin in self.layers:
+            h = F.relu(lin(h))
+        return F.softmax_cross_entropy(self.out(h), t)
+
+
+class ResNet(chainer.Chain):
+    """Residual blocks with BatchNorm on big feature maps, few channels:
+    activations dominate memory."""
+
+    def __init__(self, c=8, blocks=4):
+        super().__init__()
+        with self.init_scope():
+            self.stem = L.Convolution2D(3, c, 3, pad=1)
+            self.convs = chainer.ChainList(*[L.Convolution2D(c, c, 3, pad=1, nobias=True)
+                                             for _ in range(2 * blocks)])
+            self.bns = chainer.ChainList(*[L.BatchNormalization(c) for _ in range(2 * blocks)])
+            self.fc = L.Linear(c, 10)
+
+    def logits(self, x):
+        h = F.relu(self.stem(x))
+        for i in range(0, len(self.convs), 2):
+            r = F.relu(self.bns[i](self.convs[i](h)))
+            r = self.bns[i + 1](self.convs[i + 1](r))
+            h = F.relu(h + r)
+        return self.fc(F.average(h, axis=(2, 3)))
+
+    def forward(self, x, t):
+        return F.softmax_cross_entropy(self.logits(x), t)
+
+
+class ResNetPredictor(ResNet):
+    def forward(self, x):
+        return self.logits(x)
+
+
+class DropoutNet(MLP):
+    def forward(self, x, t):
+        h = x
+        for lin in self.layers:
+            h = F.dropout(F.relu(lin(h)), 0.3)
+        return F.softmax_cross_entropy(self.out(h), t)
+
+
+class Diamond(chainer.Chain):
+    def __init__(self, w=128):
+        super().__init__()
+        with self.init_scope():
+            self.a = L.Linear(w, w)
+            self.b1 = L.Linear(w, w)
+            self.b2 = L.Linear(w, w)
+            self.c = L.Linear(w, 10)
+
+    def forward(self, x, t):
+        h = F.tanh(self.a(x))
+        h = F.relu(self.b1(h)) * F.sigmoid(self.b2(h))  # both branches read h
+        return F.softmax_cross_entropy(self.c(h), t)
+
+
+class MultiOutput(chainer.Chain):
+    def __init__(self, w=128):
+        super().__init__()
+        with self.init_scope():
+            self.a = L.Linear(w, 2 * w)
+            self.c = L.Linear(w, 10)
+
+    def forward(self, x, t):
+        u, v = F.split_axis(self.a(x), 2, axis=1)
+        h = F.tanh(u) + F.relu(v) * F.sigmoid(u)
+        return F.softmax_cross_entropy(self.c(h), t)
+
+
+class SharedLink(chainer.Chain):
+    def __init__(self, w=128):
+        super().__init__()
+        with self.init_scope():
+            self.l = L.Linear(w, w)
+            self.c = L.Linear(w, 10)
+
+    def forward(self, x, t):
+        h = F.relu(self.l(x))
+        h = F.relu(self.l(h))  # the same link twice
+        h = F.relu(self.l(h))
+        return F.softmax_cross_entropy(self.c(h), t)
+
+
+class KeepsIntermediate(SharedLink):
+    """The model keeps a Variable it made (as a user might, for logging)."""
+
+    def forward(self, x, t):
+        h = F.relu(self.l(x))
+        self.kept = F.tanh(h)
+        h = F.relu(self.l(self.kept))
+        h = F.relu(self.l(h))
+        return F.softmax_cross_entropy(self.c(h), t)
+
+
+def mlp_inputs(batch=64, width=256):
+    rs = np.random.RandomState(0)
+    return (rs.randn(batch, width).astype(np.float32),
+            rs.randint(0, 10, batch).astype(np.int32))
+
+
+def image_inputs(batch=4, size=32):
+    rs = np.random.RandomState(0)
+    return (rs.randn(batch, 3, size, size).astype(np.float32),
+            rs.randint(0, 10, batch).astype(np.int32))
+
+
+CASES = {
+    "mlp": (MLP, lambda: mlp_inputs()),
+    "resnet_bn": (ResNet, lambda: image_inputs()),
+    "dropout": (DropoutNet, lambda: mlp_inputs()),
+    "diamond": (lambda: Diamond(), lambda: mlp_inputs(width=128)),
+    "multi_output": (lambda: MultiOutput(), lambda: mlp_inputs(width=128)),
+    "shared_link": (lambda: SharedLink(), lambda: mlp_inputs(width=128)),
+    "keeps_intermediate": (lambda: KeepsIntermediate(), lambda: mlp_inputs(width=128)),
+}
+
+
+def _state(model):
+    grads = {n: None if p.grad is None else p.grad.copy() for n, p in model.namedparams()}
+    stats = {(n, k): np.array(getattr(link, k)) for n, link in model.namedlinks()
+             for k in link._persistent}
+    return grads, stats
+
+
+def _assert_same(m1, m2):
+    g1, s1 = _state(m1)
+    g2, s2 = _state(m2)
+    assert g1.keys() == g2.keys()
+    for k in g1:
+        np.testing.assert_array_equal(g1[k], g2[k], err_msg=f"gradient of {k}")
+    for k in s1:
+        np.testing.assert_array_equal(s1[k], s2[k], err_msg=f"persistent {k}")
+
+
+def _train_both(make, inputs, budget, steps=3, solver="approx", strategy="tc"):
+    x, t = inputs
+    plain = make()
+    plain(x, t)  # initialise lazily shaped parameters
+    ours = copy.deepcopy(plain)
+    cr.apply(ours, budget=budget, solver=solver, strategy=strategy)
+    opt1, opt2 = chainer.optimizers.MomentumSGD(0.01), chainer.optimizers.MomentumSGD(0.01)
+    opt1.setup(plain)
+    opt2.setup(ours)
+    for step in range(steps):
+        xs = x * (1 + 0.1 * step)
+        for model, opt in ((plain, opt1), (ours, opt2)):
+            np.random.seed(step)  # the same dropout masks in both
+            model.cleargrads()
+            loss = model(xs, t)
+            loss.backward()
+            if model is plain:
+                loss1, rng1 = loss.array.copy(), np.random.rand()
+            else:
+                loss2, rng2 = loss.array.copy(), np.random.rand()
+        assert loss1 == loss2
+        assert rng1 == rng2  # recomputation drew no random numbers
+        _assert_same(plain, ours)
+        opt1.update()
+        opt2.update()
+    return plain, ours
+
+
+def _least(make, inputs, strategy="tc"):
+    model = make()
+    x, t = inputs
+    model(x, t)
+    g = capture(model, x, t)
+    return g, least_feasible_budget(g, solver="approx", strategy=strategy)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_identical_to_plain_backprop(name):
+    make, inputs = CASES[name]
+    g, least = _least(make, inputs())
+    plain, ours = _train_both(make, inputs(), budget=least)
+    stats = cr.runner_of(ours).last_stats
+    assert stats.n_dropped > 0, "the tight budget should drop something"
+    assert stats.recomputed_nodes > 0
+    assert stats.n_released == stats.n_dropped  # all released again after backward
+    if name == "keeps_intermediate":
+        np.testing.assert_array_equal(ours.kept.array, plain.kept.array)
+
+
+@pytest.mark.parametrize("strategy", ["tc", "mc"])
+def test_exact_solver_and_both_strategies(strategy):
+    make, inputs = CASES["resnet_bn"]
+    g, least = _least(make, inputs(), strategy)
+    _train_both(make, inputs(), budget=least, solver="exact", strategy=strategy, steps=2)
+
+
+def _peak(model, x, t):
+    model.cleargrads()
+    gc.collect()
+    with MemoryMeter() as meter:
+        loss = model(x, t)
+        loss.backward()
+        del loss
+    return meter.result.peak_bytes
+
+
+@pytest.mark.parametrize("name", ["mlp", "resnet_bn", "dropout", "diamond", "shared_link"])
+def test_measured_peak_below_vanilla(name):
+    make, inputs = CASES[name]
+    x, t = inputs()
+    g, least = _least(make, (x, t))
+    plain = make()
+    plain(x, t)
+    ours = copy.deepcopy(plain)
+    cr.apply(ours, budget=least)
+    ours(x, t)  # plan
+    vanilla, recompute = _peak(plain, x, t), _peak(ours, x, t)
+    plan = cr.runner_of(ours).plan_for(ours, x, t)
+    log.warning("%s: vanilla %d B, recompute %d B (%.0f%%), plan predicted %d B, simulated %d B",
+                name, vanilla, recompute, 100.0 * recompute / vanilla,
+                plan.predicted_peak_bytes, plan.simulated_peak_bytes)
+    assert recompute < vanilla
+
+
+def test_chainer_resnet50_tiny_input():
+    class Net(chainer.Chain):
+        def __init__(self):
+            super().__init__()
+            with self.init_scope():
+                self.r = L.ResNet50Layers(pretrained_model=None)
+
+        def forward(self, x, t):
+            return F.softmax_cross_entropy(self.r(x, layers=["fc6"])["fc6"], t)
+
+    x = np.random.RandomState(0).randn(2, 3, 32, 32).astype(np.float32)
+    t = np.array([1, 2], np.int32)
+    _, least = _least(Net, (x, t))
+    _train_both(Net, (x, t), budget=least, steps=2)
+
+
+# ---------------------------------------------------------- behaviour
+def test_eval_mode_runs_plain_forward_without_planning():
+    make, inputs = CASES["resnet_bn"]
+    x, t = inputs()
+    model = make()
+    model(x, t)
+    plain_out = model(x, t).array
+    cr.apply(model, budget="1G")
+    with chainer.using_config("train", False):
+        a = model(x, t)
+    runner = cr.runner_of(model)
+    cr.remove(model)
+    with chainer.using_config("train", False):
+        b = model(x, t)
+    np.testing.assert_array_equal(a.array, b.array)
+    cr.apply(model, budget="1G")
+    with chainer.no_backprop_mode():
+        model(x, t)
+    assert runner.plans == {} and cr.runner_of(model).plans == {}
+    assert plain_out.shape == a.array.shape
+
+
+def test_plan_cache_per_signature_and_bound():
+    make, inputs = CASES["mlp"]
+    x, t = inputs()
+    model = make()
+    cr.apply(model, budget="1G", max_plans=2)
+    runner = cr.runner_of(model)
+    model(x, t).backward()
+    model(x, t).backward()
+    assert len(runner.plans) == 1
+    model(x[:10], t[:10]).backward()  # a smaller last batch: planned again
+    assert len(runner.plans) == 2
+    model(x[:5], t[:5]).backward()
+    assert len(runner.plans) == 2  # bounded
+
+
+def test_backward_twice_matches_plain():
+    make, inputs = CASES["resnet_bn"]
+    x, t = inputs()
+    _, least = _least(make, (x, t))
+    plain = make()
+    plain(x, t)
+    ours = copy.deepcopy(plain)
+    cr.apply(ours, budget=least)
+    for model in (plain, ours):
+        model.cleargrads()
+        loss = model(x, t)
+        loss.backward()
+        loss.backward()  # gradients accumulate, as in plain Chainer
+    _assert_same(plain, ours)
+
+
+def test_no_backward_leaks_nothing():
+    make, inputs = CASES["resnet_bn"]
+    x, t = inputs()
+    _, least = _least(make, (x, t))
+    model = make()
+    model(x, t)
+    cr.apply(model, budget=least)
+    model(x, t).backward()  # plan
+    gc.collect()
+    gc.disable()  # reference counting alone must free the graph
+    try:
+        with MemoryMeter() as meter:
+            for _ in range(3):
+                model(x, t)  # loss dropped without backward
+        assert meter.result.end_bytes - meter.result.start_bytes <= 0
+    finally:
+        gc.enable()
+
+
+def test_graph_change_is_detected_and_replanned(caplog):
+    class Switch(MLP):
+        deep = True
+
+        def forward(self, x, t):
+            h = x
+            for lin in self.layers if self.deep else self.layers[:2]:
+                h = F.relu(lin(h))
+            return F.softmax_cross_entropy(self.out(h), t)
+
+    x, t = mlp_inputs()
+    _, least = _least(Switch, (x, t))
+    plain = Switch()
+    plain(x, t)
+    ours = copy.deepcopy(plain)
+    cr.apply(ours, budget=least)
+    ours(x, t).backward()
+    for model in (plain, ours):
+        model.deep = False
+        model.cleargrads()
+        with caplog.at_level(logging.WARNING):
+            model(x, t).backward()
+    assert "graph changed" in caplog.text
+    _assert_same(plain, ours)
+    assert cr.runner_of(ours).plans == {}  # re-planned at the next call
+    for model in (plain, ours):
+        model.cleargrads()
+        model(x, t).backward()
+    _assert_same(plain, ours)
+    assert len(cr.runner_of(ours).plans) == 1
+
+
+def test_budget_below_least_feasible_changes_nothing():
+    make, inputs = CASES["resnet_bn"]
+    x, t = inputs()
+    g, least = _least(make, (x, t))
+    model = make()
+    model(x, t)
+    before = _state(model)[1]
+    cr.apply(model, budget=int(least * 0.5))
+    with pytest.raises(InfeasibleBudgetError) as info:
+        model(x, t)
+    assert "least feasible" in str(info.value)
+    assert info.value.least_feasible_bytes == least
+    assert not chainer.get_function_hooks()
+    after = _state(model)[1]
+    for k in before:
+        np.testing.assert_array_equal(before[k], after[k])
+
+
+def test_bad_arguments_are_rejected_before_anything_changes():
+    model = MLP()
+    with pytest.raises(BudgetError, match="accepted forms"):
+        cr.apply(model, budget="lots")
+    with pytest.raises(UnknownSolverError, match="approx"):
+        cr.apply(model, budget="1G", solver="magic")
+    assert type(model) is MLP and cr.runner_of(model) is None
+
+
+def test_apply_remove_and_serialization(tmp_path):
+    make, inputs = CASES["resnet_bn"]
+    x, t = inputs()
+    model = make()
+    model(x, t)
+    keys_plain = sorted(n for n, _ in model.namedparams())
+    cr.apply(model, budget="1G")
+    assert isinstance(model, ResNet)
+    assert sorted(n for n, _ in model.namedparams()) == keys_plain
+    chainer.serializers.save_npz(tmp_path / "m.npz", model)
+    fresh = make()
+    fresh(x, t)
+    chainer.serializers.load_npz(tmp_path / "m.npz", fresh)
+    assert sorted(np.load(tmp_path / "m.npz").files) == sorted(
+        np.load(_save_plain(model, tmp_path)).files)
+    copied = model.copy(mode="copy")
+    assert cr.runner_of(copied) is not None
+    copied(x, t).backward()
+    model.to_device("@numpy")
+    cr.remove(model)
+    assert type(model) is ResNet and cr.runner_of(model) is None
+
+
+def _save_plain(model, tmp_path):
+    plain = copy.deepcopy(model)
+    cr.remove(plain)
+    chainer.serializers.save_npz(tmp_path / "plain.npz", plain)
+    return tmp_path / "plain.npz"
+
+
+def test_trainer_end_to_end(tmp_path):
+    from chainer import training
+    from chainer.training import extensions
+
+    rs = np.random.RandomState(0)
+    data = chainer.datasets.TupleDataset(rs.randn(64, 3, 16, 16).astype(np.float32),
+                                         rs.randint(0, 10, 64).astype(np.int32))
+    model = L.Classifier(ResNetPredictor(c=4, blocks=2))
+    cr.apply(model, budget="64M")  # the one changed line
+    opt = chainer.optimizers.Adam()
+    opt.setup(model)
+    train_iter = chainer.iterators.SerialIterator(data, 16)
+    test_iter = chainer.iterators.SerialIterator(data, 16, repeat=False, shuffle=False)
+    updater = training.updaters.StandardUpdater(train_iter, opt)
+    trainer = training.Trainer(updater, (6, "iteration"), out=str(tmp_path))
+    trainer.extend(extensions.Evaluator(test_iter, model), trigger=(3, "iteration"))
+    trainer.extend(extensions.LogReport(trigger=(3, "iteration")))
+    trainer.run()
+    log_entries = trainer.get_extension("LogReport").log
+    assert len(log_entries) == 2
+    assert all(np.isfinite(e["main/loss"]) and "validation/main/loss" in e for e in log_entries)
+    assert len(cr.runner_of(model).plans) == 1

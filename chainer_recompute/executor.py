@@ -97,19 +97,33 @@ class Program:
                 p = arrays[a].producer
                 if arrays[a].kind != "param" and (p is None or p not in self.dropped):
                     self.sources.add(a)
-        # needs[w]: dropped nodes whose arrays w's backward reads.
+        # needs[w]: released nodes whose arrays w's backward reads (its own
+        # retained outputs or attribute arrays, its retained inputs).
+        # done[w]: nodes that have one backward reader less once w's
+        # backward has run: needs[w] and w itself. A node's own backward
+        # runs after those of all its consumers (Chainer's backward goes by
+        # decreasing rank), so when all its readers have run its arrays are
+        # dead and are released, checkpoints included: later blocks'
+        # checkpoints do not outlive their backward, unlike plain Chainer's
+        # retained arrays, which live as long as the graph.
+        self.releasable: FrozenSet[int] = frozenset(
+            v for v in range(n) if graph.nodes[v].recomputable)
         self.needs: Dict[int, Tuple[int, ...]] = {}
-        readers: Dict[int, int] = {u: 0 for u in self.dropped}
+        self.done: Dict[int, Tuple[int, ...]] = {}
+        readers: Dict[int, int] = {u: 0 for u in self.releasable}
         for node in graph.nodes:
             need = set()
-            if node.id in self.dropped and (node.retained_outputs or self.derived[node.id]):
+            if node.retained_outputs or self.derived[node.id]:
                 need.add(node.id)
             for a in node.retained_inputs:
                 p = arrays[a].producer
-                if p is not None and p in self.dropped:
+                if p is not None:
                     need.add(p)
+            need &= self.releasable
             self.needs[node.id] = tuple(sorted(need))
-            for u in need:
+            done = need | ({node.id} & self.releasable)
+            self.done[node.id] = tuple(sorted(done))
+            for u in done:
                 readers[u] += 1
         self.readers = readers
         self.block_nodes: Dict[int, List[int]] = {}
@@ -156,7 +170,7 @@ class IterationHook(chainer.FunctionHook):
         self.index: Dict[int, int] = {}
         self.kept: Dict[int, Any] = {}
         self.released: Dict[int, Tuple[Tuple[int, ...], bool]] = {}
-        # Backward readers of each dropped node that have not run yet.
+        # Backward readers of each node that have not run yet.
         self.remaining: Dict[int, int] = dict(program.readers)
         self.stats = IterationStats(len(program.dropped))
         self._depth = 0
@@ -222,6 +236,8 @@ class IterationHook(chainer.FunctionHook):
         f = self.funcs[u]() if u < len(self.funcs) else None
         if f is None or u in self.released:
             return
+        for a in self.program.graph.nodes[u].outputs:
+            self.kept.pop(a, None)
         outs = []
         for k, ref in enumerate(f.outputs or ()):
             vnode = ref()
@@ -249,7 +265,7 @@ class IterationHook(chainer.FunctionHook):
         w = self.index.get(id(function))
         if w is None:
             return
-        for u in self.program.needs[w]:
+        for u in self.program.done[w]:
             self.remaining[u] -= 1
             if self.remaining[u] <= 0:
                 self._release(u)
@@ -277,6 +293,8 @@ class IterationHook(chainer.FunctionHook):
         blocks = {p.block_of[u] for u in targets}
         wanted = sorted({u for b in blocks for u in p.block_nodes.get(b, ())
                          if u in self.released and self.remaining[u] > 0} | set(targets))
+        # (block_nodes lists dropped nodes; checkpoints released after their
+        # backward come back only as targets, on a second backward.)
         # Closure: dropped ancestors whose outputs are not available.
         values: Dict[int, Any] = {}
         order: Set[int] = set()
@@ -290,7 +308,7 @@ class IterationHook(chainer.FunctionHook):
             for j, a in enumerate(g.nodes[u].inputs):
                 if self._input_array(f, j, a, values) is None:
                     prod = g.arrays[a].producer
-                    if prod is None or prod not in p.dropped:
+                    if prod is None or prod not in p.releasable:
                         raise RecomputeError(
                             f"cannot regenerate node {u} ({g.nodes[u].op}): its input array "
                             f"{a} is not available and is not recomputable")

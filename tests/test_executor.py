@@ -211,7 +211,8 @@ def test_identical_to_plain_backprop(name):
     stats = cr.runner_of(ours).last_stats
     assert stats.n_dropped > 0, "the tight budget should drop something"
     assert stats.recomputed_nodes > 0
-    assert stats.n_released == stats.n_dropped  # all released again after backward
+    # every dropped array is released again after backward, and checkpoints too
+    assert stats.n_released >= stats.n_dropped
     if name == "keeps_intermediate":
         np.testing.assert_array_equal(ours.kept.array, plain.kept.array)
 

@@ -20,6 +20,9 @@ from .errors import (BudgetError, CaptureError, GraphChangedError, GraphError,  
                      UnsafeRecomputeError)
 from .graph import ArrayInfo, Graph, HeldArray, Node  # noqa: F401
 from .io import load_authors_graph, load_graph, save_graph  # noqa: F401
+from .plan import Plan  # noqa: F401
+from .search import largest_batch_size, least_feasible_budget  # noqa: F401
+from .solvers import REGISTRY, solve  # noqa: F401
 from .units import format_bytes, parse_bytes  # noqa: F401
 
 __version__ = "0.1.0"

@@ -1,0 +1,167 @@
+"""The pure graph model: construction, cost models, export, io."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from chainer_recompute.errors import GraphError, GraphFormatError, SchemaVersionError
+from chainer_recompute.graph import ArrayInfo, Graph, Node
+from chainer_recompute.io import load_authors_graph, load_graph, save_graph
+
+ROOT = Path(__file__).resolve().parents[1]
+GRAPHS = ROOT.parent / "shared" / "graphs"
+needs_graphs = pytest.mark.skipif(not GRAPHS.exists(), reason="../shared/graphs not present")
+
+
+def test_core_imports_without_chainer():
+    code = ("import sys; import chainer_recompute as cr; "
+            "g = cr.Graph.from_edges([1, 2], [(0, 1)]); cr.solve(g, 100); "
+            "assert 'chainer' not in sys.modules, 'chainer was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_from_edges_renumbers_into_topological_order():
+    # 0 <- 2 <- 1 given out of order: node "1" must come first.
+    g = Graph.from_edges([10, 20, 30], [(1, 2), (2, 0)], costs=[1.0, 2.0, 3.0])
+    assert [n.label for n in g.nodes] == ["1", "2", "0"]
+    assert list(g.node_bytes) == [20, 30, 10]
+    assert list(g.node_cost) == [2.0, 3.0, 1.0]
+    assert g.edges == [(0, 1), (1, 2)]
+    assert g.cost_model == "measured"
+
+
+def test_cycle_and_empty_and_bad_edges():
+    with pytest.raises(GraphError, match="cycle"):
+        Graph.from_edges([1, 1, 1], [(0, 1), (1, 2), (2, 0)])
+    with pytest.raises(GraphError, match="empty"):
+        Graph.from_edges([], [])
+    with pytest.raises(GraphError, match="does not join"):
+        Graph.from_edges([1, 1], [(0, 5)])
+
+
+def test_node_order_is_checked():
+    arrays = [ArrayInfo(0, (2,), "float32", 8, "intermediate", 1),
+              ArrayInfo(1, (2,), "float32", 8, "output", 0)]
+    nodes = [Node(0, "A", inputs=(0,), outputs=(1,)), Node(1, "B", inputs=(), outputs=(0,))]
+    with pytest.raises(GraphError, match="topological"):
+        Graph(arrays, nodes)
+
+
+def test_cost_models():
+    arrays = [ArrayInfo(0, (2, 3, 8, 8), "float32", 2 * 3 * 64 * 4, "input"),
+              ArrayInfo(1, (4, 3, 3, 3), "float32", 4 * 27 * 4, "param"),
+              ArrayInfo(2, (2, 4, 8, 8), "float32", 2 * 4 * 64 * 4, "intermediate", 0),
+              ArrayInfo(3, (2, 4, 8, 8), "float32", 2 * 4 * 64 * 4, "output", 1)]
+    nodes = [Node(0, "Convolution2DFunction", (0, 1), (2,), forward_time_s=0.5),
+             Node(1, "ReLU", (2,), (3,), forward_time_s=0.25)]
+    g = Graph(arrays, nodes, cost_model="paper")
+    assert list(g.node_cost) == [10.0, 1.0]
+    # flops: 2 * output elements * (in_channels * kh * kw); ReLU: elements read + written
+    assert list(g.with_cost_model("flops").node_cost) == [2 * 512 * 27, 512 + 512]
+    assert list(g.with_cost_model("measured").node_cost) == [0.5, 0.25]
+    no_times = Graph(arrays, [Node(0, "Convolution2DFunction", (0, 1), (2,)),
+                              Node(1, "ReLU", (2,), (3,))])
+    with pytest.raises(GraphError, match="profile"):
+        no_times.with_cost_model("measured")
+    with pytest.raises(GraphError, match="unknown cost model"):
+        g.with_cost_model("magic")
+
+
+def test_to_networkx():
+    g = Graph.from_edges([4, 8, 4], [(0, 1), (1, 2), (0, 2)])
+    nx_graph = g.to_networkx()
+    assert sorted(nx_graph.edges) == [(0, 1), (0, 2), (1, 2)]
+    assert nx_graph.nodes[1]["bytes"] == 8 and nx_graph.nodes[1]["cost"] == 1.0
+
+
+def test_json_round_trip_and_schema_version(tmp_path):
+    g = Graph.from_edges([4, 8, 4], [(0, 1), (1, 2)], costs=[1, 2, 3])
+    save_graph(g, tmp_path / "g.json")
+    h = load_graph(tmp_path / "g.json")
+    assert h.nodes == g.nodes and h.arrays == g.arrays and h.cost_model == "measured"
+    data = json.loads((tmp_path / "g.json").read_text())
+    data["schema_version"] = 99
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    with pytest.raises(SchemaVersionError, match="version 99"):
+        load_graph(tmp_path / "old.json")
+    (tmp_path / "bad.json").write_text('{\n  "schema_version": 1,\n  "arrays": [\n')
+    with pytest.raises(GraphFormatError, match=r"bad.json:4"):
+        load_graph(tmp_path / "bad.json")
+
+
+@needs_graphs
+@pytest.mark.parametrize("name,n_nodes", [("vgg19", 46), ("resnet50", 176), ("unet", 60),
+                                          ("densenet", 568)])
+def test_authors_graphs_load(name, n_nodes):
+    g = load_authors_graph(GRAPHS / f"cg_{name}.txt")
+    assert g.n == n_nodes
+    assert g.cost_model == "paper"
+    # every node is the output of one forward record; inputs and parameters are not nodes
+    assert sum(a.kind in ("intermediate", "output") for a in g.arrays) == n_nodes
+    assert all(u < v for u, v in g.edges)
+    convs = sum(n.op.startswith("Conv") for n in g.nodes)
+    assert g.node_cost.sum() == 10 * convs + (n_nodes - convs)
+
+
+@needs_graphs
+def test_authors_resnet50_details():
+    g = load_authors_graph(GRAPHS / "cg_resnet50.txt")
+    # 2ΣM over all variables, as the authors print it: 9.45 GB (TARGETS.md)
+    total = 2 * sum(a.nbytes for a in g.arrays)
+    assert round(total / 1e9, 2) == 9.45
+    first = g.nodes[0]
+    assert first.op == "Convolution2DFunction" and g.arrays[first.inputs[0]].kind == "input"
+    assert first.retained_inputs == first.inputs[:2]
+    relu = next(n for n in g.nodes if n.op == "ReLU")
+    assert relu.retained_outputs == relu.outputs
+
+
+def _write(tmp_path, text):
+    p = tmp_path / "cg.txt"
+    p.write_text(text)
+    return p
+
+
+GOOD = """3 1
+0 16 0
+1 16 _
+2 8 /predictor/W
+forward
+2 1
+0 _
+2 _
+1
+LinearFunction
+{"_input_indexes_to_retain": [0, 1], "_output_indexes_to_retain": null}
+"""
+
+
+def test_authors_format_small_file(tmp_path):
+    g = load_authors_graph(_write(tmp_path, GOOD))
+    assert g.n == 1 and g.nodes[0].op == "LinearFunction"
+    assert [a.kind for a in g.arrays] == ["input", "output", "param"]
+    assert g.nodes[0].retained_inputs == (0, 2)
+
+
+@pytest.mark.parametrize("text,line,message", [
+    (GOOD.replace("3 1\n", "3 x\n"), 1, "N_VARIABLES"),
+    ("\n".join(GOOD.splitlines()[:7]) + "\n", 8, "ends early"),
+    (GOOD.replace("forward\n", "sideways\n"), 5, "'forward' or 'backward'"),
+    (GOOD.replace("2 _\n", "7 _\n"), 8, "variable 7"),
+    (GOOD.replace('{"_input', '{_input'), 11, "JSON"),
+    (GOOD.replace("1 16 _\n", "1 16\n"), 3, "variable line"),
+])
+def test_authors_format_errors_name_the_line(tmp_path, text, line, message):
+    with pytest.raises(GraphFormatError, match=message) as info:
+        load_authors_graph(_write(tmp_path, text))
+    assert info.value.line == line
+    assert f"cg.txt:{line}:" in str(info.value)
+
+
+def test_summary_mentions_the_figures():
+    g = Graph.from_edges([2 ** 20, 2 ** 20], [(0, 1)])
+    s = g.summary()
+    assert "2 nodes" in s and "2.00 MiB" in s

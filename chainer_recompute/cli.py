@@ -159,7 +159,8 @@ def _run_model(args: argparse.Namespace) -> int:
     print(plan.summary())
     out = {"model": args.model, "batch_size": batch, "device": str(device),
            "least_feasible_bytes": least, "budget_bytes": budget, "plan": _plan_dict(plan)}
-    options = dict(budget=budget, solver=args.solver, strategy=args.strategy, cost=args.cost)
+    options = dict(budget=budget, solver=args.solver, strategy=args.strategy, cost=args.cost,
+                   capture_batch=cap_batch)
     if args.check_gradients:
         same = gradients_match(lambda: make_spec().link, x, t, **options)
         print(f"loss and gradients identical to plain backprop: {same}")

@@ -314,7 +314,9 @@ class Graph:
                 node, held=tuple(held),
                 forward_time_s=None if node.forward_time_s is None else node.forward_time_s * ratio,
                 backward_time_s=None if node.backward_time_s is None else node.backward_time_s * ratio))
-        return self.replace(arrays=arrays, nodes=nodes, batch_size=batch_size)
+        meta = dict(self.meta)
+        meta.setdefault("scaled_from", old)
+        return self.replace(arrays=arrays, nodes=nodes, batch_size=batch_size, meta=meta)
 
     # ------------------------------------------------------------ export
     def to_networkx(self):

@@ -51,6 +51,14 @@ def _signature(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Hashable:
             bool(chainer.config.train))
 
 
+def _batch_size(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[int]:
+    for x in list(args) + list(kwargs.values()):
+        arr = x.raw_array if isinstance(x, chainer.Variable) else x
+        if isinstance(arr, chainer.get_array_types()) and arr.ndim:
+            return int(arr.shape[0])
+    return None
+
+
 class _Entry:
     __slots__ = ("graph", "plan", "program", "planning_time_s")
 
@@ -74,6 +82,12 @@ class Recompute:
             ``flops`` or ``paper``.
         max_plans: how many input signatures keep a cached plan.
         capture_repeat: forward passes timed at capture (median).
+        capture_batch: capture the graph at this batch size (the leading
+            dimension of the array arguments) and scale it linearly to the
+            real batch: planning then costs the memory and time of a small
+            forward. If the model turns out not to scale linearly, the
+            mismatch is detected and that signature is planned again at
+            full size.
 
     >>> runner = Recompute(loss_fn, budget='2G')            # doctest: +SKIP
     >>> loss = runner(x, t); loss.backward()                # doctest: +SKIP
@@ -81,7 +95,8 @@ class Recompute:
 
     def __init__(self, fn: Callable[..., Any], budget: Any, *, solver: str = "approx",
                  strategy: str = "tc", cost: str = "measured", max_plans: int = 8,
-                 capture_repeat: int = 1, **solver_options: Any) -> None:
+                 capture_repeat: int = 1, capture_batch: Optional[int] = None,
+                 **solver_options: Any) -> None:
         from .solvers import REGISTRY, STRATEGIES
         self.fn = fn
         self.budget_bytes = parse_bytes(budget)
@@ -96,6 +111,8 @@ class Recompute:
         self.solver_options = solver_options
         self.max_plans = max_plans
         self.capture_repeat = capture_repeat
+        self.capture_batch = capture_batch
+        self._full_capture: set = set()  # signatures that did not scale linearly
         self._entries: "collections.OrderedDict[Hashable, _Entry]" = collections.OrderedDict()
         # Counters of the last iteration (the hook itself lives as long as
         # that iteration's graph, as Chainer's retained arrays do).
@@ -126,8 +143,7 @@ class Recompute:
             return entry
         from .solvers import solve
         t0 = time.perf_counter()
-        graph = capture(self.fn, *args, repeat=self.capture_repeat,
-                        cost_model=self.cost, link=self._link(args), **kwargs)
+        graph = self._capture(sig, args, kwargs)
         plan = solve(graph, self.budget_bytes, solver=self.solver, strategy=self.strategy,
                      **self.solver_options)
         program = Program(graph, plan.lower_sets, frozenset(plan.kept))
@@ -144,6 +160,25 @@ class Recompute:
             self._entries.popitem(last=False)
         return entry
 
+    def _capture(self, sig: Hashable, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Graph:
+        link = self._link(args)
+        batch = _batch_size(args, kwargs)
+        small = self.capture_batch
+        if small is None or batch is None or small >= batch or sig in self._full_capture:
+            return capture(self.fn, *args, repeat=self.capture_repeat, cost_model=self.cost,
+                           link=link, **kwargs)
+
+        def cut(x: Any) -> Any:
+            arr = x.raw_array if isinstance(x, chainer.Variable) else x
+            if isinstance(arr, chainer.get_array_types()) and arr.ndim and arr.shape[0] == batch:
+                return x[:small]
+            return x
+
+        graph = capture(self.fn, *[cut(a) for a in args], repeat=self.capture_repeat,
+                        cost_model=self.cost, link=link, batch_size=small,
+                        **{k: cut(v) for k, v in kwargs.items()})
+        return graph.scale_batch(batch)
+
     # ------------------------------------------------------------- call
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not (chainer.config.train and chainer.config.enable_backprop):
@@ -158,7 +193,9 @@ class Recompute:
             logger.warning("chainer_recompute: the model's graph changed for the same input "
                            "signature (%s); this iteration keeps what it did not release "
                            "yet, and the next call is planned again", hook.mismatch)
-            self._entries.pop(sig, None)
+            entry = self._entries.pop(sig, None)
+            if entry is not None and entry.graph.meta.get("scaled_from") is not None:
+                self._full_capture.add(sig)
         self.last_stats = hook.stats
         return out
 

@@ -451,3 +451,43 @@ def test_trainer_end_to_end(tmp_path):
     assert len(log_entries) == 2
     assert all(np.isfinite(e["main/loss"]) and "validation/main/loss" in e for e in log_entries)
     assert len(cr.runner_of(model).plans) == 1
+
+
+def test_capture_at_a_small_batch_and_scale():
+    make, inputs = CASES["resnet_bn"]
+    x, t = image_inputs(batch=8)
+    _, least = _least(make, (x, t))
+    plain = make()
+    plain(x, t)
+    ours = copy.deepcopy(plain)
+    cr.apply(ours, budget=least, capture_batch=2)
+    for model in (plain, ours):
+        for _ in range(2):
+            model.cleargrads()
+            model(x, t).backward()
+    _assert_same(plain, ours)
+    (entry,) = cr.runner_of(ours)._entries.values()
+    assert entry.graph.meta["scaled_from"] == 2 and entry.graph.batch_size == 8
+    assert cr.runner_of(ours).last_stats.mismatch is None
+
+
+def test_capture_batch_falls_back_when_the_model_does_not_scale(caplog):
+    class BatchDependent(MLP):
+        def forward(self, x, t):
+            h = x
+            for lin in self.layers[: min(len(x), 4)]:  # depth depends on the batch
+                h = F.relu(lin(h))
+            return F.softmax_cross_entropy(self.out(h), t)
+
+    x, t = mlp_inputs(batch=8)
+    plain = BatchDependent()
+    plain(x, t)
+    ours = copy.deepcopy(plain)
+    cr.apply(ours, budget="1G", capture_batch=2)
+    with caplog.at_level(logging.WARNING):
+        for model in (plain, ours):
+            for _ in range(3):
+                model.cleargrads()
+                model(x, t).backward()
+    _assert_same(plain, ours)
+    assert cr.runner_of(ours).last_stats.mismatch is None  # planned at full size

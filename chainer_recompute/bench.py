@@ -48,35 +48,52 @@ def _sync(xp: Any) -> None:
         xp.cuda.Device().synchronize()
 
 
-def run_iterations(link: chainer.Link, x: Any, t: Any, iterations: int, label: str,
-                   optimizer: Optional[chainer.Optimizer] = None) -> RunResult:
-    """Run ``iterations`` training iterations (forward, backward, update)
-    of ``link(x, t)``; measure each one's peak memory and time."""
-    xp = backend.get_array_module(x)
-    if optimizer is None:
-        optimizer = chainer.optimizers.MomentumSGD(lr=1e-4)
-        optimizer.setup(link)
-    times, peaks, loss_value = [], [], float("nan")
-    for _ in range(iterations):
-        link.cleargrads()
+class _Runner:
+    """One configuration under measurement: a model and its optimizer."""
+
+    def __init__(self, link: chainer.Link, label: str) -> None:
+        self.link, self.label = link, label
+        self.optimizer = chainer.optimizers.MomentumSGD(lr=1e-4)
+        self.optimizer.setup(link)
+        self.times: List[float] = []
+        self.peaks: List[int] = []
+        self.loss = float("nan")
+
+    def step(self, x: Any, t: Any) -> None:
+        xp = backend.get_array_module(x)
+        self.link.cleargrads()
         gc.collect()
         _sync(xp)
         with MemoryMeter(xp) as meter:
             t0 = time.perf_counter()
-            loss = link(x, t)
+            loss = self.link(x, t)
             loss.backward()
-            optimizer.update()
+            self.optimizer.update()
             _sync(xp)
             elapsed = time.perf_counter() - t0
-            loss_value = float(loss.array)
+            self.loss = float(loss.array)
             del loss
-        times.append(elapsed)
-        peaks.append(meter.result.peak_bytes)
-    steady = times[1:] if len(times) > 1 else times
-    steady_peaks = peaks[1:] if len(peaks) > 1 else peaks
-    return RunResult(label=label, peak_bytes=max(steady_peaks),
-                     time_s=statistics.mean(steady), times_s=times, loss=loss_value,
-                     first_iteration_s=times[0], first_iteration_peak_bytes=peaks[0])
+        self.times.append(elapsed)
+        self.peaks.append(meter.result.peak_bytes)
+
+    def result(self) -> RunResult:
+        steady = self.times[1:] if len(self.times) > 1 else self.times
+        steady_peaks = self.peaks[1:] if len(self.peaks) > 1 else self.peaks
+        return RunResult(label=self.label, peak_bytes=max(steady_peaks),
+                         time_s=statistics.mean(steady), times_s=list(self.times),
+                         loss=self.loss, first_iteration_s=self.times[0],
+                         first_iteration_peak_bytes=self.peaks[0])
+
+
+def run_iterations(link: chainer.Link, x: Any, t: Any, iterations: int,
+                   label: str) -> RunResult:
+    """Run ``iterations`` training iterations (forward, backward,
+    MomentumSGD update) of ``link(x, t)``; measure each one's peak memory
+    and time."""
+    runner = _Runner(link, label)
+    for _ in range(iterations):
+        runner.step(x, t)
+    return runner.result()
 
 
 def gradients_match(make_link: Any, x: Any, t: Any, budget: Any, **options: Any) -> bool:
@@ -104,28 +121,32 @@ def gradients_match(make_link: Any, x: Any, t: Any, budget: Any, **options: Any)
 def compare(make_link: Any, x: Any, t: Any, configs: List[Dict[str, Any]],
             iterations: int = 5, vanilla: bool = True) -> List[RunResult]:
     """Vanilla and each recompute configuration (``dict(budget=...,
-    solver=..., strategy=..., label=...)``) on fresh copies of the same
-    model, in this process."""
-    results = []
+    solver=..., strategy=..., label=...)``) on copies of the same model, in
+    this process. Iterations are interleaved (vanilla, then each
+    configuration, round after round) so that a change in the machine's
+    load affects all alike."""
     base = make_link()
     base(x, t)  # initialise lazily shaped parameters
+    runners = []
     if vanilla:
-        link = copy.deepcopy(base)
-        results.append(run_iterations(link, x, t, iterations, "vanilla"))
-        del link
+        runners.append(_Runner(copy.deepcopy(base), "vanilla"))
     for cfg in configs:
         cfg = dict(cfg)
         label = cfg.pop("label", f"{cfg.get('solver', 'approx')}-{cfg.get('strategy', 'tc')}")
-        link = copy.deepcopy(base)
-        apply(link, **cfg)
-        r = run_iterations(link, x, t, iterations, label)
-        r.plan = runner_of(link).plan_for(link, x, t)
-        r.extra["stats"] = runner_of(link).last_stats
-        results.append(r)
-        del link
+        runners.append(_Runner(apply(copy.deepcopy(base), **cfg), label))
+    for _ in range(iterations):
+        for r in runners:
+            r.step(x, t)
     state = model_state_bytes(base)
-    for r in results:
-        r.extra["state"] = state
+    results = []
+    for r in runners:
+        res = r.result()
+        runner = runner_of(r.link)
+        if runner is not None:
+            res.plan = runner.plan_for(r.link, x, t)
+            res.extra["stats"] = runner.last_stats
+        res.extra["state"] = state
+        results.append(res)
     return results
 
 

@@ -35,6 +35,7 @@ from ..lower_sets import LowerSetFamily
 logger = logging.getLogger(__name__)
 
 _FLUSH_AT = 2_000_000
+_GUARD_BUCKETS = 32
 
 
 @dataclass
@@ -70,6 +71,100 @@ def _reduce(cols: Tuple[np.ndarray, ...]) -> Tuple[np.ndarray, ...]:
     return tuple(c[keep] for c in cols)
 
 
+class _Pairs:
+    """Vectorised generation of the allowed transitions out of one row."""
+
+    def __init__(self, family: LowerSetFamily) -> None:
+        self.K = len(family)
+        self.mem = family.mem_bytes.astype(np.int64)
+        self.size = family.size
+        order = np.argsort(self.mem, kind="stable")
+        self.by_mem = order
+        # Every per-row array again, permuted into M(L) order, so that a
+        # budget window is a contiguous slice (no fancy indexing).
+        self.mem_s = self.mem[order]
+        self.size_s = self.size[order]
+        self.back_s = family.back_bytes.astype(np.int64)[order]
+        self.words = family.words
+        self.words_s = np.ascontiguousarray(family.words[order])
+        self.bwords = family.boundary_words
+        self.bwords_s = np.ascontiguousarray(family.boundary_words[order])
+        self.btime_s = family.boundary_time.astype(np.float64)[order]
+        self.bbytes_s = family.boundary_bytes.astype(np.int64)[order]
+        self.node_t = family.graph.node_cost.astype(np.float64)
+        self.node_m = family.graph.node_bytes.astype(np.int64)
+
+    def out_of(self, i: int, slack: Optional[int]):
+        """Targets (rows), step bytes, ΔT and ΔM of every proper superset
+        ``L'`` of row ``i`` with ``2·(M(L')-M(L)) + M(A) + M(B) <= slack``."""
+        mi = self.mem[i]
+        lo = int(np.searchsorted(self.mem_s, mi, "left"))
+        hi = self.K if slack is None else int(np.searchsorted(self.mem_s, mi + slack // 2, "right"))
+        step = 2 * (self.mem_s[lo:hi] - mi) + self.back_s[lo:hi]
+        ok = self.size_s[lo:hi] > self.size[i]
+        if slack is not None:
+            ok &= step <= slack
+        wi = self.words[i]
+        for w in np.flatnonzero(wi):
+            ok &= (self.words_s[lo:hi, w] & wi[w]) == wi[w]
+        p = np.flatnonzero(ok)
+        step = step[p]
+        p += lo
+        d_t = self.btime_s[p]
+        d_m = self.bbytes_s[p]
+        bi = self.bwords[i]
+        for w in np.flatnonzero(bi):
+            x = int(bi[w])
+            col = self.bwords_s[p, w]
+            while x:
+                low = x & -x
+                v = 64 * int(w) + low.bit_length() - 1
+                x ^= low
+                hit = (col & np.uint64(low)) != 0
+                d_t = d_t - hit * self.node_t[v]
+                d_m = d_m - hit * self.node_m[v]
+        return self.by_mem[p], step, d_t, d_m
+
+
+def _feasibility(pairs: _Pairs, budget: Optional[int]):
+    """Least retained memory reaching each row, and its predecessor row."""
+    K = pairs.K
+    inf = np.iinfo(np.int64).max
+    least = np.full(K, inf, dtype=np.int64)
+    src = np.full(K, -1, dtype=np.int64)
+    least[0] = 0
+    n = 0
+    for i in range(K - 1):
+        if least[i] == inf:
+            continue
+        slack = None if budget is None else budget - int(least[i])
+        tgt, _, _, d_m = pairs.out_of(i, slack)
+        new = least[i] + d_m
+        better = new < least[tgt]
+        least[tgt[better]] = new[better]
+        src[tgt[better]] = i
+        n += len(tgt)
+    return least, src, n
+
+
+def _capacity(pairs: _Pairs, budget: int, least: np.ndarray) -> np.ndarray:
+    """cap[L]: the most retained memory with which V is still reachable
+    from L within the budget (-1 when it is not)."""
+    K = pairs.K
+    inf = np.iinfo(np.int64).max
+    cap = np.full(K, -1, dtype=np.int64)
+    cap[K - 1] = budget
+    for i in range(K - 2, -1, -1):
+        if least[i] == inf:
+            continue
+        tgt, step, _, d_m = pairs.out_of(i, budget - int(least[i]))
+        if len(tgt):
+            c = cap[tgt]
+            val = np.minimum(budget - step, np.where(c >= 0, c - d_m, -1))
+            cap[i] = max(int(val.max()), -1)
+    return cap
+
+
 def run_dp(family: LowerSetFamily, budget_bytes: Optional[int], objective: str) -> DPResult:
     """Run the DP; ``objective`` is ``'tc'``, ``'mc'`` or ``'feasible'``.
 
@@ -77,33 +172,44 @@ def run_dp(family: LowerSetFamily, budget_bytes: Optional[int], objective: str) 
     most retained time (tc), least retained time (mc), or any feasible one
     (feasible; least retained memory).
 
+    With a budget, two cheap passes come first: the least retained memory
+    reaching each row (forward) and the most with which V is still
+    reachable (backward); states outside that interval are never stored,
+    which keeps the frontiers small near the least feasible budget without
+    changing the optimum.
+
     >>> from chainer_recompute.graph import Graph
     >>> g = Graph.from_edges([1, 1, 1], [(0, 1), (1, 2)])
     >>> run_dp(LowerSetFamily.all(g), None, 'tc').chain
     [0, 1, 2, 3]
     """
-    K = len(family)
-    words = family.words
-    nw = words.shape[1]
-    mem = family.mem_bytes.astype(np.int64)
-    size = family.size
-    back = family.back_bytes.astype(np.int64)
-    btime = family.boundary_time.astype(np.float64)
-    bbytes = family.boundary_bytes.astype(np.int64)
-    bwords = family.boundary_words
-    node_t = family.graph.node_cost.astype(np.float64)
-    node_m = family.graph.node_bytes.astype(np.int64)
+    pairs = _Pairs(family)
+    K = pairs.K
+    size = pairs.size
     budget = None if budget_bytes is None else int(budget_bytes)
-    by_mem = np.argsort(mem, kind="stable")
-    mem_sorted = mem[by_mem]
-    sign = {"tc": -1.0, "mc": 1.0, "feasible": 0.0}[objective]
+    if budget is not None and budget < 0:
+        return DPResult(None, 0.0, 0, 0, 0)
+    inf = np.iinfo(np.int64).max
+    least, fsrc, n_feas = _feasibility(pairs, budget)
+    if least[K - 1] == inf:
+        return DPResult(None, 0.0, 0, n_feas, 0)
+    if objective == "feasible":
+        chain = [K - 1]
+        while chain[-1] != 0:
+            chain.append(int(fsrc[chain[-1]]))
+        chain.reverse()
+        return DPResult(chain, float("nan"), int(least[K - 1]), n_feas, K)
+    cap = _capacity(pairs, budget, least) if budget is not None else np.full(K, inf, np.int64)
+    sign = {"tc": -1.0, "mc": 1.0}[objective]
 
     # Per-row frontier: (obj, m, t, src, ent) arrays, or None if unreached.
     front: List[Optional[Tuple[np.ndarray, ...]]] = [None] * K
     front[0] = (np.zeros(1), np.zeros(1, dtype=np.int64), np.zeros(1),
                 np.full(1, -1, dtype=np.int64), np.full(1, -1, dtype=np.int64))
-    if budget is not None and budget < 0:
-        return DPResult(None, 0.0, 0, 0, 0)
+    guard: Optional[np.ndarray] = None
+    if budget is not None:
+        guard = np.full((K, _GUARD_BUCKETS), np.inf)
+        span = np.maximum(cap - np.minimum(least, cap), 0) + 1
     raw: List[Tuple[np.ndarray, ...]] = []
     raw_len = 0
     buckets: Dict[int, List[Tuple[np.ndarray, ...]]] = {}
@@ -147,67 +253,51 @@ def run_dp(family: LowerSetFamily, budget_bytes: Optional[int], objective: str) 
         if fr is None or i == K - 1:
             continue
         obj, m, t, _, _ = fr
-        m_min = int(m.min())
-        if budget is None:
-            cand = np.arange(i + 1, K)
-        else:
-            slack = budget - m_min
-            if slack < 0:
-                continue
-            lo = np.searchsorted(mem_sorted, mem[i], "left")
-            hi = np.searchsorted(mem_sorted, mem[i] + slack // 2, "right")
-            cand = by_mem[lo:hi]
-            cand = cand[size[cand] > size[i]]
-        if len(cand) == 0:
+        m_min = int(m[0]) if len(m) == 1 else int(m.min())
+        tgt, step, d_t, d_m = pairs.out_of(i, None if budget is None else budget - m_min)
+        if budget is not None and len(tgt):
+            live = cap[tgt] >= m_min + d_m
+            tgt, step, d_t, d_m = tgt[live], step[live], d_t[live], d_m[live]
+        if len(tgt) == 0:
             continue
-        step = 2 * (mem[cand] - mem[i]) + back[cand]
-        if budget is not None:
-            ok = m_min + step <= budget
-            cand, step = cand[ok], step[ok]
-        wi = words[i]
-        sub = np.ones(len(cand), dtype=bool)
-        for w in range(nw):
-            if wi[w]:
-                sub &= (words[cand, w] & wi[w]) == wi[w]
-        cand, step = cand[sub], step[sub]
-        if len(cand) == 0:
-            continue
-        d_t = btime[cand].copy()
-        d_m = bbytes[cand].copy()
-        bi = bwords[i]
-        for w in range(nw):
-            x = int(bi[w])
-            while x:
-                low = x & -x
-                v = 64 * w + low.bit_length() - 1
-                x ^= low
-                hit = (bwords[cand, w] & np.uint64(low)) != 0
-                d_t[hit] -= node_t[v]
-                d_m[hit] -= node_m[v]
         E = len(m)
         if E == 1:
+            mm = m[0] + d_m
+            nt = t[0] + d_t
+            c_ = tgt
+            ent = np.zeros(len(c_), dtype=np.int64)
             if budget is not None:
-                ok = m[0] + step <= budget
-                c_, dt_, dm_ = cand[ok], d_t[ok], d_m[ok]
-            else:
-                c_, dt_, dm_ = cand, d_t, d_m
-            nt = t[0] + dt_
-            cols = (c_, sign * nt, m[0] + dm_, nt, np.full(len(c_), i, dtype=np.int64),
-                    np.zeros(len(c_), dtype=np.int64))
-        else:
-            ent = np.repeat(np.arange(E, dtype=np.int64), len(cand))
-            c_ = np.tile(cand, E)
-            mm = m[ent] + np.tile(d_m, E)
-            nt = t[ent] + np.tile(d_t, E)
-            if budget is not None:
-                ok = m[ent] + np.tile(step, E) <= budget
+                ok = (m[0] + step <= budget) & (mm <= cap[c_])
                 c_, mm, nt, ent = c_[ok], mm[ok], nt[ok], ent[ok]
-            cols = (c_, sign * nt, mm, nt, np.full(len(c_), i, dtype=np.int64), ent)
-        if len(cols[0]) == 0:
+        else:
+            C = len(tgt)
+            ent = np.repeat(np.arange(E, dtype=np.int64), C)
+            c_ = np.tile(tgt, E)
+            mm = np.repeat(m, C) + np.tile(d_m, E)
+            nt = np.repeat(t, C) + np.tile(d_t, E)
+            if budget is not None:
+                ok = (np.repeat(m, C) + np.tile(step, E) <= budget) & (mm <= cap[c_])
+                c_, mm, nt, ent = c_[ok], mm[ok], nt[ok], ent[ok]
+        if len(c_) == 0:
             continue
-        n_trans += len(cols[0])
-        raw.append(cols)
-        raw_len += len(cols[0])
+        n_trans += len(c_)
+        o = sign * nt
+        if guard is not None:
+            # Drop pushes dominated by a state already pushed to the same
+            # target from an earlier source (a lower bucket of m, no worse
+            # objective); then record the survivors.
+            lo_m = least[c_]
+            b = ((mm - lo_m) * _GUARD_BUCKETS) // (span[c_])
+            keep = guard[c_, b] > o
+            c_, mm, nt, ent, o, b = c_[keep], mm[keep], nt[keep], ent[keep], o[keep], b[keep]
+            if len(c_) == 0:
+                continue
+            upd = b + 1 < _GUARD_BUCKETS
+            np.minimum.at(guard, (c_[upd], b[upd] + 1), o[upd])
+            rows = np.unique(c_[upd])
+            guard[rows] = np.minimum.accumulate(guard[rows], axis=1)
+        raw.append((c_, o, mm, nt, np.full(len(c_), i, dtype=np.int64), ent))
+        raw_len += len(c_)
         if raw_len > _FLUSH_AT:
             flush()
     fr = front[K - 1]

@@ -1,0 +1,126 @@
+"""The DPs against brute force on hundreds of small random DAGs.
+
+Brute force works from the definitions (PAPER.md §2-§3) on frozensets,
+independently of the library: every lower set by testing every subset,
+every strictly increasing chain ∅ ⊊ L_1 ⊊ ... ⊊ V, each with its paper-
+model peak and retained time.
+"""
+from __future__ import annotations
+
+import itertools
+import random
+from typing import Dict, FrozenSet, List, Tuple
+
+import pytest
+
+from chainer_recompute.graph import Graph
+from chainer_recompute.search import least_feasible_budget
+from chainer_recompute.solvers import solve_approx, solve_exact
+
+
+def random_dag(rng: random.Random, kind: str) -> Tuple[List[int], List[Tuple[int, int]], List[int]]:
+    n = rng.randint(1, 7) if kind in ("random", "wide", "sinks") else rng.randint(2, 9)
+    edges = set()
+    if kind == "chain":
+        edges = {(i, i + 1) for i in range(n - 1)}
+    elif kind == "diamond":
+        # a chain of diamonds / skip connections
+        for i in range(n - 1):
+            edges.add((i, i + 1))
+            if i + 2 < n and rng.random() < 0.5:
+                edges.add((i, i + 2))
+    elif kind == "wide":
+        # a root fanning out to several branches, maybe joined
+        for v in range(1, n):
+            edges.add((0, v))
+        if n > 2 and rng.random() < 0.5:
+            for v in range(1, n - 1):
+                edges.add((v, n - 1))
+    elif kind == "sinks":
+        for v in range(1, n):
+            if rng.random() < 0.6:
+                edges.add((rng.randrange(v), v))
+    else:
+        p = rng.choice([0.2, 0.4, 0.7])
+        for u in range(n):
+            for v in range(u + 1, n):
+                if rng.random() < p:
+                    edges.add((u, v))
+    sizes = [rng.randint(1, 20) for _ in range(n)]
+    costs = [rng.randint(1, 10) for _ in range(n)]
+    return sizes, sorted(edges), costs
+
+
+def brute_force(g: Graph) -> List[Tuple[int, int]]:
+    """(peak, retained time) of every canonical strategy."""
+    n = g.n
+    preds = {v: set(g.preds[v]) for v in range(n)}
+    succs = {v: set(g.succs[v]) for v in range(n)}
+    M = [int(x) for x in g.node_bytes]
+    T = [int(round(x)) for x in g.node_cost]
+    V = frozenset(range(n))
+    lower = [frozenset(s) for r in range(n + 1) for s in itertools.combinations(range(n), r)
+             if all(preds[v] <= set(s) for v in s)]
+    info: Dict[FrozenSet[int], Tuple[FrozenSet[int], int]] = {}
+    for L in lower:
+        bnd = frozenset(v for v in L if succs[v] - L)
+        A = {w for v in L for w in succs[v]} - L
+        B = {u for w in A for u in preds[w]} - L
+        info[L] = (bnd, sum(M[v] for v in A) + sum(M[v] for v in B))
+    out = []
+
+    def rec(L: FrozenSet[int], acc: int, peak: int, t: int) -> None:
+        if L == V:
+            out.append((peak, t))
+            return
+        for L2 in lower:
+            if L < L2:
+                bnd, back = info[L2]
+                blk = L2 - L
+                U = bnd & blk
+                step = acc + 2 * sum(M[v] for v in blk) + back
+                rec(L2, acc + sum(M[v] for v in U), max(peak, step), t + sum(T[v] for v in U))
+
+    rec(frozenset(), 0, 0, 0)
+    return out
+
+
+KINDS = ["chain", "diamond", "wide", "sinks", "random"]
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_exact_dp_matches_brute_force(seed: int) -> None:
+    rng = random.Random(seed)
+    kind = KINDS[seed % len(KINDS)]
+    sizes, edges, costs = random_dag(rng, kind)
+    g = Graph.from_edges(sizes, edges, costs=costs)
+    total_t = sum(costs)
+    chains = brute_force(g)
+    least = min(p for p, _ in chains)
+    assert least_feasible_budget(g, "exact") == least
+    assert least_feasible_budget(g, "approx") >= least
+    budgets = sorted({least, max(p for p, _ in chains), rng.choice(chains)[0],
+                      (least + max(p for p, _ in chains)) // 2})
+    # Infeasible just below the least feasible budget.
+    assert not solve_exact(g, least - 1).feasible
+    assert not solve_approx(g, least - 1).feasible
+    for b in budgets:
+        ok = [t for p, t in chains if p <= b]
+        best_tc, best_mc = max(ok), min(ok)
+        tc = solve_exact(g, b, strategy="tc")
+        mc = solve_exact(g, b, strategy="mc")
+        assert tc.feasible and mc.feasible
+        assert tc.predicted_peak_bytes <= b and mc.predicted_peak_bytes <= b
+        assert tc.overhead == pytest.approx(total_t - best_tc)
+        assert mc.overhead == pytest.approx(total_t - best_mc)
+        ap = solve_approx(g, b, strategy="tc")
+        if ap.feasible:
+            assert ap.predicted_peak_bytes <= b
+            assert ap.overhead >= tc.overhead - 1e-9
+        # Every plan is a strictly increasing chain of lower sets ending at V.
+        prev: FrozenSet[int] = frozenset()
+        for L in tc.lower_sets:
+            assert prev < L
+            assert all(set(g.preds[v]) <= L for v in L)
+            prev = L
+        assert prev == frozenset(range(g.n))

@@ -1,0 +1,64 @@
+"""The authors' four graphs with the paper cost model, against TARGETS.md."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from chainer_recompute.lower_sets import count_lower_sets
+from chainer_recompute.search import least_feasible_budget
+from chainer_recompute.solvers import solve
+
+GRAPHS = Path(__file__).resolve().parents[1].parent / "shared" / "graphs"
+
+# name: (#V, #lower sets, authors' approx GB, authors' exact GB)
+AUTHORS = {
+    "vgg19": (46, 47, 2.114, 2.114),
+    "resnet50": (176, 241, 1.311, 1.290),
+    "densenet": (568, 569, 1.685, 1.685),
+    "unet": (60, 331, 5.819, 5.726),
+}
+
+
+def load(name: str):
+    path = GRAPHS / f"cg_{name}.txt"
+    if not path.exists():
+        pytest.skip(f"{path} is absent: the shared graphs directory is not next to the repo")
+    from chainer_recompute.io import load_authors_graph
+    return load_authors_graph(path)
+
+
+@pytest.mark.parametrize("name", sorted(AUTHORS))
+def test_least_budgets_match_authors(name: str) -> None:
+    g = load(name)
+    n, n_lower, approx_gb, exact_gb = AUTHORS[name]
+    assert g.n == n and g.cost_model == "paper"
+    assert count_lower_sets(g) == n_lower
+    approx = least_feasible_budget(g, "approx", rel_tol=1e-4) / 1e9
+    exact = least_feasible_budget(g, "exact", rel_tol=1e-4) / 1e9
+    assert exact <= exact_gb + 1e-9          # exhaustive: never worse than theirs
+    assert exact <= approx + 1e-9
+    assert abs(approx - approx_gb) <= 0.01 * approx_gb  # within 1% of theirs
+
+
+@pytest.mark.parametrize("name", sorted(AUTHORS))
+def test_approx_under_a_second(name: str) -> None:
+    g = load(name)
+    budget = int(AUTHORS[name][2] * 1e9)
+    for strategy in ("tc", "mc"):
+        t0 = time.perf_counter()
+        p = solve(g, budget, "approx", strategy)
+        assert time.perf_counter() - t0 < 1.0 or p.solve_time_s < 1.0
+        assert p.feasible and p.predicted_peak_bytes <= budget
+
+
+@pytest.mark.parametrize("name", sorted(AUTHORS))
+def test_mc_not_below_tc_overhead(name: str) -> None:
+    g = load(name)
+    budget = int(AUTHORS[name][3] * 1e9)
+    tc = solve(g, budget, "exact", "tc")
+    mc = solve(g, budget, "exact", "mc")
+    assert tc.feasible and mc.feasible
+    assert mc.overhead >= tc.overhead
+    assert mc.n_blocks <= tc.n_blocks

@@ -1,0 +1,107 @@
+"""Lower sets: enumeration, counts, closures, boundary, A and B."""
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+
+from chainer_recompute.errors import LowerSetExplosionError
+from chainer_recompute.graph import Graph
+from chainer_recompute.lower_sets import (LowerSetFamily, above, ancestor_closures, beside,
+                                          boundary, count_lower_sets, enumerate_lower_sets,
+                                          full_mask, is_lower_set, mask_to_set, set_to_mask)
+
+GRAPHS = Path(__file__).resolve().parents[1].parent / "shared" / "graphs"
+
+
+def chain(n: int) -> Graph:
+    return Graph.from_edges([1] * n, [(i, i + 1) for i in range(n - 1)])
+
+
+def diamond() -> Graph:
+    # 0 -> 1 -> 3, 0 -> 2 -> 3
+    return Graph.from_edges([1, 2, 3, 4], [(0, 1), (0, 2), (1, 3), (2, 3)])
+
+
+def test_mask_roundtrip() -> None:
+    assert set_to_mask([0, 3, 64]) == (1 | 8 | (1 << 64))
+    assert mask_to_set(set_to_mask({0, 3, 64, 130})) == frozenset({0, 3, 64, 130})
+    assert mask_to_set(0) == frozenset()
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 70, 130])
+def test_chain_has_n_plus_one(n: int) -> None:
+    assert count_lower_sets(chain(n)) == n + 1
+    sets = enumerate_lower_sets(chain(n))
+    assert [sorted(mask_to_set(m)) for m in sets] == [list(range(k)) for k in range(n + 1)]
+
+
+def test_diamond_complete() -> None:
+    got = [sorted(mask_to_set(m)) for m in enumerate_lower_sets(diamond())]
+    assert got == [[], [0], [0, 1], [0, 2], [0, 1, 2], [0, 1, 2, 3]]
+
+
+def test_antichain_is_power_set() -> None:
+    g = Graph.from_edges([1] * 6, [])
+    assert count_lower_sets(g) == 64
+
+
+def test_enumeration_matches_definition() -> None:
+    g = Graph.from_edges([1, 2, 3, 4, 5, 6], [(0, 2), (1, 2), (2, 4), (3, 4), (1, 5)])
+    brute = {set_to_mask(s) for r in range(7) for s in itertools.combinations(range(6), r)
+             if all(set(g.preds[v]) <= set(s) for v in s)}
+    assert set(enumerate_lower_sets(g)) == brute
+    assert all(is_lower_set(g, m) for m in brute)
+    assert not is_lower_set(g, {2})
+
+
+def test_ancestor_closures() -> None:
+    g = diamond()
+    fam = [sorted(mask_to_set(m)) for m in ancestor_closures(g)]
+    assert fam == [[], [0], [0, 1], [0, 2], [0, 1, 2, 3]]
+    # subsets before supersets
+    masks = ancestor_closures(g)
+    for i, a in enumerate(masks):
+        for b in masks[:i]:
+            assert not (a & b == a and a != b)
+
+
+def test_boundary_above_beside() -> None:
+    g = diamond()
+    assert mask_to_set(boundary(g, {0, 1})) == {0, 1}
+    assert mask_to_set(above(g, {0, 1})) == {2, 3}
+    assert mask_to_set(beside(g, {0, 1})) == {2}
+    assert boundary(g, full_mask(g)) == 0 and above(g, full_mask(g)) == 0
+
+
+def test_family_quantities() -> None:
+    g = diamond()
+    fam = LowerSetFamily.all(g)
+    for i, m in enumerate(fam.masks()):
+        s = mask_to_set(m)
+        assert fam.mem_bytes[i] == sum(g.node_bytes[v] for v in s)
+        assert fam.size[i] == len(s)
+        a, b = mask_to_set(above(g, m)), mask_to_set(beside(g, m))
+        assert fam.back_bytes[i] == sum(g.node_bytes[v] for v in a) + sum(g.node_bytes[v] for v in b)
+    assert len(fam.sets()) == 6
+
+
+def test_explosion() -> None:
+    g = Graph.from_edges([1] * 30, [])
+    with pytest.raises(LowerSetExplosionError, match="approx"):
+        count_lower_sets(g, limit=10_000)
+    with pytest.raises(LowerSetExplosionError):
+        enumerate_lower_sets(g, max_lower_sets=1000)
+
+
+@pytest.mark.parametrize("name, n, count", [("vgg19", 46, 47), ("resnet50", 176, 241),
+                                            ("unet", 60, 331), ("densenet", 568, 569)])
+def test_authors_graph_counts(name: str, n: int, count: int) -> None:
+    path = GRAPHS / f"cg_{name}.txt"
+    if not path.exists():
+        pytest.skip(f"{path} is absent (the shared graphs are not checked out)")
+    from chainer_recompute.io import load_authors_graph
+    g = load_authors_graph(path)
+    assert g.n == n
+    assert count_lower_sets(g) == count

@@ -1,0 +1,189 @@
+"""Solvers, registry, plans, schedule simulator and searches."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from chainer_recompute.errors import (GraphError, InfeasibleBudgetError, LowerSetExplosionError,
+                                      UnknownSolverError, BudgetError)
+from chainer_recompute.graph import Graph
+from chainer_recompute.plan import Plan
+from chainer_recompute.schedule import build_schedule, paper_cost, simulate
+from chainer_recompute.search import (largest_batch_size, least_feasible_budget, scale_bytes)
+from chainer_recompute.solvers import REGISTRY, solve, solve_chen, solve_exact, solve_none
+
+
+def chain4() -> Graph:
+    # 0 -> 1 -> 2 -> 3, every M_v = 1 and T_v = 1.
+    return Graph.from_edges([1, 1, 1, 1], [(0, 1), (1, 2), (2, 3)], costs=[1, 1, 1, 1])
+
+
+def diamond() -> Graph:
+    # 0 -> {1, 2} -> 3; M = 1, 2, 3, 4; T_v = 1.
+    return Graph.from_edges([1, 2, 3, 4], [(0, 1), (0, 2), (1, 3), (2, 3)], costs=[1, 1, 1, 1])
+
+
+# Chain of 4 worked by hand. Block [a..b] costs acc + 2(b-a+1) + [b<3] (A is
+# the next node; B is empty on a chain) and keeps U = {b} when b < 3.
+#   singletons          : peaks 3, 4, 5, 5         -> peak 5, overhead 1
+#   {0,1},{2,3}         : 5, then acc 1 + 4 = 5     -> peak 5, overhead 3
+#   {0,1},{2},{3}       : 5, 4, 4                   -> peak 5, overhead 2
+#   {0},{1},{2,3}       : 3, 4, 6                   -> peak 6, overhead 2
+#   {0},{1,2},{3}       : 3, 6, 4                   -> peak 6, overhead 2
+#   single block        : 8                         -> overhead 4
+# So the least feasible budget is 5; TC at 5 has overhead 1 and MC 3; at 8
+# MC takes the single block (overhead 4).
+@pytest.mark.parametrize("budget, tc, mc", [(5, 1, 3), (6, 1, 3), (8, 1, 4)])
+def test_chain4_by_hand(budget: int, tc: float, mc: float) -> None:
+    g = chain4()
+    assert solve_exact(g, budget, strategy="tc").overhead == tc
+    assert solve_exact(g, budget, strategy="mc").overhead == mc
+    assert solve(g, budget, "approx", "tc").overhead == tc  # every lower set is a closure
+
+
+def test_chain4_least_budget_and_infeasible() -> None:
+    g = chain4()
+    assert least_feasible_budget(g, "exact") == 5
+    assert not solve_exact(g, 4).feasible
+    p = solve_exact(g, 5)
+    assert [sorted(s) for s in p.lower_sets] == [[0], [0, 1], [0, 1, 2], [0, 1, 2, 3]]
+    assert p.predicted_peak_bytes == 5 and p.overhead_fraction == pytest.approx(0.25)
+
+
+# Diamond worked by hand (A = successors outside L, B = their other preds):
+#   {0}: back 5, {0,1}: back 10 (A={2,3}, B={2}), {0,2}: back 8 (A={1,3}, B={1}),
+#   {0,1,2}: back 4, V: 0.
+#   ∅→{0}→{0,1,2}→V: peaks 7, 1+10+4 = 15, acc 6: 14 -> 15, overhead 1
+#   ∅→{0,1,2}→V: 16, acc 5: 13 -> 16, overhead 2 (nodes 0 and 3)
+#   ∅→{0,2}→V: 16, acc 4: 16 -> 16, overhead 2
+#   single block: 20, overhead 4
+# Least feasible 15 (TC = MC = 1 there); at 16 MC reaches overhead 2.
+def test_diamond_by_hand() -> None:
+    g = diamond()
+    assert least_feasible_budget(g, "exact") == 15
+    assert not solve_exact(g, 14).feasible
+    assert solve_exact(g, 15, strategy="tc").overhead == 1
+    assert solve_exact(g, 15, strategy="mc").overhead == 1
+    assert solve_exact(g, 16, strategy="mc").overhead == 2
+    assert solve_exact(g, 20, strategy="mc").overhead == 4
+    p = solve_exact(g, 15)
+    assert p.lower_sets[-1] == frozenset(range(4))
+    assert p.kept | p.dropped == frozenset(range(4)) and not (p.kept & p.dropped)
+
+
+def test_plan_is_immutable_and_prints() -> None:
+    p = solve(chain4(), 6, "exact")
+    assert isinstance(p, Plan)
+    with pytest.raises(Exception):
+        p.feasible = False  # type: ignore[misc]
+    assert "exact/tc" in str(p) and "overhead" in p.summary()
+    assert len(p.blocks) == p.n_blocks == len(p.checkpoints)
+    assert frozenset().union(*p.blocks) == frozenset(range(4))
+
+
+def test_registry_errors() -> None:
+    with pytest.raises(UnknownSolverError) as e:
+        solve(chain4(), 10, solver="nope")
+    assert str(sorted(REGISTRY)) in str(e.value)
+    with pytest.raises(UnknownSolverError, match="strategy"):
+        solve(chain4(), 10, strategy="fast")
+    with pytest.raises(BudgetError):
+        solve(chain4(), "lots")
+
+
+def test_infeasible_raises_with_least_budget() -> None:
+    g = Graph.from_edges([10 ** 9] * 4, [(0, 1), (1, 2), (2, 3)])
+    with pytest.raises(InfeasibleBudgetError) as e:
+        solve(g, "1GB", solver="approx")
+    err = e.value
+    assert err.least_feasible_bytes == 5 * 10 ** 9
+    assert err.vanilla_bytes == 8 * 10 ** 9
+    assert "least feasible 5.00 GB" in str(err) and "'approx'" in str(err)
+    p = solve(g, "1GB", solver="approx", raise_infeasible=False)
+    assert not p.feasible and p.lower_sets == ()
+
+
+def test_budget_below_one_block() -> None:
+    # A single huge node needs 2·M even alone.
+    g = Graph.from_edges([1, 100, 1], [(0, 1), (1, 2)])
+    assert least_feasible_budget(g, "exact") >= 200
+    assert not solve(g, 150, "exact", raise_infeasible=False).feasible
+
+
+def test_bad_graphs() -> None:
+    with pytest.raises(GraphError, match="cycle"):
+        Graph.from_edges([1, 1], [(0, 1), (1, 0)])
+    with pytest.raises(GraphError, match="empty"):
+        Graph.from_edges([], [])
+
+
+def test_explosion_names_approx() -> None:
+    g = Graph.from_edges([1] * 25, [])
+    with pytest.raises(LowerSetExplosionError, match="approx"):
+        solve_exact(g, 100, max_lower_sets=1000)
+    assert solve(g, None, "approx").feasible
+
+
+def test_none_and_chen() -> None:
+    g = Graph.from_edges([1] * 16, [(i, i + 1) for i in range(15)])
+    v = solve_none(g, None)
+    assert v.overhead == 0 and v.predicted_peak_bytes == 32 and v.n_blocks == 1
+    assert v.kept == frozenset(range(16)) and v.dropped == frozenset()
+    c = solve_chen(g, None)
+    assert c.info["n_candidates"] == 17
+    assert c.n_blocks == 4  # k = floor(sqrt(17)) = 4 cuts at equal spacing
+    assert c.predicted_peak_bytes < v.predicted_peak_bytes
+    greedy = solve(g, 14, "chen-greedy")
+    assert greedy.feasible and greedy.predicted_peak_bytes <= 14
+    assert least_feasible_budget(g, "chen-greedy") <= least_feasible_budget(g, "chen")
+
+
+def test_simulator_vanilla_and_checks() -> None:
+    g = chain4()
+    sched = build_schedule(g, [{0, 1, 2, 3}], recompute=False)
+    sim = simulate(g, sched)
+    assert sched.count("recompute") == 0
+    assert sim.memory_bytes[-1] == 0  # everything freed at the end
+    assert sim.peak_bytes <= 2 * 4
+    assert sim.memory_bytes[sim.peak_step] == sim.peak_bytes
+
+
+def test_simulator_recomputes_dropped() -> None:
+    g = diamond()
+    p = solve_exact(g, 15)
+    sched = build_schedule(g, [set(s) for s in p.lower_sets])
+    sim = simulate(g, sched)
+    assert sched.count("recompute") == len(p.dropped)
+    assert sim.recompute_cost == pytest.approx(p.overhead)
+    assert sim.memory_bytes[-1] == 0
+    assert isinstance(sim.memory_bytes, np.ndarray)
+    assert p.simulated_peak_bytes == sim.peak_bytes
+
+
+def test_simulator_rejects_bad_schedule() -> None:
+    from chainer_recompute.schedule import Schedule
+    g = chain4()
+    with pytest.raises(ValueError):
+        simulate(g, Schedule(ops=(("forward", 1),), n_blocks=1))
+
+
+def test_paper_cost_rejects_non_chain() -> None:
+    with pytest.raises(ValueError):
+        paper_cost(chain4(), [{0, 1}, {0, 1}])
+
+
+def test_scale_and_largest_batch() -> None:
+    g = Graph.from_edges([4, 4, 4, 4], [(0, 1), (1, 2), (2, 3)])
+    assert scale_bytes(g, 3).node_bytes.tolist() == [12] * 4
+    # least feasible at batch 1 is 20 bytes (chain of 4: 5 units of 4 bytes)
+    assert least_feasible_budget(g, "exact") == 20
+    assert largest_batch_size(g, 100, "exact", batch_size=1) == 5
+    assert largest_batch_size(g, 19, "exact", batch_size=1) == 0
+    with pytest.raises(GraphError):
+        largest_batch_size(g, 100, "exact")
+
+
+def test_string_budget() -> None:
+    g = Graph.from_edges([2 ** 30] * 4, [(0, 1), (1, 2), (2, 3)])
+    assert solve(g, "5G", "exact").feasible
+    assert not solve(g, "4G", "exact", raise_infeasible=False).feasible

@@ -44,9 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tc: least recomputation; mc: least memory")
     p.add_argument("--cost", default="measured", choices=("measured", "flops", "paper"),
                    help="cost model T_v for the solver")
-    p.add_argument("--capture-batch", type=int, default=None,
-                   help="capture the graph at this batch size and scale it linearly "
-                        "(saves memory and time when planning large batches)")
+    p.add_argument("--capture-batch", type=int, default=4,
+                   help="capture the graph at this batch size and scale it linearly to "
+                        "--batch-size (saves memory and time when planning large batches; "
+                        "a model that does not scale is captured again at full size); "
+                        "0: capture at full size")
     p.add_argument("--iterations", type=int, default=0,
                    help="training iterations to run with the plan (0: plan only); the "
                         "first is dropped from the averages")

@@ -187,3 +187,29 @@ def test_string_budget() -> None:
     g = Graph.from_edges([2 ** 30] * 4, [(0, 1), (1, 2), (2, 3)])
     assert solve(g, "5G", "exact").feasible
     assert not solve(g, "4G", "exact", raise_infeasible=False).feasible
+
+
+# ------------------------------------------------------------ chain solvers
+def test_hsm_equals_revolve_on_uniform_chains() -> None:
+    from chainer_recompute.solvers.chain import bptt_hsm_table, revolve_min_forward_steps
+    C, _ = bptt_hsm_table(120, 12)
+    for t in range(1, 121):
+        for m in range(1, 13):
+            assert C[t, m] - t == revolve_min_forward_steps(t, m)
+    assert C[8, 1] == 36 and C[0, 3] == 0 and C[1, 3] == 1
+
+
+def test_msm_no_worse_than_hsm_and_ism() -> None:
+    from chainer_recompute.solvers.chain import bptt_hsm_table, bptt_ism_table, bptt_msm_table
+    H, _ = bptt_hsm_table(60, 8)
+    I = bptt_ism_table(60, 8, alpha=2)
+    M = bptt_msm_table(60, 8, alpha=2)
+    assert (M[1:, 1:] <= H[1:, 1:]).all() and (M[1:, 2:] <= I[1:, 2:]).all()
+
+
+def test_hsm_policy_splits_are_valid() -> None:
+    from chainer_recompute.solvers.chain import hsm_policy
+    pol = hsm_policy(10, 3)
+    assert pol[0] == (0, 10, 3)
+    for off, length, slots in pol:
+        assert 0 <= off and off + length <= 10 and 2 <= slots <= 3

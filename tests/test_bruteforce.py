@@ -109,6 +109,9 @@ def test_exact_dp_matches_brute_force(seed: int) -> None:
         best_tc, best_mc = max(ok), min(ok)
         tc = solve_exact(g, b, strategy="tc")
         mc = solve_exact(g, b, strategy="mc")
+        # The sparse (Pareto frontier) table finds the same optima.
+        assert solve_exact(g, b, strategy="tc", method="sparse").overhead == tc.overhead
+        assert solve_exact(g, b, strategy="mc", method="sparse").overhead == mc.overhead
         assert tc.feasible and mc.feasible
         assert tc.predicted_peak_bytes <= b and mc.predicted_peak_bytes <= b
         assert tc.overhead == pytest.approx(total_t - best_tc)

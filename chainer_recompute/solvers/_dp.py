@@ -30,7 +30,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ..lower_sets import LowerSetFamily
+from ..lower_sets import LowerSetFamily, _weighted_sum
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +71,33 @@ def _reduce(cols: Tuple[np.ndarray, ...]) -> Tuple[np.ndarray, ...]:
     return tuple(c[keep] for c in cols)
 
 
+#: Retained time is counted in integer units. Integral costs with a total
+#: up to this are used as they are (the paper's model: 10 and 1); others
+#: (measured seconds, flop counts) are scaled to COST_UNITS units per
+#: forward and rounded, which bounds every frontier at COST_UNITS + 1
+#: states. The Plan's overhead is recomputed from the real costs.
+EXACT_COST_LIMIT = 65536
+COST_UNITS = 4096
+#: The dense table (one row of T+1 entries per lower set) is used while it
+#: has at most this many entries; larger problems use the sparse frontiers.
+DENSE_LIMIT = 24_000_000
+
+
+def dp_costs(node_cost: np.ndarray) -> np.ndarray:
+    """Integer DP costs (see :data:`COST_UNITS`).
+
+    >>> dp_costs(np.array([10.0, 1.0])).tolist(), dp_costs(np.array([0.5, 0.25])).tolist()
+    ([10, 1], [2731, 1365])
+    """
+    c = np.asarray(node_cost, dtype=np.float64)
+    total = float(c.sum())
+    if np.all(c == np.round(c)) and total <= EXACT_COST_LIMIT:
+        return c.astype(np.int64)
+    if total <= 0:
+        return np.zeros(len(c), dtype=np.int64)
+    return np.round(c * (COST_UNITS / total)).astype(np.int64)
+
+
 class _Pairs:
     """Vectorised generation of the allowed transitions out of one row."""
 
@@ -89,9 +116,11 @@ class _Pairs:
         self.words_s = np.ascontiguousarray(family.words[order])
         self.bwords = family.boundary_words
         self.bwords_s = np.ascontiguousarray(family.boundary_words[order])
-        self.btime_s = family.boundary_time.astype(np.float64)[order]
+        self.node_t = dp_costs(family.graph.node_cost)
+        self.total_t = int(self.node_t.sum())
+        self.btime_s = _weighted_sum(family.boundary_words, self.node_t,
+                                     family.graph.n).astype(np.int64)[order]
         self.bbytes_s = family.boundary_bytes.astype(np.int64)[order]
-        self.node_t = family.graph.node_cost.astype(np.float64)
         self.node_m = family.graph.node_bytes.astype(np.int64)
 
     def out_of(self, i: int, slack: Optional[int]):
@@ -165,7 +194,8 @@ def _capacity(pairs: _Pairs, budget: int, least: np.ndarray) -> np.ndarray:
     return cap
 
 
-def run_dp(family: LowerSetFamily, budget_bytes: Optional[int], objective: str) -> DPResult:
+def run_dp(family: LowerSetFamily, budget_bytes: Optional[int], objective: str,
+           method: str = "auto") -> DPResult:
     """Run the DP; ``objective`` is ``'tc'``, ``'mc'`` or ``'feasible'``.
 
     Returns the best chain ending at V (the last row) under the objective:
@@ -178,6 +208,11 @@ def run_dp(family: LowerSetFamily, budget_bytes: Optional[int], objective: str) 
     which keeps the frontiers small near the least feasible budget without
     changing the optimum.
 
+    ``method``: ``dense`` (a table row of T+1 entries per lower set, fast on
+    small families), ``sparse`` (Pareto frontiers, for large families), or
+    ``auto`` (dense while the table has at most :data:`DENSE_LIMIT` entries).
+    Both find the same optimum.
+
     >>> from chainer_recompute.graph import Graph
     >>> g = Graph.from_edges([1, 1, 1], [(0, 1), (1, 2)])
     >>> run_dp(LowerSetFamily.all(g), None, 'tc').chain
@@ -185,7 +220,6 @@ def run_dp(family: LowerSetFamily, budget_bytes: Optional[int], objective: str) 
     """
     pairs = _Pairs(family)
     K = pairs.K
-    size = pairs.size
     budget = None if budget_bytes is None else int(budget_bytes)
     if budget is not None and budget < 0:
         return DPResult(None, 0.0, 0, 0, 0)
@@ -200,6 +234,88 @@ def run_dp(family: LowerSetFamily, budget_bytes: Optional[int], objective: str) 
         chain.reverse()
         return DPResult(chain, float("nan"), int(least[K - 1]), n_feas, K)
     cap = _capacity(pairs, budget, least) if budget is not None else np.full(K, inf, np.int64)
+    if method == "auto":
+        method = "dense" if K * (pairs.total_t + 1) <= DENSE_LIMIT else "sparse"
+    if method == "dense":
+        return _dense(pairs, budget, objective, least, cap)
+    if method != "sparse":
+        raise ValueError(f"method must be 'auto', 'dense' or 'sparse', got {method!r}")
+    return _sparse(pairs, budget, objective, least, cap)
+
+
+def _dense(pairs: _Pairs, budget: Optional[int], objective: str, least: np.ndarray,
+           cap: np.ndarray) -> DPResult:
+    """The DP with one dense row per lower set: ``opt[L, t]`` is the least
+    retained memory of a chain ending at ``L`` with retained time ``t``
+    (PAPER.md §4 verbatim); dominated entries of a row are skipped when it
+    is expanded."""
+    K, T = pairs.K, pairs.total_t
+    inf = np.iinfo(np.int64).max
+    opt = np.full((K, T + 1), inf, dtype=np.int64)
+    src_row = np.full((K, T + 1), -1, dtype=np.int32)
+    src_t = np.full((K, T + 1), -1, dtype=np.int32)
+    opt[0, 0] = 0
+    flat_opt, flat_row, flat_t = opt.ravel(), src_row.ravel(), src_t.ravel()
+    n_trans = 0
+    for i in range(K - 1):
+        if least[i] == inf:
+            continue
+        row = opt[i]
+        ts = np.flatnonzero(row != inf)
+        if len(ts) == 0:
+            continue
+        ms = row[ts]
+        # Keep the row's Pareto-optimal entries for the objective.
+        if objective == "tc":  # more t, less m: m below every larger t's
+            later = np.minimum.accumulate(ms[::-1])[::-1]
+            keep = np.ones(len(ts), dtype=bool)
+            keep[:-1] = ms[:-1] < later[1:]
+        else:  # mc: less t, less m
+            earlier = np.minimum.accumulate(ms)
+            keep = np.ones(len(ts), dtype=bool)
+            keep[1:] = ms[1:] < earlier[:-1]
+        ts, ms = ts[keep], ms[keep]
+        m_min = int(ms.min())
+        tgt, step, d_t, d_m = pairs.out_of(i, None if budget is None else budget - m_min)
+        if len(tgt) == 0:
+            continue
+        new_m = ms[None, :] + d_m[:, None]
+        ok = new_m <= cap[tgt][:, None]
+        if budget is not None:
+            ok &= ms[None, :] + step[:, None] <= budget
+        rows, cols = np.nonzero(ok)
+        if len(rows) == 0:
+            continue
+        n_trans += len(rows)
+        new_t = ts[cols] + d_t[rows]
+        flat = tgt[rows] * (T + 1) + new_t  # unique within one source row
+        vals = new_m[rows, cols]
+        better = vals < flat_opt[flat]
+        flat = flat[better]
+        flat_opt[flat] = vals[better]
+        flat_row[flat] = i
+        flat_t[flat] = ts[cols[better]]
+    last = opt[K - 1]
+    reached = np.flatnonzero(last != inf)
+    if len(reached) == 0:
+        return DPResult(None, 0.0, 0, n_trans, int((opt != inf).sum()))
+    t_end = int(reached[-1] if objective == "tc" else reached[0])
+    retained_m = int(last[t_end])
+    chain = [K - 1]
+    r, t = K - 1, t_end
+    while r != 0:
+        r, t = int(src_row[r, t]), int(src_t[r, t])
+        chain.append(r)
+    chain.reverse()
+    return DPResult(chain, float(t_end), retained_m, n_trans, int((opt != inf).sum()))
+
+
+def _sparse(pairs: _Pairs, budget: Optional[int], objective: str, least: np.ndarray,
+            cap: np.ndarray) -> DPResult:
+    """The DP with per-row Pareto frontiers, for large families."""
+    K = pairs.K
+    size = pairs.size
+    inf = np.iinfo(np.int64).max
     sign = {"tc": -1.0, "mc": 1.0}[objective]
 
     # Per-row frontier: (obj, m, t, src, ent) arrays, or None if unreached.

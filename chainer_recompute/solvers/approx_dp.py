@@ -19,7 +19,7 @@ __all__ = ["solve_approx"]
 
 
 def solve_approx(graph: Graph, budget_bytes: Optional[int], *, strategy: str = "tc",
-                 family: Optional[LowerSetFamily] = None) -> Plan:
+                 family: Optional[LowerSetFamily] = None, method: str = "auto") -> Plan:
     """Approximate DP: the exact DP's recurrence restricted to ∅, V and the
     ancestor closures L_v = {v} ∪ ancestors(v) (|V|+2 sets at most),
     ordered so that subsets come before supersets (by size, then memory).
@@ -33,6 +33,8 @@ def solve_approx(graph: Graph, budget_bytes: Optional[int], *, strategy: str = "
         budget_bytes: the memory budget under the paper model, or ``None``.
         strategy: ``'tc'`` or ``'mc'``.
         family: a precomputed :meth:`LowerSetFamily.ancestor_closures`.
+        method: the DP table's form, ``auto``, ``dense`` or ``sparse``
+            (see :func:`run_dp`).
 
     Returns:
         A :class:`Plan`; ``feasible`` is False when nothing fits.
@@ -48,7 +50,7 @@ def solve_approx(graph: Graph, budget_bytes: Optional[int], *, strategy: str = "
     """
     t0 = time.perf_counter()
     fam = family if family is not None else LowerSetFamily.ancestor_closures(graph)
-    res = run_dp(fam, budget_bytes, strategy)
+    res = run_dp(fam, budget_bytes, strategy, method)
     dt = time.perf_counter() - t0
     info = {"n_lower_sets": len(fam), "n_transitions": res.n_transitions,
             "n_states": res.n_states}

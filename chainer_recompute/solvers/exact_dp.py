@@ -20,7 +20,7 @@ __all__ = ["solve_exact"]
 
 def solve_exact(graph: Graph, budget_bytes: Optional[int], *, strategy: str = "tc",
                 max_lower_sets: Optional[int] = DEFAULT_MAX_LOWER_SETS,
-                family: Optional[LowerSetFamily] = None) -> Plan:
+                family: Optional[LowerSetFamily] = None, method: str = "auto") -> Plan:
     """Exact DP: the best canonical strategy over all lower sets.
 
     DP table: ``opt[L]`` is the Pareto frontier of (retained time
@@ -37,6 +37,8 @@ def solve_exact(graph: Graph, budget_bytes: Optional[int], *, strategy: str = "t
         max_lower_sets: raise :class:`LowerSetExplosionError` above this.
         family: a precomputed :meth:`LowerSetFamily.all` (reuse it across
             budgets).
+        method: the DP table's form, ``auto``, ``dense`` or ``sparse``
+            (see :func:`run_dp`); all give the same optimum.
 
     Returns:
         A :class:`Plan`; ``feasible`` is False when nothing fits.
@@ -55,7 +57,7 @@ def solve_exact(graph: Graph, budget_bytes: Optional[int], *, strategy: str = "t
     """
     t0 = time.perf_counter()
     fam = family if family is not None else LowerSetFamily.all(graph, max_lower_sets)
-    res = run_dp(fam, budget_bytes, strategy)
+    res = run_dp(fam, budget_bytes, strategy, method)
     dt = time.perf_counter() - t0
     info = {"n_lower_sets": len(fam), "n_transitions": res.n_transitions,
             "n_states": res.n_states}

@@ -15,7 +15,7 @@ import logging
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 from . import _chainer  # noqa: F401
 import chainer

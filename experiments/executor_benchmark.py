@@ -72,8 +72,8 @@ def main(argv=None):
     state = base.extra["state"]
     print(f"\nparameters {format_bytes(state['params'])} (their gradients are allocated in "
           f"every iteration and counted in the peaks)")
-    print(f"| run | measured peak | vs vanilla | time/iter | vs vanilla | plan: simulated "
-          f"activations + grads | measured / predicted |")
+    print("| run | measured peak | vs vanilla | time/iter | vs vanilla | plan: simulated "
+          "activations + grads | measured / predicted |")
     print("|---|---|---|---|---|---|---|")
     for r in results:
         if r.plan is not None:

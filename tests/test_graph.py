@@ -4,7 +4,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from chainer_recompute.errors import GraphError, GraphFormatError, SchemaVersionError

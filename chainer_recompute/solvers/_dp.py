@@ -26,11 +26,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from ..lower_sets import LowerSetFamily, _weighted_sum
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..graph import Graph
+    from ..plan import Plan
 
 logger = logging.getLogger(__name__)
 
@@ -315,7 +319,6 @@ def _sparse(pairs: _Pairs, budget: Optional[int], objective: str, least: np.ndar
     """The DP with per-row Pareto frontiers, for large families."""
     K = pairs.K
     size = pairs.size
-    inf = np.iinfo(np.int64).max
     sign = {"tc": -1.0, "mc": 1.0}[objective]
 
     # Per-row frontier: (obj, m, t, src, ent) arrays, or None if unreached.
@@ -433,3 +436,25 @@ def _sparse(pairs: _Pairs, budget: Optional[int], objective: str, least: np.ndar
         row, j = s, e
     chain.reverse()
     return DPResult(chain, retained_t, retained_m, n_trans, n_states)
+
+
+def plan_from_dp(graph: "Graph", family: LowerSetFamily, budget_bytes: Optional[int],
+                 strategy: str, method: str, solver: str, t0: float) -> "Plan":
+    """Run the DP over ``family`` and wrap its chain in a Plan (the common
+    tail of the exact and approximate solvers; ``t0`` is when the solve
+    started, family construction included)."""
+    import time
+
+    from ..plan import infeasible_plan, make_plan
+    res = run_dp(family, budget_bytes, strategy, method)
+    dt = time.perf_counter() - t0
+    info = {"n_lower_sets": len(family), "n_transitions": res.n_transitions,
+            "n_states": res.n_states}
+    logger.debug("%s DP: %d lower sets, %d transitions, %.3f s", solver, len(family),
+                 res.n_transitions, dt)
+    if res.chain is None:
+        return infeasible_plan(graph, solver=solver, strategy=strategy,
+                               budget_bytes=budget_bytes, solve_time_s=dt, info=info)
+    masks = [family.mask(r) for r in res.chain[1:]]
+    return make_plan(graph, masks, solver=solver, strategy=strategy,
+                     budget_bytes=budget_bytes, solve_time_s=dt, info=info)

@@ -10,8 +10,8 @@ from typing import Optional
 
 from ..graph import Graph
 from ..lower_sets import DEFAULT_MAX_LOWER_SETS, LowerSetFamily
-from ..plan import Plan, infeasible_plan, make_plan
-from ._dp import run_dp
+from ..plan import Plan
+from ._dp import plan_from_dp
 
 logger = logging.getLogger(__name__)
 
@@ -57,15 +57,4 @@ def solve_exact(graph: Graph, budget_bytes: Optional[int], *, strategy: str = "t
     """
     t0 = time.perf_counter()
     fam = family if family is not None else LowerSetFamily.all(graph, max_lower_sets)
-    res = run_dp(fam, budget_bytes, strategy, method)
-    dt = time.perf_counter() - t0
-    info = {"n_lower_sets": len(fam), "n_transitions": res.n_transitions,
-            "n_states": res.n_states}
-    logger.debug("exact DP: %d lower sets, %d transitions, %.3f s", len(fam),
-                 res.n_transitions, dt)
-    if res.chain is None:
-        return infeasible_plan(graph, solver="exact", strategy=strategy,
-                               budget_bytes=budget_bytes, solve_time_s=dt, info=info)
-    masks = [fam.mask(r) for r in res.chain[1:]]
-    return make_plan(graph, masks, solver="exact", strategy=strategy,
-                     budget_bytes=budget_bytes, solve_time_s=dt, info=info)
+    return plan_from_dp(graph, fam, budget_bytes, strategy, method, "exact", t0)

@@ -77,17 +77,21 @@ def _reduce(cols: Tuple[np.ndarray, ...]) -> Tuple[np.ndarray, ...]:
 
 #: Retained time is counted in integer units. Integral costs with a total
 #: up to this are used as they are (the paper's model: 10 and 1); others
-#: (measured seconds, flop counts) are scaled to COST_UNITS units per
-#: forward and rounded, which bounds every frontier at COST_UNITS + 1
-#: states. The Plan's overhead is recomputed from the real costs.
+#: (measured seconds, flop counts) are scaled to at most COST_UNITS units
+#: per forward and rounded, which bounds every frontier at that many + 1
+#: states; for large families the units shrink so that the table keeps
+#: about STATE_LIMIT entries (never below MIN_COST_UNITS). The Plan's
+#: overhead is recomputed from the real costs.
 EXACT_COST_LIMIT = 65536
 COST_UNITS = 4096
+MIN_COST_UNITS = 256
+STATE_LIMIT = 8_000_000
 #: The dense table (one row of T+1 entries per lower set) is used while it
 #: has at most this many entries; larger problems use the sparse frontiers.
 DENSE_LIMIT = 24_000_000
 
 
-def dp_costs(node_cost: np.ndarray) -> np.ndarray:
+def dp_costs(node_cost: np.ndarray, n_lower_sets: int = 0) -> np.ndarray:
     """Integer DP costs (see :data:`COST_UNITS`).
 
     >>> dp_costs(np.array([10.0, 1.0])).tolist(), dp_costs(np.array([0.5, 0.25])).tolist()
@@ -99,7 +103,10 @@ def dp_costs(node_cost: np.ndarray) -> np.ndarray:
         return c.astype(np.int64)
     if total <= 0:
         return np.zeros(len(c), dtype=np.int64)
-    return np.round(c * (COST_UNITS / total)).astype(np.int64)
+    units = COST_UNITS
+    if n_lower_sets > 0:
+        units = int(min(COST_UNITS, max(MIN_COST_UNITS, STATE_LIMIT // n_lower_sets)))
+    return np.round(c * (units / total)).astype(np.int64)
 
 
 class _Pairs:
@@ -120,7 +127,7 @@ class _Pairs:
         self.words_s = np.ascontiguousarray(family.words[order])
         self.bwords = family.boundary_words
         self.bwords_s = np.ascontiguousarray(family.boundary_words[order])
-        self.node_t = dp_costs(family.graph.node_cost)
+        self.node_t = dp_costs(family.graph.node_cost, self.K)
         self.total_t = int(self.node_t.sum())
         self.btime_s = _weighted_sum(family.boundary_words, self.node_t,
                                      family.graph.n).astype(np.int64)[order]

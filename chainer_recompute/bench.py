@@ -43,6 +43,35 @@ class RunResult:
     extra: Dict[str, Any] = field(default_factory=dict)
 
 
+def network(name: str, batch_size: int, *, small: bool = False, device: Any = "@numpy",
+            cost_model: str = "measured", seed: int = 0):
+    """A registry network ready for a comparison: ``(make, x, t, graph)``.
+
+    ``make()`` builds the same initial model every time (seeded), on
+    ``device``; ``x, t`` are one batch of inputs; ``graph`` is captured from
+    one such model (lazily shaped parameters initialised first).
+    """
+    import numpy
+
+    from .capturing import capture
+    from .models import get_model
+    device = chainer.get_device(device)
+    device.use()
+
+    def make() -> chainer.Link:
+        numpy.random.seed(seed)
+        link = get_model(name, batch_size=batch_size, small=small).link
+        link.to_device(device)
+        return link
+
+    spec = get_model(name, batch_size=batch_size, small=small)
+    x, t = spec.make_inputs(batch_size, xp=device.xp, seed=seed)
+    link = make()
+    link(x, t)
+    graph = capture(link, x, t, cost_model=cost_model, name=name)
+    return make, x, t, graph
+
+
 def _sync(xp: Any) -> None:
     if xp is not None and xp.__name__ == "cupy":
         xp.cuda.Device().synchronize()

@@ -18,14 +18,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import numpy  # noqa: E402
-
-import chainer_recompute as cr  # noqa: E402,F401
-import chainer  # noqa: E402
-
-from chainer_recompute.bench import compare  # noqa: E402
-from chainer_recompute.capturing import capture  # noqa: E402
-from chainer_recompute.models import get_model  # noqa: E402
+from chainer_recompute.bench import compare, network  # noqa: E402
 from chainer_recompute.search import least_feasible_budget  # noqa: E402
 from chainer_recompute.units import format_bytes  # noqa: E402
 
@@ -44,21 +37,8 @@ def main(argv=None):
     p.add_argument("--cost", default="measured")
     args = p.parse_args(argv)
 
-    device = chainer.get_device(args.device)
-    device.use()
-
-    def make():
-        numpy.random.seed(0)
-        spec = get_model(args.model, batch_size=args.batch_size, small=args.small)
-        spec.link.to_device(device)
-        return spec.link
-
-    spec = get_model(args.model, batch_size=args.batch_size, small=args.small)
-    x, t = spec.make_inputs(args.batch_size, xp=device.xp, seed=0)
-    link = make()
-    link(x, t)
-    graph = capture(link, x, t, cost_model=args.cost, name=args.model)
-    del link
+    make, x, t, graph = network(args.model, args.batch_size, small=args.small,
+                                device=args.device, cost_model=args.cost)
     print(graph.summary())
     configs = []
     for item in args.configs.split(","):

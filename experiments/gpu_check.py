@@ -25,9 +25,7 @@ import chainer_recompute as cr  # noqa: E402  (before chainer: NumPy 2 compatibi
 import chainer  # noqa: E402
 import numpy  # noqa: E402
 
-from chainer_recompute.bench import compare, gradients_match  # noqa: E402
-from chainer_recompute.capturing import capture  # noqa: E402
-from chainer_recompute.models import get_model  # noqa: E402
+from chainer_recompute.bench import compare, gradients_match, network  # noqa: E402
 from chainer_recompute.units import format_bytes  # noqa: E402
 
 
@@ -43,23 +41,11 @@ def main(argv=None):
     args = p.parse_args(argv)
     t_start = time.time()
     device = chainer.get_device(args.device)
-    device.use()
     xp = device.xp
     print(f"device {device}, chainer {chainer.__version__}, numpy {numpy.__version__}"
           + (f", cupy {xp.__version__}" if xp is not numpy else ""))
-
-    def make():
-        numpy.random.seed(0)
-        spec = get_model(args.model, batch_size=args.batch_size, small=args.small)
-        spec.link.to_device(device)
-        return spec.link
-
-    spec = get_model(args.model, batch_size=args.batch_size, small=args.small)
-    x, t = spec.make_inputs(args.batch_size, xp=xp, seed=0)
-    link = make()
-    link(x, t)
-    graph = capture(link, x, t, cost_model="measured", name=args.model)
-    del link
+    make, x, t, graph = network(args.model, args.batch_size, small=args.small,
+                                device=device)
     print(graph.summary())
     configs = []
     for strategy in args.strategies.split(","):

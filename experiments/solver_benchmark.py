@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from chainer_recompute.graph import Graph  # noqa: E402
-from chainer_recompute.io import load_authors_graph  # noqa: E402
+from chainer_recompute.io import load_authors_graph, load_graph  # noqa: E402
 from chainer_recompute.lower_sets import LowerSetFamily, count_lower_sets  # noqa: E402
 from chainer_recompute.search import least_feasible_budget  # noqa: E402
 from chainer_recompute.solvers import solve_exact  # noqa: E402
@@ -107,6 +107,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"| {name} | missing {path} |")
             continue
         print(row(name, load_authors_graph(path), AUTHORS[name]), flush=True)
+    print()
+    print("Graphs captured by this project (experiments/capture_graphs.py), approximate DP:")
+    print()
+    print("| graph | #V | #lower sets | cost model | least approx budget GB | approx TC solve s "
+          "at 1.0 / 1.5 / 3.0 x least | approx MC solve s at 1.0 / 1.5 / 3.0 x least |")
+    print("|---|---|---|---|---|---|---|")
+    for path in sorted((ROOT / "experiments" / "graphs").glob("*.json")):
+        captured = load_graph(path)
+        n_lower = count_lower_sets(captured, limit=10_000_000)
+        for cost in ("measured", "paper"):
+            g = captured.with_cost_model(cost)
+            la = least_feasible_budget(g, "approx")
+            times = {}
+            for strategy in ("tc", "mc"):
+                times[strategy] = []
+                for factor in (1.0, 1.5, 3.0):
+                    t0 = time.perf_counter()
+                    solve(g, int(la * factor), "approx", strategy)
+                    times[strategy].append(time.perf_counter() - t0)
+            print(f"| {path.stem} (batch {g.batch_size}) | {g.n} | {n_lower} | {cost} | "
+                  f"{gb(la)} | " + " / ".join(f"{x:.2f}" for x in times["tc"]) + " | "
+                  + " / ".join(f"{x:.2f}" for x in times["mc"]) + " |", flush=True)
     if not args.skip_inception:
         g = inception_like()
         print(row("inception-like", g, None), flush=True)

@@ -28,29 +28,14 @@ CONFIG = os.path.join(ROOT, "configs", "paper.json")
 
 
 def run_one(name, cfg, iterations, solvers, small):
-    import numpy
-
-    import chainer_recompute as cr  # noqa: F401
-    from chainer_recompute.bench import compare
-    from chainer_recompute.capturing import capture
+    from chainer_recompute.bench import compare, network
     from chainer_recompute.errors import LowerSetExplosionError, RecomputeError
-    from chainer_recompute.models import get_model
     from chainer_recompute.search import least_feasible_budget
 
     batch = cfg["cpu_batch"]
-
-    def make():
-        numpy.random.seed(0)
-        return get_model(name, batch_size=batch, small=small).link
-
-    spec = get_model(name, batch_size=batch, small=small)
-    x, t = spec.make_inputs(batch, seed=0)
-    link = make()
-    link(x, t)
     t0 = time.time()
-    graph = capture(link, x, t, cost_model="measured", name=name)
+    make, x, t, graph = network(name, batch, small=small)
     capture_s = time.time() - t0
-    del link
     out = {"network": name, "batch": batch, "nodes": graph.n,
            "activation_bytes": graph.activation_bytes, "param_bytes": graph.param_bytes,
            "retained_bytes": graph.retained_bytes, "capture_s": capture_s, "least": {},

@@ -491,3 +491,33 @@ def test_capture_batch_falls_back_when_the_model_does_not_scale(caplog):
                 model(x, t).backward()
     _assert_same(plain, ours)
     assert cr.runner_of(ours).last_stats.mismatch is None  # planned at full size
+
+
+class NoisyNet(MLP):
+    """A function that draws fresh noise in its forward (not held in the
+    function object): it must never be dropped and recomputed."""
+
+    class AddNoise(chainer.FunctionNode):
+        def forward(self, inputs):
+            x, = inputs
+            return x + np.random.rand(*x.shape).astype(x.dtype),
+
+        def backward(self, indexes, gy):
+            return gy
+
+    def forward(self, x, t):
+        h = x
+        for lin in self.layers:
+            h = self.AddNoise().apply((F.relu(lin(h)),))[0]
+        return F.softmax_cross_entropy(self.out(h), t)
+
+
+def test_unsafe_functions_are_kept_and_gradients_stay_identical():
+    x, t = mlp_inputs()
+    g, least = _least(NoisyNet, (x, t))
+    unsafe = [n.id for n in g.nodes if not n.recomputable]
+    assert [g.nodes[v].op for v in unsafe] == ["AddNoise"] * 6
+    plain, ours = _train_both(NoisyNet, (x, t), budget=least, steps=2)
+    (entry,) = cr.runner_of(ours)._entries.values()
+    assert not set(unsafe) & entry.program.dropped
+    assert cr.runner_of(ours).last_stats.recomputed_nodes > 0

@@ -15,7 +15,7 @@ import logging
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from . import _chainer  # noqa: F401
 import chainer
@@ -44,12 +44,13 @@ class RunResult:
 
 
 def network(name: str, batch_size: int, *, small: bool = False, device: Any = "@numpy",
-            cost_model: str = "measured", seed: int = 0):
+            cost_model: str = "measured", seed: int = 0, capture_batch: Optional[int] = None):
     """A registry network ready for a comparison: ``(make, x, t, graph)``.
 
     ``make()`` builds the same initial model every time (seeded), on
     ``device``; ``x, t`` are one batch of inputs; ``graph`` is captured from
-    one such model (lazily shaped parameters initialised first).
+    one such model (lazily shaped parameters initialised first), at
+    ``capture_batch`` and scaled linearly to ``batch_size`` when given.
     """
     import numpy
 
@@ -68,7 +69,10 @@ def network(name: str, batch_size: int, *, small: bool = False, device: Any = "@
     x, t = spec.make_inputs(batch_size, xp=device.xp, seed=seed)
     link = make()
     link(x, t)
-    graph = capture(link, x, t, cost_model=cost_model, name=name)
+    if capture_batch is None or capture_batch >= batch_size:
+        return make, x, t, capture(link, x, t, cost_model=cost_model, name=name)
+    xs, ts = spec.make_inputs(capture_batch, xp=device.xp, seed=seed)
+    graph = capture(link, xs, ts, cost_model=cost_model, name=name).scale_batch(batch_size)
     return make, x, t, graph
 
 
@@ -112,17 +116,6 @@ class _Runner:
                          time_s=statistics.mean(steady), times_s=list(self.times),
                          loss=self.loss, first_iteration_s=self.times[0],
                          first_iteration_peak_bytes=self.peaks[0])
-
-
-def run_iterations(link: chainer.Link, x: Any, t: Any, iterations: int,
-                   label: str) -> RunResult:
-    """Run ``iterations`` training iterations (forward, backward,
-    MomentumSGD update) of ``link(x, t)``; measure each one's peak memory
-    and time."""
-    runner = _Runner(link, label)
-    for _ in range(iterations):
-        runner.step(x, t)
-    return runner.result()
 
 
 def gradients_match(make_link: Any, x: Any, t: Any, budget: Any, **options: Any) -> bool:

@@ -217,6 +217,15 @@ class _ModelState:
                 p.grad = g
 
 
+def batch_size_of(args: Sequence[Any], kwargs: Dict[str, Any]) -> Optional[int]:
+    """The leading dimension of the first array (or Variable) argument."""
+    for a in list(args) + list(kwargs.values()):
+        arr = a.raw_array if isinstance(a, chainer.Variable) else a
+        if _is_array(arr) and arr.ndim > 0:
+            return int(arr.shape[0])
+    return None
+
+
 def _find_link(model: Any) -> Optional[chainer.Link]:
     if isinstance(model, chainer.Link):
         return model
@@ -365,11 +374,7 @@ def capture(model: Callable[..., Any], *args: Any, repeat: int = 1, backward: bo
         logger.info("capture: %r is not a Link; persistent values of links it uses "
                     "cannot be restored after the capture forward", model)
     if batch_size is None:
-        for a in list(args) + list(kwargs.values()):
-            arr = a.array if isinstance(a, chainer.Variable) else a
-            if _is_array(arr) and arr.ndim > 0:
-                batch_size = int(arr.shape[0])
-                break
+        batch_size = batch_size_of(args, kwargs)
     external_ids = set()
     if link is not None:
         external_ids = {id(p.array) for p in link.params() if p.array is not None}
@@ -480,7 +485,6 @@ def _build_graph(records: List[_Record], link: Optional[chainer.Link],
                                 nbytes=int(nbytes), kind=kind, producer=producer, name=aname))
         return len(arrays) - 1
 
-    node_of_func = {id(r.func): v for v, r in enumerate(records)}
     nodes: List[Node] = []
     consumed = set()
     for v, rec in enumerate(records):
@@ -490,10 +494,6 @@ def _build_graph(records: List[_Record], link: Optional[chainer.Link],
             key = id(xnode)
             if key not in array_of_node:
                 var = xnode.get_variable_or_none()
-                creator = xnode.creator_node
-                if creator is not None and id(creator) in node_of_func:
-                    raise CaptureError(f"internal: input of {function_op(f)} made by a later "
-                                       f"function")  # pragma: no cover
                 if var is not None and isinstance(var, chainer.Parameter):
                     kind, aname = "param", param_name.get(id(var), var.name or "")
                 else:

@@ -116,38 +116,15 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _run_model(args: argparse.Namespace) -> int:
-    import numpy
-
-    from . import _chainer  # noqa: F401
-    import chainer
-
-    from .bench import compare, format_results, gradients_match
-    from .capturing import capture
-    from .models import get_model
+    from .bench import compare, format_results, gradients_match, network
+    from .models import MODELS
     from .search import least_feasible_budget
     from .solvers import solve
 
-    device = chainer.get_device(args.device)
-    device.use()
-    xp = device.xp
-
-    def make_spec():
-        numpy.random.seed(args.seed)
-        spec = get_model(args.model, batch_size=args.batch_size, small=args.small)
-        spec.link.to_device(device)
-        return spec
-
-    spec = make_spec()
-    batch = args.batch_size or spec.default_batch_size
-    x, t = spec.make_inputs(batch, xp=xp, seed=args.seed)
-    link = spec.link
-    link(x, t)  # initialise lazily shaped parameters
+    batch = args.batch_size or MODELS[args.model][1]
     cap_batch = args.capture_batch if args.capture_batch and args.capture_batch < batch else None
-    if cap_batch:
-        xs, ts = spec.make_inputs(cap_batch, xp=xp, seed=args.seed)
-        graph = capture(link, xs, ts, cost_model=args.cost, name=args.model).scale_batch(batch)
-    else:
-        graph = capture(link, x, t, cost_model=args.cost, name=args.model)
+    make, x, t, graph = network(args.model, batch, small=args.small, device=args.device,
+                                cost_model=args.cost, seed=args.seed, capture_batch=cap_batch)
     print(graph.summary())
     if args.save_graph:
         from .io import save_graph
@@ -159,18 +136,18 @@ def _run_model(args: argparse.Namespace) -> int:
           f"using {format_bytes(budget)}")
     plan = solve(graph, budget, solver=args.solver, strategy=args.strategy)
     print(plan.summary())
-    out = {"model": args.model, "batch_size": batch, "device": str(device),
+    out = {"model": args.model, "batch_size": batch, "device": args.device,
            "least_feasible_bytes": least, "budget_bytes": budget, "plan": _plan_dict(plan)}
     options = dict(budget=budget, solver=args.solver, strategy=args.strategy, cost=args.cost,
                    capture_batch=cap_batch)
     if args.check_gradients:
-        same = gradients_match(lambda: make_spec().link, x, t, **options)
+        same = gradients_match(make, x, t, **options)
         print(f"loss and gradients identical to plain backprop: {same}")
         out["gradients_identical"] = same
         if not same:
             return 1
     if args.iterations > 0:
-        results = compare(lambda: make_spec().link, x, t,
+        results = compare(make, x, t,
                           [dict(options, label=f"{args.solver}-{args.strategy}")],
                           iterations=args.iterations, vanilla=args.vanilla)
         print(format_results(results))

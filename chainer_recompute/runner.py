@@ -23,8 +23,8 @@ from . import _chainer  # noqa: F401
 import chainer
 from chainer import backend
 
-from .capturing import capture
-from .errors import RecomputeError, UnknownSolverError
+from .capturing import batch_size_of, capture
+from .errors import RecomputeError
 from .executor import IterationHook, IterationStats, Program
 from .graph import Graph
 from .units import format_bytes, parse_bytes
@@ -49,14 +49,6 @@ def _signature(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Hashable:
     return (tuple(one(a) for a in args),
             tuple((k, one(v)) for k, v in sorted(kwargs.items())),
             bool(chainer.config.train))
-
-
-def _batch_size(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[int]:
-    for x in list(args) + list(kwargs.values()):
-        arr = x.raw_array if isinstance(x, chainer.Variable) else x
-        if isinstance(arr, chainer.get_array_types()) and arr.ndim:
-            return int(arr.shape[0])
-    return None
 
 
 class _Entry:
@@ -97,13 +89,10 @@ class Recompute:
                  strategy: str = "tc", cost: str = "measured", max_plans: int = 8,
                  capture_repeat: int = 1, capture_batch: Optional[int] = None,
                  **solver_options: Any) -> None:
-        from .solvers import REGISTRY, STRATEGIES
+        from .solvers import check_solver
         self.fn = fn
         self.budget_bytes = parse_bytes(budget)
-        if solver not in REGISTRY or strategy not in STRATEGIES:
-            raise UnknownSolverError(f"unknown solver {solver!r} or strategy {strategy!r}; "
-                                     f"solvers: {sorted(REGISTRY)}, strategies: "
-                                     f"{list(STRATEGIES)}")
+        check_solver(solver, strategy)
         from .costs import COST_MODELS
         if cost not in COST_MODELS:
             raise RecomputeError(f"unknown cost model {cost!r}; known: {sorted(COST_MODELS)}")
@@ -162,7 +151,7 @@ class Recompute:
 
     def _capture(self, sig: Hashable, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Graph:
         link = self._link(args)
-        batch = _batch_size(args, kwargs)
+        batch = batch_size_of(args, kwargs)
         small = self.capture_batch
         if small is None or batch is None or small >= batch or sig in self._full_capture:
             return capture(self.fn, *args, repeat=self.capture_repeat, cost_model=self.cost,

@@ -52,11 +52,9 @@ def least_feasible_budget(graph: Graph, solver: str = "approx", strategy: str = 
     >>> least_feasible_budget(g, 'exact')
     4
     """
-    from .solvers import REGISTRY, solve_chen, solve_chen_greedy
+    from .solvers import check_solver, solve_chen, solve_chen_greedy
     from .solvers._dp import run_dp
-    from .errors import UnknownSolverError
-    if solver not in REGISTRY:
-        raise UnknownSolverError(f"unknown solver {solver!r}; known solvers: {sorted(REGISTRY)}")
+    check_solver(solver, strategy)
     if solver == "none":
         return 2 * graph.activation_bytes
     if solver == "chen":

@@ -20,7 +20,7 @@ from .exact_dp import solve_exact
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["REGISTRY", "STRATEGIES", "solve", "solve_approx", "solve_chen",
+__all__ = ["REGISTRY", "STRATEGIES", "check_solver", "solve", "solve_approx", "solve_chen",
            "solve_chen_greedy", "solve_exact", "solve_none"]
 
 SolverFn = Callable[..., Plan]
@@ -38,6 +38,16 @@ STRATEGIES = ("tc", "mc")
 
 def _gb(nbytes: Optional[float]) -> str:
     return "n/a" if nbytes is None else format_bytes(nbytes, binary=False)
+
+
+def check_solver(solver: str, strategy: str = "tc") -> None:
+    """Raise :class:`UnknownSolverError` for an unknown solver or strategy,
+    listing the known ones."""
+    if solver not in REGISTRY:
+        raise UnknownSolverError(f"unknown solver {solver!r}; known solvers: {sorted(REGISTRY)}")
+    if strategy not in STRATEGIES:
+        raise UnknownSolverError(f"unknown strategy {strategy!r}; known strategies: "
+                                 f"{list(STRATEGIES)} (solvers: {sorted(REGISTRY)})")
 
 
 def solve(graph: Graph, budget: Union[str, int, float, None] = None, solver: str = "approx",
@@ -65,11 +75,7 @@ def solve(graph: Graph, budget: Union[str, int, float, None] = None, solver: str
     >>> solve(g, 20, solver='exact').feasible
     True
     """
-    if solver not in REGISTRY:
-        raise UnknownSolverError(f"unknown solver {solver!r}; known solvers: {sorted(REGISTRY)}")
-    if strategy not in STRATEGIES:
-        raise UnknownSolverError(f"unknown strategy {strategy!r}; known strategies: "
-                                 f"{list(STRATEGIES)} (solvers: {sorted(REGISTRY)})")
+    check_solver(solver, strategy)
     budget_bytes = None if budget is None else parse_bytes(budget)
     plan = REGISTRY[solver](graph, budget_bytes, strategy=strategy, **kw)
     if plan.feasible or not raise_infeasible:

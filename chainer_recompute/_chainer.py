@@ -1,8 +1,11 @@
 """Import Chainer after making NumPy 2 look like NumPy 1 where Chainer 7.8.1
-needs it. Every module of this package that uses Chainer imports it through
+needs it, then mend the one Chainer function that newer NumPy 1.x breaks.
+Every module of this package that uses Chainer imports it through
 ``from . import _chainer`` first."""
-from ._compat import ensure_numpy_compat
+from ._compat import ensure_numpy_compat, patch_resize_images
 
 ensure_numpy_compat()
 
 import chainer  # noqa: E402,F401
+
+patch_resize_images()

@@ -218,3 +218,51 @@ def ensure_numpy_compat(numpy_module: Any = None,
 
 
 check_pkg_resources()
+
+
+class _NumpyWithFloat(types.ModuleType):
+    """NumPy proxy that also answers ``float`` (removed in NumPy 1.24)."""
+
+    float = float
+
+    def __init__(self, wrapped: Any) -> None:
+        super().__init__(wrapped.__name__)
+        self._wrapped = wrapped
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._wrapped, name)
+
+
+def patch_resize_images() -> bool:
+    """Let ``F.resize_images`` run on NumPy >= 1.24; idempotent.
+
+    Chainer 7.8.1's ``chainer.functions.array.resize_images`` computes its
+    sampling grid in ``compute_indices_and_weights`` with
+    ``dtype=numpy.float`` (forward and backward). This replaces that one
+    function of that module by a copy whose ``numpy`` global is a proxy that
+    adds ``float`` (the builtin, i.e. float64, as NumPy < 1.24 had it);
+    NumPy and every other Chainer function are untouched. Call it after
+    Chainer is imported (``chainer_recompute._chainer`` does).
+
+    Returns:
+        True if the patch was applied by this call.
+
+    >>> import chainer_recompute._chainer
+    >>> patch_resize_images()  # already applied on import
+    False
+    """
+    from chainer.functions.array import resize_images as mod
+    orig = mod.compute_indices_and_weights
+    if hasattr(orig.__globals__["numpy"], "float"):
+        return False
+    env = dict(orig.__globals__)
+    env["numpy"] = _NumpyWithFloat(orig.__globals__["numpy"])
+    patched = types.FunctionType(orig.__code__, env, orig.__name__, orig.__defaults__,
+                                 orig.__closure__)
+    patched.__doc__ = orig.__doc__
+    patched.__wrapped__ = orig  # type: ignore[attr-defined]
+    mod.compute_indices_and_weights = patched
+    PATCHED.append("chainer.functions.array.resize_images (numpy.float)")
+    logger.info("patched chainer.functions.array.resize_images.compute_indices_and_weights "
+                "(numpy.float)")
+    return True

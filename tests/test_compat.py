@@ -259,3 +259,17 @@ def test_chainer_under_numpy2(tmp_path_factory: pytest.TempPathFactory) -> None:
     for name, norm in np1["small_grad_norms"].items():
         assert np2["small_grad_norms"][name] == pytest.approx(norm, rel=1e-4, abs=1e-7), name
     assert np2["small_running_mean_sum"] == pytest.approx(np1["small_running_mean_sum"], rel=1e-5, abs=1e-7)
+
+
+def test_resize_images_works_once_the_chainer_side_is_imported() -> None:
+    import numpy as np
+
+    import chainer_recompute._chainer  # noqa: F401  (applies the patch)
+    import chainer.functions as F
+    from chainer_recompute._compat import patch_resize_images
+
+    assert patch_resize_images() is False  # already applied, idempotent
+    x = np.arange(16, dtype=np.float32).reshape(1, 1, 4, 4)
+    y = F.resize_images(x, (7, 7))
+    assert y.shape == (1, 1, 7, 7)
+    assert float(y.array[0, 0, 0, 0]) == 0.0 and float(y.array[0, 0, -1, -1]) == 15.0

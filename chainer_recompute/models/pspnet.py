@@ -16,75 +16,22 @@ The pooling kernels follow ChainerCV: ``ksize = stride = feature_size // bin``,
 exact for the paper's 713x713 input (90x90 features: 90, 45, 30, 15).
 
 ``F.resize_images`` of Chainer 7.8.1 reads ``numpy.float``, which NumPy 1.24
-removed; importing this module gives *that Chainer module only* a NumPy proxy
-with ``float`` (see :func:`patch_resize_images`). NumPy itself is untouched.
+removed; ``chainer_recompute._compat.patch_resize_images`` (applied whenever
+this package imports Chainer) mends that.
 """
 from __future__ import annotations
 
 import logging
-import types
-from typing import Any, Sequence
+from typing import Sequence
 
-import numpy
-
+from .. import _chainer  # noqa: F401  (NumPy compatibility, resize_images)
 import chainer
 import chainer.functions as F
 import chainer.links as L
 from chainer import initializers
-from chainer.functions.array import resize_images as _resize_images_module
 
 logger = logging.getLogger(__name__)
 
-
-class _NumpyWithFloat(types.ModuleType):
-    """NumPy proxy that also answers ``float`` (removed in NumPy 1.24)."""
-
-    float = float
-
-    def __init__(self, wrapped: Any) -> None:
-        super().__init__(wrapped.__name__)
-        self._wrapped = wrapped
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._wrapped, name)
-
-
-def patch_resize_images() -> bool:
-    """Let ``F.resize_images`` run on NumPy >= 1.24; idempotent.
-
-    Chainer 7.8.1's ``chainer.functions.array.resize_images`` computes its
-    sampling grid in ``compute_indices_and_weights`` with
-    ``dtype=numpy.float`` (forward and backward). This replaces that one
-    function of that module by a copy whose ``numpy`` global is a proxy that
-    adds ``float`` (the builtin, i.e. float64, as NumPy < 1.24 had it);
-    NumPy and every other Chainer function are untouched.
-
-    Returns:
-        True if the patch was applied by this call.
-
-    >>> patch_resize_images()  # already applied at import
-    False
-    """
-    mod = _resize_images_module
-    orig = mod.compute_indices_and_weights
-    try:
-        getattr(orig.__globals__["numpy"], "float")
-        return False
-    except AttributeError:
-        pass
-    env = dict(orig.__globals__)
-    env["numpy"] = _NumpyWithFloat(orig.__globals__["numpy"])
-    patched = types.FunctionType(orig.__code__, env, orig.__name__, orig.__defaults__,
-                                 orig.__closure__)
-    patched.__doc__ = orig.__doc__
-    patched.__wrapped__ = orig  # type: ignore[attr-defined]
-    mod.compute_indices_and_weights = patched
-    logger.info("patched chainer.functions.array.resize_images.compute_indices_and_weights "
-                "for NumPy %s (numpy.float)", numpy.__version__)
-    return True
-
-
-patch_resize_images()
 
 __all__ = ["ConvBNReLU", "Bottleneck", "ResStage", "DilatedResNet", "PyramidPooling",
            "PSPNet"]

@@ -14,27 +14,28 @@ from ._compat import ensure_numpy_compat
 
 ensure_numpy_compat()  # before anything imports chainer (NumPy 2 machines)
 
-from .errors import (BudgetError, CaptureError, GraphChangedError, GraphError,  # noqa: F401
+from .core.errors import (BudgetError, CaptureError, GraphChangedError, GraphError,  # noqa: F401
                      GraphFormatError, InfeasibleBudgetError, LowerSetExplosionError,
                      RecomputeError, SchemaVersionError, UnknownSolverError,
                      UnsafeRecomputeError)
-from .graph import ArrayInfo, Graph, HeldArray, Node  # noqa: F401
-from .io import load_authors_graph, load_graph, save_graph  # noqa: F401
-from .plan import Plan  # noqa: F401
-from .search import largest_batch_size, least_feasible_budget  # noqa: F401
-from .solvers import REGISTRY, solve  # noqa: F401
-from .units import format_bytes, parse_bytes  # noqa: F401
+from .core.graph import ArrayInfo, Graph, HeldArray, Node  # noqa: F401
+from .core.io import load_authors_graph, load_graph, save_graph  # noqa: F401
+from .core.plan import Plan  # noqa: F401
+from .core.search import largest_batch_size, least_feasible_budget  # noqa: F401
+from .core.planner import solve  # noqa: F401
+from .core.solvers import REGISTRY  # noqa: F401
+from .core.units import format_bytes, parse_bytes  # noqa: F401
 
 __version__ = "0.1.0"
 
 # Names served by modules that import chainer, loaded on first use.
 _LAZY = {
-    "capture": ("capturing", "capture"),
-    "CaptureHook": ("capturing", "CaptureHook"),
-    "apply": ("runner", "apply"),
-    "remove": ("runner", "remove"),
-    "runner_of": ("runner", "runner_of"),
-    "Recompute": ("runner", "Recompute"),
+    "capture": ("runtime.capture", "capture"),
+    "CaptureHook": ("runtime.capture", "CaptureHook"),
+    "apply": ("runtime.runner", "apply"),
+    "remove": ("runtime.runner", "remove"),
+    "runner_of": ("runtime.runner", "runner_of"),
+    "Recompute": ("runtime.runner", "Recompute"),
 }
 
 

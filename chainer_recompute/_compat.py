@@ -242,12 +242,12 @@ def patch_resize_images() -> bool:
     function of that module by a copy whose ``numpy`` global is a proxy that
     adds ``float`` (the builtin, i.e. float64, as NumPy < 1.24 had it);
     NumPy and every other Chainer function are untouched. Call it after
-    Chainer is imported (``chainer_recompute._chainer`` does).
+    Chainer is imported (``chainer_recompute.runtime._chainer`` does).
 
     Returns:
         True if the patch was applied by this call.
 
-    >>> import chainer_recompute._chainer
+    >>> import chainer_recompute.runtime._chainer
     >>> patch_resize_images()  # already applied on import
     False
     """

@@ -17,13 +17,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from . import _chainer  # noqa: F401
+from .runtime import _chainer  # noqa: F401
 import chainer
 from chainer import backend
 
-from .memory import MemoryMeter, model_state_bytes
-from .runner import apply, runner_of
-from .units import format_bytes
+from .runtime.memory import MemoryMeter, model_state_bytes
+from .runtime.runner import apply, runner_of
+from .core.units import format_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def network(name: str, batch_size: int, *, small: bool = False, device: Any = "@
     """
     import numpy
 
-    from .capturing import capture
+    from .runtime.capture import capture
     from .models import get_model
     device = chainer.get_device(device)
     device.use()

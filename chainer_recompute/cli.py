@@ -10,7 +10,7 @@ import logging
 import sys
 from typing import Any, List, Optional
 
-from .units import ACCEPTED_FORMS, format_bytes, parse_bytes
+from .core.units import ACCEPTED_FORMS, format_bytes, parse_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _solve_saved_graph(args: argparse.Namespace) -> int:
-    from .io import load_authors_graph, load_graph
-    from .search import least_feasible_budget
-    from .solvers import solve
+    from .core.io import load_authors_graph, load_graph
+    from .core.search import least_feasible_budget
+    from .core.planner import solve
     path = args.graph
     graph = load_graph(path) if path.endswith(".json") else load_authors_graph(path)
     has_times = all(n.forward_time_s is not None for n in graph.nodes)
@@ -103,7 +103,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    from .errors import RecomputeError
+    from .core.errors import RecomputeError
     try:
         if args.budget != "least":
             parse_bytes(args.budget)  # fail early on a bad budget
@@ -118,8 +118,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 def _run_model(args: argparse.Namespace) -> int:
     from .bench import compare, format_results, gradients_match, network
     from .models import MODELS
-    from .search import least_feasible_budget
-    from .solvers import solve
+    from .core.search import least_feasible_budget
+    from .core.planner import solve
 
     batch = args.batch_size or MODELS[args.model][1]
     cap_batch = args.capture_batch if args.capture_batch and args.capture_batch < batch else None
@@ -127,7 +127,7 @@ def _run_model(args: argparse.Namespace) -> int:
                                 cost_model=args.cost, seed=args.seed, capture_batch=cap_batch)
     print(graph.summary())
     if args.save_graph:
-        from .io import save_graph
+        from .core.io import save_graph
         save_graph(graph, args.save_graph)
     least = least_feasible_budget(graph, solver=args.solver, strategy=args.strategy)
     budget = least if args.budget == "least" else parse_bytes(args.budget)

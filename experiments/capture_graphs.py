@@ -18,7 +18,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
 import chainer_recompute as cr  # noqa: E402
-from chainer_recompute.capturing import capture  # noqa: E402
+from chainer_recompute.runtime.capture import capture  # noqa: E402
 from chainer_recompute.models import get_model  # noqa: E402
 
 

@@ -19,8 +19,8 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from chainer_recompute.bench import compare, network  # noqa: E402
-from chainer_recompute.search import least_feasible_budget  # noqa: E402
-from chainer_recompute.units import format_bytes  # noqa: E402
+from chainer_recompute.core.search import least_feasible_budget  # noqa: E402
+from chainer_recompute.core.units import format_bytes  # noqa: E402
 
 
 def main(argv=None):

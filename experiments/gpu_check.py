@@ -26,7 +26,7 @@ import chainer  # noqa: E402
 import numpy  # noqa: E402
 
 from chainer_recompute.bench import compare, gradients_match, network  # noqa: E402
-from chainer_recompute.units import format_bytes  # noqa: E402
+from chainer_recompute.core.units import format_bytes  # noqa: E402
 
 
 def main(argv=None):

@@ -29,8 +29,8 @@ CONFIG = os.path.join(ROOT, "configs", "paper.json")
 
 def run_one(name, cfg, iterations, solvers, small):
     from chainer_recompute.bench import compare, network
-    from chainer_recompute.errors import LowerSetExplosionError, RecomputeError
-    from chainer_recompute.search import least_feasible_budget
+    from chainer_recompute.core.errors import LowerSetExplosionError, RecomputeError
+    from chainer_recompute.core.search import least_feasible_budget
 
     batch = cfg["cpu_batch"]
     t0 = time.time()

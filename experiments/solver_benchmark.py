@@ -18,12 +18,12 @@ from typing import List, Optional, Sequence
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from chainer_recompute.graph import Graph  # noqa: E402
-from chainer_recompute.io import load_authors_graph, load_graph  # noqa: E402
-from chainer_recompute.lower_sets import LowerSetFamily, count_lower_sets  # noqa: E402
-from chainer_recompute.search import least_feasible_budget  # noqa: E402
-from chainer_recompute.solvers import solve_exact  # noqa: E402
-from chainer_recompute.solvers import solve  # noqa: E402
+from chainer_recompute.core.graph import Graph  # noqa: E402
+from chainer_recompute.core.io import load_authors_graph, load_graph  # noqa: E402
+from chainer_recompute.core.lower_sets import LowerSetFamily, count_lower_sets  # noqa: E402
+from chainer_recompute.core.search import least_feasible_budget  # noqa: E402
+from chainer_recompute.core.solvers import solve_exact  # noqa: E402
+from chainer_recompute.core.planner import solve  # noqa: E402
 
 GRAPHS = ROOT.parent / "shared" / "graphs"
 AUTHORS = {  # approx GB, exact GB (TARGETS.md)

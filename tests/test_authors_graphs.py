@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from chainer_recompute.lower_sets import count_lower_sets
-from chainer_recompute.search import least_feasible_budget
-from chainer_recompute.solvers import solve
+from chainer_recompute.core.lower_sets import count_lower_sets
+from chainer_recompute.core.search import least_feasible_budget
+from chainer_recompute.core.planner import solve
 
 GRAPHS = Path(__file__).resolve().parents[1].parent / "shared" / "graphs"
 
@@ -25,7 +25,7 @@ def load(name: str):
     path = GRAPHS / f"cg_{name}.txt"
     if not path.exists():
         pytest.skip(f"{path} is absent: the shared graphs directory is not next to the repo")
-    from chainer_recompute.io import load_authors_graph
+    from chainer_recompute.core.io import load_authors_graph
     return load_authors_graph(path)
 
 

@@ -13,9 +13,9 @@ from typing import Dict, FrozenSet, List, Tuple
 
 import pytest
 
-from chainer_recompute.graph import Graph
-from chainer_recompute.search import least_feasible_budget
-from chainer_recompute.solvers import solve_approx, solve_exact
+from chainer_recompute.core.graph import Graph
+from chainer_recompute.core.search import least_feasible_budget
+from chainer_recompute.core.solvers import solve_approx, solve_exact
 
 
 def random_dag(rng: random.Random, kind: str) -> Tuple[List[int], List[Tuple[int, int]], List[int]]:

@@ -7,8 +7,8 @@ import chainer
 import chainer.functions as F
 import chainer.links as L
 
-from chainer_recompute.capturing import capture
-from chainer_recompute.errors import CaptureError
+from chainer_recompute.runtime.capture import capture
+from chainer_recompute.core.errors import CaptureError
 
 F32 = 4
 

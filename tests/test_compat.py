@@ -264,7 +264,7 @@ def test_chainer_under_numpy2(tmp_path_factory: pytest.TempPathFactory) -> None:
 def test_resize_images_works_once_the_chainer_side_is_imported() -> None:
     import numpy as np
 
-    import chainer_recompute._chainer  # noqa: F401  (applies the patch)
+    import chainer_recompute.runtime._chainer  # noqa: F401  (applies the patch)
     import chainer.functions as F
     from chainer_recompute._compat import patch_resize_images
 

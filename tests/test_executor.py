@@ -13,10 +13,10 @@ import chainer
 import chainer.functions as F
 import chainer.links as L
 
-from chainer_recompute.capturing import capture
-from chainer_recompute.errors import BudgetError, InfeasibleBudgetError, UnknownSolverError
-from chainer_recompute.memory import MemoryMeter
-from chainer_recompute.search import least_feasible_budget
+from chainer_recompute.runtime.capture import capture
+from chainer_recompute.core.errors import BudgetError, InfeasibleBudgetError, UnknownSolverError
+from chainer_recompute.runtime.memory import MemoryMeter
+from chainer_recompute.core.search import least_feasible_budget
 
 log = logging.getLogger(__name__)
 

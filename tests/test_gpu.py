@@ -13,8 +13,8 @@ import chainer  # noqa: E402
 import chainer.functions as F  # noqa: E402
 import chainer.links as L  # noqa: E402
 
-from chainer_recompute.capturing import capture  # noqa: E402
-from chainer_recompute.memory import MemoryMeter  # noqa: E402
+from chainer_recompute.runtime.capture import capture  # noqa: E402
+from chainer_recompute.runtime.memory import MemoryMeter  # noqa: E402
 
 
 class Net(chainer.Chain):

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from chainer_recompute.errors import GraphError, GraphFormatError, SchemaVersionError
-from chainer_recompute.graph import ArrayInfo, Graph, Node
-from chainer_recompute.io import load_authors_graph, load_graph, save_graph
+from chainer_recompute.core.errors import GraphError, GraphFormatError, SchemaVersionError
+from chainer_recompute.core.graph import ArrayInfo, Graph, Node
+from chainer_recompute.core.io import load_authors_graph, load_graph, save_graph
 
 ROOT = Path(__file__).resolve().parents[1]
 GRAPHS = ROOT.parent / "shared" / "graphs"

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from chainer_recompute.errors import LowerSetExplosionError
-from chainer_recompute.graph import Graph
-from chainer_recompute.lower_sets import (LowerSetFamily, above, ancestor_closures, beside,
+from chainer_recompute.core.errors import LowerSetExplosionError
+from chainer_recompute.core.graph import Graph
+from chainer_recompute.core.lower_sets import (LowerSetFamily, above, ancestor_closures, beside,
                                           boundary, count_lower_sets, enumerate_lower_sets,
                                           full_mask, is_lower_set, mask_to_set, set_to_mask)
 
@@ -101,7 +101,7 @@ def test_authors_graph_counts(name: str, n: int, count: int) -> None:
     path = GRAPHS / f"cg_{name}.txt"
     if not path.exists():
         pytest.skip(f"{path} is absent (the shared graphs are not checked out)")
-    from chainer_recompute.io import load_authors_graph
+    from chainer_recompute.core.io import load_authors_graph
     g = load_authors_graph(path)
     assert g.n == n
     assert count_lower_sets(g) == count

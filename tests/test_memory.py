@@ -1,4 +1,4 @@
-"""Tests of chainer_recompute.memory: measured peaks, model state bytes, report."""
+"""Tests of chainer_recompute.runtime.memory: measured peaks, model state bytes, report."""
 from __future__ import annotations
 
 import tracemalloc
@@ -8,8 +8,8 @@ from typing import Any, List
 import numpy as np
 import pytest
 
-from chainer_recompute.errors import RecomputeError
-from chainer_recompute.memory import (SCOPE_CUPY, SCOPE_NUMPY, SCOPE_TRACED, MemoryMeasurement,
+from chainer_recompute.core.errors import RecomputeError
+from chainer_recompute.runtime.memory import (SCOPE_CUPY, SCOPE_NUMPY, SCOPE_TRACED, MemoryMeasurement,
                                       MemoryMeter, format_memory_report, make_pool_peak_hook,
                                       measure_memory, model_state_bytes)
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from chainer_recompute.errors import (GraphError, InfeasibleBudgetError, LowerSetExplosionError,
+from chainer_recompute.core.errors import (GraphError, InfeasibleBudgetError, LowerSetExplosionError,
                                       UnknownSolverError, BudgetError)
-from chainer_recompute.graph import Graph
-from chainer_recompute.plan import Plan
-from chainer_recompute.schedule import build_schedule, paper_cost, simulate
-from chainer_recompute.search import (largest_batch_size, least_feasible_budget, scale_bytes)
-from chainer_recompute.solvers import REGISTRY, solve, solve_chen, solve_exact, solve_none
+from chainer_recompute.core.graph import Graph
+from chainer_recompute.core.plan import Plan
+from chainer_recompute.core.schedule import build_schedule, paper_cost, simulate
+from chainer_recompute.core.search import (largest_batch_size, least_feasible_budget, scale_bytes)
+from chainer_recompute.core.planner import solve
+from chainer_recompute.core.solvers import REGISTRY, solve_chen, solve_exact, solve_none
 
 
 def chain4() -> Graph:
@@ -161,7 +162,7 @@ def test_simulator_recomputes_dropped() -> None:
 
 
 def test_simulator_rejects_bad_schedule() -> None:
-    from chainer_recompute.schedule import Schedule
+    from chainer_recompute.core.schedule import Schedule
     g = chain4()
     with pytest.raises(ValueError):
         simulate(g, Schedule(ops=(("forward", 1),), n_blocks=1))
@@ -191,7 +192,7 @@ def test_string_budget() -> None:
 
 # ------------------------------------------------------------ chain solvers
 def test_hsm_equals_revolve_on_uniform_chains() -> None:
-    from chainer_recompute.solvers.chain import bptt_hsm_table, revolve_min_forward_steps
+    from chainer_recompute.core.solvers.chain import bptt_hsm_table, revolve_min_forward_steps
     C, _ = bptt_hsm_table(120, 12)
     for t in range(1, 121):
         for m in range(1, 13):
@@ -200,7 +201,7 @@ def test_hsm_equals_revolve_on_uniform_chains() -> None:
 
 
 def test_msm_no_worse_than_hsm_and_ism() -> None:
-    from chainer_recompute.solvers.chain import bptt_hsm_table, bptt_ism_table, bptt_msm_table
+    from chainer_recompute.core.solvers.chain import bptt_hsm_table, bptt_ism_table, bptt_msm_table
     H, _ = bptt_hsm_table(60, 8)
     I = bptt_ism_table(60, 8, alpha=2)
     M = bptt_msm_table(60, 8, alpha=2)
@@ -208,7 +209,7 @@ def test_msm_no_worse_than_hsm_and_ism() -> None:
 
 
 def test_hsm_policy_splits_are_valid() -> None:
-    from chainer_recompute.solvers.chain import hsm_policy
+    from chainer_recompute.core.solvers.chain import hsm_policy
     pol = hsm_policy(10, 3)
     assert pol[0] == (0, 10, 3)
     for off, length, slots in pol:

@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from chainer_recompute.errors import BudgetError
-from chainer_recompute.units import format_bytes, parse_bytes
+from chainer_recompute.core.errors import BudgetError
+from chainer_recompute.core.units import format_bytes, parse_bytes
 
 
 @pytest.mark.parametrize("text, expected", [

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 from typing import Sequence
 
-from .. import _chainer  # noqa: F401  (NumPy compatibility, resize_images)
+from ..runtime import _chainer  # noqa: F401  (NumPy compatibility, resize_images)
 import chainer
 import chainer.functions as F
 import chainer.links as L

@@ -19,7 +19,9 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .costs import node_costs
 from .errors import GraphError
+from .units import format_bytes
 
 ARRAY_KINDS = ("input", "param", "intermediate", "output")
 
@@ -142,7 +144,6 @@ class Graph:
             [sum(self.arrays[a].nbytes for a in n.outputs) for n in self.nodes],
             dtype=np.int64)
         self.node_bytes.setflags(write=False)
-        from .costs import node_costs  # local import: costs imports Graph types
         self.cost_model = cost_model
         self.node_cost = node_costs(self, cost_model)
         self.node_cost.setflags(write=False)
@@ -332,7 +333,6 @@ class Graph:
 
     def summary(self) -> str:
         """A few lines: node count, activation, retained and parameter bytes."""
-        from .units import format_bytes
         n_ops: Dict[str, int] = {}
         for node in self.nodes:
             n_ops[node.op] = n_ops.get(node.op, 0) + 1

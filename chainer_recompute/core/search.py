@@ -11,6 +11,8 @@ from typing import Callable, Optional, Union
 from .errors import GraphError
 from .graph import Graph
 from .lower_sets import DEFAULT_MAX_LOWER_SETS, LowerSetFamily
+from .solvers import REGISTRY, check_solver, solve_chen, solve_chen_greedy
+from .solvers._dp import run_dp
 from .units import parse_bytes
 
 logger = logging.getLogger(__name__)
@@ -52,8 +54,6 @@ def least_feasible_budget(graph: Graph, solver: str = "approx", strategy: str = 
     >>> least_feasible_budget(g, 'exact')
     4
     """
-    from .solvers import check_solver, solve_chen, solve_chen_greedy
-    from .solvers._dp import run_dp
     check_solver(solver, strategy)
     if solver == "none":
         return 2 * graph.activation_bytes
@@ -102,7 +102,7 @@ def largest_batch_size(graph: Graph, budget: Union[str, int, float], solver: str
         graph: the graph, captured at ``batch_size`` (default
             ``graph.batch_size``).
         budget: bytes or a string such as ``'8G'``.
-        solver, strategy: as in :func:`~chainer_recompute.solvers.solve`.
+        solver, strategy: as in :func:`~chainer_recompute.core.planner.solve`.
         batch_size: the batch the graph was captured at, for graphs that
             do not record it (the authors' files: 32, or 8 for U-Net).
         max_batch_size: search cap.
@@ -111,7 +111,6 @@ def largest_batch_size(graph: Graph, budget: Union[str, int, float], solver: str
     >>> largest_batch_size(g, 32, 'exact', batch_size=1)
     2
     """
-    from .solvers import solve
     base = batch_size if batch_size is not None else graph.batch_size
     if base is None:
         raise GraphError("the graph does not record its batch size; pass batch_size=")
@@ -120,8 +119,7 @@ def largest_batch_size(graph: Graph, budget: Union[str, int, float], solver: str
     def ok(b: int) -> bool:
         g = graph.scale_batch(b) if (batch_size is None and graph.batch_size) else \
             scale_bytes(graph, b / base)
-        return solve(g, budget_bytes, solver=solver, strategy=strategy,
-                     raise_infeasible=False).feasible
+        return REGISTRY[solver](g, budget_bytes, strategy=strategy).feasible
 
     if not ok(1):
         return 0

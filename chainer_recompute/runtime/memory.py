@@ -32,8 +32,8 @@ import sysconfig
 import tracemalloc
 from typing import Any, Dict, Iterator, List, Optional
 
-from .errors import RecomputeError
-from .units import format_bytes
+from ..core.errors import RecomputeError
+from ..core.units import format_bytes
 
 logger = logging.getLogger(__name__)
 

@@ -1,53 +1,23 @@
-"""Solvers: a registry and one entry point, :func:`solve`.
-
-Every solver has the signature ``solve_<name>(graph, budget_bytes, *,
-strategy='tc', ...) -> Plan``.
+"""The entry point of the solvers: :func:`solve` a graph for a budget.
 
 Pure core: numpy only.
 """
 from __future__ import annotations
 
-import logging
-from typing import Any, Callable, Dict, Optional, Union
+from typing import Any, Optional, Union
 
-from ..errors import InfeasibleBudgetError, UnknownSolverError
-from ..graph import Graph
-from ..plan import Plan
-from ..units import format_bytes, parse_bytes
-from .approx_dp import solve_approx
-from .chen import solve_chen, solve_chen_greedy, solve_none
-from .exact_dp import solve_exact
+from .errors import InfeasibleBudgetError
+from .graph import Graph
+from .plan import Plan
+from .search import least_feasible_budget
+from .solvers import REGISTRY, check_solver
+from .units import format_bytes, parse_bytes
 
-logger = logging.getLogger(__name__)
-
-__all__ = ["REGISTRY", "STRATEGIES", "check_solver", "solve", "solve_approx", "solve_chen",
-           "solve_chen_greedy", "solve_exact", "solve_none"]
-
-SolverFn = Callable[..., Plan]
-
-REGISTRY: Dict[str, SolverFn] = {
-    "approx": solve_approx,
-    "exact": solve_exact,
-    "chen": solve_chen,
-    "chen-greedy": solve_chen_greedy,
-    "none": solve_none,
-}
-
-STRATEGIES = ("tc", "mc")
+__all__ = ["solve"]
 
 
 def _gb(nbytes: Optional[float]) -> str:
     return "n/a" if nbytes is None else format_bytes(nbytes, binary=False)
-
-
-def check_solver(solver: str, strategy: str = "tc") -> None:
-    """Raise :class:`UnknownSolverError` for an unknown solver or strategy,
-    listing the known ones."""
-    if solver not in REGISTRY:
-        raise UnknownSolverError(f"unknown solver {solver!r}; known solvers: {sorted(REGISTRY)}")
-    if strategy not in STRATEGIES:
-        raise UnknownSolverError(f"unknown strategy {strategy!r}; known strategies: "
-                                 f"{list(STRATEGIES)} (solvers: {sorted(REGISTRY)})")
 
 
 def solve(graph: Graph, budget: Union[str, int, float, None] = None, solver: str = "approx",
@@ -80,7 +50,6 @@ def solve(graph: Graph, budget: Union[str, int, float, None] = None, solver: str
     plan = REGISTRY[solver](graph, budget_bytes, strategy=strategy, **kw)
     if plan.feasible or not raise_infeasible:
         return plan
-    from ..search import least_feasible_budget
     least = least_feasible_budget(graph, solver=solver, strategy=strategy)
     vanilla = 2 * graph.activation_bytes
     raise InfeasibleBudgetError(

@@ -10,17 +10,19 @@
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import numpy as np
 
 from .errors import GraphError
+# Functions here take the graph and node as duck-typed objects (``arrays``,
+# ``nodes``; ``op``, ``inputs``, ...): graph.py imports this module, not
+# the other way round.
+Graph = Any
+Node = Any
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .graph import Graph, Node
 
-
-def _paper(graph: "Graph", node: "Node") -> float:
+def _paper(graph: Graph, node: Node) -> float:
     return 10.0 if node.op.startswith("Conv") else 1.0
 
 
@@ -30,7 +32,7 @@ def _size(shape: Optional[Tuple[int, ...]]) -> Optional[int]:
     return int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
 
 
-def _flops(graph: "Graph", node: "Node") -> float:
+def _flops(graph: Graph, node: Node) -> float:
     ins = [graph.arrays[a] for a in node.inputs]
     outs = [graph.arrays[a] for a in node.outputs]
     op = node.op
@@ -53,7 +55,7 @@ def _flops(graph: "Graph", node: "Node") -> float:
     return float(sum(a.nbytes for a in ins + outs if a.kind != "param"))
 
 
-def _measured(graph: "Graph", node: "Node") -> float:
+def _measured(graph: Graph, node: Node) -> float:
     if node.forward_time_s is None:
         raise GraphError(f"cost model 'measured' needs forward times, but node {node.id} "
                          f"({node.op}) has none; capture with profile=True or use "
@@ -61,14 +63,14 @@ def _measured(graph: "Graph", node: "Node") -> float:
     return float(node.forward_time_s)
 
 
-COST_MODELS: Dict[str, Callable[["Graph", "Node"], float]] = {
+COST_MODELS: Dict[str, Callable[[Graph, Node], float]] = {
     "paper": _paper,
     "flops": _flops,
     "measured": _measured,
 }
 
 
-def node_costs(graph: "Graph", cost_model: str) -> np.ndarray:
+def node_costs(graph: Graph, cost_model: str) -> np.ndarray:
     """T_v for every node of ``graph`` under ``cost_model``, as float64."""
     try:
         fn = COST_MODELS[cost_model]

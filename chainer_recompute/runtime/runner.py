@@ -23,11 +23,11 @@ from . import _chainer  # noqa: F401
 import chainer
 from chainer import backend
 
-from .capturing import batch_size_of, capture
-from .errors import RecomputeError
+from .capture import batch_size_of, capture
+from ..core.errors import RecomputeError
 from .executor import IterationHook, IterationStats, Program
-from .graph import Graph
-from .units import format_bytes, parse_bytes
+from ..core.graph import Graph
+from ..core.units import format_bytes, parse_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -89,11 +89,11 @@ class Recompute:
                  strategy: str = "tc", cost: str = "measured", max_plans: int = 8,
                  capture_repeat: int = 1, capture_batch: Optional[int] = None,
                  **solver_options: Any) -> None:
-        from .solvers import check_solver
+        from ..core.solvers import check_solver
         self.fn = fn
         self.budget_bytes = parse_bytes(budget)
         check_solver(solver, strategy)
-        from .costs import COST_MODELS
+        from ..core.costs import COST_MODELS
         if cost not in COST_MODELS:
             raise RecomputeError(f"unknown cost model {cost!r}; known: {sorted(COST_MODELS)}")
         self.solver, self.strategy, self.cost = solver, strategy, cost
@@ -130,7 +130,7 @@ class Recompute:
         if entry is not None:
             self._entries.move_to_end(sig)
             return entry
-        from .solvers import solve
+        from ..core.planner import solve
         t0 = time.perf_counter()
         graph = self._capture(sig, args, kwargs)
         plan = solve(graph, self.budget_bytes, solver=self.solver, strategy=self.strategy,

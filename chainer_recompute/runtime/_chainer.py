@@ -2,7 +2,7 @@
 needs it, then mend the one Chainer function that newer NumPy 1.x breaks.
 Every module of this package that uses Chainer imports it through
 ``from . import _chainer`` first."""
-from ._compat import ensure_numpy_compat, patch_resize_images
+from .._compat import ensure_numpy_compat, patch_resize_images
 
 ensure_numpy_compat()
 

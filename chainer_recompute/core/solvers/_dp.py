@@ -224,7 +224,7 @@ def run_dp(family: LowerSetFamily, budget_bytes: Optional[int], objective: str,
     ``auto`` (dense while the table has at most :data:`DENSE_LIMIT` entries).
     Both find the same optimum.
 
-    >>> from chainer_recompute.graph import Graph
+    >>> from chainer_recompute.core.graph import Graph
     >>> g = Graph.from_edges([1, 1, 1], [(0, 1), (1, 2)])
     >>> run_dp(LowerSetFamily.all(g), None, 'tc').chain
     [0, 1, 2, 3]

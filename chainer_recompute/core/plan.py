@@ -34,7 +34,7 @@ class Plan:
         predicted_peak_bytes: peak under the DP's paper model
             (PAPER.md §3); ``None`` when infeasible.
         simulated_peak_bytes: peak of the canonical schedule with liveness
-            (:func:`~chainer_recompute.schedule.simulate`).
+            (:func:`~chainer_recompute.core.schedule.simulate`).
         overhead: extra forward cost Σ T(V_i \\ U_i), in cost units.
         overhead_fraction: ``overhead / T(V)`` (a fraction of one forward).
         n_blocks: k.
@@ -44,7 +44,7 @@ class Plan:
         recompute: False for vanilla (nothing dropped, nothing recomputed).
         info: solver-specific extras (lower-set count, DP states, ...).
 
-    >>> from chainer_recompute.graph import Graph
+    >>> from chainer_recompute.core.graph import Graph
     >>> g = Graph.from_edges([1, 1], [(0, 1)])
     >>> p = make_plan(g, [{0, 1}], solver='exact', strategy='tc', budget_bytes=None)
     >>> p.n_blocks, sorted(p.dropped)
@@ -123,7 +123,7 @@ def make_plan(graph: Graph, lower_sets: Sequence, *, solver: str, strategy: str,
     ``feasible`` is ``predicted_peak_bytes <= budget_bytes`` (always True
     without a budget).
 
-    >>> from chainer_recompute.graph import Graph
+    >>> from chainer_recompute.core.graph import Graph
     >>> g = Graph.from_edges([1, 1, 1], [(0, 1), (1, 2)])
     >>> make_plan(g, [{0}, {0, 1, 2}], solver='chen', strategy='tc', budget_bytes=10).feasible
     True
@@ -149,7 +149,7 @@ def infeasible_plan(graph: Graph, *, solver: str, strategy: str, budget_bytes: O
                     solve_time_s: float = 0.0, info: Optional[Dict[str, Any]] = None) -> Plan:
     """A Plan that says no strategy fits ``budget_bytes``.
 
-    >>> from chainer_recompute.graph import Graph
+    >>> from chainer_recompute.core.graph import Graph
     >>> infeasible_plan(Graph.from_edges([1], []), solver='exact', strategy='tc',
     ...                 budget_bytes=1).feasible
     False

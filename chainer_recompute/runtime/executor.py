@@ -39,9 +39,9 @@ from . import _chainer  # noqa: F401
 import chainer
 from chainer import backend
 
-from .capturing import function_op
-from .errors import RecomputeError
-from .graph import Graph
+from .capture import function_op
+from ..core.errors import RecomputeError
+from ..core.graph import Graph
 
 logger = logging.getLogger(__name__)
 

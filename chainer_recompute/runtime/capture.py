@@ -37,8 +37,8 @@ from . import _chainer  # noqa: F401  (NumPy 2 compatibility before chainer)
 import chainer
 from chainer import backend
 
-from .errors import CaptureError
-from .graph import ArrayInfo, Graph, HeldArray, Node
+from ..core.errors import CaptureError
+from ..core.graph import ArrayInfo, Graph, HeldArray, Node
 
 logger = logging.getLogger(__name__)
 
@@ -422,7 +422,7 @@ def capture(model: Callable[..., Any], *args: Any, repeat: int = 1, backward: bo
         ops = [function_op(r.func) for r in first_hook.records]
         for k, other in enumerate(runs[1:], start=2):
             if [function_op(r.func) for r in other] != ops:
-                from .errors import GraphChangedError
+                from ..core.errors import GraphChangedError
                 raise GraphChangedError(
                     f"forward pass {k} applied other functions than pass 1; the model's "
                     f"graph changes between calls with the same inputs, so it cannot be "

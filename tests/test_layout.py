@@ -1,0 +1,96 @@
+"""The package's architecture: a pure core that imports no Chainer, a
+Chainer runtime beside it, and no import cycles anywhere."""
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import networkx as nx
+
+PACKAGE = Path(__file__).resolve().parent.parent / "chainer_recompute"
+
+# As if Chainer and CuPy were not installed: importing them raises
+# ImportError and importlib.util.find_spec() returns None.
+BLOCK_CHAINER = """
+import sys
+for name in ('chainer', 'chainerx', 'cupy'):
+    sys.modules[name] = None
+"""
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: Path):
+    """Modules of the package that ``path`` imports (outside TYPE_CHECKING)."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    tree = ast.parse(path.read_text())
+    skip = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip.update(id(n) for n in ast.walk(node))
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            if not mod.startswith("chainer_recompute"):
+                continue
+            for alias in node.names:
+                yield f"{mod}.{alias.name}"  # a submodule, or a name in mod
+            yield mod
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("chainer_recompute"):
+                    yield alias.name
+
+
+def test_no_import_cycles():
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    g = nx.DiGraph()
+    for name, path in modules.items():
+        g.add_node(name)
+        for target in _imports(path):
+            if target in modules and target != name and not name.startswith(target + "."):
+                g.add_edge(name, target)
+    cycles = [sorted(c) for c in nx.strongly_connected_components(g) if len(c) > 1]
+    assert cycles == [], f"import cycles: {cycles}"
+
+
+def test_core_never_imports_chainer_or_runtime():
+    for path in (PACKAGE / "core").rglob("*.py"):
+        for target in _imports(path):
+            assert ".runtime" not in target and ".models" not in target, (path, target)
+        text = path.read_text()
+        assert "import chainer\n" not in text and "from chainer " not in text, path
+
+
+def test_core_imports_and_solves_without_chainer():
+    code = BLOCK_CHAINER + """
+import chainer_recompute as cr
+from chainer_recompute.core.graph import Graph
+g = Graph.from_edges([4, 4, 4, 4], [(0, 1), (1, 2), (2, 3)])
+plan = cr.solve(g, 24, solver='exact')
+print(plan.feasible, sys.modules.get('chainer') is not None)
+try:
+    cr.apply
+except ImportError as e:
+    print('apply needs chainer:', e)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=PACKAGE.parent, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "True False"
+    assert lines[1].startswith("apply needs chainer")

@@ -243,7 +243,8 @@ def test_measured_peak_below_vanilla(name):
     plain(x, t)
     ours = copy.deepcopy(plain)
     cr.apply(ours, budget=least)
-    ours(x, t)  # plan
+    for _ in range(2):  # the first call is recorded, the second plans
+        ours(x, t).backward()
     vanilla, recompute = _peak(plain, x, t), _peak(ours, x, t)
     plan = cr.runner_of(ours).plan_for(ours, x, t)
     log.warning("%s: vanilla %d B, recompute %d B (%.0f%%), plan predicted %d B, simulated %d B",
@@ -296,12 +297,15 @@ def test_plan_cache_per_signature_and_bound():
     model = make()
     cr.apply(model, budget="1G", max_plans=2)
     runner = cr.runner_of(model)
-    model(x, t).backward()
-    model(x, t).backward()
+    model(x, t).backward()  # recorded
+    assert len(runner.plans) == 0
+    model(x, t).backward()  # planned
     assert len(runner.plans) == 1
-    model(x[:10], t[:10]).backward()  # a smaller last batch: planned again
+    for _ in range(2):
+        model(x[:10], t[:10]).backward()  # a smaller last batch: planned again
     assert len(runner.plans) == 2
-    model(x[:5], t[:5]).backward()
+    for _ in range(2):
+        model(x[:5], t[:5]).backward()
     assert len(runner.plans) == 2  # bounded
 
 
@@ -328,7 +332,8 @@ def test_no_backward_leaks_nothing():
     model = make()
     model(x, t)
     cr.apply(model, budget=least)
-    model(x, t).backward()  # plan
+    model(x, t).backward()  # recorded
+    model(x, t).backward()  # planned
     gc.collect()
     gc.disable()  # reference counting alone must free the graph
     try:
@@ -356,20 +361,32 @@ def test_graph_change_is_detected_and_replanned(caplog):
     plain(x, t)
     ours = copy.deepcopy(plain)
     cr.apply(ours, budget=least)
-    ours(x, t).backward()
+    for _ in range(2):
+        for model in (plain, ours):
+            model.cleargrads()
+            model(x, t).backward()  # recorded, then planned
+    assert cr.runner_of(ours).last_stats.path == "planned"
     for model in (plain, ours):
         model.deep = False
         model.cleargrads()
-        with caplog.at_level(logging.WARNING):
+        with caplog.at_level(logging.INFO):
             model(x, t).backward()
     assert "graph changed" in caplog.text
+    assert cr.runner_of(ours).last_stats.path == "mismatch"
     _assert_same(plain, ours)
-    assert cr.runner_of(ours).plans == {}  # re-planned at the next call
     for model in (plain, ours):
         model.cleargrads()
         model(x, t).backward()
     _assert_same(plain, ours)
-    assert len(cr.runner_of(ours).plans) == 1
+    (entry,) = cr.runner_of(ours)._entries.values()
+    assert len(entry.structures) == 2  # one plan per structure
+    assert cr.runner_of(ours).last_stats.path == "planned"
+    for model in (plain, ours):  # back to the first structure: its plan is still there
+        model.deep = True
+        model.cleargrads()
+        model(x, t).backward()
+    _assert_same(plain, ours)
+    assert cr.runner_of(ours).last_stats.path == "planned"
 
 
 def test_budget_below_least_feasible_changes_nothing():
@@ -378,8 +395,9 @@ def test_budget_below_least_feasible_changes_nothing():
     g, least = _least(make, (x, t))
     model = make()
     model(x, t)
-    before = _state(model)[1]
     cr.apply(model, budget=int(least * 0.5))
+    model(x, t)  # recorded: runs as plain Chainer
+    before = _state(model)[1]
     with pytest.raises(InfeasibleBudgetError) as info:
         model(x, t)
     assert "least feasible" in str(info.value)
@@ -467,7 +485,7 @@ def test_capture_at_a_small_batch_and_scale():
             model(x, t).backward()
     _assert_same(plain, ours)
     (entry,) = cr.runner_of(ours)._entries.values()
-    assert entry.graph.meta["scaled_from"] == 2 and entry.graph.batch_size == 8
+    assert entry.structures[0].graph.meta["scaled_from"] == 2 and entry.structures[0].graph.batch_size == 8
     assert cr.runner_of(ours).last_stats.mismatch is None
 
 
@@ -519,5 +537,5 @@ def test_unsafe_functions_are_kept_and_gradients_stay_identical():
     assert [g.nodes[v].op for v in unsafe] == ["AddNoise"] * 6
     plain, ours = _train_both(NoisyNet, (x, t), budget=least, steps=2)
     (entry,) = cr.runner_of(ours)._entries.values()
-    assert not set(unsafe) & entry.program.dropped
+    assert not set(unsafe) & entry.structures[0].program.dropped
     assert cr.runner_of(ours).last_stats.recomputed_nodes > 0

@@ -39,6 +39,14 @@ class ArrayInfo:
         producer: id of the node that created it (``None`` for inputs and
             parameters).
         name: parameter path (``/predictor/conv1/W``), input index, or ``''``.
+        view_of: the array whose memory this one shares (a ``reshape``,
+            ``transpose``, ``split_axis`` or basic-slice output); ``None``
+            when it owns its memory. A view costs no bytes of its own.
+        dies_at: for arrays made by the forward pass, the index of the node
+            before which the caller's last reference (its ``Variable``) was
+            gone; ``None`` when it was still referenced when the forward
+            returned (the loss, outputs the model keeps for logging). What
+            Chainer retains for backward lives on regardless.
     """
 
     id: int
@@ -48,6 +56,13 @@ class ArrayInfo:
     kind: str
     producer: Optional[int] = None
     name: str = ""
+    view_of: Optional[int] = None
+    dies_at: Optional[int] = None
+
+    @property
+    def owned_bytes(self) -> int:
+        """Bytes this array allocates itself: 0 for a view."""
+        return 0 if self.view_of is not None else self.nbytes
 
 
 @dataclass(frozen=True)
@@ -84,6 +99,14 @@ class Node:
         recomputable: False where re-running the function is not safe.
         label: free text, e.g. the link path that applied it.
         attrs: JSON-able function attributes (stride, pad, ...).
+        forward_transient_bytes / backward_transient_bytes: the largest
+            temporary memory of one forward / backward call above what it
+            leaves allocated (im2col buffers, workspaces), measured by the
+            allocator; ``None`` where not measured.
+        backward_alloc_bytes: bytes the backward call leaves allocated (the
+            input gradients it makes), measured; ``None`` where not measured.
+        has_backward: False when no input requires a gradient, so Chainer
+            never runs this function's backward.
     """
 
     id: int
@@ -98,6 +121,10 @@ class Node:
     recomputable: bool = True
     label: str = ""
     attrs: Mapping[str, Any] = field(default_factory=dict)
+    forward_transient_bytes: Optional[int] = None
+    backward_transient_bytes: Optional[int] = None
+    backward_alloc_bytes: Optional[int] = None
+    has_backward: bool = True
 
     @property
     def held_bytes(self) -> int:
@@ -113,7 +140,11 @@ class Graph:
             topological order (each input is produced by an earlier node).
         batch_size: the batch the graph was captured at (for scaling).
         cost_model: ``paper``, ``flops`` or ``measured`` (see ``costs``).
-        meta: free-form, JSON-able information (model name, source file).
+        meta: free-form, JSON-able information (model name, source file;
+            ``meta['state_bytes']``: parameter, gradient and optimizer-state
+            bytes, see :attr:`state_bytes`).
+        backward_order: node ids in the order their backward ran in the
+            recorded iteration (``None`` where not recorded).
 
     >>> g = Graph.from_edges([4, 8, 4], [(0, 1), (1, 2)])
     >>> g.n, list(g.node_bytes), g.preds[2]
@@ -122,11 +153,14 @@ class Graph:
 
     def __init__(self, arrays: Sequence[ArrayInfo], nodes: Sequence[Node], *,
                  batch_size: Optional[int] = None, cost_model: str = "paper",
-                 meta: Optional[Mapping[str, Any]] = None) -> None:
+                 meta: Optional[Mapping[str, Any]] = None,
+                 backward_order: Optional[Sequence[int]] = None) -> None:
         self.arrays: Tuple[ArrayInfo, ...] = tuple(arrays)
         self.nodes: Tuple[Node, ...] = tuple(nodes)
         self.batch_size = batch_size
         self.meta: Dict[str, Any] = dict(meta or {})
+        self.backward_order: Optional[Tuple[int, ...]] = (
+            None if backward_order is None else tuple(int(v) for v in backward_order))
         self._validate()
         preds: List[set] = [set() for _ in self.nodes]
         for node in self.nodes:
@@ -141,7 +175,7 @@ class Graph:
                 succs[u].append(v)
         self.succs: Tuple[Tuple[int, ...], ...] = tuple(tuple(s) for s in succs)
         self.node_bytes = np.array(
-            [sum(self.arrays[a].nbytes for a in n.outputs) for n in self.nodes],
+            [sum(self.arrays[a].owned_bytes for a in n.outputs) for n in self.nodes],
             dtype=np.int64)
         self.node_bytes.setflags(write=False)
         self.cost_model = cost_model
@@ -220,6 +254,14 @@ class Graph:
                 if self.arrays[a].producer != v:
                     raise GraphError(f"array {a} is an output of node {v} but records "
                                      f"producer {self.arrays[a].producer}")
+        for a in self.arrays:
+            if a.view_of is not None and not 0 <= a.view_of < len(self.arrays):
+                raise GraphError(f"array {a.id} is a view of array {a.view_of}, which does "
+                                 f"not exist")
+        if self.backward_order is not None:
+            bad = [v for v in self.backward_order if not 0 <= v < len(self.nodes)]
+            if bad:
+                raise GraphError(f"backward_order names nodes {bad[:5]} that do not exist")
 
     # ------------------------------------------------------------- derived
     @property
@@ -233,8 +275,7 @@ class Graph:
 
     def with_cost_model(self, cost_model: str) -> "Graph":
         """The same graph under another cost model."""
-        return Graph(self.arrays, self.nodes, batch_size=self.batch_size,
-                     cost_model=cost_model, meta=self.meta)
+        return self.replace(cost_model=cost_model)
 
     def replace(self, *, arrays: Optional[Sequence[ArrayInfo]] = None,
                 nodes: Optional[Sequence[Node]] = None, **kw: Any) -> "Graph":
@@ -245,6 +286,15 @@ class Graph:
 
     def arrays_of_kind(self, *kinds: str) -> List[ArrayInfo]:
         return [a for a in self.arrays if a.kind in kinds]
+
+    @property
+    def state_bytes(self) -> Dict[str, int]:
+        """Bytes that do not depend on the plan, as recorded at capture:
+        ``params``, ``param_grads``, ``optimizer_state`` (0 where no
+        optimizer was known) and ``update_transient`` (the largest
+        temporary of an optimizer update); empty for graphs that do not
+        record them (the authors' files)."""
+        return {k: int(v) for k, v in self.meta.get("state_bytes", {}).items()}
 
     @property
     def activation_bytes(self) -> int:
@@ -282,8 +332,8 @@ class Graph:
         Arrays other than parameters whose leading dimension is the capture
         batch get that dimension replaced (and their bytes scaled); the same
         for arrays held in function attributes. Parameters, scalars and
-        per-channel statistics are unchanged. Measured times scale linearly
-        with the batch.
+        per-channel statistics are unchanged. Measured times and transient
+        bytes scale linearly with the batch.
 
         Raises:
             GraphError: when the graph does not know its batch size.
@@ -311,8 +361,14 @@ class Graph:
             for h in node.held:
                 shape, nbytes = scaled(h.shape, h.nbytes, "held")
                 held.append(dataclasses.replace(h, shape=shape, nbytes=nbytes))
+            def scale_b(b: Optional[int]) -> Optional[int]:
+                return None if b is None else int(b * batch_size // old)
+
             nodes.append(dataclasses.replace(
                 node, held=tuple(held),
+                forward_transient_bytes=scale_b(node.forward_transient_bytes),
+                backward_transient_bytes=scale_b(node.backward_transient_bytes),
+                backward_alloc_bytes=scale_b(node.backward_alloc_bytes),
                 forward_time_s=None if node.forward_time_s is None else node.forward_time_s * ratio,
                 backward_time_s=None if node.backward_time_s is None else node.backward_time_s * ratio))
         meta = dict(self.meta)

@@ -11,7 +11,11 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 from .errors import GraphError, GraphFormatError, SchemaVersionError
 from .graph import ArrayInfo, Graph, HeldArray, Node, _topological_order
 
-SCHEMA_VERSION = 1
+#: Version 2 adds views (``view_of``), lifetimes (``dies_at``), measured
+#: transient bytes, ``has_backward``, the recorded backward order and the
+#: state bytes; version 1 files are still read (those fields absent).
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 PathLike = Union[str, "os.PathLike[str]"]
 
 
@@ -20,7 +24,8 @@ def graph_to_dict(graph: Graph) -> Dict[str, Any]:
     def arr(a: ArrayInfo) -> Dict[str, Any]:
         return {"id": a.id, "shape": None if a.shape is None else list(a.shape),
                 "dtype": a.dtype, "nbytes": a.nbytes, "kind": a.kind,
-                "producer": a.producer, "name": a.name}
+                "producer": a.producer, "name": a.name, "view_of": a.view_of,
+                "dies_at": a.dies_at}
 
     def held(h: HeldArray) -> Dict[str, Any]:
         return {"name": h.name, "shape": None if h.shape is None else list(h.shape),
@@ -32,19 +37,25 @@ def graph_to_dict(graph: Graph) -> Dict[str, Any]:
                 "retained_outputs": list(n.retained_outputs),
                 "held": [held(h) for h in n.held],
                 "forward_time_s": n.forward_time_s, "backward_time_s": n.backward_time_s,
-                "recomputable": n.recomputable, "label": n.label, "attrs": dict(n.attrs)}
+                "recomputable": n.recomputable, "label": n.label, "attrs": dict(n.attrs),
+                "forward_transient_bytes": n.forward_transient_bytes,
+                "backward_transient_bytes": n.backward_transient_bytes,
+                "backward_alloc_bytes": n.backward_alloc_bytes,
+                "has_backward": n.has_backward}
 
     return {"schema_version": SCHEMA_VERSION, "batch_size": graph.batch_size,
             "cost_model": graph.cost_model, "meta": graph.meta,
+            "backward_order": (None if graph.backward_order is None
+                               else list(graph.backward_order)),
             "arrays": [arr(a) for a in graph.arrays], "nodes": [node(n) for n in graph.nodes]}
 
 
 def graph_from_dict(d: Dict[str, Any], source: str = "<dict>") -> Graph:
     version = d.get("schema_version")
-    if version != SCHEMA_VERSION:
+    if version not in READABLE_VERSIONS:
         raise SchemaVersionError(
             f"{source}: graph schema version {version!r}, but this chainer_recompute reads "
-            f"version {SCHEMA_VERSION}; capture the graph again with this version")
+            f"versions {list(READABLE_VERSIONS)}; capture the graph again with this version")
 
     def shape(s: Optional[List[int]]) -> Optional[Tuple[int, ...]]:
         return None if s is None else tuple(int(x) for x in s)
@@ -52,7 +63,8 @@ def graph_from_dict(d: Dict[str, Any], source: str = "<dict>") -> Graph:
     try:
         arrays = [ArrayInfo(id=a["id"], shape=shape(a["shape"]), dtype=a["dtype"],
                             nbytes=int(a["nbytes"]), kind=a["kind"], producer=a["producer"],
-                            name=a.get("name", "")) for a in d["arrays"]]
+                            name=a.get("name", ""), view_of=a.get("view_of"),
+                            dies_at=a.get("dies_at")) for a in d["arrays"]]
         nodes = [Node(id=n["id"], op=n["op"], inputs=tuple(n["inputs"]),
                       outputs=tuple(n["outputs"]),
                       retained_inputs=tuple(n.get("retained_inputs", ())),
@@ -63,11 +75,16 @@ def graph_from_dict(d: Dict[str, Any], source: str = "<dict>") -> Graph:
                       forward_time_s=n.get("forward_time_s"),
                       backward_time_s=n.get("backward_time_s"),
                       recomputable=n.get("recomputable", True), label=n.get("label", ""),
-                      attrs=n.get("attrs", {})) for n in d["nodes"]]
+                      attrs=n.get("attrs", {}),
+                      forward_transient_bytes=n.get("forward_transient_bytes"),
+                      backward_transient_bytes=n.get("backward_transient_bytes"),
+                      backward_alloc_bytes=n.get("backward_alloc_bytes"),
+                      has_backward=n.get("has_backward", True)) for n in d["nodes"]]
     except (KeyError, TypeError) as e:
         raise GraphFormatError(source, None, f"missing or malformed field {e}") from None
     return Graph(arrays, nodes, batch_size=d.get("batch_size"),
-                 cost_model=d.get("cost_model", "paper"), meta=d.get("meta", {}))
+                 cost_model=d.get("cost_model", "paper"), meta=d.get("meta", {}),
+                 backward_order=d.get("backward_order"))
 
 
 def save_graph(graph: Graph, path: PathLike) -> None:

@@ -1,35 +1,53 @@
-"""Recording one real forward pass of a Chainer model into a :class:`Graph`.
+"""Recording Chainer's define-by-run graph of a real iteration into a
+:class:`~chainer_recompute.core.graph.Graph`.
 
-:class:`CaptureHook` is a ``chainer.FunctionHook``: while it is active every
-top-level function application is recorded in execution order, with its
-input and output arrays, the arrays Chainer retains for its backward
-(``retain_inputs`` / ``retain_outputs``), the arrays the function object
-keeps in its own attributes (found by inspecting the object after its
-forward, not from a per-function list) and its measured forward time.
+:class:`Recorder` is a ``chainer.FunctionHook``. While the model's forward
+runs, every top-level function application is recorded in execution order
+with metadata only (it holds no array, so the recorded iteration uses the
+memory of a plain one): its inputs and outputs (which recorded array each
+input is, by its ``VariableNode``; which call argument or parameter it is
+otherwise), their shapes and bytes, which outputs are *views* of an input
+(``reshape``, ``transpose``, ``split_axis``: they cost no bytes), what
+Chainer retains for its backward, the arrays it keeps in its own attributes
+(found by inspection, not from a list of functions), when the caller's last
+reference to each output went away, and, when measuring, its forward time
+and the transient memory of the call (im2col buffers) from the allocator.
+It then registers itself as a local hook of every recorded function and
+records the backward order, times and transient memory of the backward that
+follows.
 
-With ``check_recompute=True`` (the default) every function is also run a
-second time on the same inputs, which tells, without a list of known
-functions:
+Safety analysis (``analyse=True``): right after a function's forward, the
+recorder runs it once more on the same inputs, which tells without a list
+of known functions:
 
-- whether its forward is reproducible (randomness held in the function
-  object, like dropout's ``mask``, is; randomness drawn anew is not);
-- which attribute arrays are *derived* (recomputed by forward: max-pooling
+- whether it draws fresh randomness: the global NumPy (and CuPy) random
+  state is compared around the first forward, and the second one runs on a
+  *different* random state and must neither draw nor give other outputs (a
+  dropout mask held in the function object is reused, so dropout passes);
+- which attribute arrays are *derived* (made again by forward: max-pooling
   indexes, BatchNorm ``mean`` / ``inv_std``) and which are *state* that
-  must be kept (a dropout mask: clearing it changes the output);
-- which arrays it *writes* in place (BatchNorm running statistics), which
-  a recomputation must detach;
-- whether it modifies its inputs in place (then it is not recomputable).
+  must be kept (dropout's ``mask``);
+- which pre-existing arrays the first forward *wrote* (BatchNorm running
+  statistics): a recomputation detaches them;
+- whether the forward modified its inputs in place (then it is unsafe).
 
-Capture leaves the model as it found it: parameters, persistent values
-(BatchNorm statistics), gradients and NumPy's global random state are
-restored on every exit path, and the hook is always removed.
+The global random state is put back around every rerun and every written
+array is restored, so the iteration is left exactly as plain Chainer leaves
+it. Results are cached per function class and configuration.
+
+:func:`capture` records a graph with a separate forward pass (and, with
+``backward=True``, a backward): it leaves no trace. The global random
+states, the persistent values and attributes of every Link reached (not
+only the model), lazily created parameters and gradients are restored.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
-import statistics
+import sys
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+import weakref
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy
 
@@ -37,8 +55,9 @@ from . import _chainer  # noqa: F401  (NumPy 2 compatibility before chainer)
 import chainer
 from chainer import backend
 
-from ..core.errors import CaptureError
+from ..core.errors import CaptureError, GraphChangedError
 from ..core.graph import ArrayInfo, Graph, HeldArray, Node
+from .memory import MemoryMeter
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +72,7 @@ _SKIP_ATTRS = frozenset({
 })
 
 
+# --------------------------------------------------------------- helpers
 def function_op(f: chainer.FunctionNode) -> str:
     """The class name of a function (of the wrapped one for old-style)."""
     inner = getattr(f, "_function", None)
@@ -81,178 +101,157 @@ def attribute_arrays(f: chainer.FunctionNode) -> List[Tuple[Any, str, Any]]:
     return found
 
 
-def _is_array(x: Any) -> bool:
+def owner_of(f: Any, name: str) -> Any:
+    """The object (``f`` or the old-style Function it wraps) holding attribute ``name``."""
+    inner = getattr(f, "_function", None)
+    if inner is not None and name in vars(inner):
+        return inner
+    return f
+
+
+def is_array(x: Any) -> bool:
     return isinstance(x, chainer.get_array_types())
 
 
-def _same(a: Any, b: Any) -> bool:
+def root_of(a: Any) -> Any:
+    """The object that owns the memory of array ``a`` (``a`` unless a view)."""
+    while True:
+        b = getattr(a, "base", None)
+        if b is None:
+            return a
+        a = b
+
+
+def same_array(a: Any, b: Any) -> bool:
     """Bitwise equality of two arrays (NaN equal to NaN)."""
     if a is None or b is None:
         return a is b
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     xp = backend.get_array_module(a)
-    a8 = xp.ascontiguousarray(a).view(numpy.uint8)
-    b8 = xp.ascontiguousarray(b).view(numpy.uint8)
+    a8 = xp.ascontiguousarray(a).reshape(-1).view(numpy.uint8)
+    b8 = xp.ascontiguousarray(b).reshape(-1).view(numpy.uint8)
     return bool(xp.array_equal(a8, b8))
 
 
-def _synchronize(arrays: Sequence[Any]) -> None:
+def fingerprint(a: Any) -> Tuple[Any, ...]:
+    """A cheap content checksum: any in-place change of ``a`` changes it
+    (one changed element always changes the first sum; compensating changes
+    across elements would have to cancel in three sums at once)."""
+    xp = backend.get_array_module(a)
+    flat = xp.ascontiguousarray(a).reshape(-1).view(numpy.uint8)
+    n4 = (flat.size // 4) * 4
+    w = flat[:n4].view(numpy.uint32)
+    tail = flat[n4:]
+    if xp is not numpy:
+        tail = backend.CpuDevice().send(tail)
+    return (tuple(a.shape), str(a.dtype), int(w.sum(dtype=numpy.uint64)),
+            int(w[1::2].sum(dtype=numpy.uint64)), int(w[::3].sum(dtype=numpy.uint64)),
+            bytes(tail.tobytes()))
+
+
+def synchronize(arrays: Sequence[Any]) -> None:
     for a in arrays:
-        if _is_array(a) and not isinstance(a, numpy.ndarray):
+        if is_array(a) and not isinstance(a, numpy.ndarray):
             backend.get_device_from_array(a).device.synchronize()
             return
 
 
-class _Record:
-    __slots__ = ("func", "in_data", "out_data", "times")
-
-    def __init__(self, func: chainer.FunctionNode, in_data: Tuple[Any, ...]) -> None:
-        self.func = func
-        self.in_data = in_data
-        self.out_data: Optional[Tuple[Any, ...]] = None
-        self.times: List[float] = []
+def _xp_of(arrays: Sequence[Any]) -> Any:
+    for a in arrays:
+        if is_array(a):
+            return backend.get_array_module(a)
+    return numpy
 
 
-class CaptureHook(chainer.FunctionHook):
-    """Records the top-level function applications of a forward pass.
+# ----------------------------------------------------------- random state
+class GlobalRNG:
+    """The global random generators Chainer's functions draw from: NumPy's
+    and, where CuPy is imported, CuPy's (one per device)."""
 
-    Functions applied *inside* another function's forward (nested
-    applications) and work done during backward are not recorded. The hook
-    keeps references to the input and output arrays of every recorded
-    function while it lives, so capture at a small batch and scale
-    (:meth:`Graph.scale_batch`).
+    @staticmethod
+    def _cupy_states() -> Optional[Dict[Any, Any]]:
+        mod = sys.modules.get("cupy.random._generator")
+        return None if mod is None else getattr(mod, "_random_states", None)
 
-    >>> import chainer, numpy as np, chainer.functions as F
-    >>> with CaptureHook() as hook:
-    ...     y = F.sum(F.relu(chainer.Variable(np.ones((2, 3), np.float32))))
-    >>> [function_op(r.func) for r in hook.records]
-    ['ReLU', 'Sum']
-    """
+    @classmethod
+    def save(cls) -> Tuple[Any, Optional[Dict[Any, Any]]]:
+        """NumPy's state and CuPy's generator objects."""
+        states = cls._cupy_states()
+        return numpy.random.get_state(), None if states is None else dict(states)
 
-    name = "CaptureHook"
+    @classmethod
+    def restore(cls, saved: Tuple[Any, Optional[Dict[Any, Any]]]) -> None:
+        numpy.random.set_state(saved[0])
+        states = cls._cupy_states()
+        if states is not None and saved[1] is not None:
+            states.clear()
+            states.update(saved[1])
 
-    def __init__(self) -> None:
-        self.records: List[_Record] = []
-        self._depth = 0
-        self._stack: List[Optional[_Record]] = []
-        self.interrupted: List[_Record] = []  # functions whose forward raised
+    @staticmethod
+    def numpy_changed(before: Any) -> bool:
+        after = numpy.random.get_state()
+        return not (before[2:] == after[2:] and numpy.array_equal(before[1], after[1]))
 
-    def forward_preprocess(self, function, in_data):
-        self._depth += 1
-        if self._depth > 1 or not chainer.config.enable_backprop:
-            # A nested application inside another forward, or work outside
-            # the backprop graph: not a node.
-            self._stack.append(None)
-            return
-        rec = _Record(function, tuple(in_data))
-        self._stack.append(rec)
-        original = type(function).forward
-
-        def timed_forward(inputs, _f=function, _rec=rec, _orig=original):
-            _synchronize(inputs)
-            t0 = time.perf_counter()
-            out = _orig(_f, inputs)
-            _synchronize(out)
-            _rec.times.append(time.perf_counter() - t0)
-            _rec.out_data = tuple(out)
-            return out
-
-        function.forward = timed_forward  # instance attribute, removed below
-
-    def forward_postprocess(self, function, in_data):
-        self._depth -= 1
-        rec = self._stack.pop()
-        if rec is None:
-            return
-        vars(function).pop("forward", None)
-        self.records.append(rec)
-
-    def deleted(self, function=None):
-        # Make sure no instance-level forward wrapper outlives the hook.
-        self.interrupted = [rec for rec in self._stack if rec is not None]
-        for rec in self.interrupted:
-            vars(rec.func).pop("forward", None)
-        self._stack.clear()
-        self._depth = 0
+    @classmethod
+    @contextlib.contextmanager
+    def isolated(cls, seed: int = 0x5EED) -> Iterator[None]:
+        """Run a block on other random states (NumPy seeded with ``seed``,
+        fresh CuPy generators); the original states are put back after."""
+        saved = cls.save()
+        try:
+            numpy.random.seed(seed)
+            states = cls._cupy_states()
+            if states is not None:
+                states.clear()  # CuPy makes new generators on demand
+            yield
+        finally:
+            cls.restore(saved)
 
 
-# --------------------------------------------------------------- state
-class _ModelState:
-    """Persistent values, gradients and NumPy's random state, saved and
-    restored in place."""
+# --------------------------------------------------------------- analysis
+class Analysis:
+    """Whether a function can be recomputed, and what its attributes are."""
 
-    def __init__(self, link: Optional[chainer.Link]) -> None:
-        self.link = link
-        self.persistents: List[Tuple[chainer.Link, str, Any]] = []
-        self.grads: List[Tuple[Any, Any]] = []
-        self.rng = numpy.random.get_state()
-        if link is None:
-            return
-        for sub in link.links():
-            for name in getattr(sub, "_persistent", ()):
-                value = getattr(sub, name, None)
-                self.persistents.append((sub, name, value.copy() if _is_array(value) else value))
-        for p in link.params():
-            if p.array is None:
-                # Lazily initialised: the capture forward initialises it, as
-                # the first real forward would have.
+    __slots__ = ("recomputable", "reason", "roles")
+
+    def __init__(self, recomputable: bool, reason: str, roles: Dict[str, str]) -> None:
+        self.recomputable, self.reason, self.roles = recomputable, reason, roles
+
+
+_ANALYSIS_CACHE: Dict[Tuple[Any, ...], Analysis] = {}
+_ANALYSIS_CACHE_LIMIT = 4096
+
+
+def _scalar_kind(v: Any) -> Optional[str]:
+    if isinstance(v, (bool, int, float, str, type(None))):
+        return type(v).__name__
+    if isinstance(v, tuple) and all(isinstance(x, (bool, int, float, str)) for x in v):
+        return "tuple"
+    return None
+
+
+def _analysis_key(f: Any, in_data: Tuple[Any, ...], held_names: Tuple[str, ...],
+                  rng_drawn: bool, written: Tuple[str, ...]) -> Tuple[Any, ...]:
+    config = []
+    for owner in _attr_owners(f):
+        for k, v in vars(owner).items():
+            if k in _SKIP_ATTRS:
                 continue
-            self.grads.append((p, None if p.grad is None else p.grad.copy()))
-
-    def restore(self) -> None:
-        numpy.random.set_state(self.rng)
-        for sub, name, saved in self.persistents:
-            current = getattr(sub, name, None)
-            if _is_array(saved) and _is_array(current) and current.shape == saved.shape:
-                current[...] = saved
-            else:
-                setattr(sub, name, saved)
-        for p, g in self.grads:
-            if g is None:
-                p.grad = None
-            elif p.grad is not None and p.grad.shape == g.shape:
-                p.grad[...] = g
-            else:
-                p.grad = g
+            kind = _scalar_kind(v)
+            if kind is not None:
+                config.append((k, kind))
+    return (type(f), type(getattr(f, "_function", None)), tuple(sorted(config)), held_names,
+            tuple((str(x.dtype), x.ndim) if is_array(x) else None for x in in_data),
+            rng_drawn, written)
 
 
-def batch_size_of(args: Sequence[Any], kwargs: Dict[str, Any]) -> Optional[int]:
-    """The leading dimension of the first array (or Variable) argument."""
-    for a in list(args) + list(kwargs.values()):
-        arr = a.raw_array if isinstance(a, chainer.Variable) else a
-        if _is_array(arr) and arr.ndim > 0:
-            return int(arr.shape[0])
-    return None
-
-
-def _find_link(model: Any) -> Optional[chainer.Link]:
-    if isinstance(model, chainer.Link):
-        return model
-    owner = getattr(model, "__self__", None)
-    return owner if isinstance(owner, chainer.Link) else None
-
-
-def _first_variable(result: Any) -> Optional[chainer.Variable]:
-    if isinstance(result, chainer.Variable):
-        return result
-    if isinstance(result, dict):
-        result = list(result.values())
-    if isinstance(result, (tuple, list)):
-        for r in result:
-            v = _first_variable(r)
-            if v is not None:
-                return v
-    return None
-
-
-# ------------------------------------------------------------ analysis
 def _rerun(f: chainer.FunctionNode, in_data: Tuple[Any, ...],
            clear: Sequence[Tuple[Any, str]] = (),
            detach: Sequence[Tuple[Any, str]] = ()) -> Tuple[Any, ...]:
     """Run ``f.forward`` again; attributes in ``clear`` set to None and
-    in ``detach`` replaced by copies for the run. ``f``'s attributes are put
-    back as they were afterwards."""
+    those in ``detach`` replaced by copies for the run. ``f``'s attributes
+    are put back as they were afterwards."""
     saved = [dict(vars(o)) for o in _attr_owners(f)]
     try:
         for owner, name in clear:
@@ -268,91 +267,647 @@ def _rerun(f: chainer.FunctionNode, in_data: Tuple[Any, ...],
             vars(o).update(d)
 
 
-def analyse_recompute(f: chainer.FunctionNode, in_data: Tuple[Any, ...],
-                      out_data: Tuple[Any, ...], external_ids: set
-                      ) -> Tuple[bool, str, Dict[str, str]]:
-    """Decide whether ``f`` can be recomputed and what its attribute arrays
-    are.
+def analyse_function(f: chainer.FunctionNode, in_data: Tuple[Any, ...],
+                     out_data: Tuple[Any, ...], held: Sequence[Tuple[Any, str, Any]],
+                     rng_drawn: bool, written: Sequence[Tuple[Any, str]]) -> Analysis:
+    """Decide whether ``f`` (whose forward has just run) can be recomputed,
+    and the role of each attribute array in ``held``.
+
+    Args:
+        f: the function node.
+        in_data, out_data: its inputs and the outputs of its first forward.
+        held: ``(owner, name, array)`` of the attribute arrays to classify
+            (neither inputs, outputs, parameters nor persistent values).
+        rng_drawn: the first forward changed the global random state.
+        written: ``(owner, name)`` of the pre-existing attribute arrays the
+            first forward changed in place.
 
     Returns:
-        ``(recomputable, reason, roles)`` where ``roles`` maps attribute
-        names to ``derived`` (recomputed by forward), ``state`` (must be
-        kept for an identical recomputation), ``written`` (updated in place
-        by forward: detach during recomputation) or ``external``
-        (pre-existing arrays such as running statistics that forward only
-        reads).
+        An :class:`Analysis`: roles are ``written``, ``derived`` or
+        ``state``; ``recomputable`` is False when a rerun draws randomness
+        again, gives other outputs, or fails.
     """
-    io_ids = {id(a) for a in in_data + out_data if a is not None}
-    attrs = [(o, n, a) for o, n, a in attribute_arrays(f) if id(a) not in io_ids]
-    before_attrs = {(id(o), n): a.copy() for o, n, a in attrs}
-    before_inputs = [a.copy() if _is_array(a) else a for a in in_data]
-    roles: Dict[str, str] = {}
+    roles = {name: "written" for _, name in written}
+    key = _analysis_key(f, in_data, tuple(sorted(n for _, n, _ in held)), rng_drawn,
+                        tuple(sorted(roles)))
+    cached = _ANALYSIS_CACHE.get(key)
+    if cached is not None:
+        return Analysis(cached.recomputable, cached.reason, dict(cached.roles))
+
+    def run(clear: Sequence[Tuple[Any, str]] = ()) -> Tuple[Optional[Tuple[Any, ...]], bool]:
+        """(outputs or None on failure, whether the run drew randomness)."""
+        with GlobalRNG.isolated():
+            before = numpy.random.get_state()
+            try:
+                out = _rerun(f, in_data, clear=clear, detach=written)
+            except Exception:  # noqa: BLE001 - any failure means "not reproducible"
+                return None, False
+            return out, GlobalRNG.numpy_changed(before)
+
+    def same(out: Optional[Tuple[Any, ...]]) -> bool:
+        return out is not None and len(out) == len(out_data) and all(
+            same_array(x, y) for x, y in zip(out, out_data))
+
+    result: Analysis
+    out, drew = run()
+    if out is None:
+        result = Analysis(False, "its forward could not be run again", roles)
+    elif drew:
+        result = Analysis(False, "it draws fresh randomness from the global random state "
+                                 "on every forward (it does not keep its draw)", roles)
+    elif not same(out):
+        result = Analysis(False, "a second forward on the same inputs gives other outputs "
+                                 "(randomness not held in the function object?)", roles)
+    else:
+        for owner, name, _ in held:
+            if name in roles:
+                continue
+            out2, drew2 = run(clear=[(owner, name)])
+            roles[name] = "derived" if (same(out2) and not drew2) else "state"
+        result = Analysis(True, "", roles)
+    if len(_ANALYSIS_CACHE) < _ANALYSIS_CACHE_LIMIT:
+        _ANALYSIS_CACHE[key] = Analysis(result.recomputable, result.reason, dict(result.roles))
+    return result
+
+
+# ---------------------------------------------------------------- records
+class Call:
+    """What the recorder knows of one top-level function application."""
+
+    __slots__ = (
+        "index", "func", "op", "label", "in_shapes", "in_args", "out_meta", "out_view",
+        "keep_in", "keep_out", "held", "in_ids", "out_ids", "has_backward", "measured",
+        "time_s", "fwd_transient", "recomputable", "reason", "bwd_time_s", "bwd_transient",
+        "bwd_alloc", "_out", "_pre")
+
+    def __init__(self, index: int, func: Any, in_data: Tuple[Any, ...],
+                 in_args: Tuple[Optional[str], ...]) -> None:
+        self.index = index
+        self.func = weakref.ref(func)
+        self.op = function_op(func)
+        self.label = ""
+        self.in_shapes = tuple(tuple(x.shape) for x in in_data)
+        self.in_args = in_args
+        self.out_meta: Tuple[Tuple[Tuple[int, ...], str, int], ...] = ()
+        self.out_view: Tuple[Optional[int], ...] = ()  # input index each output views
+        self.keep_in: Tuple[int, ...] = ()
+        self.keep_out: Tuple[int, ...] = ()
+        self.held: Tuple[HeldArray, ...] = ()
+        self.in_ids: Optional[Tuple[int, ...]] = None
+        self.out_ids: Optional[Tuple[int, ...]] = None
+        self.has_backward = True
+        self.measured = False
+        self.time_s: Optional[float] = None
+        self.fwd_transient: Optional[int] = None
+        self.recomputable = True
+        self.reason = ""
+        self.bwd_time_s: Optional[float] = None
+        self.bwd_transient: Optional[int] = None
+        self.bwd_alloc: Optional[int] = None
+        self._out: Optional[Tuple[Any, ...]] = None  # the outputs, until mapped
+        self._pre: Any = None  # measurement state between pre- and postprocess
+
+
+class _ArrayRecord:
+    __slots__ = ("shape", "dtype", "nbytes", "kind", "producer", "name", "view_of", "dies_at")
+
+    def __init__(self, shape: Tuple[int, ...], dtype: str, nbytes: int, kind: str,
+                 producer: Optional[int], name: str = "", view_of: Optional[int] = None) -> None:
+        self.shape, self.dtype, self.nbytes, self.kind = shape, dtype, nbytes, kind
+        self.producer, self.name, self.view_of = producer, name, view_of
+        self.dies_at: Optional[int] = None
+
+
+class Recorder(chainer.FunctionHook):
+    """Records the top-level function applications of a forward pass, and
+    the backward that follows (see the module docstring).
+
+    Args:
+        measure: time each forward and backward call and measure its
+            transient memory with the allocator.
+        analyse: find what is safe to recompute (see the module docstring).
+        link: the Link being run (names parameters by their paths).
+        args: the call's arguments, so that inputs can be told apart.
+
+    Use it as a ``with`` block around the forward; call :meth:`finish`
+    when the forward has returned; :meth:`graph` builds the Graph (after
+    the backward, to include it).
+
+    >>> import chainer, numpy as np, chainer.functions as F
+    >>> rec = Recorder()
+    >>> with rec:
+    ...     y = F.sum(F.relu(chainer.Variable(np.ones((2, 3), np.float32))))
+    >>> rec.finish(); [n.op for n in rec.graph().nodes]
+    ['ReLU', 'Sum']
+    """
+
+    name = "chainer_recompute.Recorder"
+
+    def __init__(self, *, measure: bool = True, analyse: bool = True,
+                 link: Optional[chainer.Link] = None, args: Sequence[Any] = ()) -> None:
+        # A unique name: several recorders (nested models, a GAN's two
+        # models) may hook the same function.
+        self.name = f"chainer_recompute-{id(self):x}"
+        self.measure, self.analyse = measure, analyse
+        self.recording = True
+        self.calls: List[Call] = []
+        self.arrays: List[_ArrayRecord] = []
+        self.array_of: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+        self.param_refs: Dict[int, "weakref.ref[Any]"] = {}
+        self.index_of: Dict[int, int] = {}  # id(function) -> call index
+        self.backward_order: List[int] = []
+        self.backward_during_forward = False
+        self.forward_done = False
+        self._depth = 0
+        self._top: List[Optional[Call]] = []
+        self._pending: Optional[Call] = None
+        self._watch: List[Any] = []  # weakrefs to output Variables (their lifetime)
+        self._bwd: Dict[int, Tuple[float, Optional[MemoryMeter]]] = {}
+        self._param_names: Dict[int, str] = {}
+        self._external_ids: set = set()
+        if link is not None:
+            self._param_names = {id(p): path for path, p in link.namedparams()}
+            self._external_ids = persistent_array_ids(link)
+        self._arg_names: Dict[int, str] = {}
+        for k, a in enumerate(args):
+            for path, arr in _arrays_in(a, str(k)):
+                self._arg_names.setdefault(id(arr), path)
+
+    # ------------------------------------------------------------ forward
+    def forward_preprocess(self, function: Any, in_data: Tuple[Any, ...]) -> None:
+        self._depth += 1
+        top = self._depth == 1 and chainer.config.enable_backprop and not self.forward_done
+        if not top:
+            self._top.append(None)
+            return
+        self._map_pending()
+        call = Call(len(self.calls), function, in_data,
+                    tuple(self._arg_names.get(id(x)) for x in in_data))
+        self.calls.append(call)
+        self.index_of[id(function)] = call.index
+        self._top.append(call)
+        self.before_forward(call, function, in_data)
+        self._wrap(call, function, in_data)
+
+    def forward_postprocess(self, function: Any, in_data: Tuple[Any, ...]) -> None:
+        self._depth -= 1
+        call = self._top.pop()
+        if call is None:
+            return
+        out = call._out or ()
+        vars(function).pop("forward", None)
+        if call._pre is not None:
+            self._stop_measure(call, function, in_data, out)
+        self._describe(call, function, in_data, out)
+        function.add_hook(self)  # to see its backward
+        self._pending = call
+
+    def deleted(self, function: Any = None) -> None:
+        """Removed as a global hook (the ``with`` block ended, maybe by an
+        exception inside a function's forward): undo what a function that
+        never reached its postprocess left behind."""
+        if function is not None:
+            return
+        for call in self._top:
+            if call is None:
+                continue
+            f = call.func()
+            if f is not None:
+                vars(f).pop("forward", None)
+            if isinstance(call._pre, tuple) and call._pre[3] is not None:
+                call._pre[3].stop()
+            call._pre = None
+        self._top.clear()
+        self._depth = 0
+
+    def before_forward(self, call: Call, function: Any, in_data: Tuple[Any, ...]) -> None:
+        """Called before each recorded function runs (the executor's hook)."""
+
+    def after_mapping(self, call: Call) -> None:
+        """Called once ``call``'s inputs and outputs are known as array ids."""
+
+    def finish(self) -> None:
+        """The forward has returned: map the last function."""
+        self._map_pending()
+        self.forward_done = True
+        self._watch.clear()
+
+    # ---------------------------------------------------- measuring a call
+    def _wrap(self, call: Call, function: Any, in_data: Tuple[Any, ...]) -> None:
+        """Wrap the function's forward (an instance attribute, removed at
+        postprocess) to see its outputs and, when recording, to time it and
+        measure its memory."""
+        original = type(function).forward
+        measure = self.recording and self.measure
+        meter = None
+        if self.recording:
+            attrs_before = {(id(o), n): fingerprint(a) for o, n, a in attribute_arrays(function)}
+            inputs_before = [fingerprint(x) if is_array(x) else None for x in in_data]
+            meter = MemoryMeter(_xp_of(in_data)) if measure else None
+            call._pre = (attrs_before, inputs_before, numpy.random.get_state(), meter)
+
+        def wrapped(inputs: Tuple[Any, ...], _f: Any = function, _call: Call = call) -> Any:
+            if measure:
+                synchronize(inputs)
+            t0 = time.perf_counter()
+            out = original(_f, inputs)
+            if measure:
+                synchronize(out)
+                _call.time_s = time.perf_counter() - t0
+            _call._out = tuple(out)
+            return out
+
+        function.forward = wrapped
+        if meter is not None:
+            meter.start()
+
+    def _stop_measure(self, call: Call, function: Any, in_data: Tuple[Any, ...],
+                      out: Optional[Tuple[Any, ...]]) -> None:
+        attrs_before, inputs_before, rng_before, meter = call._pre
+        call._pre = None
+        if meter is not None:
+            m = meter.stop()
+            call.fwd_transient = max(0, m.peak_bytes - max(0, m.retained_bytes))
+        call.measured = True
+        io = {id(x) for x in tuple(in_data) + out if is_array(x)}
+        written, held = [], []
+        for owner, name, a in attribute_arrays(function):
+            if id(a) in io:
+                continue
+            before = attrs_before.get((id(owner), name))
+            if before is not None and before != fingerprint(a):
+                written.append((owner, name))
+            elif id(a) not in self._external_ids:
+                held.append((owner, name, a))
+        modified = any(b is not None and b != fingerprint(x)
+                       for x, b in zip(in_data, inputs_before))
+        drew = GlobalRNG.numpy_changed(rng_before)
+        if modified:
+            call.recomputable, call.reason = False, "its forward modifies its inputs in place"
+            roles = {n: "written" for _, n in written}
+        elif self.analyse:
+            res = analyse_function(function, tuple(in_data), out, held, drew, written)
+            call.recomputable, call.reason, roles = res.recomputable, res.reason, res.roles
+        else:
+            roles = {n: "written" for _, n in written}
+            if drew:
+                call.recomputable = False
+                call.reason = "its forward draws from the global random state"
+        call._pre = roles
+
+    def _describe(self, call: Call, function: Any, in_data: Tuple[Any, ...],
+                  out: Tuple[Any, ...]) -> None:
+        """Retention, held attributes and views, from the function after its
+        forward (arrays are looked at, not kept)."""
+        roles = call._pre if isinstance(call._pre, dict) else {}
+        call._pre = None
+        call.keep_in = tuple(function._input_indexes_to_retain or ())
+        call.keep_out = tuple(function._output_indexes_to_retain or ())
+        io = {id(x) for x in tuple(in_data) + out if is_array(x)}
+        held = []
+        for owner, name, a in attribute_arrays(function):
+            role = roles.get(name, "state")
+            if id(a) in io or (id(a) in self._external_ids and role != "written"):
+                continue
+            held.append(HeldArray(name, tuple(a.shape), str(a.dtype), int(a.nbytes), role))
+        call.held = tuple(held)
+        roots = [root_of(x) if is_array(x) else None for x in in_data]
+        views: List[Optional[int]] = []
+        for y in out:
+            r = root_of(y)
+            views.append(next((j for j, rx in enumerate(roots) if rx is r), None))
+        call.out_view = tuple(views)
+        call.out_meta = tuple((tuple(y.shape), str(y.dtype), int(y.nbytes)) for y in out)
+        call.label = getattr(function, "label", "") or ""
+
+    # ---------------------------------------------------- mapping to ids
+    def _new_array(self, rec: _ArrayRecord) -> int:
+        self.arrays.append(rec)
+        return len(self.arrays) - 1
+
+    def _map_pending(self) -> None:
+        """Map the last recorded call's input and output nodes to array ids
+        (they exist only once ``FunctionNode.apply`` has returned)."""
+        call, self._pending = self._pending, None
+        if call is None:
+            return
+        f = call.func()
+        in_ids = []
+        xnodes = f.inputs if f is not None and f.inputs is not None else ()
+        for j, xnode in enumerate(xnodes):
+            aid = self.array_of.get(xnode)
+            if aid is None:
+                var = xnode.get_variable_or_none()
+                if isinstance(var, chainer.Parameter):
+                    name = self._param_names.get(id(var), var.name or "")
+                    aid = self._new_array(_ArrayRecord(tuple(xnode.shape), str(xnode.dtype),
+                                                       _node_nbytes(xnode), "param", None, name))
+                    self.param_refs[aid] = weakref.ref(var)
+                else:
+                    name = call.in_args[j] if j < len(call.in_args) else None
+                    aid = self._new_array(_ArrayRecord(tuple(xnode.shape), str(xnode.dtype),
+                                                       _node_nbytes(xnode), "input", None,
+                                                       name or ""))
+                self.array_of[xnode] = aid
+            in_ids.append(aid)
+        call.in_ids = tuple(in_ids)
+        call.has_backward = any(x.requires_grad for x in xnodes)
+        out_ids = []
+        out_nodes = [ref() for ref in (f.outputs or ())] if f is not None else []
+        for k, (shape, dtype, nbytes) in enumerate(call.out_meta):
+            j = call.out_view[k] if k < len(call.out_view) else None
+            view_of = None
+            if j is not None and j < len(in_ids):
+                base = self.arrays[in_ids[j]]
+                view_of = in_ids[j] if base.view_of is None else base.view_of
+            aid = self._new_array(_ArrayRecord(shape, dtype, nbytes, "intermediate",
+                                               call.index, view_of=view_of))
+            out_ids.append(aid)
+            ynode = out_nodes[k] if k < len(out_nodes) else None
+            if ynode is None:
+                self.arrays[aid].dies_at = call.index + 1
+                continue
+            self.array_of[ynode] = aid
+            var = ynode.get_variable_or_none()
+            if var is None:
+                self.arrays[aid].dies_at = call.index + 1
+            elif self.recording:
+                self._watch.append(weakref.ref(var, self._death_callback(aid)))
+        call.out_ids = tuple(out_ids)
+        call._out = None
+        self.after_mapping(call)
+
+    def _death_callback(self, aid: int) -> Callable[[Any], None]:
+        def died(_ref: Any) -> None:
+            if not self.forward_done:
+                self.arrays[aid].dies_at = len(self.calls)
+        return died
+
+    # ------------------------------------------------------------ backward
+    def backward_preprocess(self, function: Any, in_data: Any, out_grad: Any) -> None:
+        i = self.index_of.get(id(function))
+        if i is None:
+            return
+        if not self.forward_done:
+            self.backward_during_forward = True
+        self.before_backward(i, function)
+        if self.recording:
+            self.backward_order.append(i)
+            meter = MemoryMeter(_xp_of(tuple(in_data) + tuple(out_grad))) if self.measure else None
+            if meter is not None:
+                synchronize(tuple(in_data))
+                meter.start()
+            self._bwd[i] = (time.perf_counter(), meter)
+
+    def backward_postprocess(self, function: Any, in_data: Any, out_grad: Any) -> None:
+        i = self.index_of.get(id(function))
+        if i is None:
+            return
+        started = self._bwd.pop(i, None)
+        if started is not None:
+            t0, meter = started
+            if meter is not None:
+                synchronize(tuple(in_data))
+                m = meter.stop()
+                call = self.calls[i]
+                call.bwd_transient = max(0, m.peak_bytes - max(0, m.retained_bytes))
+                call.bwd_alloc = max(0, m.retained_bytes)
+            self.calls[i].bwd_time_s = time.perf_counter() - t0
+        self.after_backward(i, function)
+
+    def before_backward(self, i: int, function: Any) -> None:
+        """Called before the backward of recorded function ``i`` (executor)."""
+
+    def after_backward(self, i: int, function: Any) -> None:
+        """Called after the backward of recorded function ``i`` (executor)."""
+
+    # ------------------------------------------------------------- graph
+    def graph(self, *, cost_model: str = "measured", batch_size: Optional[int] = None,
+              name: str = "model", meta: Optional[Dict[str, Any]] = None,
+              fill: Optional[Graph] = None) -> Graph:
+        """The recorded graph.
+
+        Args:
+            cost_model: its cost model.
+            batch_size: the batch it was recorded at.
+            name: ``meta['model']``.
+            meta: more metadata (``state_bytes``, ...).
+            fill: a graph whose nodes of the same index give the
+                measurements of calls that were not measured (the executor
+                records without measuring while a plan matches).
+
+        Raises:
+            CaptureError: nothing was recorded.
+        """
+        self._map_pending()
+        if not self.calls:
+            raise CaptureError("the model applied no Chainer function with backprop enabled; "
+                               "there is no graph to record")
+        arrays = []
+        consumed = {a for c in self.calls for a in (c.in_ids or ())}
+        for i, r in enumerate(self.arrays):
+            kind = r.kind
+            if kind == "intermediate" and i not in consumed:
+                kind = "output"
+            dies_at = r.dies_at
+            if (fill is not None and r.producer is not None and i < len(fill.arrays)
+                    and not self.calls[r.producer].measured):
+                dies_at = fill.arrays[i].dies_at  # lifetimes were not watched
+            arrays.append(ArrayInfo(id=i, shape=r.shape, dtype=r.dtype, nbytes=r.nbytes, kind=kind,
+                                    producer=r.producer, name=r.name, view_of=r.view_of,
+                                    dies_at=dies_at))
+        nodes = []
+        for c in self.calls:
+            ref = fill.nodes[c.index] if (fill is not None and not c.measured
+                                          and c.index < fill.n) else None
+            held, recomputable, reason = c.held, c.recomputable, c.reason
+            time_s, fwd_t = c.time_s, c.fwd_transient
+            if ref is not None:
+                roles = {h.name: h.role for h in ref.held}
+                held = tuple(HeldArray(h.name, h.shape, h.dtype, h.nbytes,
+                                       roles.get(h.name, "state")) for h in c.held)
+                recomputable = ref.recomputable
+                reason = ref.attrs.get("unsafe_reason", "")
+                time_s, fwd_t = ref.forward_time_s, ref.forward_transient_bytes
+            elif not c.measured:
+                recomputable, reason = False, "not analysed"
+            bwd_time = c.bwd_time_s if c.bwd_time_s is not None else (
+                ref.backward_time_s if ref is not None else None)
+            bwd_t = c.bwd_transient if c.bwd_transient is not None else (
+                ref.backward_transient_bytes if ref is not None else None)
+            bwd_a = c.bwd_alloc if c.bwd_alloc is not None else (
+                ref.backward_alloc_bytes if ref is not None else None)
+            attrs = {"unsafe_reason": reason} if reason else {}
+            in_ids = c.in_ids or ()
+            out_ids = c.out_ids or ()
+            nodes.append(Node(
+                id=c.index, op=c.op, inputs=in_ids, outputs=out_ids,
+                retained_inputs=tuple(in_ids[i] for i in c.keep_in if i < len(in_ids)),
+                retained_outputs=tuple(out_ids[i] for i in c.keep_out if i < len(out_ids)),
+                held=held, forward_time_s=time_s, backward_time_s=bwd_time,
+                recomputable=recomputable, label=c.label, attrs=attrs,
+                forward_transient_bytes=fwd_t, backward_transient_bytes=bwd_t,
+                backward_alloc_bytes=bwd_a, has_backward=c.has_backward))
+        m = {"model": name}
+        m.update(meta or {})
+        order = self.backward_order or None
+        return Graph(arrays, nodes, batch_size=batch_size, cost_model=cost_model, meta=m,
+                     backward_order=_first_pass(order) if order else None)
+
+
+def _first_pass(order: Sequence[int]) -> List[int]:
+    """The first backward pass of a recorded order (a graph backpropagated
+    twice records its functions twice)."""
+    seen, out = set(), []
+    for v in order:
+        if v in seen:
+            break
+        seen.add(v)
+        out.append(v)
+    return out
+
+
+def _node_nbytes(xnode: Any) -> int:
+    shape, dtype = xnode.shape, xnode.dtype
+    if shape is None or dtype is None:
+        return 0
+    return int(numpy.prod(shape, dtype=numpy.int64)) * numpy.dtype(dtype).itemsize
+
+
+def _arrays_in(x: Any, path: str) -> Iterator[Tuple[str, Any]]:
+    """The arrays of a call argument (Variables, arrays, nested tuples,
+    lists and dicts), with a path naming each."""
+    if isinstance(x, chainer.Variable):
+        arr = x.raw_array
+        if arr is not None:
+            yield path, arr
+    elif is_array(x):
+        yield path, x
+    elif isinstance(x, (tuple, list)):
+        for k, y in enumerate(x):
+            yield from _arrays_in(y, f"{path}.{k}")
+    elif isinstance(x, dict):
+        for k, y in x.items():
+            yield from _arrays_in(y, f"{path}.{k}")
+
+
+def persistent_array_ids(link: chainer.Link) -> set:
+    """ids of the parameter arrays and persistent arrays of ``link``."""
+    ids = {id(p.array) for p in link.params() if p.array is not None}
+    for sub in link.links():
+        for name in getattr(sub, "_persistent", ()):
+            v = getattr(sub, name, None)
+            if is_array(v):
+                ids.add(id(v))
+    return ids
+
+
+# ------------------------------------------------------- state guarding
+def _uninitialize(param: chainer.Parameter) -> None:
+    """Put a lazily initialised parameter back to its uninitialised state."""
+    param._data[0] = None
+    param._node._update_data_info(None)
+    param.grad = None
+
+
+class _LinkSnapshot:
+    __slots__ = ("link", "attrs", "arrays", "params")
+
+    def __init__(self, link: chainer.Link) -> None:
+        self.link = link
+        self.attrs = dict(vars(link))
+        self.arrays = {}
+        for name in getattr(link, "_persistent", ()):
+            v = getattr(link, name, None)
+            if is_array(v):
+                self.arrays[name] = (v, v.copy())
+        self.params = [(p, p.array is None, None if p.grad is None else p.grad.copy())
+                       for p in link.params(include_uninit=True)]
+
+    def restore(self) -> None:
+        for name, (arr, saved) in self.arrays.items():
+            arr[...] = saved
+        vars(self.link).clear()
+        vars(self.link).update(self.attrs)
+        for p, was_uninit, grad in self.params:
+            if was_uninit:
+                _uninitialize(p)
+            elif grad is None:
+                p.grad = None
+            elif p.grad is not None and p.grad.shape == grad.shape:
+                p.grad[...] = grad
+            else:
+                p.grad = grad
+
+
+class _LinkWatcher(chainer.LinkHook):
+    """Snapshots every Link the moment its forward is first called."""
+
+    def __init__(self, snapshots: Dict[int, _LinkSnapshot]) -> None:
+        self.name = f"chainer_recompute.LinkWatcher-{id(self):x}"
+        self.snapshots = snapshots
+
+    def forward_preprocess(self, args: Any) -> None:
+        link = args.link
+        if id(link) not in self.snapshots:
+            self.snapshots[id(link)] = _LinkSnapshot(link)
+
+
+@contextlib.contextmanager
+def leave_no_trace(model: Any) -> Iterator[None]:
+    """Run a block (an extra forward, and backward) and put back everything
+    plain Chainer would not have changed: the global random states (NumPy,
+    CuPy), the persistent values and attributes (an ``L.LSTM``'s state, a
+    BatchNorm's statistics and counters) of every Link called in the block
+    and of every Link under ``model``, lazily created parameters, and the
+    gradients of the parameters."""
+    rng = GlobalRNG.save()
+    snapshots: Dict[int, _LinkSnapshot] = {}
+    link = model if isinstance(model, chainer.Link) else getattr(model, "__self__", None)
+    if isinstance(link, chainer.Link):
+        for sub in link.links():
+            snapshots[id(sub)] = _LinkSnapshot(sub)
+    watcher = _LinkWatcher(snapshots)
     try:
-        out1 = _rerun(f, in_data)
-    except Exception as e:  # noqa: BLE001 - any failure means "unsafe"
-        return False, f"forward could not be run again ({type(e).__name__}: {e})", roles
-    # In-place writes: restore the contents, remember them.
-    written = []
-    for o, n, a in attrs:
-        if not _same(a, before_attrs[(id(o), n)]):
-            a[...] = before_attrs[(id(o), n)]
-            roles[n] = "written"
-            written.append((o, n))
-    for a, b in zip(in_data, before_inputs):
-        if _is_array(a) and not _same(a, b):
-            a[...] = b
-            return False, "forward modifies its inputs in place", roles
-    if len(out1) != len(out_data) or not all(_same(x, y) for x, y in zip(out1, out_data)):
-        return False, ("a second forward gives other outputs (randomness not held in "
-                       "the function object?)"), roles
-    for o, n, a in attrs:
-        if n in roles:
-            continue
-        if id(a) in external_ids:
-            roles[n] = "external"
-            continue
-        try:
-            out2 = _rerun(f, in_data, clear=[(o, n)], detach=written)
-            same = len(out2) == len(out_data) and all(_same(x, y) for x, y in zip(out2, out_data))
-        except Exception:  # noqa: BLE001
-            same = False
-        roles[n] = "derived" if same else "state"
-    return True, "", roles
+        with watcher:
+            yield
+    finally:
+        for snap in snapshots.values():
+            snap.restore()
+        GlobalRNG.restore(rng)
 
 
 # ------------------------------------------------------------- capture
-def capture(model: Callable[..., Any], *args: Any, repeat: int = 1, backward: bool = False,
-            check_recompute: bool = True, cost_model: str = "measured",
+def capture(model: Callable[..., Any], *args: Any, backward: bool = False,
+            analyse: bool = True, cost_model: str = "measured",
             batch_size: Optional[int] = None, name: Optional[str] = None,
-            link: Optional[chainer.Link] = None, **kwargs: Any) -> Graph:
-    """Run ``model(*args, **kwargs)`` once (``repeat`` times for timings)
-    and record its computational graph.
+            link: Optional[chainer.Link] = None, check_recompute: Optional[bool] = None,
+            **kwargs: Any) -> Graph:
+    """Run ``model(*args, **kwargs)`` once, record its graph, and leave no
+    trace (see :func:`leave_no_trace`).
 
     Args:
         model: a ``chainer.Link`` or any callable that applies Chainer
-            functions and returns a ``chainer.Variable`` (or a tuple, list
-            or dict holding one).
+            functions.
         *args, **kwargs: its inputs.
-        repeat: forward passes to time; each function's time is the median.
-        backward: also run one ``backward()`` from the first output to time
-            each function's backward (gradients are restored afterwards).
-        check_recompute: run each function once more to find what is safe to
-            recompute (see the module docstring).
-        cost_model: the returned graph's cost model (``measured``, ``flops``
-            or ``paper``).
+        backward: also run a backward from the output (the sum of the first
+            Variable returned, if not a scalar) to record the backward order,
+            times and transient memory.
+        analyse: find what is safe to recompute (``check_recompute`` is
+            accepted as an older name).
+        cost_model: the graph's cost model (``measured``, ``flops``,
+            ``paper``).
         batch_size: the batch size, for scaling; default: the leading
             dimension of the first array argument.
-        name: a name for the graph (``meta['model']``).
-        link: the Link whose state the forward may change (default:
-            ``model`` itself, or the Link of a bound method); its persistent
-            values and gradients are restored after the capture.
+        name: ``meta['model']``.
+        link: the Link whose parameters name the graph's parameters
+            (default: ``model`` or the Link of a bound method).
 
     Returns:
-        The :class:`Graph`. The model's parameters, persistent values,
-        gradients and NumPy's random state are as they were before.
+        The :class:`Graph`.
 
     Raises:
-        CaptureError: ``model`` is not callable, returns no Variable, or
+        CaptureError: ``model`` is not callable, backprop is disabled, or it
             applies no function; a forward that raises is re-raised as is,
             with a note naming the function that was running.
 
@@ -361,185 +916,109 @@ def capture(model: Callable[..., Any], *args: Any, repeat: int = 1, backward: bo
     >>> g.n, g.nodes[0].op, g.batch_size
     (1, 'LinearFunction', 4)
     """
+    if check_recompute is not None:
+        analyse = check_recompute
     if not callable(model):
         raise CaptureError(f"capture needs a callable model (a chainer.Link or a function), "
                            f"got {type(model).__name__}")
     if not chainer.config.enable_backprop:
         raise CaptureError("capture runs with backprop disabled (chainer.no_backprop_mode?); "
                            "there is no graph to record: capture outside no_backprop_mode")
-    if repeat < 1:
-        raise CaptureError(f"repeat must be at least 1, got {repeat}")
     link = link if link is not None else _find_link(model)
-    if link is None:
-        logger.info("capture: %r is not a Link; persistent values of links it uses "
-                    "cannot be restored after the capture forward", model)
     if batch_size is None:
         batch_size = batch_size_of(args, kwargs)
-    external_ids = set()
-    if link is not None:
-        external_ids = {id(p.array) for p in link.params() if p.array is not None}
-        for sub in link.links():
-            for pname in getattr(sub, "_persistent", ()):
-                v = getattr(sub, pname, None)
-                if _is_array(v):
-                    external_ids.add(id(v))
-
-    state = _ModelState(link)
-    runs: List[List[_Record]] = []
-    try:
-        first_hook: Optional[CaptureHook] = None
-        result = None
-        for i in range(repeat):
-            hook = CaptureHook()
-            try:
-                with hook:
-                    out = model(*args, **kwargs)
-            except Exception as e:
-                running = hook.interrupted
-                last = (f" (last: {function_op(hook.records[-1].func)})"
-                        if hook.records else "")
-                where = (f"while running {function_op(running[-1].func)} (function "
-                         f"#{len(hook.records)})" if running else
-                         f"after {len(hook.records)} functions{last}")
-                if hasattr(e, "add_note"):
-                    e.add_note(f"chainer_recompute.capture: the model's forward raised {where}")
-                raise
-            runs.append(hook.records)
-            if i == 0:
-                first_hook, result = hook, out
-            else:
-                state.restore()
-        assert first_hook is not None
-        out_var = _first_variable(result)
-        if out_var is None:
-            raise CaptureError(f"the model returned {type(result).__name__}, not a "
-                               f"chainer.Variable; capture needs the forward to return the "
-                               f"loss (or an output) as a Variable")
-        records = first_hook.records
-        if not records:
-            raise CaptureError("the model applied no Chainer function with backprop enabled; "
-                               "nothing to capture")
-        ops = [function_op(r.func) for r in first_hook.records]
-        for k, other in enumerate(runs[1:], start=2):
-            if [function_op(r.func) for r in other] != ops:
-                from ..core.errors import GraphChangedError
-                raise GraphChangedError(
-                    f"forward pass {k} applied other functions than pass 1; the model's "
-                    f"graph changes between calls with the same inputs, so it cannot be "
-                    f"planned once: make the forward deterministic in structure")
-        times = [statistics.median([run[j].times[0] for run in runs if j < len(run)])
-                 for j in range(len(first_hook.records))]
-        time_of = {id(r.func): t for r, t in zip(first_hook.records, times)}
-        backward_times: Dict[int, float] = {}
+    with leave_no_trace(model if link is None else link):
+        rec = Recorder(analyse=analyse, link=link, args=list(args) + list(kwargs.values()))
+        try:
+            with rec:
+                result = model(*args, **kwargs)
+        except Exception as e:
+            if hasattr(e, "add_note"):
+                last = rec.calls[-1].op if rec.calls else "nothing yet"
+                e.add_note(f"chainer_recompute.capture: the model's forward raised after "
+                           f"{len(rec.calls)} functions (last: {last})")
+            raise
+        rec.finish()
         if backward:
-            backward_times = _time_backward(out_var)
-        graph = _build_graph(records, link, time_of, backward_times, check_recompute,
-                             external_ids, batch_size, cost_model,
-                             name or type(model).__name__)
-    finally:
-        state.restore()
+            out = first_variable(result)
+            if out is None:
+                raise CaptureError(f"the model returned {type(result).__name__}, not a "
+                                   f"chainer.Variable: nothing to backpropagate")
+            loss = out if out.size == 1 else chainer.functions.sum(out)
+            loss.grad_var = None
+            loss.backward()
+        graph = rec.graph(cost_model=cost_model, batch_size=batch_size,
+                          name=name or type(model).__name__,
+                          meta={"state_bytes": state_bytes(link)} if link is not None else None)
+        del result
     return graph
 
 
-class _BackwardTimer(chainer.FunctionHook):
-    name = "BackwardTimer"
-
-    def __init__(self) -> None:
-        self.start: Dict[int, float] = {}
-        self.times: Dict[int, float] = {}
-
-    def backward_preprocess(self, function, in_data, out_grad):
-        _synchronize(in_data)
-        self.start[id(function)] = time.perf_counter()
-
-    def backward_postprocess(self, function, in_data, out_grad):
-        _synchronize(in_data)
-        t0 = self.start.pop(id(function), None)
-        if t0 is not None:
-            self.times[id(function)] = time.perf_counter() - t0
-
-
-def _time_backward(out_var: chainer.Variable) -> Dict[int, float]:
-    timer = _BackwardTimer()
-    loss = out_var
-    if loss.size != 1:
-        loss = chainer.functions.sum(loss)
-    with timer:
-        loss.backward()
-    return timer.times
+def state_bytes(link: chainer.Link, optimizer: Any = None) -> Dict[str, int]:
+    """Bytes that do not depend on the plan: ``params``, ``param_grads``
+    (as many as the parameters: every training iteration makes them),
+    ``optimizer_state`` (measured when the optimizer has run, otherwise
+    estimated from its update rules) and ``update_transient`` (the
+    largest temporary of an update: one parameter's size)."""
+    params = [p for p in link.params() if p.array is not None]
+    pbytes = sum(int(p.array.nbytes) for p in params)
+    state = 0
+    largest = 0
+    for p in params:
+        largest = max(largest, int(p.array.nbytes))
+        rule = getattr(p, "update_rule", None)
+        if rule is None:
+            continue
+        st = getattr(rule, "state", None)
+        if st:
+            state += sum(int(v.nbytes) for v in st.values() if is_array(v))
+        else:
+            state += _STATE_COPIES.get(type(rule).__name__, 2) * int(p.array.nbytes)
+    return {"params": pbytes, "param_grads": pbytes, "optimizer_state": state,
+            "update_transient": largest}
 
 
-def _build_graph(records: List[_Record], link: Optional[chainer.Link],
-                 time_of: Dict[int, float], backward_times: Dict[int, float],
-                 check_recompute: bool, external_ids: set, batch_size: Optional[int],
-                 cost_model: str, name: str) -> Graph:
-    param_name: Dict[int, str] = {}
-    if link is not None:
-        param_name = {id(p): path for path, p in link.namedparams()}
-    arrays: List[ArrayInfo] = []
-    array_of_node: Dict[int, int] = {}  # id(VariableNode) -> array id
-    keep_alive: List[Any] = []  # VariableNodes whose ids we rely on
+#: Arrays of a parameter's size that each of Chainer's update rules keeps
+#: (used before the first update, when the state does not exist yet).
+_STATE_COPIES = {
+    "SGDRule": 0, "MomentumSGDRule": 1, "CorrectedMomentumSGDRule": 1, "NesterovAGRule": 1,
+    "AdaGradRule": 1, "RMSpropRule": 1, "RMSpropGravesRule": 3, "AdaDeltaRule": 2,
+    "AdamRule": 2, "MSVAGRule": 2, "SMORMS3Rule": 3,
+}
 
-    def new_array(shape, dtype, nbytes, kind, producer, aname="") -> int:
-        arrays.append(ArrayInfo(id=len(arrays), shape=tuple(shape), dtype=str(dtype),
-                                nbytes=int(nbytes), kind=kind, producer=producer, name=aname))
-        return len(arrays) - 1
 
-    nodes: List[Node] = []
-    consumed = set()
-    for v, rec in enumerate(records):
-        f = rec.func
-        in_ids = []
-        for xnode, x in zip(f.inputs, rec.in_data):
-            key = id(xnode)
-            if key not in array_of_node:
-                var = xnode.get_variable_or_none()
-                if var is not None and isinstance(var, chainer.Parameter):
-                    kind, aname = "param", param_name.get(id(var), var.name or "")
-                else:
-                    kind, aname = "input", xnode.name or ""
-                array_of_node[key] = new_array(x.shape, x.dtype, x.nbytes, kind, None, aname)
-                keep_alive.append(xnode)
-            in_ids.append(array_of_node[key])
-            consumed.add(array_of_node[key])
-        out_ids = []
-        out_nodes = [ref() for ref in f.outputs]
-        for k, y in enumerate(rec.out_data or ()):
-            aid = new_array(y.shape, y.dtype, y.nbytes, "intermediate", v)
-            ynode = out_nodes[k] if k < len(out_nodes) else None
-            if ynode is not None:
-                array_of_node[id(ynode)] = aid
-                keep_alive.append(ynode)
-            out_ids.append(aid)
-        keep_in = f._input_indexes_to_retain or ()
-        keep_out = f._output_indexes_to_retain or ()
-        recomputable, reason, roles = True, "", {}
-        if check_recompute:
-            recomputable, reason, roles = analyse_recompute(
-                f, rec.in_data, rec.out_data or (), external_ids)
-        io_ids = {id(a) for a in rec.in_data + (rec.out_data or ())}
-        held = []
-        for owner, aname, a in attribute_arrays(f):
-            role = roles.get(aname, "state")
-            if id(a) in io_ids or (id(a) in external_ids and role != "written"):
-                continue
-            if role == "external":
-                continue
-            held.append(HeldArray(aname, tuple(a.shape), str(a.dtype), int(a.nbytes), role))
-        attrs: Dict[str, Any] = {}
-        if reason:
-            attrs["unsafe_reason"] = reason
-        nodes.append(Node(
-            id=v, op=function_op(f), inputs=tuple(in_ids), outputs=tuple(out_ids),
-            retained_inputs=tuple(in_ids[i] for i in keep_in),
-            retained_outputs=tuple(out_ids[i] for i in keep_out),
-            held=tuple(held), forward_time_s=time_of.get(id(f)),
-            backward_time_s=backward_times.get(id(f)), recomputable=recomputable,
-            label=f.label, attrs=attrs))
-    final = []
-    for a in arrays:
-        if a.kind == "intermediate" and a.id not in consumed:
-            a = ArrayInfo(a.id, a.shape, a.dtype, a.nbytes, "output", a.producer, a.name)
-        final.append(a)
-    return Graph(final, nodes, batch_size=batch_size, cost_model=cost_model,
-                 meta={"model": name})
+def batch_size_of(args: Sequence[Any], kwargs: Dict[str, Any]) -> Optional[int]:
+    """The leading dimension of the first array (or Variable) argument."""
+    for a in list(args) + list(kwargs.values()):
+        arr = a.raw_array if isinstance(a, chainer.Variable) else a
+        if is_array(arr) and arr.ndim > 0:
+            return int(arr.shape[0])
+    return None
+
+
+def _find_link(model: Any) -> Optional[chainer.Link]:
+    if isinstance(model, chainer.Link):
+        return model
+    owner = getattr(model, "__self__", None)
+    return owner if isinstance(owner, chainer.Link) else None
+
+
+def first_variable(result: Any) -> Optional[chainer.Variable]:
+    """The first ``chainer.Variable`` in a forward's result (a Variable, a
+    tuple, list or dict of them)."""
+    if isinstance(result, chainer.Variable):
+        return result
+    if isinstance(result, dict):
+        result = list(result.values())
+    if isinstance(result, (tuple, list)):
+        for r in result:
+            v = first_variable(r)
+            if v is not None:
+                return v
+    return None
+
+
+__all__ = ["Analysis", "Call", "GlobalRNG", "Recorder", "analyse_function", "attribute_arrays",
+           "batch_size_of", "capture", "fingerprint", "first_variable", "function_op",
+           "leave_no_trace", "owner_of", "persistent_array_ids", "root_of", "same_array",
+           "state_bytes", "GraphChangedError"]

@@ -1,33 +1,54 @@
 """The backward driver: discard arrays in the forward pass, regenerate them
-just before backward needs them.
+just before backward needs them, and check every iteration against its plan.
 
-A :class:`Program` is the static part, made once per input signature from
-a captured :class:`Graph` and a solver's ``Plan``: which nodes are dropped,
-when (after which function) their arrays can be released, which block each
-belongs to, which backward reads which arrays. An :class:`IterationHook` is
-the dynamic part of one training iteration:
+A :class:`Program` is the static part, made once per planned graph from the
+Graph and a solver's Plan: which nodes are dropped, when (after which
+function) their arrays can be released, which block each belongs to, which
+backward reads which arrays.
 
-- while the model's forward runs it is a global ``FunctionHook``: it checks
-  that the functions applied are the ones planned, holds references to the
-  checkpoint arrays that regeneration will start from, and releases the
-  dropped arrays as soon as their last forward reader has run: the
-  references Chainer keeps for backward (a retained input's
-  ``VariableNode._data``, a function's ``_retained_output_data``, arrays in
-  its attributes such as max-pooling indexes) are set to ``None``, keeping
-  each node's shape and dtype;
-- it is then registered as a *local* hook on every recorded function, so it
-  sees ``backward_preprocess`` of those functions during a plain
-  ``loss.backward()``: before a function's backward reads a released
-  array, the dropped nodes of its block are recomputed from the kept ones
-  by running the recorded function nodes' ``forward`` again under
-  ``chainer.using_config('in_recomputing', True)`` and the results are put
-  back where Chainer's backward reads them; after the last backward reader
-  of an array has run, it is released again.
+An :class:`IterationHook` drives one training iteration. It is a
+:class:`~chainer_recompute.runtime.capture.Recorder`, so it knows which
+recorded array every input of every function is; while the model's forward
+runs (a global ``FunctionHook``) it:
+
+- checks each function against the candidate plans of this input signature
+  (its class and input shapes before it runs; its real wiring, which
+  recorded array each input is, right after), and follows one that matches;
+- holds references to the arrays that regeneration will start from (the
+  inputs of dropped nodes that are not dropped themselves), checksums the
+  parameters and inputs among them, and releases the dropped arrays as soon
+  as their last forward reader has run: the references Chainer keeps for
+  backward (a retained input's ``VariableNode._data``, a function's
+  ``_retained_output_data``, derived attribute arrays) are set to ``None``,
+  keeping each node's shape and dtype;
+- when the iteration stops matching every plan, it releases nothing more,
+  never regenerates from an unverified source, and records the rest of the
+  iteration (measured) so that the new structure can be planned.
+
+It is also a local hook of every recorded function, so it sees
+``backward_preprocess`` of those functions during a plain
+``loss.backward()``: before a function's backward reads a released array,
+the released nodes of its block that some remaining backward will read are
+recomputed from the kept ones by running the recorded function nodes'
+``forward`` again under ``chainer.using_config('in_recomputing', True)``,
+with written arrays (BatchNorm statistics) detached, and the results are
+put back where Chainer's backward reads them; after the last backward
+reader of an array has run, it is released again. Functions no backward
+will reach (outputs kept for logging) are never regenerated.
+
+An optimizer update of a parameter that a released block was computed
+from (Chainer's DCGAN updater updates the discriminator between the two
+backward passes through it) first saves the parameter's values for the
+regeneration; any other in-place change of a parameter or input that a
+regeneration would read is detected by its checksum and raises
+:class:`~chainer_recompute.core.errors.RecomputeError` rather than give a
+gradient different from plain Chainer's. With double backprop
+(``enable_double_backprop``) nothing more is released.
 
 The hook holds no strong reference to function or variable nodes, so the
-graph is freed by reference counting as in plain Chainer, whether or not
-backward ever runs. Everything goes through the array module of the
-arrays, so NumPy and CuPy take the same path.
+graph is freed by reference counting as in plain Chainer. Everything goes
+through the array module of the arrays, so NumPy and CuPy take the same
+path.
 """
 from __future__ import annotations
 
@@ -39,9 +60,9 @@ from . import _chainer  # noqa: F401
 import chainer
 from chainer import backend
 
-from .capture import function_op
 from ..core.errors import RecomputeError
 from ..core.graph import Graph
+from .capture import Call, Recorder, fingerprint, owner_of
 
 logger = logging.getLogger(__name__)
 
@@ -50,18 +71,21 @@ class Program:
     """What to drop, when to release it, and how to regenerate it.
 
     Args:
-        graph: the captured graph; node ids are the order in which the
+        graph: the planned graph; node ids are the order in which the
             model's forward applies its functions.
         lower_sets: the plan's strategy L_1 ⊊ ... ⊊ L_k = V.
         kept: nodes whose outputs are checkpoints (U_1 ∪ ... ∪ U_k).
+        param_refs: weak references to the parameters, by array id.
 
-    Nodes that are not recomputable (see ``capture``) and nodes that produce
-    no array are never dropped.
+    Nodes that are not recomputable and nodes that produce no array are
+    never dropped.
     """
 
     def __init__(self, graph: Graph, lower_sets: Sequence[FrozenSet[int]],
-                 kept: FrozenSet[int]) -> None:
+                 kept: FrozenSet[int], param_refs: Optional[Dict[int, Any]] = None) -> None:
         self.graph = graph
+        # array id -> weakref to the very Parameter (wiring checks)
+        self.param_refs: Dict[int, Any] = dict(param_refs or {})
         n = graph.n
         self.block_of = [0] * n
         prev: FrozenSet[int] = frozenset()
@@ -76,165 +100,293 @@ class Program:
             v for v in range(n) if v not in kept and graph.nodes[v].recomputable)
         self.unsafe = [v for v in range(n) if v not in kept and not graph.nodes[v].recomputable]
         arrays = graph.arrays
-        # Attribute names by role.
         self.derived: Dict[int, Tuple[str, ...]] = {}
         self.written: Dict[int, Tuple[str, ...]] = {}
         for node in graph.nodes:
             self.derived[node.id] = tuple(h.name for h in node.held if h.role == "derived")
             self.written[node.id] = tuple(h.name for h in node.held if h.role == "written")
         # When to release: at the forward_preprocess of the function after
-        # the last forward reader (n means: when the forward has finished).
+        # the last forward reader (n: when the forward has returned).
         self.release_at: Dict[int, List[int]] = {}
         for u in sorted(self.dropped):
             last = max(graph.succs[u], default=u)
             self.release_at.setdefault(last + 1, []).append(u)
-        # Arrays the forward must keep a reference to: inputs of dropped
-        # nodes that are not themselves outputs of dropped nodes (the
-        # checkpoints and model inputs regeneration starts from).
-        self.sources: Set[int] = set()
+        # sources[u]: input positions of dropped node u whose arrays are not
+        # made by a dropped node: what regeneration starts from.
+        self.sources: Dict[int, Tuple[int, ...]] = {}
         for u in self.dropped:
-            for a in graph.nodes[u].inputs:
+            pos = []
+            for j, a in enumerate(graph.nodes[u].inputs):
                 p = arrays[a].producer
-                if arrays[a].kind != "param" and (p is None or p not in self.dropped):
-                    self.sources.add(a)
-        # needs[w]: released nodes whose arrays w's backward reads (its own
-        # retained outputs or attribute arrays, its retained inputs).
-        # done[w]: nodes that have one backward reader less once w's
-        # backward has run: needs[w] and w itself. A node's own backward
-        # runs after those of all its consumers (Chainer's backward goes by
-        # decreasing rank), so when all its readers have run its arrays are
-        # dead and are released, checkpoints included: later blocks'
-        # checkpoints do not outlive their backward, unlike plain Chainer's
-        # retained arrays, which live as long as the graph.
+                if p is None or p not in self.dropped:
+                    pos.append(j)
+            self.sources[u] = tuple(pos)
         self.releasable: FrozenSet[int] = frozenset(
             v for v in range(n) if graph.nodes[v].recomputable)
-        self.needs: Dict[int, Tuple[int, ...]] = {}
-        self.done: Dict[int, Tuple[int, ...]] = {}
-        readers: Dict[int, int] = {u: 0 for u in self.releasable}
-        for node in graph.nodes:
-            need = set()
-            if node.retained_outputs or self.derived[node.id]:
-                need.add(node.id)
-            for a in node.retained_inputs:
-                p = arrays[a].producer
-                if p is not None:
-                    need.add(p)
-            need &= self.releasable
-            self.needs[node.id] = tuple(sorted(need))
-            done = need | ({node.id} & self.releasable)
-            self.done[node.id] = tuple(sorted(done))
-            for u in done:
-                readers[u] += 1
-        self.readers = readers
+        self.needs, self.done = backward_readers(graph, self.releasable, self.derived)
         self.block_nodes: Dict[int, List[int]] = {}
         for u in sorted(self.dropped):
             self.block_nodes.setdefault(self.block_of[u], []).append(u)
+        self.multi_backward = False  # learned: keep regenerated arrays between backward passes
 
     @property
     def n(self) -> int:
         return self.graph.n
 
 
-def _owner_of(f: Any, name: str) -> Any:
-    inner = getattr(f, "_function", None)
-    if inner is not None and name in vars(inner):
-        return inner
-    return f
+def backward_readers(graph: Graph, releasable: FrozenSet[int],
+                     derived: Dict[int, Tuple[str, ...]]
+                     ) -> Tuple[Dict[int, Tuple[int, ...]], Dict[int, Tuple[int, ...]]]:
+    """``needs[w]``: nodes whose arrays the backward of ``w`` reads (its own
+    retained outputs and derived attributes, the producers of its retained
+    inputs); ``done[w]``: the nodes with one backward reader less once
+    ``w``'s backward has run (``needs[w]`` and ``w``). Both restricted to
+    ``releasable``."""
+    needs: Dict[int, Tuple[int, ...]] = {}
+    done: Dict[int, Tuple[int, ...]] = {}
+    for node in graph.nodes:
+        need = set()
+        if node.retained_outputs or derived.get(node.id):
+            need.add(node.id)
+        for a in node.retained_inputs:
+            p = graph.arrays[a].producer
+            if p is not None:
+                need.add(p)
+        need &= releasable
+        needs[node.id] = tuple(sorted(need))
+        done[node.id] = tuple(sorted(need | ({node.id} & releasable)))
+    return needs, done
 
 
 class IterationStats:
     """Counters of one iteration, kept by the runner after the iteration's
-    arrays are gone (it references no array or graph object)."""
+    arrays are gone (it references no array or graph object).
 
-    __slots__ = ("n_dropped", "n_released", "recomputed_nodes", "mismatch")
+    Attributes:
+        path: ``planned`` (the iteration followed a plan), ``recorded``
+            (it ran plainly while its graph was recorded: the first call of
+            a signature, or a structure not seen before), ``mismatch`` (it
+            started on a plan and stopped matching it), ``plain`` (the
+            signature fell back to plain Chainer).
+        n_dropped: nodes the plan drops.
+        n_released: arrays released at the moment (all dropped ones after
+            the forward).
+        recomputed_nodes: function forwards re-run during backward.
+        mismatch: why the iteration stopped matching its plan.
+        measured_peak_bytes / predicted_peak_bytes / budget_bytes: set by
+            the runner when it measures the iteration (see ``apply``).
+    """
 
-    def __init__(self, n_dropped: int) -> None:
+    __slots__ = ("path", "n_dropped", "n_released", "recomputed_nodes", "mismatch",
+                 "measured_peak_bytes", "predicted_peak_bytes", "budget_bytes")
+
+    def __init__(self, n_dropped: int = 0, path: str = "planned") -> None:
+        self.path = path
         self.n_dropped = n_dropped
-        self.n_released = 0  # arrays released now (after backward: all dropped)
+        self.n_released = 0
         self.recomputed_nodes = 0
         self.mismatch: Optional[str] = None
+        self.measured_peak_bytes: Optional[int] = None
+        self.predicted_peak_bytes: Optional[int] = None
+        self.budget_bytes: Optional[int] = None
 
     def __repr__(self) -> str:
-        return (f"IterationStats(dropped={self.n_dropped}, released={self.n_released}, "
-                f"recomputed_nodes={self.recomputed_nodes}, mismatch={self.mismatch!r})")
+        return (f"IterationStats(path={self.path!r}, dropped={self.n_dropped}, "
+                f"released={self.n_released}, recomputed_nodes={self.recomputed_nodes}, "
+                f"mismatch={self.mismatch!r}, measured_peak_bytes={self.measured_peak_bytes}, "
+                f"predicted_peak_bytes={self.predicted_peak_bytes})")
 
 
-class IterationHook(chainer.FunctionHook):
-    """Drives one forward/backward of a planned model (see module doc)."""
+# Hooks whose released blocks were computed from parameters, for
+# snapshot-on-update (see the module docstring).
+_LIVE: "weakref.WeakSet[IterationHook]" = weakref.WeakSet()
+_PATCHED = False
 
-    name = "chainer_recompute"
 
-    def __init__(self, program: Program) -> None:
-        self.program = program
-        self.funcs: List["weakref.ref[Any]"] = []
-        self.index: Dict[int, int] = {}
-        self.kept: Dict[int, Any] = {}
+def _patch_update_rule() -> None:
+    """Make ``UpdateRule.update`` save a parameter's values for the live
+    iterations that may still regenerate from it, before it changes them."""
+    global _PATCHED
+    if _PATCHED:
+        return
+    original = chainer.optimizer.UpdateRule.update
+
+    def update(self: Any, param: Any) -> Any:
+        if _LIVE:
+            for hook in list(_LIVE):
+                hook.before_param_update(param)
+        return original(self, param)
+
+    update.__wrapped__ = original  # type: ignore[attr-defined]
+    chainer.optimizer.UpdateRule.update = update
+    _PATCHED = True
+
+
+class IterationHook(Recorder):
+    """Drives one forward/backward of a planned model (see module doc).
+
+    Args:
+        programs: the candidate plans of this input signature, the one to
+            try first first; empty to record only.
+        link, args: as for :class:`Recorder`.
+        verify: checksum the parameters and inputs that regeneration reads.
+    """
+
+    def __init__(self, programs: Sequence[Program] = (), *, link: Any = None,
+                 args: Sequence[Any] = (), verify: bool = True, measure: bool = True,
+                 analyse: bool = True) -> None:
+        super().__init__(measure=measure, analyse=analyse, link=link, args=args)
+        self.candidates: List[Program] = list(programs)
+        self.program: Optional[Program] = self.candidates[0] if self.candidates else None
+        self.recording = self.program is None
+        self.verify = verify
+        self.mismatch_at: Optional[int] = None
+        self.kept: Dict[int, Any] = {}  # array id -> pinned array
+        self._pinned_at: Dict[int, List[int]] = {}  # node -> array ids it pinned
+        self.params: Dict[int, Any] = {}  # array id -> Parameter read by a dropped node
+        self.fingerprints: Dict[int, Tuple[Any, ...]] = {}
+        self.snapshots: Dict[int, Any] = {}  # array id -> parameter values saved before an update
         self.released: Dict[int, Tuple[Tuple[int, ...], bool]] = {}
-        # Backward readers of each node that have not run yet.
-        self.remaining: Dict[int, int] = dict(program.readers)
-        self.stats = IterationStats(len(program.dropped))
-        self._depth = 0
-        self._top: List[bool] = []
+        self.regenerated: Set[int] = set()
+        self.no_release = False  # double backprop, or a backward during the forward
+        self.multi_backward = False
+        self._bw_seen: Set[int] = set()
+        self._reach: Optional[Set[int]] = None
+        self.remaining: Dict[int, int] = {}
+        self._needs: Dict[int, Tuple[int, ...]] = {}
+        self._done: Dict[int, Tuple[int, ...]] = {}
+        self.stats = IterationStats(len(self.program.dropped) if self.program else 0,
+                                    path="recorded" if self.program is None else "planned")
+        if self.program is not None:
+            _patch_update_rule()
 
     @property
     def mismatch(self) -> Optional[str]:
         return self.stats.mismatch
 
-    @mismatch.setter
-    def mismatch(self, message: Optional[str]) -> None:
+    @property
+    def executing(self) -> bool:
+        return self.program is not None and self.mismatch_at is None
+
+    def _set_mismatch(self, index: int, message: str) -> None:
+        self.mismatch_at = index
         self.stats.mismatch = message
+        self.stats.path = "mismatch"
+        self.recording = True
 
     # ---------------------------------------------------------- forward
-    def forward_preprocess(self, function, in_data):
-        self._depth += 1
-        top = self._depth == 1 and chainer.config.enable_backprop and self.mismatch is None
-        self._top.append(top)
-        if not top:
+    def before_forward(self, call: Call, function: Any, in_data: Tuple[Any, ...]) -> None:
+        if not self.executing:
             return
-        i = len(self.funcs)
+        i = call.index
+        alive = [p for p in self.candidates if _matches_before(p, call)]
+        if not alive:
+            p = self.program
+            if i >= p.n:
+                msg = (f"the forward applied more than the {p.n} functions of the planned "
+                       f"graph (function #{i} is {call.op})")
+            else:
+                node = p.graph.nodes[i]
+                planned = tuple(p.graph.arrays[a].shape for a in node.inputs)
+                msg = (f"function #{i} is {call.op} on inputs of shapes {call.in_shapes}, "
+                       f"but the plan has {node.op} on {planned}")
+            self._set_mismatch(i, msg)
+            return
+        self.candidates = alive
+        if self.program not in alive:
+            self._switch(alive[0])
         p = self.program
-        if i >= p.n:
-            self.mismatch = (f"the forward applied more than the {p.n} functions of the "
-                             f"planned graph (function #{i + 1} is {function_op(function)})")
-            self._top[-1] = False
-            return
-        node = p.graph.nodes[i]
-        shapes = tuple(tuple(x.shape) for x in in_data)
-        planned = tuple(p.graph.arrays[a].shape for a in node.inputs)
-        if function_op(function) != node.op or shapes != planned:
-            self.mismatch = (f"function #{i} is {function_op(function)} on inputs of shapes "
-                             f"{shapes}, but the plan has {node.op} on {planned}")
-            self._top[-1] = False
-            return
         for u in p.release_at.get(i, ()):
             self._release(u)
-        for a, x in zip(node.inputs, in_data):
-            if a in p.sources:
-                self.kept[a] = x
-        self.index[id(function)] = i
-        self.funcs.append(weakref.ref(function))
+        if i in p.dropped:
+            self._pin(i, p, in_data)
 
-    def forward_postprocess(self, function, in_data):
-        self._depth -= 1
-        if self._top.pop():
-            function.add_hook(self)
+    def _switch(self, program: Program) -> None:
+        self.program = program
+        self.stats.n_dropped = len(program.dropped)
 
-    def finish_forward(self) -> None:
-        """Release what the last functions read; call after the model's
-        forward has returned."""
-        p = self.program
-        if self.mismatch is None and len(self.funcs) != p.n:
-            self.mismatch = (f"the forward applied {len(self.funcs)} functions, but the "
-                             f"planned graph has {p.n}")
-        if self.mismatch is not None:
+    def _pin(self, i: int, p: Program, in_data: Tuple[Any, ...]) -> None:
+        node = p.graph.nodes[i]
+        new = []
+        for j in p.sources[i]:
+            a = node.inputs[j]
+            info = p.graph.arrays[a]
+            if info.kind == "param":
+                if a not in self.params:
+                    ref = self.param_refs.get(a)
+                    param = ref() if ref is not None else None
+                    if param is None:
+                        continue
+                    self.params[a] = param
+                    if self.verify:
+                        self.fingerprints[a] = fingerprint(param.array)
+                    _LIVE.add(self)
+                continue
+            if a in self.kept:
+                continue
+            self.kept[a] = in_data[j]
+            new.append(a)
+            if self.verify and info.kind == "input":
+                self.fingerprints[a] = fingerprint(in_data[j])
+        self._pinned_at[i] = new
+
+    def after_mapping(self, call: Call) -> None:
+        if not self.executing:
             return
-        for u in p.release_at.get(p.n, ()):
-            self._release(u)
+        alive = [p for p in self.candidates if _matches_after(p, call, self.param_refs)]
+        if not alive:
+            i = call.index
+            p = self.program
+            node = p.graph.nodes[i]
+            self._set_mismatch(i, f"function #{i} ({call.op}) reads arrays {call.in_ids}, but "
+                                  f"the plan has it read {node.inputs} (the model's wiring "
+                                  f"depends on the data?)")
+            for a in self._pinned_at.pop(i, ()):  # pinned under an unverified wiring
+                self.kept.pop(a, None)
+            return
+        self.candidates = alive
+        if self.program not in alive:
+            self._switch(alive[0])
+
+    def finish(self) -> None:
+        super().finish()
+        if self.executing and len(self.calls) != self.program.n:
+            self._set_mismatch(len(self.calls), f"the forward applied {len(self.calls)} "
+                                                f"functions, but the planned graph has "
+                                                f"{self.program.n}")
+        if self.executing:
+            self.candidates = [p for p in self.candidates if p.n == len(self.calls)]
+            for u in self.program.release_at.get(self.program.n, ()):
+                self._release(u)
+            self._needs, self._done = self.program.needs, self.program.done
+        elif self.program is not None and self.released:
+            self._actual_readers()
+
+    def _actual_readers(self) -> None:
+        """Backward readers from the recorded wiring (after a mismatch the
+        plan's are wrong beyond the mismatch)."""
+        p = self.program
+        releasable = frozenset(u for u in p.releasable if u < (self.mismatch_at or 0))
+        for c in self.calls:
+            need = set()
+            derived = p.derived.get(c.index, ()) if c.index < p.n else ()
+            if c.keep_out or derived:
+                need.add(c.index)
+            for j in c.keep_in:
+                if c.in_ids is not None and j < len(c.in_ids):
+                    prod = self.arrays[c.in_ids[j]].producer
+                    if prod is not None:
+                        need.add(prod)
+            need &= releasable
+            self._needs[c.index] = tuple(sorted(need))
+            self._done[c.index] = tuple(sorted(need | ({c.index} & releasable)))
 
     # ---------------------------------------------------------- release
     def _release(self, u: int) -> None:
-        f = self.funcs[u]() if u < len(self.funcs) else None
-        if f is None or u in self.released:
+        if u in self.released or u >= len(self.calls):
+            return
+        f = self.calls[u].func()
+        if f is None:
             return
         for a in self.program.graph.nodes[u].outputs:
             self.kept.pop(a, None)
@@ -247,34 +399,84 @@ class IterationHook(chainer.FunctionHook):
         had_retained = f._retained_output_data is not None and bool(f._output_indexes_to_retain)
         if had_retained:
             f._retained_output_data = None
-        for name in self.program.derived[u]:
-            setattr(_owner_of(f, name), name, None)
+        for name in self.program.derived.get(u, ()):
+            setattr(owner_of(f, name), name, None)
         self.released[u] = (tuple(outs), had_retained)
         self.stats.n_released = len(self.released)
 
     # ---------------------------------------------------------- backward
-    def backward_preprocess(self, function, in_data, out_grad):
-        w = self.index.get(id(function))
-        if w is None:
+    def before_backward(self, i: int, function: Any) -> None:
+        if chainer.config.enable_backprop or not self.forward_done:
+            # Double backprop reads the arrays in a second-order graph; a
+            # backward inside the forward (chainer.grad) will be followed
+            # by another: keep everything from now on.
+            self.no_release = True
+        if i in self._bw_seen:
+            self.multi_backward = True
+            if self.program is not None:
+                self.program.multi_backward = True
+        self._bw_seen.add(i)
+        if self.program is None:
             return
-        missing = [u for u in self.program.needs[w] if u in self.released]
+        if self._reach is None or i not in self._reach:
+            self._extend_reach(function)
+        missing = [u for u in self._needs.get(i, ()) if u in self.released]
         if missing:
             self._regenerate(missing)
 
-    def backward_postprocess(self, function, in_data, out_grad):
-        w = self.index.get(id(function))
-        if w is None:
+    def after_backward(self, i: int, function: Any) -> None:
+        if self.program is None:
             return
-        for u in self.program.done[w]:
-            self.remaining[u] -= 1
-            if self.remaining[u] <= 0:
+        for u in self._done.get(i, ()):
+            if u in self.remaining:
+                self.remaining[u] -= 1
+        if self.no_release or self.program.multi_backward:
+            return
+        limit = self.program.n if self.mismatch_at is None else self.mismatch_at
+        for u in self._done.get(i, ()):
+            if self.remaining.get(u, 0) <= 0 and u in self.program.releasable and u < limit:
                 self._release(u)
+
+    def _extend_reach(self, function: Any) -> None:
+        """Recorded functions whose backward this backward pass will run:
+        those reachable from ``function`` through their inputs' creators,
+        with an input that requires a gradient. Counts their reads."""
+        reach = self._reach if self._reach is not None else set()
+        stack = [function]
+        while stack:
+            f = stack.pop()
+            i = self.index_of.get(id(f))
+            if i is None or i in reach:
+                continue
+            if self.calls[i].func() is not f:
+                continue
+            if not any(x.requires_grad for x in (f.inputs or ())):
+                continue
+            reach.add(i)
+            for u in self._done.get(i, ()):
+                self.remaining[u] = self.remaining.get(u, 0) + 1
+            for x in f.inputs:
+                c = x.creator_node
+                if c is not None:
+                    stack.append(c)
+        self._reach = reach
+
+    def before_param_update(self, param: Any) -> None:
+        """An optimizer is about to update ``param`` in place: keep its
+        values if a released block was computed from it."""
+        if not self.released:
+            return
+        for a, p in self.params.items():
+            if p is param and a not in self.snapshots:
+                self.snapshots[a] = param.array.copy()
 
     def _input_array(self, f: Any, j: int, a: int, values: Dict[int, Any]) -> Any:
         if a in values:
             return values[a]
         if a in self.kept:
             return self.kept[a]
+        if a in self.snapshots:
+            return self.snapshots[a]
         xnode = f.inputs[j]
         if xnode._data is not None:
             return xnode._data
@@ -283,47 +485,50 @@ class IterationHook(chainer.FunctionHook):
             return var.raw_array
         return None
 
+    def _live_reader(self, u: int) -> bool:
+        return self.remaining.get(u, 0) > 0
+
     def _regenerate(self, targets: List[int]) -> None:
-        """Recompute the dropped nodes of the targets' block(s) that the
-        targets need, and put the targets' arrays back."""
+        """Recompute the released nodes of the targets' block(s) that a
+        remaining backward reads, and put their arrays back."""
         p = self.program
-        g = p.graph
-        # Targets: every released node of the blocks involved whose backward
-        # readers have not all run, so that a block is regenerated once.
-        blocks = {p.block_of[u] for u in targets}
-        wanted = sorted({u for b in blocks for u in p.block_nodes.get(b, ())
-                         if u in self.released and self.remaining[u] > 0} | set(targets))
-        # (block_nodes lists dropped nodes; checkpoints released after their
-        # backward come back only as targets, on a second backward.)
-        # Closure: dropped ancestors whose outputs are not available.
+        blocks = {p.block_of[u] for u in targets if u < p.n}
+        wanted = set(targets)
+        for b in blocks:
+            for u in p.block_nodes.get(b, ()):
+                if u in self.released and self._live_reader(u):
+                    wanted.add(u)
         values: Dict[int, Any] = {}
         order: Set[int] = set()
-        stack = list(wanted)
+        stack = sorted(wanted)
         while stack:
             u = stack.pop()
             if u in order:
                 continue
+            f = self.calls[u].func()
+            if f is None:
+                raise RecomputeError(f"cannot regenerate node {u} ({self.calls[u].op}): its "
+                                     f"function node no longer exists")
             order.add(u)
-            f = self.funcs[u]()
-            for j, a in enumerate(g.nodes[u].inputs):
+            for j, a in enumerate(self.calls[u].in_ids or ()):
                 if self._input_array(f, j, a, values) is None:
-                    prod = g.arrays[a].producer
+                    prod = self.arrays[a].producer
                     if prod is None or prod not in p.releasable:
                         raise RecomputeError(
-                            f"cannot regenerate node {u} ({g.nodes[u].op}): its input array "
+                            f"cannot regenerate node {u} ({self.calls[u].op}): its input array "
                             f"{a} is not available and is not recomputable")
                     stack.append(prod)
-        targets_set = set(wanted)
         for u in sorted(order):
-            f = self.funcs[u]()
-            node = g.nodes[u]
-            in_data = tuple(self._input_array(f, j, a, values)
-                            for j, a in enumerate(node.inputs))
+            f = self.calls[u].func()
+            in_ids = self.calls[u].in_ids or ()
+            in_data = tuple(self._input_array(f, j, a, values) for j, a in enumerate(in_ids))
+            if self.verify:
+                self._check_sources(u, in_ids, in_data)
             outs = self._run_forward(f, u, in_data)
             self.stats.recomputed_nodes += 1
-            for a, y in zip(node.outputs, outs):
+            for a, y in zip(self.calls[u].out_ids or (), outs):
                 values[a] = y
-            if u in targets_set and u in self.released:
+            if u in wanted and u in self.released:
                 out_idx, had_retained = self.released.pop(u)
                 self.stats.n_released = len(self.released)
                 for k in out_idx:
@@ -332,21 +537,39 @@ class IterationHook(chainer.FunctionHook):
                         vnode._data = outs[k]
                 if had_retained:
                     f._retained_output_data = tuple(outs[k] for k in f._output_indexes_to_retain)
+                self.regenerated.add(u)
             else:
-                for name in p.derived[u]:  # transient: drop what forward made
-                    setattr(_owner_of(f, name), name, None)
+                for name in p.derived.get(u, ()):  # transient: drop what forward made
+                    setattr(owner_of(f, name), name, None)
+
+    def _check_sources(self, u: int, in_ids: Tuple[int, ...], in_data: Tuple[Any, ...]) -> None:
+        for a, x in zip(in_ids, in_data):
+            expected = self.fingerprints.get(a)
+            if expected is None or x is None:
+                continue
+            if fingerprint(x) != expected:
+                info = self.arrays[a]
+                what = (f"parameter {info.name or a}" if info.kind == "param"
+                        else f"input array {info.name or a}")
+                raise RecomputeError(
+                    f"{what} was modified in place between the forward pass and the backward "
+                    f"that recomputes node {u} ({self.calls[u].op}); recomputing it would give "
+                    f"a result different from plain Chainer's. Update parameters after the "
+                    f"backward (an optimizer's update() is handled), or do not write to an "
+                    f"input's array before its backward")
 
     def _run_forward(self, f: Any, u: int, in_data: Tuple[Any, ...]) -> Tuple[Any, ...]:
         detached = []
-        for name in self.program.written[u]:
-            owner = _owner_of(f, name)
-            original = getattr(owner, name)
+        for name in self.program.written.get(u, ()):
+            owner = owner_of(f, name)
+            original = getattr(owner, name, None)
             if original is not None:
                 setattr(owner, name, original.copy())  # e.g. BatchNorm running stats
                 detached.append((owner, name, original))
         keep_in, keep_out = f._input_indexes_to_retain, f._output_indexes_to_retain
         try:
             with chainer.using_config("in_recomputing", True), \
+                    chainer.using_config("enable_backprop", False), \
                     chainer.using_device(backend.get_device_from_array(*in_data)):
                 outs = tuple(type(f).forward(f, in_data))
         finally:
@@ -354,3 +577,42 @@ class IterationHook(chainer.FunctionHook):
                 setattr(owner, name, original)
             f._input_indexes_to_retain, f._output_indexes_to_retain = keep_in, keep_out
         return outs
+
+
+def _matches_before(p: Program, call: Call) -> bool:
+    i = call.index
+    if i >= p.n:
+        return False
+    node = p.graph.nodes[i]
+    if node.op != call.op or len(node.inputs) != len(call.in_shapes):
+        return False
+    arrays = p.graph.arrays
+    for a, shape, arg in zip(node.inputs, call.in_shapes, call.in_args):
+        info = arrays[a]
+        if info.shape is not None and tuple(info.shape) != shape:
+            return False
+        if info.kind == "input" and (info.name or None) != arg:
+            return False
+    return True
+
+
+def _matches_after(p: Program, call: Call, param_refs: Dict[int, Any]) -> bool:
+    """The call's wiring (which recorded array each input is, the very
+    parameters), outputs and retention are the planned node's."""
+    i = call.index
+    node = p.graph.nodes[i]
+    in_ids, out_ids = call.in_ids or (), call.out_ids or ()
+    if in_ids != node.inputs or len(out_ids) != len(node.outputs):
+        return False
+    for a in in_ids:
+        planned = p.param_refs.get(a)
+        if planned is not None:
+            ref = param_refs.get(a)
+            if ref is None or ref() is not planned():
+                return False
+    arrays = p.graph.arrays
+    for a, (shape, _, _) in zip(node.outputs, call.out_meta):
+        if arrays[a].shape is not None and tuple(arrays[a].shape) != shape:
+            return False
+    return (sorted(in_ids[j] for j in call.keep_in) == sorted(node.retained_inputs) and
+            sorted(out_ids[k] for k in call.keep_out) == sorted(node.retained_outputs))

@@ -1,37 +1,66 @@
-"""``apply()`` and :class:`Recompute`: planning on first use, then running
-every training forward under the backward driver.
+"""``apply()`` and :class:`Recompute`: record the real iteration, plan, then
+run every training forward under the backward driver.
 
 >>> import chainer_recompute as cr                        # doctest: +SKIP
 >>> model = cr.apply(model, budget='8G')                # doctest: +SKIP
 >>> loss = model(x, t); loss.backward()                 # as before
 
-The first call with a new input signature (shapes, dtypes, device, train
-mode, other arguments) captures the graph (one extra forward pass, whose
-effects on the model are undone), solves for the budget, and caches the
-plan; later calls with the same signature reuse it. Evaluation
-(``chainer.using_config('train', False)``) and ``no_backprop_mode`` calls
-go straight to the model: no planning, no overhead.
+The first training call with a new input signature (shapes, dtypes, device,
+train mode, other arguments) runs exactly as plain Chainer would (one
+forward, the same random draws, side effects, lazy initialisation and
+BatchNorm updates) while its graph is recorded, with the backward that
+follows it. The next call with that signature plans (solves for the budget)
+and runs under the plan. Every planned iteration is checked against the
+plan as it runs (function classes, shapes and the real wiring); an
+iteration that stops matching keeps what it has not released, records its
+new structure and the next call plans that one too: a signature keeps a few
+plans, one per structure. A model whose structure changes on almost every
+call falls back to plain Chainer with one warning.
+
+``capture_batch=N`` plans before the first call instead, from a separate
+small-batch capture scaled to the real batch, so that the budget holds from
+the first step; that capture leaves no trace (random states, persistent
+values, lazily created parameters are restored). Evaluation calls
+(``chainer.using_config('train', False)``, ``no_backprop_mode``) run the
+plain forward.
 """
 from __future__ import annotations
 
 import collections
 import logging
+import math
+import threading
 import time
-from typing import Any, Callable, Dict, Hashable, Optional, Tuple
+from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple
 
 from . import _chainer  # noqa: F401
 import chainer
 from chainer import backend
 
-from .capture import batch_size_of, capture
-from ..core.errors import RecomputeError
-from .executor import IterationHook, IterationStats, Program
+from ..core.errors import InfeasibleBudgetError, RecomputeError
 from ..core.graph import Graph
 from ..core.units import format_bytes, parse_bytes
+from .capture import batch_size_of, capture, leave_no_trace, state_bytes
+from .executor import IterationHook, IterationStats, Program
 
 logger = logging.getLogger(__name__)
 
 _ATTR = "_chainer_recompute"
+_local = threading.local()
+
+
+def _depth() -> int:
+    return getattr(_local, "depth", 0)
+
+
+class _Active:
+    """Marks a runner's forward as running (inner runners then pass through)."""
+
+    def __enter__(self) -> None:
+        _local.depth = _depth() + 1
+
+    def __exit__(self, *exc: Any) -> None:
+        _local.depth = _depth() - 1
 
 
 def _signature(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Hashable:
@@ -42,6 +71,8 @@ def _signature(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Hashable:
             return ("array", tuple(x.shape), str(x.dtype), str(backend.get_device_from_array(x)))
         if isinstance(x, (tuple, list)):
             return (type(x).__name__,) + tuple(one(y) for y in x)
+        if isinstance(x, dict):
+            return ("dict",) + tuple((k, one(v)) for k, v in sorted(x.items(), key=repr))
         if isinstance(x, (int, float, str, bool, type(None))):
             return ("value", x)
         return ("object", type(x).__name__, id(x))
@@ -51,7 +82,9 @@ def _signature(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Hashable:
             bool(chainer.config.train))
 
 
-class _Entry:
+class _Structure:
+    """One planned graph of a signature."""
+
     __slots__ = ("graph", "plan", "program", "planning_time_s")
 
     def __init__(self, graph: Graph, plan: Any, program: Program, planning_time_s: float):
@@ -59,52 +92,80 @@ class _Entry:
         self.planning_time_s = planning_time_s
 
 
+class _Entry:
+    """What a signature has: its plans (most recently used first), a
+    recorded iteration waiting to be planned, and counters."""
+
+    __slots__ = ("structures", "pending", "calls", "recorded", "plain")
+
+    def __init__(self) -> None:
+        self.structures: List[_Structure] = []
+        self.pending: Optional[IterationHook] = None
+        self.calls = 0
+        self.recorded = 0
+        self.plain = False
+
+
 class Recompute:
     """A callable that runs ``fn`` with recomputation.
 
     Args:
-        fn: a callable applying Chainer functions and returning the loss
-            Variable (a Link's ``forward``, a loss function).
-        budget: memory budget for the activations (``'8G'``, bytes, ...;
-            see :func:`parse_bytes`).
+        fn: a callable applying Chainer functions (a Link's ``__call__``, a
+            loss function); it may return anything (a Variable, a tuple, a
+            dict, a ``chainer.Distribution``).
+        budget: memory budget (``'8G'``, bytes, ...; see :func:`parse_bytes`),
+            or ``'least'``: the solver's least feasible budget, found when
+            planning.
         solver: ``approx`` (default), ``exact``, ``chen``, ``chen-greedy``
             or ``none`` (plain Chainer).
         strategy: ``tc`` (least recomputation) or ``mc`` (least memory).
         cost: cost model for the solver: ``measured`` (profiled times),
             ``flops`` or ``paper``.
-        max_plans: how many input signatures keep a cached plan.
-        capture_repeat: forward passes timed at capture (median).
-        capture_batch: capture the graph at this batch size (the leading
-            dimension of the array arguments) and scale it linearly to the
-            real batch: planning then costs the memory and time of a small
-            forward. If the model turns out not to scale linearly, the
-            mismatch is detected and that signature is planned again at
-            full size.
+        max_plans: how many input signatures keep their plans.
+        max_structures: how many graph structures one signature keeps
+            plans for.
+        capture_batch: plan before the first call, from a separate capture
+            at this batch size scaled linearly to the real batch (the budget
+            then holds from the first step); default: plan from the first
+            call, which runs plainly.
+        verify: checksum the parameters and inputs that regeneration reads,
+            so that an in-place change between forward and backward is
+            reported instead of giving a different gradient.
+        **solver_options: passed to the solver.
 
     >>> runner = Recompute(loss_fn, budget='2G')            # doctest: +SKIP
     >>> loss = runner(x, t); loss.backward()                # doctest: +SKIP
     """
 
+    #: A signature whose structure changed this many times, and on more
+    #: than half of its calls, runs plain Chainer from then on.
+    PLAIN_AFTER = 6
+
     def __init__(self, fn: Callable[..., Any], budget: Any, *, solver: str = "approx",
                  strategy: str = "tc", cost: str = "measured", max_plans: int = 8,
-                 capture_repeat: int = 1, capture_batch: Optional[int] = None,
-                 **solver_options: Any) -> None:
-        from ..core.solvers import check_solver
-        self.fn = fn
-        self.budget_bytes = parse_bytes(budget)
-        check_solver(solver, strategy)
+                 max_structures: int = 4, capture_batch: Optional[int] = None,
+                 verify: bool = True, **solver_options: Any) -> None:
         from ..core.costs import COST_MODELS
+        from ..core.solvers import check_solver
+        self.budget_least = isinstance(budget, str) and budget.strip().lower() == "least"
+        self.budget_bytes: Optional[int] = None if self.budget_least else parse_bytes(budget)
+        check_solver(solver, strategy)
         if cost not in COST_MODELS:
             raise RecomputeError(f"unknown cost model {cost!r}; known: {sorted(COST_MODELS)}")
+        if capture_batch is not None and (not isinstance(capture_batch, int) or capture_batch < 1):
+            raise RecomputeError(f"capture_batch must be a positive int or None, got "
+                                 f"{capture_batch!r}")
+        self.fn = fn
         self.solver, self.strategy, self.cost = solver, strategy, cost
         self.solver_options = solver_options
-        self.max_plans = max_plans
-        self.capture_repeat = capture_repeat
+        self.max_plans, self.max_structures = max_plans, max_structures
         self.capture_batch = capture_batch
-        self._full_capture: set = set()  # signatures that did not scale linearly
+        self.verify = verify
+        self.options: Dict[str, Any] = dict(
+            budget=budget, solver=solver, strategy=strategy, cost=cost, max_plans=max_plans,
+            max_structures=max_structures, capture_batch=capture_batch, verify=verify,
+            **solver_options)
         self._entries: "collections.OrderedDict[Hashable, _Entry]" = collections.OrderedDict()
-        # Counters of the last iteration (the hook itself lives as long as
-        # that iteration's graph, as Chainer's retained arrays do).
         self.last_stats: Optional[IterationStats] = None
 
     @staticmethod
@@ -114,97 +175,210 @@ class Recompute:
     # ------------------------------------------------------------ plans
     @property
     def plans(self) -> Dict[Hashable, Any]:
-        """The cached plans by input signature."""
-        return {k: e.plan for k, e in self._entries.items()}
+        """The plan of each signature's most recently used structure."""
+        return {k: e.structures[0].plan for k, e in self._entries.items() if e.structures}
 
     def clear(self) -> None:
-        """Forget every cached plan."""
+        """Forget every plan."""
         self._entries.clear()
 
-    def plan_for(self, *args: Any, **kwargs: Any) -> Any:
-        """The plan for these inputs (planned now if not cached)."""
-        return self._entry(_signature(args, kwargs), args, kwargs).plan
-
-    def _entry(self, sig: Hashable, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> _Entry:
+    def _entry(self, sig: Hashable) -> _Entry:
         entry = self._entries.get(sig)
-        if entry is not None:
+        if entry is None:
+            entry = self._entries[sig] = _Entry()
+            while len(self._entries) > self.max_plans:
+                self._entries.popitem(last=False)
+        else:
             self._entries.move_to_end(sig)
-            return entry
-        from ..core.planner import solve
-        t0 = time.perf_counter()
-        graph = self._capture(sig, args, kwargs)
-        plan = solve(graph, self.budget_bytes, solver=self.solver, strategy=self.strategy,
-                     **self.solver_options)
-        program = Program(graph, plan.lower_sets, frozenset(plan.kept))
-        entry = _Entry(graph, plan, program, time.perf_counter() - t0)
-        logger.info("chainer_recompute: planned %d functions in %.2f s for budget %s: %s",
-                    graph.n, entry.planning_time_s, format_bytes(self.budget_bytes), plan)
-        if program.unsafe:
-            logger.warning("chainer_recompute: %d functions cannot be recomputed safely and "
-                           "are kept: %s", len(program.unsafe),
-                           ", ".join(f"{graph.nodes[v].op} ({graph.nodes[v].attrs.get('unsafe_reason')})"
-                                     for v in program.unsafe[:5]))
-        self._entries[sig] = entry
-        while len(self._entries) > self.max_plans:
-            self._entries.popitem(last=False)
         return entry
 
-    def _capture(self, sig: Hashable, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Graph:
+    def plan_for(self, *args: Any, **kwargs: Any) -> Any:
+        """The plan for these inputs: the current one, or one made now from
+        a separate capture that leaves no trace."""
+        entry = self._entry(_signature(args, kwargs))
+        if entry.pending is not None:
+            self._plan_pending(entry, args, kwargs)
+        if not entry.structures:
+            self._plan_separately(entry, args, kwargs)
+        return entry.structures[0].plan
+
+    def _solve(self, graph: Graph) -> Any:
+        from ..core.planner import solve
+        from ..core.search import least_feasible_budget
+        budget = self.budget_bytes
+        if self.budget_least:
+            budget = least_feasible_budget(graph, solver=self.solver, strategy=self.strategy)
+        try:
+            return solve(graph, budget, solver=self.solver, strategy=self.strategy,
+                         **self.solver_options)
+        except InfeasibleBudgetError as e:
+            logger.error("chainer_recompute: %s", e)
+            raise
+
+    def _add(self, entry: _Entry, graph: Graph, param_refs: Dict[int, Any],
+             multi_backward: bool, t0: float) -> _Structure:
+        plan = self._solve(graph)
+        program = Program(graph, plan.lower_sets, frozenset(plan.kept), param_refs=param_refs)
+        program.multi_backward = multi_backward
+        s = _Structure(graph, plan, program, time.perf_counter() - t0)
+        entry.structures.insert(0, s)
+        del entry.structures[self.max_structures:]
+        logger.info("chainer_recompute: planned %d functions in %.2f s: %s", graph.n,
+                    s.planning_time_s, plan)
+        if program.unsafe:
+            logger.warning(
+                "chainer_recompute: %d functions cannot be recomputed safely and are kept: %s",
+                len(program.unsafe), ", ".join(
+                    f"{graph.nodes[v].op} ({graph.nodes[v].attrs.get('unsafe_reason')})"
+                    for v in program.unsafe[:5]))
+        return s
+
+    def _plan_pending(self, entry: _Entry, args: Tuple[Any, ...],
+                      kwargs: Dict[str, Any]) -> None:
+        hook, entry.pending = entry.pending, None
+        t0 = time.perf_counter()
+        link = self._link(args)
+        graph = hook.graph(cost_model=self.cost, batch_size=batch_size_of(args, kwargs),
+                           name=type(link).__name__ if link is not None else "model",
+                           meta={"state_bytes": state_bytes(link)} if link is not None else None,
+                           fill=hook.program.graph if hook.program is not None else None)
+        if hook.backward_during_forward:
+            logger.warning("chainer_recompute: the model's forward runs a backward "
+                           "(chainer.grad?); its graph is run without recomputation")
+            from ..core.solvers import solve_none
+            plan = solve_none(graph, None)
+            program = Program(graph, plan.lower_sets, frozenset(plan.kept),
+                              param_refs=hook.param_refs)
+            entry.structures.insert(0, _Structure(graph, plan, program,
+                                                  time.perf_counter() - t0))
+            del entry.structures[self.max_structures:]
+            return
+        self._add(entry, graph, hook.param_refs, hook.multi_backward, t0)
+
+    def _plan_separately(self, entry: _Entry, args: Tuple[Any, ...],
+                         kwargs: Dict[str, Any]) -> None:
+        """Plan from a separate capture (at ``capture_batch`` when set,
+        scaled), leaving no trace."""
+        t0 = time.perf_counter()
         link = self._link(args)
         batch = batch_size_of(args, kwargs)
         small = self.capture_batch
-        if small is None or batch is None or small >= batch or sig in self._full_capture:
-            return capture(self.fn, *args, repeat=self.capture_repeat, cost_model=self.cost,
-                           link=link, **kwargs)
-
-        def cut(x: Any) -> Any:
-            arr = x.raw_array if isinstance(x, chainer.Variable) else x
-            if isinstance(arr, chainer.get_array_types()) and arr.ndim and arr.shape[0] == batch:
-                return x[:small]
-            return x
-
-        graph = capture(self.fn, *[cut(a) for a in args], repeat=self.capture_repeat,
-                        cost_model=self.cost, link=link, batch_size=small,
-                        **{k: cut(v) for k, v in kwargs.items()})
-        return graph.scale_batch(batch)
+        cut_args, cut_kwargs = args, kwargs
+        if small is not None and batch is not None and small < batch:
+            def cut(x: Any) -> Any:
+                arr = x.raw_array if isinstance(x, chainer.Variable) else x
+                if isinstance(arr, chainer.get_array_types()) and arr.ndim and \
+                        arr.shape[0] == batch:
+                    return x[:small]
+                return x
+            cut_args = tuple(cut(a) for a in args)
+            cut_kwargs = {k: cut(v) for k, v in kwargs.items()}
+        else:
+            small = batch
+        with leave_no_trace(link if link is not None else self.fn):
+            hook = IterationHook(link=link, args=list(cut_args) + list(cut_kwargs.values()))
+            with _Active(), hook:
+                out = self.fn(*cut_args, **cut_kwargs)
+            hook.finish()
+            from .capture import first_variable
+            loss = first_variable(out)
+            if loss is not None and loss.requires_grad:
+                if loss.size != 1:
+                    loss = chainer.functions.sum(loss)
+                loss.grad_var = None
+                loss.backward()
+            del out, loss
+        graph = hook.graph(cost_model=self.cost, batch_size=small,
+                           name=type(link).__name__ if link is not None else "model",
+                           meta={"state_bytes": state_bytes(link)} if link is not None else None)
+        if batch is not None and small is not None and small != batch:
+            graph = graph.scale_batch(batch)
+        self._add(entry, graph, hook.param_refs, hook.multi_backward, t0)
 
     # ------------------------------------------------------------- call
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not (chainer.config.train and chainer.config.enable_backprop):
+        if not (chainer.config.train and chainer.config.enable_backprop) or _depth() > 0:
             return self.fn(*args, **kwargs)
         sig = _signature(args, kwargs)
-        entry = self._entry(sig, args, kwargs)
-        hook = IterationHook(entry.program)
-        with hook:
+        entry = self._entry(sig)
+        entry.calls += 1
+        if entry.plain:
+            self.last_stats = IterationStats(path="plain")
+            return self.fn(*args, **kwargs)
+        if entry.pending is not None:
+            self._plan_pending(entry, args, kwargs)
+        elif not entry.structures and self.capture_batch is not None and entry.calls == 1:
+            self._plan_separately(entry, args, kwargs)
+        hook = IterationHook([s.program for s in entry.structures], link=self._link(args),
+                             args=list(args) + list(kwargs.values()), verify=self.verify)
+        with _Active(), hook:
             out = self.fn(*args, **kwargs)
-        hook.finish_forward()
-        if hook.mismatch is not None:
-            logger.warning("chainer_recompute: the model's graph changed for the same input "
-                           "signature (%s); this iteration keeps what it did not release "
-                           "yet, and the next call is planned again", hook.mismatch)
-            entry = self._entries.pop(sig, None)
-            if entry is not None and entry.graph.meta.get("scaled_from") is not None:
-                self._full_capture.add(sig)
+        hook.finish()
         self.last_stats = hook.stats
+        if hook.recording:
+            entry.pending = hook
+            if entry.structures:
+                entry.recorded += 1
+                logger.info("chainer_recompute: the model's graph changed for the same input "
+                            "signature (%s); this iteration keeps what it had not released "
+                            "and the next call plans the new structure", hook.stats.mismatch)
+                if entry.recorded >= self.PLAIN_AFTER and 2 * entry.recorded > entry.calls:
+                    entry.plain, entry.pending = True, None
+                    entry.structures.clear()
+                    logger.warning(
+                        "chainer_recompute: the graph of %s changed on %d of its %d calls "
+                        "with the same input signature; running it without recomputation "
+                        "from now on", getattr(self.fn, "__qualname__", "the model"),
+                        entry.recorded, entry.calls)
+        else:
+            used = hook.program
+            entry.structures.sort(key=lambda s: s.program is not used)
         return out
 
+    def __repr__(self) -> str:
+        budget = "least" if self.budget_least else format_bytes(self.budget_bytes)
+        return (f"Recompute(budget={budget}, solver={self.solver!r}, strategy={self.strategy!r}, "
+                f"signatures={len(self._entries)})")
 
+
+# ------------------------------------------------------------- apply()
 _SUBCLASSES: Dict[type, type] = {}
 
 
-def _recompute_forward(self: chainer.Link, *args: Any, **kwargs: Any) -> Any:
-    return vars(self)[_ATTR](self, *args, **kwargs)
+def _recompute_call(self: chainer.Link, *args: Any, **kwargs: Any) -> Any:
+    runner = vars(self).get(_ATTR)
+    if runner is None:  # e.g. a half-built copy
+        return type(self)._chainer_recompute_base.__call__(self, *args, **kwargs)
+    return runner(self, *args, **kwargs)
+
+
+def _reduce_ex(self: chainer.Link, protocol: int) -> Any:
+    runner = vars(self)[_ATTR]
+    state = {k: v for k, v in vars(self).items() if k != _ATTR}
+    return (_rebuild, (type(self)._chainer_recompute_base, runner.options), state)
+
+
+def _rebuild(base: type, options: Dict[str, Any]) -> chainer.Link:
+    """Unpickling (and copying) an applied Link: a new runner, no plans."""
+    obj = base.__new__(base)
+    _install(obj, base, Recompute(base.__call__, **options))
+    return obj
 
 
 def _subclass_for(cls: type) -> type:
     sub = _SUBCLASSES.get(cls)
     if sub is None:
         sub = type(cls.__name__, (cls,), {
-            "forward": _recompute_forward, "_chainer_recompute_base": cls,
-            "__module__": cls.__module__, "__qualname__": cls.__qualname__,
-            "__doc__": cls.__doc__})
+            "__call__": _recompute_call, "__reduce_ex__": _reduce_ex,
+            "_chainer_recompute_base": cls, "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
         _SUBCLASSES[cls] = sub
     return sub
+
+
+def _install(model: chainer.Link, base: type, runner: Recompute) -> None:
+    vars(model)[_ATTR] = runner
+    model.__class__ = _subclass_for(base)
 
 
 def apply(model: chainer.Link, budget: Any, *, solver: str = "approx", strategy: str = "tc",
@@ -212,18 +386,20 @@ def apply(model: chainer.Link, budget: Any, *, solver: str = "approx", strategy:
     """Make ``model`` recompute, in place, and return it.
 
     The Link keeps its parameters, their paths (``save_npz`` / ``load_npz``
-    work as before), its optimizer and its device moves; only ``forward``
-    changes: the instance gets a subclass of its class whose ``forward``
+    work as before), its optimizer and its device moves; only calling it
+    changes: the instance gets a subclass of its class whose ``__call__``
     runs the original one under the backward driver (:func:`remove` puts
-    the class back). Copies of the model (``model.copy()``, ``deepcopy``)
-    keep recomputing, each with its own plans. Training calls are planned
-    on first use per input signature; evaluation calls run the plain
-    forward.
+    the class back). It pickles (Trainer snapshots, multiprocess
+    iterators), and copies (``model.copy()``, ``deepcopy``) recompute with
+    plans of their own. Applying again replaces the options; a Link called
+    inside an applied one runs as part of the outer plan.
 
     Args:
         model: the Link whose call returns the loss (e.g. a
-            ``chainer.links.Classifier``).
-        budget, solver, strategy, cost, options: see :class:`Recompute`.
+            ``chainer.links.Classifier``); it may define ``forward`` or
+            only ``__call__``.
+        budget: ``'8G'``, bytes, ... or ``'least'`` (see :class:`Recompute`).
+        solver, strategy, cost, options: see :class:`Recompute`.
 
     Returns:
         ``model`` itself.
@@ -238,15 +414,14 @@ def apply(model: chainer.Link, budget: Any, *, solver: str = "approx", strategy:
         raise RecomputeError(f"apply() takes a chainer.Link, got {type(model).__name__}; for "
                              f"a plain callable use chainer_recompute.Recompute(fn, budget=...)")
     base = getattr(type(model), "_chainer_recompute_base", type(model))
-    runner = Recompute(base.forward, budget, solver=solver, strategy=strategy, cost=cost,
+    runner = Recompute(base.__call__, budget, solver=solver, strategy=strategy, cost=cost,
                        **options)
-    vars(model)[_ATTR] = runner
-    model.__class__ = _subclass_for(base)
+    _install(model, base, runner)
     return model
 
 
 def remove(model: chainer.Link) -> chainer.Link:
-    """Undo :func:`apply`: ``model`` runs its plain forward again."""
+    """Undo :func:`apply`: ``model`` runs its plain ``__call__`` again."""
     base = getattr(type(model), "_chainer_recompute_base", None)
     if base is not None:
         model.__class__ = base
@@ -257,3 +432,6 @@ def remove(model: chainer.Link) -> chainer.Link:
 def runner_of(model: chainer.Link) -> Optional[Recompute]:
     """The :class:`Recompute` that :func:`apply` installed, or None."""
     return vars(model).get(_ATTR)
+
+
+__all__ = ["IterationStats", "Recompute", "apply", "remove", "runner_of"]

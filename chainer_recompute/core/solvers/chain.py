@@ -1,31 +1,384 @@
-"""Chain (RNN) solvers of Gruslys et al. and Griewank's revolve
-(PAPER.md §7).
+"""Chain (RNN) policies of Gruslys et al. and Griewank's revolve
+(PAPER.md §7): tables, policies as schedules of operations, and their
+costs in slots and in bytes.
 
-Pure core: numpy only. Costs are counted in forward steps; memory in
-hidden-state slots.
+Pure core: numpy only. A chain is ``t`` steps of one recurrent cell; a
+*slot* holds one hidden state (what a step needs to be run again: the
+recurrent state, and the RNG state of its dropout masks); a step's
+*internal state* (everything its backward reads) takes ``alpha`` slots.
+Costs are counted in forward steps, the first forward pass included:
+plain BPTT costs ``t`` and keeps every internal state.
+
+Tables (indices ``C[t, m]``: cost of reversing ``t`` steps with ``m``
+slots, the slot of the subsequence's start state included; ``Y[t, m]``:
+the split; ``K[t, m]``: for MSM, which kind of state the split stores):
+
+- BPTT-HSM: ``C(t, m) = min_{1<=y<t} [y + C(t-y, m-1) + C(y, m)]``,
+  ``C(0, m) = 0``, ``C(1, m) = 1``, ``C(t, 1) = t(t+1)/2``: run ``y``
+  steps, store the hidden state, reverse the right part with one slot
+  less, then the left part.
+- BPTT-ISM: ``C(t, m) = min_{1<=y<=t} [y + C(t-y, m-alpha) + C(y-1, m)]``
+  for ``m >= alpha`` (``t(t+1)/2`` below): run ``y`` steps, the last one
+  with its internal state kept (it holds its output hidden state, which
+  starts the right part), reverse the right part, backpropagate the kept
+  step, then the left part.
+- BPTT-MSM: the cheaper of the two at every split.
+- revolve: the HSM recursion with Griewank's closed-form split, no table.
+
+HSM's and ISM's columns ``C(., m)`` are convex in ``t``, and each is the
+min-plus convolution of two convex sequences (``a(y) = y + C(y, m)`` or
+``y + C(y-1, m)``, and the column ``m-1`` or ``m-alpha``): merging their
+slopes builds a whole row of the table in a few vectorised operations,
+``O(t m)`` in all instead of ``O(t^2 m)``. MSM's columns are not convex
+(a min of two convex functions), so its table is the plain DP, vectorised
+over ``m`` and cut by the bound ``t + y - 1 <= C <= min(HSM, ISM)``.
+Tables are cached per (policy, alpha) and grown on demand: every ``(t, m)``
+up to the largest asked is answered from one computation.
+
+Schedules are streams of operations on positions ``0..t`` of the chain
+(position ``p`` is the state before step ``p``): ``('advance', a, b)``
+runs steps ``a..b-1`` without a graph, ``('store', p)`` / ``('restore', p)``
+/ ``('free', p)`` keep, go back to and drop a checkpoint,
+``('keep', k)`` runs step ``k`` building its graph and keeps it,
+``('backward', k)`` backpropagates a kept step, ``('leaf', k)`` does both
+at once. :func:`simulate_slots` counts their forward steps and slots,
+:func:`simulate_bytes` their bytes from measured sizes.
+
+References:
+    Gruslys, Munos, Danihelka, Lanctot, Graves, "Memory-Efficient
+    Backpropagation Through Time", NIPS 2016, §3.
+    Griewank, Walther, "Algorithm 799: revolve", ACM TOMS 26(1), 2000.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from math import comb
-from typing import List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
+from ..errors import BudgetError, GraphError, RecomputeError, UnknownSolverError
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["bptt_hsm_table", "bptt_ism_table", "bptt_msm_table", "hsm_policy", "revolve_beta",
-           "revolve_min_forward_steps"]
+__all__ = ["POLICIES", "ChainTable", "ByteSizes", "bptt_hsm_table", "bptt_ism_table",
+           "bptt_msm_table", "chain_table", "clear_table_cache", "hsm_policy", "max_useful_slots",
+           "policy_cost", "revolve_beta", "revolve_min_forward_steps", "revolve_split",
+           "schedule", "simulate_bytes", "simulate_slots", "check_chain"]
+
+#: Policy names, as accepted by :func:`schedule` and the runtime.
+POLICIES = ("hsm", "ism", "msm", "revolve")
+
+# Kinds of split in K[t, m].
+QUAD, HIDDEN, INTERNAL = 0, 1, 2
+
+Op = Tuple  # ('advance', a, b) | (name, position)
 
 
-def _base(t_max: int, m_max: int) -> np.ndarray:
+# --------------------------------------------------------------------------
+# Input checks.
+
+def check_chain(policy: str, t: int, m: int, alpha: int = 1, *, top_level: bool = True) -> None:
+    """Raise the library's errors for a chain problem that makes no sense.
+
+    Args:
+        policy: one of :data:`POLICIES`.
+        t: number of steps (>= 1).
+        m: slots (>= 1, and at most :func:`max_useful_slots` when
+            ``top_level``).
+        alpha: slots of one internal state (>= 1).
+        top_level: check ``m`` against what ``t`` steps can use and ISM's
+            ``alpha <= m`` (the tables themselves accept any size).
+
+    Raises:
+        UnknownSolverError: unknown policy.
+        GraphError: ``t < 1``.
+        BudgetError: ``m < 1``, ``alpha < 1``, ``m`` above what the chain
+            can use, or ISM with ``alpha > m``.
+
+    >>> check_chain('hsm', 10, 3)
+    >>> check_chain('hsm', 0, 3)
+    Traceback (most recent call last):
+    ...
+    chainer_recompute.core.errors.GraphError: a chain of t=0 steps has nothing to backpropagate; t must be at least 1
+    """
+    if policy not in POLICIES:
+        raise UnknownSolverError(f"unknown chain policy {policy!r}; known: {sorted(POLICIES)}")
+    if not isinstance(t, (int, np.integer)) or t < 1:
+        raise GraphError(f"a chain of t={t} steps has nothing to backpropagate; t must be "
+                         f"at least 1")
+    if not isinstance(alpha, (int, np.integer)) or alpha < 1:
+        raise BudgetError(f"alpha={alpha}: an internal state takes at least one slot; "
+                          f"alpha must be an integer >= 1")
+    if not isinstance(m, (int, np.integer)) or m < 1:
+        raise BudgetError(f"m={m} slots: at least one slot is needed to hold the start "
+                          f"state of the chain; pass m >= 1")
+    if top_level:
+        most = max_useful_slots(policy, t, alpha)
+        if m > most:
+            raise BudgetError(f"m={m} slots is more than {policy.upper()} can use on t={t} "
+                              f"steps (at most {most}: beyond that nothing is recomputed "
+                              f"that more memory could save); pass m <= {most}, or a byte "
+                              f"budget, which is capped there")
+        if policy == "ism" and alpha > m:
+            raise BudgetError(f"ISM stores whole internal states of alpha={alpha} slots, "
+                              f"more than m={m}; give at least {alpha} slots, or use "
+                              f"policy 'hsm' or 'msm', which store hidden states")
+
+
+def max_useful_slots(policy: str, t: int, alpha: int = 1) -> int:
+    """Slots beyond which a policy's cost no longer falls: ``t`` for
+    HSM and revolve (every hidden state stored), ``alpha (t-1) + 1`` for
+    ISM and MSM (every internal state stored: plain BPTT's cost ``t``).
+
+    >>> max_useful_slots('hsm', 100), max_useful_slots('msm', 100, alpha=4)
+    (100, 397)
+    """
+    if policy in ("hsm", "revolve"):
+        return max(int(t), 1)
+    return max(int(alpha) * (int(t) - 1) + 1, 1)
+
+
+# --------------------------------------------------------------------------
+# Tables.
+
+def _empty(t_max: int, m_max: int) -> np.ndarray:
     c = np.full((t_max + 1, m_max + 1), np.inf)
-    c[0, :] = 0
+    c[0, :] = 0.0
     if t_max >= 1:
-        c[1, 1:] = 1
-    ts = np.arange(t_max + 1)
-    c[:, 1] = ts * (ts + 1) // 2
+        c[1, 1:] = 1.0
     return c
+
+
+def _quadratic(t_max: int) -> np.ndarray:
+    ts = np.arange(t_max + 1, dtype=np.float64)
+    return ts * (ts + 1) / 2
+
+
+def _hsm_merge(t_max: int, m_max: int) -> Tuple[np.ndarray, np.ndarray]:
+    """HSM by merging slopes, one vectorised row at a time.
+
+    Column ``m >= 2``: ``C(t, m) = (a * b)(t)``, the min-plus convolution of
+    ``a(y) = y + C(y, m)`` (``y >= 1``) and ``b(s) = C(s, m-1)``
+    (``s >= 1``). Both are convex (``C(., 1)`` is quadratic; a convolution
+    of convex sequences is convex, and ``a`` on ``y < t`` only needs rows
+    already built), so ``C(t, m) = C(t-1, m) + min(next slope of a, next
+    slope of b)`` and the split ``y`` is one plus the slopes taken from
+    ``a``.
+    """
+    c = _empty(t_max, m_max)
+    y = np.zeros((t_max + 1, m_max + 1), dtype=np.int32)
+    if m_max >= 1:
+        c[:, 1] = _quadratic(t_max)
+    if m_max < 2 or t_max < 2:
+        return c, y
+    cols = np.arange(2, m_max + 1)
+    c[2, 2:] = 3.0
+    y[2, 2:] = 1
+    i = np.zeros(len(cols), dtype=np.int64)  # slopes of a taken
+    for t in range(3, t_max + 1):
+        j = (t - 3) - i  # slopes of b taken
+        da = 1.0 + c[2 + i, cols] - c[1 + i, cols]
+        db = c[2 + j, cols - 1] - c[1 + j, cols - 1]
+        take_a = da <= db
+        c[t, 2:] = c[t - 1, 2:] + np.where(take_a, da, db)
+        i += take_a
+        y[t, 2:] = 1 + i
+    return c, y
+
+
+def _ism_merge(t_max: int, m_max: int, alpha: int) -> Tuple[np.ndarray, np.ndarray]:
+    """ISM by merging slopes (see :func:`_hsm_merge`): for ``m >= alpha``,
+    ``C(., m)`` is the min-plus convolution of ``a(y) = y + C(y-1, m)``
+    (``y >= 1``) and ``b(s) = C(s, m-alpha)`` (``s >= 0``); columns below
+    ``alpha`` are quadratic."""
+    c = _empty(t_max, m_max)
+    y = np.zeros((t_max + 1, m_max + 1), dtype=np.int32)
+    quad = _quadratic(t_max)
+    for m in range(1, min(alpha, m_max + 1)):
+        c[:, m] = quad
+    if m_max < alpha or t_max < 1:
+        return c, y
+    cols = np.arange(alpha, m_max + 1)
+    y[1, alpha:] = 1
+    i = np.zeros(len(cols), dtype=np.int64)
+    with np.errstate(invalid="ignore"):
+        for t in range(2, t_max + 1):
+            j = (t - 2) - i
+            da = 1.0 + c[1 + i, cols] - c[i, cols]
+            db = c[j + 1, cols - alpha] - c[j, cols - alpha]  # inf where m - alpha = 0
+            take_a = ~(db < da)
+            c[t, alpha:] = c[t - 1, alpha:] + np.where(take_a, da, db)
+            i += take_a
+            y[t, alpha:] = 1 + i
+    return c, y
+
+
+def _msm_dp(t_max: int, m_max: int, alpha: int, hsm: np.ndarray,
+            ism: np.ndarray) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """MSM by the plain DP over splits, vectorised over ``m``.
+
+    A split at ``y`` costs at least ``t + y - 1`` (every step runs at
+    least once), and the optimum is at most ``min(HSM, ISM)``; splits
+    beyond ``min(HSM, ISM) - t + 1`` are never tried. Ties keep the hidden
+    state (less memory).
+    """
+    c = _empty(t_max, m_max)
+    ysplit = np.zeros((t_max + 1, m_max + 1), dtype=np.int32)
+    kind = np.zeros((t_max + 1, m_max + 1), dtype=np.int8)
+    if m_max >= 1:
+        c[:, 1] = _quadratic(t_max)
+    if m_max >= 1 and t_max >= 1:
+        kind[1, 1:] = QUAD
+    if m_max < 2:
+        return c, ysplit, kind
+    ms = np.arange(2, m_max + 1)
+    chunk_elems = 1 << 20
+    for t in range(2, t_max + 1):
+        ub = np.minimum(hsm[t, 2:], ism[t, 2:])
+        bound = np.clip(ub - t + 1, 1, t).astype(np.int64)
+        bound = np.maximum.accumulate(bound[::-1])[::-1]  # non-increasing in m
+        best = np.full(len(ms), np.inf)
+        best_y = np.zeros(len(ms), dtype=np.int32)
+        best_k = np.zeros(len(ms), dtype=np.int8)
+        ymax = int(bound[0])
+        y0 = 1
+        while y0 <= ymax:
+            ncols = int(np.searchsorted(-bound, -y0, side="right"))  # columns with bound >= y0
+            if ncols == 0:
+                break
+            y1 = min(ymax + 1, y0 + max(1, chunk_elems // ncols))
+            yy = np.arange(y0, y1)
+            sl = slice(0, ncols)
+            mm = ms[sl]
+            # hidden: y + C(y, m) + C(t-y, m-1), y <= t-1
+            yh = yy[yy <= t - 1]
+            if len(yh):
+                v = yh[:, None] + c[yh][:, mm] + c[t - yh][:, mm - 1]
+                k = np.argmin(v, axis=0)
+                val = v[k, np.arange(ncols)]
+                better = val < best[sl]
+                best[sl] = np.where(better, val, best[sl])
+                best_y[sl] = np.where(better, yh[k], best_y[sl])
+                best_k[sl] = np.where(better, HIDDEN, best_k[sl])
+            # internal: y + C(y-1, m) + C(t-y, m-alpha), m >= alpha
+            first = max(0, alpha - 2)
+            if first < ncols:
+                mi = mm[first:]
+                v = yy[:, None] + c[yy - 1][:, mi] + c[t - yy][:, mi - alpha]
+                k = np.argmin(v, axis=0)
+                val = v[k, np.arange(len(mi))]
+                sub = slice(first, ncols)
+                better = val < best[sub]
+                best[sub] = np.where(better, val, best[sub])
+                best_y[sub] = np.where(better, yy[k], best_y[sub])
+                best_k[sub] = np.where(better, INTERNAL, best_k[sub])
+            y0 = y1
+        c[t, 2:] = best
+        ysplit[t, 2:] = best_y
+        kind[t, 2:] = best_k
+    return c, ysplit, kind
+
+
+@dataclasses.dataclass(frozen=True)
+class ChainTable:
+    """A cached DP table.
+
+    Attributes:
+        policy: ``'hsm'``, ``'ism'`` or ``'msm'``.
+        alpha: slots of an internal state.
+        cost: ``cost[t, m]``, forward steps (float64, ``inf`` where no
+            policy exists: ``m = 0``).
+        split: ``split[t, m]``, the ``y`` of the first split (0: none).
+        kind: ``kind[t, m]``: 0 quadratic/leaf, 1 hidden, 2 internal.
+        build_time_s: seconds the table took.
+    """
+
+    policy: str
+    alpha: int
+    cost: np.ndarray
+    split: np.ndarray
+    kind: np.ndarray
+    build_time_s: float
+
+    @property
+    def t_max(self) -> int:
+        return self.cost.shape[0] - 1
+
+    @property
+    def m_max(self) -> int:
+        return self.cost.shape[1] - 1
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the arrays of this table."""
+        return int(self.cost.nbytes + self.split.nbytes + self.kind.nbytes)
+
+
+_CACHE: Dict[Tuple[str, int], ChainTable] = {}
+
+
+def _columns(cost: np.ndarray, t_max: int, m_max: int) -> np.ndarray:
+    """``cost[:t_max+1, :m_max+1]``, the columns past a saturated table's
+    last repeated (they are equal)."""
+    cost = cost[:t_max + 1, :m_max + 1]
+    if cost.shape[1] < m_max + 1:
+        pad = np.repeat(cost[:, -1:], m_max + 1 - cost.shape[1], axis=1)
+        cost = np.concatenate([cost, pad], axis=1)
+    return cost
+
+
+def clear_table_cache() -> None:
+    """Forget every cached table."""
+    _CACHE.clear()
+
+
+def chain_table(policy: str, t: int, m: int, alpha: int = 1) -> ChainTable:
+    """The DP table of ``policy`` covering ``(t, m)``, from the cache when
+    a table at least that large was built before.
+
+    ``m`` is capped at :func:`max_useful_slots` (columns beyond are equal).
+    A larger request grows the cached table to cover both.
+
+    >>> tab = chain_table('hsm', 8, 3)
+    >>> int(tab.cost[8, 3]), int(tab.split[8, 3]) > 0
+    (19, True)
+    >>> chain_table('hsm', 5, 2) is tab
+    True
+    """
+    if policy == "revolve":
+        policy = "hsm"
+    if policy not in ("hsm", "ism", "msm"):
+        raise UnknownSolverError(f"no table for policy {policy!r}; known: ['hsm', 'ism', 'msm']")
+    if t < 0 or m < 0 or alpha < 1:
+        raise BudgetError(f"table size t={t}, m={m}, alpha={alpha} must be non-negative "
+                          f"(alpha >= 1)")
+    key_alpha = 1 if policy == "hsm" else int(alpha)
+    m = min(int(m), max_useful_slots(policy, max(int(t), 1), key_alpha))
+    key = (policy, key_alpha)
+    cached = _CACHE.get(key)
+    if cached is not None and cached.t_max >= t and cached.m_max >= m:
+        return cached
+    t_new = max(int(t), cached.t_max if cached else 0)
+    m_new = max(int(m), cached.m_max if cached else 0)
+    start = time.perf_counter()
+    if policy == "hsm":
+        cost, split = _hsm_merge(t_new, m_new)
+        kind = np.where(split > 0, HIDDEN, QUAD).astype(np.int8)
+    elif policy == "ism":
+        cost, split = _ism_merge(t_new, m_new, key_alpha)
+        kind = np.where(split > 0, INTERNAL, QUAD).astype(np.int8)
+    else:
+        hsm = _columns(chain_table("hsm", t_new, m_new).cost, t_new, m_new)
+        ism = _columns(chain_table("ism", t_new, m_new, key_alpha).cost, t_new, m_new)
+        cost, split, kind = _msm_dp(t_new, m_new, key_alpha, hsm, ism)
+    table = ChainTable(policy, key_alpha, cost, split, kind, time.perf_counter() - start)
+    logger.info("built the %s table t<=%d, m<=%d, alpha=%d in %.3f s (%d bytes)", policy,
+                t_new, m_new, key_alpha, table.build_time_s, table.nbytes)
+    _CACHE[key] = table
+    return table
 
 
 def bptt_hsm_table(t_max: int, m_max: int) -> Tuple[np.ndarray, np.ndarray]:
@@ -43,16 +396,7 @@ def bptt_hsm_table(t_max: int, m_max: int) -> Tuple[np.ndarray, np.ndarray]:
     >>> int(C[8, 3]), int(C[8, 1])
     (19, 36)
     """
-    c = _base(t_max, m_max)
-    ysplit = np.zeros((t_max + 1, m_max + 1), dtype=np.int64)
-    for m in range(2, m_max + 1):
-        for t in range(2, t_max + 1):
-            y = np.arange(1, t)
-            v = y + c[t - y, m - 1] + c[y, m]
-            k = int(np.argmin(v))
-            c[t, m] = v[k]
-            ysplit[t, m] = y[k]
-    return c, ysplit
+    return _hsm_merge(int(t_max), int(m_max))
 
 
 def bptt_ism_table(t_max: int, m_max: int, alpha: int = 2) -> np.ndarray:
@@ -66,19 +410,7 @@ def bptt_ism_table(t_max: int, m_max: int, alpha: int = 2) -> np.ndarray:
     >>> int(bptt_ism_table(4, 4, alpha=2)[4, 4]) <= 10
     True
     """
-    c = _base(t_max, m_max)
-    for m in range(2, m_max + 1):
-        for t in range(2, t_max + 1):
-            if m < alpha:
-                continue  # no room for an internal state: quadratic fallback below
-            y = np.arange(1, t + 1)
-            v = y + c[t - y, m - alpha] + c[y - 1, m]
-            c[t, m] = min(float(v.min()), c[t, m])
-        if m < alpha:
-            ts = np.arange(t_max + 1)
-            c[:, m] = np.minimum(c[:, m], ts * (ts + 1) // 2)
-            c[0, m] = 0
-    return c
+    return _ism_merge(int(t_max), int(m_max), int(alpha))[0]
 
 
 def bptt_msm_table(t_max: int, m_max: int, alpha: int = 2) -> np.ndarray:
@@ -92,16 +424,10 @@ def bptt_msm_table(t_max: int, m_max: int, alpha: int = 2) -> np.ndarray:
     >>> bool((bptt_msm_table(30, 5)[1:, 1:] <= H[1:, 1:]).all())
     True
     """
-    c = _base(t_max, m_max)
-    for m in range(2, m_max + 1):
-        for t in range(2, t_max + 1):
-            y = np.arange(1, t)
-            best = float((y + c[t - y, m - 1] + c[y, m]).min())
-            if m >= alpha:
-                y2 = np.arange(1, t + 1)
-                best = min(best, float((y2 + c[t - y2, m - alpha] + c[y2 - 1, m]).min()))
-            c[t, m] = best
-    return c
+    t_max, m_max, alpha = int(t_max), int(m_max), int(alpha)
+    hsm = _hsm_merge(t_max, m_max)[0]
+    ism = _ism_merge(t_max, m_max, alpha)[0]
+    return _msm_dp(t_max, m_max, alpha, hsm, ism)[0]
 
 
 def hsm_policy(t: int, m: int, ysplit: Optional[np.ndarray] = None) -> List[Tuple[int, int, int]]:
@@ -117,18 +443,20 @@ def hsm_policy(t: int, m: int, ysplit: Optional[np.ndarray] = None) -> List[Tupl
     if ysplit is None:
         _, ysplit = bptt_hsm_table(t, m)
     out: List[Tuple[int, int, int]] = []
-
-    def rec(off: int, length: int, slots: int) -> None:
+    stack = [(0, t, m)]
+    while stack:
+        off, length, slots = stack.pop()
         if length <= 1 or slots <= 1:
-            return
+            continue
         y = int(ysplit[length, slots])
         out.append((off, length, slots))
-        rec(off + y, length - y, slots - 1)
-        rec(off, y, slots)
-
-    rec(0, t, m)
+        stack.append((off, y, slots))
+        stack.append((off + y, length - y, slots - 1))
     return out
 
+
+# --------------------------------------------------------------------------
+# revolve.
 
 def revolve_beta(c: int, r: int) -> int:
     """β(c, r) = (c+r)! / (c! r!): the most steps reversible with ``c``
@@ -157,3 +485,353 @@ def revolve_min_forward_steps(length: int, snapshots: int) -> int:
     while revolve_beta(snapshots, r) < length:
         r += 1
     return r * length - revolve_beta(snapshots + 1, r - 1)
+
+
+def revolve_split(length: int, snapshots: int) -> int:
+    """Griewank's optimal first step: how far to advance before storing
+    the next snapshot, reversing ``length >= 2`` steps with ``snapshots
+    >= 2`` snapshots (the start's included), as in ``revolve``'s
+    ``advance`` action.
+
+    With ``r`` the least repetition number such that β(c, r) >= l:
+    advance β(c, r-2) when l <= β(c, r-1) + β(c-2, r-1); β(c, r-1) when
+    l >= β(c, r) - β(c-3, r); else l - β(c-1, r-1) - β(c-2, r-1).
+
+    References:
+        Griewank, Walther, "Algorithm 799: revolve", ACM TOMS 26(1), 2000.
+
+    >>> revolve_split(8, 3), revolve_split(100, 2)
+    (3, 86)
+    """
+    c, l = int(snapshots), int(length)
+    if l < 2 or c < 2:
+        raise BudgetError(f"revolve splits need at least 2 steps and 2 snapshots, got "
+                          f"length={l}, snapshots={c}")
+    r = 0
+    while revolve_beta(c, r) < l:
+        r += 1
+    b = revolve_beta
+    if l <= b(c, r - 1) + b(c - 2, r - 1):
+        y = b(c, r - 2)
+    elif l >= b(c, r) - b(c - 3, r):
+        y = b(c, r - 1)
+    else:
+        y = l - b(c - 1, r - 1) - b(c - 2, r - 1)
+    return int(min(max(y, 1), l - 1))
+
+
+def _revolve_cost(length: int, snapshots: int, memo: Dict[Tuple[int, int], int]) -> int:
+    if length <= 1:
+        return length
+    if snapshots <= 1:
+        return length * (length + 1) // 2
+    key = (length, snapshots)
+    if key not in memo:
+        y = revolve_split(length, snapshots)
+        memo[key] = (y + _revolve_cost(length - y, snapshots - 1, memo)
+                     + _revolve_cost(y, snapshots, memo))
+    return memo[key]
+
+
+def policy_cost(policy: str, t: int, m: int, alpha: int = 1) -> int:
+    """Forward steps of ``policy`` on ``t`` steps with ``m`` slots
+    (plain BPTT: ``t``).
+
+    >>> policy_cost('hsm', 1000, 10), policy_cost('revolve', 1000, 10)
+    (4636, 4636)
+    """
+    check_chain(policy, t, m, alpha, top_level=False)
+    if policy == "revolve":
+        return _revolve_cost(int(t), int(m), {})
+    return int(chain_table(policy, t, m, alpha).cost[t, min(m, max_useful_slots(policy, t, alpha))])
+
+
+# --------------------------------------------------------------------------
+# Schedules.
+
+def schedule(policy: str, t: int, m: int, alpha: int = 1, *,
+             table: Optional[ChainTable] = None) -> Iterator[Op]:
+    """The operations of ``policy`` reversing ``t`` steps with ``m`` slots,
+    lazily (``O(t)`` operations; memory of the generator ``O(t)``).
+
+    The stream starts with ``('store', 0)`` and ends with ``('free', 0)``;
+    its first part, up to the first ``leaf``/``backward``, is the forward
+    pass: it runs every step once, in order.
+
+    Args:
+        policy: ``'hsm'``, ``'ism'``, ``'msm'`` or ``'revolve'``.
+        t: steps.
+        m: slots (capped at :func:`max_useful_slots`).
+        alpha: slots of an internal state (ISM, MSM).
+        table: a table to read splits from (default: the cached one).
+
+    >>> list(schedule('hsm', 3, 2))  # doctest: +NORMALIZE_WHITESPACE
+    [('store', 0), ('advance', 0, 1), ('store', 1), ('advance', 1, 2), ('leaf', 2),
+     ('restore', 1), ('leaf', 1), ('free', 1), ('restore', 0), ('leaf', 0), ('free', 0)]
+    """
+    check_chain(policy, t, m, alpha, top_level=False)
+    t, m, alpha = int(t), int(m), int(alpha)
+    m = min(m, max_useful_slots(policy, t, alpha))
+    if policy != "revolve" and table is None:
+        table = chain_table(policy, t, m, alpha)
+
+    def choose(length: int, slots: int) -> Tuple[int, int]:
+        if policy == "revolve":
+            return (QUAD, 0) if slots <= 1 else (HIDDEN, revolve_split(length, slots))
+        assert table is not None
+        slots = min(slots, table.m_max)
+        k, y = int(table.kind[length, slots]), int(table.split[length, slots])
+        if y <= 0:
+            return QUAD, 0
+        return k, y
+
+    running: Optional[int] = 0
+    yield ("store", 0)
+    # Tasks: ('solve', off, length, slots) | ('goto', off) | op tuples.
+    stack: List[Tuple] = [("free", 0), ("solve", 0, t, m)]
+    while stack:
+        task = stack.pop()
+        name = task[0]
+        if name == "goto":
+            if running != task[1]:
+                running = task[1]
+                yield ("restore", task[1])
+            continue
+        if name != "solve":
+            if name == "advance":
+                running = task[2]
+            elif name == "keep":
+                running = task[1] + 1
+            elif name in ("leaf", "backward"):
+                running = None
+            yield task
+            continue
+        _, off, length, slots = task
+        if length == 0:
+            continue
+        if length == 1:
+            stack += [("leaf", off), ("goto", off)]
+            continue
+        k, y = choose(length, slots)
+        if k == QUAD:
+            for step in range(off, off + length):  # the last pushed runs first
+                stack.append(("leaf", step))
+                if step > off:
+                    stack.append(("advance", off, step))
+                stack.append(("goto", off))
+        elif k == HIDDEN:
+            stack += [("solve", off, y, slots), ("free", off + y),
+                      ("solve", off + y, length - y, slots - 1), ("store", off + y),
+                      ("advance", off, off + y), ("goto", off)]
+        elif y == length:  # nothing to the right: the kept step is a leaf
+            stack += [("solve", off, y - 1, slots), ("leaf", off + y - 1)]
+            if y > 1:
+                stack.append(("advance", off, off + y - 1))
+            stack.append(("goto", off))
+        else:
+            later = [("solve", off, y - 1, slots), ("backward", off + y - 1),
+                     ("free", off + y), ("solve", off + y, length - y, slots - alpha),
+                     ("store", off + y), ("keep", off + y - 1)]
+            if y > 1:
+                later.append(("advance", off, off + y - 1))
+            later.append(("goto", off))
+            stack += later
+
+
+def simulate_slots(ops: Iterator[Op], alpha: int = 1) -> Tuple[int, int]:
+    """``(forward steps, peak slots)`` of a schedule: a checkpoint takes
+    one slot (none when it is the output of the step kept just before,
+    which the internal state holds), a kept internal state ``alpha``;
+    a ``leaf`` is working memory.
+
+    >>> simulate_slots(schedule('hsm', 10, 3))
+    (25, 3)
+    """
+    cost = 0
+    live = peak = 0
+    ckpt_cost: Dict[int, int] = {}
+    last_kept: Optional[int] = None
+    for op in ops:
+        name = op[0]
+        if name == "advance":
+            cost += op[2] - op[1]
+        elif name in ("leaf", "keep"):
+            cost += 1
+            if name == "keep":
+                live += alpha
+                last_kept = op[1]
+                peak = max(peak, live)
+                continue
+        elif name == "backward":
+            live -= alpha
+        elif name == "store":
+            c = 0 if last_kept is not None and last_kept + 1 == op[1] else 1
+            ckpt_cost[op[1]] = c
+            live += c
+        elif name == "free":
+            live -= ckpt_cost.pop(op[1])
+        last_kept = None
+        peak = max(peak, live)
+    return cost, peak
+
+
+@dataclasses.dataclass(frozen=True)
+class ByteSizes:
+    """Measured bytes of one step of a cell, for :func:`simulate_bytes`.
+
+    Attributes:
+        state: the recurrent state between two steps (all its arrays).
+        rng: one saved RNG state (kept with every checkpoint).
+        internal: what a step's graph keeps besides its input and output
+            states (the internal state less the states).
+        retained_input: the part of its input state that a step's graph
+            keeps alive by itself.
+        grad: the gradient of a state.
+        param_grads: parameter gradients, allocated by the first backward.
+        advance_peak: highest bytes above those live before a step run
+            without a graph, while it runs (its output included).
+        keep_peak: the same for a step that builds its graph.
+        backward_peak: the same for the backward of one step (parameter
+            gradients already allocated).
+        state0: bytes of the start state that the call allocates (0 when
+            it was live before the call).
+    """
+
+    state: int
+    rng: int
+    internal: int
+    retained_input: int
+    grad: int
+    param_grads: int
+    advance_peak: int
+    keep_peak: int
+    backward_peak: int
+    state0: int = 0
+
+    @property
+    def hidden_slot(self) -> int:
+        """Bytes of one hidden-state slot: a state and its RNG state."""
+        return self.state + self.rng
+
+    @property
+    def internal_slot(self) -> int:
+        """Bytes of one stored internal state: its own arrays and its
+        output state (and that state's RNG state, as the right part's
+        start)."""
+        return self.internal + self.state + self.rng
+
+    @property
+    def alpha(self) -> int:
+        """Slots of an internal state: ``ceil(internal_slot / hidden_slot)``."""
+        return max(1, -(-self.internal_slot // max(self.hidden_slot, 1)))
+
+
+def simulate_bytes(ops: Iterator[Op], sizes: ByteSizes, t: int) -> int:
+    """Predicted peak bytes of a schedule above the bytes live when it
+    starts, from one step's measured sizes: states are counted once
+    however many holders they have (the running state, a checkpoint, the
+    graph that made them, the graph that reads them, the model after the
+    forward pass), with their transients on top.
+
+    >>> s = ByteSizes(100, 10, 1000, 50, 100, 5000, 150, 1200, 2000)
+    >>> simulate_bytes(schedule('hsm', 20, 20), s, 20) < simulate_bytes(schedule('msm', 20, 100, 10), s, 20)
+    True
+    """
+    full = sizes.state
+    holders: Dict[int, int] = {}  # position -> bit set of holders
+    RUN, CKPT, OUT, IN, FINAL = 1, 2, 4, 8, 16
+
+    def state_bytes(p: int, h: int) -> int:
+        if p == 0:
+            return sizes.state0 if h else 0
+        if h & (RUN | CKPT | OUT | FINAL):
+            return full
+        if h & IN:
+            return min(sizes.retained_input, full)
+        return 0
+
+    live = 0
+
+    def hold(p: int, bit: int) -> None:
+        nonlocal live
+        h = holders.get(p, 0)
+        live += state_bytes(p, h | bit) - state_bytes(p, h)
+        holders[p] = h | bit
+
+    def drop(p: int, bit: int) -> None:
+        nonlocal live
+        h = holders.get(p, 0)
+        live += state_bytes(p, h & ~bit) - state_bytes(p, h)
+        if h & ~bit:
+            holders[p] = h & ~bit
+        else:
+            holders.pop(p, None)
+
+    running: Optional[int] = 0
+    hold(0, RUN)
+    peak = 0
+    grad_live = False
+    params_live = False
+
+    def move_running(to: Optional[int]) -> None:
+        nonlocal running
+        if running is not None:
+            drop(running, RUN)
+        running = to
+        if to is not None:
+            hold(to, RUN)
+
+    def backward(k: int) -> None:
+        nonlocal peak, live, grad_live, params_live
+        extra = sizes.backward_peak + (0 if params_live else sizes.param_grads)
+        peak = max(peak, live + extra)
+        if not params_live:
+            live += sizes.param_grads
+            params_live = True
+        live -= sizes.internal
+        drop(k + 1, OUT)
+        drop(k, IN)
+        if not grad_live:
+            live += sizes.grad
+            grad_live = True
+
+    def keep(k: int) -> None:
+        nonlocal peak, live
+        peak = max(peak, live + sizes.keep_peak)
+        live += sizes.internal
+        hold(k + 1, OUT)
+        hold(k, IN)
+        if k + 1 == t:
+            hold(t, FINAL)
+        move_running(k + 1)
+
+    for op in ops:
+        name = op[0]
+        if name == "advance":
+            a, b = op[1], op[2]
+            peak = max(peak, live + sizes.advance_peak)
+            move_running(a + 1)
+            if b - a >= 2:
+                peak = max(peak, live + sizes.advance_peak)
+            move_running(b)
+        elif name == "store":
+            hold(op[1], CKPT)
+            live += sizes.rng
+        elif name == "free":
+            drop(op[1], CKPT)
+            live -= sizes.rng
+        elif name == "restore":
+            move_running(op[1])
+        elif name == "keep":
+            keep(op[1])
+        elif name == "backward":
+            backward(op[1])
+            move_running(None)
+        elif name == "leaf":
+            keep(op[1])
+            backward(op[1])
+            move_running(None)
+        else:  # pragma: no cover
+            raise RecomputeError(f"unknown chain operation {op!r}")
+        peak = max(peak, live)
+    return int(peak)

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import itertools
 import random
-from typing import Dict, FrozenSet, List, Tuple
+from typing import Dict, FrozenSet, List, Optional, Tuple
 
 import pytest
 
 from chainer_recompute.core.graph import Graph
+from chainer_recompute.core.memory_model import MemoryModel
+from chainer_recompute.core.planner import solve
 from chainer_recompute.core.search import least_feasible_budget
 from chainer_recompute.core.solvers import solve_approx, solve_exact
 
@@ -51,12 +53,21 @@ def random_dag(rng: random.Random, kind: str) -> Tuple[List[int], List[Tuple[int
     return sizes, sorted(edges), costs
 
 
-def brute_force(g: Graph) -> List[Tuple[int, int]]:
-    """(peak, retained time) of every canonical strategy."""
+def brute_force(g: Graph, model: Optional[MemoryModel] = None) -> List[Tuple[int, int]]:
+    """(peak, retained time) of every canonical strategy, under the paper's
+    memory model or under ``model``'s weights (read from the model, the
+    formula written out here)."""
     n = g.n
     preds = {v: set(g.preds[v]) for v in range(n)}
     succs = {v: set(g.succs[v]) for v in range(n)}
     M = [int(x) for x in g.node_bytes]
+    if model is None:
+        blockw, keep, abovew, besidew = [2 * m for m in M], M, M, M
+        trans, const = [0] * n, 0
+    else:
+        blockw, keep = [int(x) for x in model.block_bytes], [int(x) for x in model.keep_bytes]
+        abovew, besidew = [int(x) for x in model.above_bytes], [int(x) for x in model.beside_bytes]
+        trans, const = [int(x) for x in model.transient_bytes], model.constant_bytes
     T = [int(round(x)) for x in g.node_cost]
     V = frozenset(range(n))
     lower = [frozenset(s) for r in range(n + 1) for s in itertools.combinations(range(n), r)
@@ -66,7 +77,7 @@ def brute_force(g: Graph) -> List[Tuple[int, int]]:
         bnd = frozenset(v for v in L if succs[v] - L)
         A = {w for v in L for w in succs[v]} - L
         B = {u for w in A for u in preds[w]} - L
-        info[L] = (bnd, sum(M[v] for v in A) + sum(M[v] for v in B))
+        info[L] = (bnd, sum(abovew[v] for v in A) + sum(besidew[v] for v in B))
     out = []
 
     def rec(L: FrozenSet[int], acc: int, peak: int, t: int) -> None:
@@ -78,8 +89,9 @@ def brute_force(g: Graph) -> List[Tuple[int, int]]:
                 bnd, back = info[L2]
                 blk = L2 - L
                 U = bnd & blk
-                step = acc + 2 * sum(M[v] for v in blk) + back
-                rec(L2, acc + sum(M[v] for v in U), max(peak, step), t + sum(T[v] for v in U))
+                step = (const + acc + sum(blockw[v] for v in blk) + back
+                        + max(trans[v] for v in blk))
+                rec(L2, acc + sum(keep[v] for v in U), max(peak, step), t + sum(T[v] for v in U))
 
     rec(frozenset(), 0, 0, 0)
     return out
@@ -127,3 +139,51 @@ def test_exact_dp_matches_brute_force(seed: int) -> None:
             assert all(set(g.preds[v]) <= L for v in L)
             prev = L
         assert prev == frozenset(range(g.n))
+
+
+def random_model(rng: random.Random, g: Graph) -> MemoryModel:
+    """Random per-node weights: independent block, keep, above and beside
+    weights (zeros included), transients on some nodes, a constant."""
+    n = g.n
+
+    def w(lo: int, hi: int, p_zero: float) -> List[int]:
+        return [0 if rng.random() < p_zero else rng.randint(lo, hi) for _ in range(n)]
+
+    return MemoryModel(block_bytes=w(1, 40, 0.1), keep_bytes=w(1, 20, 0.1),
+                       above_bytes=w(1, 20, 0.2), beside_bytes=w(1, 20, 0.2),
+                       transient_bytes=w(1, 60, rng.choice([0.0, 0.5, 0.8])),
+                       constant_bytes=rng.choice([0, 0, rng.randint(1, 100)]), scope="total")
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_dps_match_brute_force_under_random_models(seed: int) -> None:
+    rng = random.Random(10_000 + seed)
+    kind = KINDS[seed % len(KINDS)]
+    sizes, edges, costs = random_dag(rng, kind)
+    g = Graph.from_edges(sizes, edges, costs=costs)
+    model = random_model(rng, g)
+    total_t = sum(costs)
+    chains = brute_force(g, model)
+    least = min(p for p, _ in chains)
+    assert least_feasible_budget(g, "exact", model=model) == least
+    assert least_feasible_budget(g, "approx", model=model) >= least
+    assert not solve_exact(g, least - 1, model=model).feasible
+    assert not solve_approx(g, least - 1, model=model).feasible
+    if model.constant_bytes:
+        assert not solve_exact(g, model.constant_bytes - 1, model=model).feasible
+    worst = max(p for p, _ in chains)
+    for b in sorted({least, worst, rng.choice(chains)[0], (least + worst) // 2}):
+        ok = [t for p, t in chains if p <= b]
+        for strategy, best in (("tc", max(ok)), ("mc", min(ok))):
+            for method in ("dense", "sparse"):
+                p = solve_exact(g, b, strategy=strategy, model=model, method=method)
+                assert p.feasible and p.predicted_peak_bytes <= b
+                assert p.overhead == pytest.approx(total_t - best)
+                assert p.info["memory_scope"] == "total"
+            ap = solve(g, b, "approx", strategy, model=model, raise_infeasible=False)
+            if ap.feasible:
+                assert ap.predicted_peak_bytes <= b
+                if strategy == "tc":
+                    assert ap.overhead >= total_t - best - 1e-9
+                else:
+                    assert ap.overhead <= total_t - best + 1e-9

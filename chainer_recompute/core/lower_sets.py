@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import FrozenSet, Iterable, List, Optional, Sequence
+from typing import TYPE_CHECKING, FrozenSet, Iterable, List, Optional, Sequence
 
 import numpy as np
 
 from .errors import LowerSetExplosionError
 from .graph import Graph
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .memory_model import MemoryModel
 
 logger = logging.getLogger(__name__)
 
@@ -227,14 +230,60 @@ def _popcount_rows(words: np.ndarray) -> np.ndarray:
     return b.sum(axis=1, dtype=np.int64)
 
 
+def _bits(words: np.ndarray, n: int) -> np.ndarray:
+    """Rows of words as a ``(K, n)`` uint8 0/1 matrix."""
+    return np.unpackbits(np.ascontiguousarray(words).view(np.uint8), axis=1,
+                         bitorder="little")[:, :n]
+
+
+def _pack(bits: np.ndarray, n_words: int) -> np.ndarray:
+    """Inverse of :func:`_bits`."""
+    packed = np.packbits(bits.astype(np.uint8, copy=False), axis=1, bitorder="little")
+    out = np.zeros((len(bits), 8 * n_words), dtype=np.uint8)
+    out[:, :packed.shape[1]] = packed
+    return out.view("<u8").astype(np.uint64)
+
+
 def _weighted_sum(words: np.ndarray, weights: np.ndarray, n: int,
                   chunk: int = 1 << 15) -> np.ndarray:
     """Σ weights[v] over the bits of each row of ``words``."""
     out = np.zeros(len(words), dtype=weights.dtype)
     for s in range(0, len(words), chunk):
-        bits = np.unpackbits(words[s:s + chunk].view(np.uint8), axis=1, bitorder="little")[:, :n]
+        bits = _bits(words[s:s + chunk], n)
         out[s:s + chunk] = bits @ weights if len(bits) else 0
     return out
+
+
+def _group_any(x: np.ndarray, keys: np.ndarray, n: int) -> np.ndarray:
+    """``out[:, v]`` = any of the columns ``e`` of ``x`` with ``keys[e] == v``."""
+    out = np.zeros((x.shape[0], n), dtype=bool)
+    if x.shape[1] == 0 or x.shape[0] == 0:
+        return out
+    order = np.argsort(keys, kind="stable")
+    k = keys[order]
+    starts = np.flatnonzero(np.r_[True, k[1:] != k[:-1]])
+    out[:, k[starts]] = np.logical_or.reduceat(x[:, order], starts, axis=1)
+    return out
+
+
+def _derived_words(graph: Graph, words: np.ndarray, chunk: int = 1 << 14):
+    """∂(L), A(L) and B(L) of every row, as words (vectorised over edges)."""
+    n = graph.n
+    nw = words.shape[1]
+    edges = np.array(graph.edges, dtype=np.int64).reshape(-1, 2)
+    eu, ev = edges[:, 0], edges[:, 1]
+    bnd = np.zeros_like(words)
+    a = np.zeros_like(words)
+    b = np.zeros_like(words)
+    for s in range(0, len(words), chunk):
+        x = _bits(words[s:s + chunk], n).astype(bool)
+        cross = x[:, eu] & ~x[:, ev]          # u in L, v outside
+        bnd[s:s + chunk] = _pack(_group_any(cross, eu, n), nw)
+        am = _group_any(cross, ev, n)
+        a[s:s + chunk] = _pack(am, nw)
+        into_a = ~x[:, eu] & am[:, ev]        # u outside L feeding a node of A
+        b[s:s + chunk] = _pack(_group_any(into_a, eu, n), nw)
+    return bnd, a, b
 
 
 @dataclass
@@ -242,18 +291,25 @@ class LowerSetFamily:
     """A family of lower sets with the quantities the DPs need.
 
     Rows are sorted by (size, M(L)), so that a subset always comes before
-    its supersets. All arrays are indexed by row.
+    its supersets. All arrays are indexed by row. Byte quantities follow
+    the family's memory model (:class:`~.memory_model.MemoryModel`, the
+    paper's by default): for the paper's model ``block_bytes`` is 2·M(L),
+    ``boundary_bytes`` is M(∂(L)) and ``back_bytes`` is M(A(L)) + M(B(L)).
 
     Attributes:
         graph: the graph.
         words: ``(K, W)`` uint64, the sets as bitset words.
         size: ``|L|``.
-        mem_bytes: M(L).
+        mem_bytes: M(L) (node sizes, whatever the model).
         boundary_words: ∂(L) as words.
         boundary_time: T(∂(L)).
-        boundary_bytes: M(∂(L)).
-        back_bytes: M(A(L)) + M(B(L)) (overlap counted twice, as the
-            authors do).
+        boundary_bytes: keep(∂(L)) under the model.
+        back_bytes: above(A(L)) + beside(B(L)) under the model (overlap
+            counted twice, as the authors do).
+        above_words: A(L) as words.
+        beside_words: B(L) as words.
+        block_bytes: block(L) under the model (Σ of block weights over L).
+        model: the memory model.
     """
 
     graph: Graph
@@ -264,12 +320,17 @@ class LowerSetFamily:
     boundary_time: np.ndarray
     boundary_bytes: np.ndarray
     back_bytes: np.ndarray
+    above_words: Optional[np.ndarray] = None
+    beside_words: Optional[np.ndarray] = None
+    block_bytes: Optional[np.ndarray] = None
+    model: Optional["MemoryModel"] = None
 
     def __len__(self) -> int:
         return len(self.words)
 
     @classmethod
-    def from_words(cls, graph: Graph, words: np.ndarray) -> "LowerSetFamily":
+    def from_words(cls, graph: Graph, words: np.ndarray,
+                   model: Optional["MemoryModel"] = None) -> "LowerSetFamily":
         """Builds the family from raw rows (deduplicated and sorted here)."""
         n = graph.n
         nw = _n_words(n)
@@ -279,43 +340,42 @@ class LowerSetFamily:
         order = np.lexsort((mem, size))
         words = np.ascontiguousarray(words[order])
         mem, size = mem[order], size[order]
-        inv = ~words
-        bnd = np.zeros_like(words)
-        a = np.zeros_like(words)
-        for v in range(n):
-            w, bit = v >> 6, np.uint64(1 << (v & 63))
-            sm = _words_of_mask(set_to_mask(graph.succs[v]), nw)
-            pm = _words_of_mask(set_to_mask(graph.preds[v]), nw)
-            inside = (words[:, w] & bit) != 0
-            if graph.succs[v]:
-                leaves = np.any(inv & sm, axis=1)
-                bnd[inside & leaves, w] |= bit
-            if graph.preds[v]:
-                fed = np.any(words & pm, axis=1)
-                a[~inside & fed, w] |= bit
-        b = np.zeros_like(words)
-        for v in range(n):
-            if not graph.succs[v]:
-                continue
-            w, bit = v >> 6, np.uint64(1 << (v & 63))
-            sm = _words_of_mask(set_to_mask(graph.succs[v]), nw)
-            outside = (words[:, w] & bit) == 0
-            b[outside & np.any(a & sm, axis=1), w] |= bit
-        nb = graph.node_bytes.astype(np.int64)
-        return cls(graph=graph, words=words, size=size, mem_bytes=mem,
-                   boundary_words=bnd,
-                   boundary_time=_weighted_sum(bnd, graph.node_cost.astype(np.float64), n),
-                   boundary_bytes=_weighted_sum(bnd, nb, n),
-                   back_bytes=_weighted_sum(a, nb, n) + _weighted_sum(b, nb, n))
+        bnd, a, b = _derived_words(graph, words)
+        fam = cls(graph=graph, words=words, size=size, mem_bytes=mem, boundary_words=bnd,
+                  boundary_time=_weighted_sum(bnd, graph.node_cost.astype(np.float64), n),
+                  boundary_bytes=mem, back_bytes=mem, above_words=a, beside_words=b)
+        return fam.with_model(model)
+
+    def with_model(self, model: Optional["MemoryModel"]) -> "LowerSetFamily":
+        """The same lower sets with byte quantities under ``model`` (``None``:
+        the paper's model)."""
+        from .memory_model import MemoryModel
+        g = self.graph
+        if model is None:
+            model = MemoryModel.paper(g)
+        if model.n != g.n:
+            raise ValueError(f"the memory model has {model.n} nodes, the graph {g.n}")
+        if self.model is model:
+            return self
+        n = g.n
+        return LowerSetFamily(
+            graph=g, words=self.words, size=self.size, mem_bytes=self.mem_bytes,
+            boundary_words=self.boundary_words, boundary_time=self.boundary_time,
+            boundary_bytes=_weighted_sum(self.boundary_words, model.keep_bytes, n),
+            back_bytes=(_weighted_sum(self.above_words, model.above_bytes, n)
+                        + _weighted_sum(self.beside_words, model.beside_bytes, n)),
+            above_words=self.above_words, beside_words=self.beside_words,
+            block_bytes=_weighted_sum(self.words, model.block_bytes, n), model=model)
 
     @classmethod
-    def all(cls, graph: Graph,
-            max_lower_sets: Optional[int] = DEFAULT_MAX_LOWER_SETS) -> "LowerSetFamily":
+    def all(cls, graph: Graph, max_lower_sets: Optional[int] = DEFAULT_MAX_LOWER_SETS,
+            model: Optional["MemoryModel"] = None) -> "LowerSetFamily":
         """Every lower set (see :func:`enumerate_lower_sets`)."""
-        return cls.from_words(graph, _enumerate_words(graph, max_lower_sets))
+        return cls.from_words(graph, _enumerate_words(graph, max_lower_sets), model)
 
     @classmethod
-    def ancestor_closures(cls, graph: Graph) -> "LowerSetFamily":
+    def ancestor_closures(cls, graph: Graph,
+                          model: Optional["MemoryModel"] = None) -> "LowerSetFamily":
         """∅, V and the ancestor closure of each node."""
         anc: List[int] = []
         for v in range(graph.n):
@@ -326,14 +386,15 @@ class LowerSetFamily:
         nw = _n_words(graph.n)
         masks = [0, full_mask(graph)] + anc
         words = np.stack([_words_of_mask(m, nw) for m in masks])
-        return cls.from_words(graph, words)
+        return cls.from_words(graph, words, model)
 
     @classmethod
-    def of_masks(cls, graph: Graph, masks: Sequence[int]) -> "LowerSetFamily":
+    def of_masks(cls, graph: Graph, masks: Sequence[int],
+                 model: Optional["MemoryModel"] = None) -> "LowerSetFamily":
         """A family of given lower sets (∅ and V are added)."""
         nw = _n_words(graph.n)
         masks = [0, full_mask(graph)] + [int(m) for m in masks]
-        return cls.from_words(graph, np.stack([_words_of_mask(m, nw) for m in masks]))
+        return cls.from_words(graph, np.stack([_words_of_mask(m, nw) for m in masks]), model)
 
     def mask(self, i: int) -> int:
         """Row ``i`` as a bitset."""

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Dict, FrozenSet, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, FrozenSet, Optional, Sequence, Tuple
 
 from .graph import Graph
 from .lower_sets import mask_to_set, set_to_mask
-from .schedule import build_schedule, paper_cost, simulate
+from .schedule import build_schedule, simulate, strategy_cost
 from .units import format_bytes
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .memory_model import MemoryModel
 
 logger = logging.getLogger(__name__)
 
@@ -28,11 +31,13 @@ class Plan:
         solver: registry name of the solver that made it.
         strategy: ``'tc'`` (time-centric) or ``'mc'`` (memory-centric).
         budget_bytes: the budget it was solved for (``None``: no budget).
-        feasible: whether the plan fits the budget under the paper model.
+        feasible: whether the plan fits the budget under the memory model.
         lower_sets: L_1 ⊊ ... ⊊ L_k = V as frozensets of node ids; empty
             when infeasible.
-        predicted_peak_bytes: peak under the DP's paper model
-            (PAPER.md §3); ``None`` when infeasible.
+        predicted_peak_bytes: peak under the memory model the plan was
+            solved with (the paper's by default, PAPER.md §3;
+            ``info['memory_scope']`` names its scope); ``None`` when
+            infeasible.
         simulated_peak_bytes: peak of the canonical schedule with liveness
             (:func:`~chainer_recompute.core.schedule.simulate`).
         overhead: extra forward cost Σ T(V_i \\ U_i), in cost units.
@@ -117,9 +122,12 @@ class Plan:
 
 def make_plan(graph: Graph, lower_sets: Sequence, *, solver: str, strategy: str,
               budget_bytes: Optional[int], solve_time_s: float = 0.0,
-              recompute: bool = True, info: Optional[Dict[str, Any]] = None) -> Plan:
-    """Evaluate a strategy (paper model and simulator) and wrap it in a Plan.
+              recompute: bool = True, info: Optional[Dict[str, Any]] = None,
+              model: Optional["MemoryModel"] = None) -> Plan:
+    """Evaluate a strategy (memory model and simulator) and wrap it in a Plan.
 
+    ``predicted_peak_bytes`` is the peak under ``model`` (the paper's when
+    ``None``; ``info['memory_scope']`` records the model's scope) and
     ``feasible`` is ``predicted_peak_bytes <= budget_bytes`` (always True
     without a budget).
 
@@ -129,7 +137,7 @@ def make_plan(graph: Graph, lower_sets: Sequence, *, solver: str, strategy: str,
     True
     """
     masks = [m if isinstance(m, int) else set_to_mask(m) for m in lower_sets]
-    cost = paper_cost(graph, masks)
+    cost = strategy_cost(graph, masks, model)
     sim = simulate(graph, build_schedule(graph, masks, recompute=recompute))
     total = float(graph.node_cost.sum())
     overhead = cost.overhead if recompute else 0.0
@@ -142,11 +150,18 @@ def make_plan(graph: Graph, lower_sets: Sequence, *, solver: str, strategy: str,
                 n_blocks=len(masks), solve_time_s=solve_time_s, cost_model=graph.cost_model,
                 checkpoint_sets=tuple(mask_to_set(u) for u in cost.checkpoints)
                 if recompute else tuple(mask_to_set(m) for m in masks[:1]),
-                recompute=recompute, info=dict(info or {}))
+                recompute=recompute, info=_info(info, model))
+
+
+def _info(info: Optional[Dict[str, Any]], model: Optional["MemoryModel"]) -> Dict[str, Any]:
+    out = dict(info or {})
+    out["memory_scope"] = "activations" if model is None else model.scope
+    return out
 
 
 def infeasible_plan(graph: Graph, *, solver: str, strategy: str, budget_bytes: Optional[int],
-                    solve_time_s: float = 0.0, info: Optional[Dict[str, Any]] = None) -> Plan:
+                    solve_time_s: float = 0.0, info: Optional[Dict[str, Any]] = None,
+                    model: Optional["MemoryModel"] = None) -> Plan:
     """A Plan that says no strategy fits ``budget_bytes``.
 
     >>> from chainer_recompute.core.graph import Graph
@@ -157,4 +172,4 @@ def infeasible_plan(graph: Graph, *, solver: str, strategy: str, budget_bytes: O
     return Plan(solver=solver, strategy=strategy, budget_bytes=budget_bytes, feasible=False,
                 lower_sets=(), predicted_peak_bytes=None, simulated_peak_bytes=None,
                 overhead=None, overhead_fraction=None, n_blocks=0, solve_time_s=solve_time_s,
-                cost_model=graph.cost_model, info=dict(info or {}))
+                cost_model=graph.cost_model, info=_info(info, model))

@@ -9,7 +9,8 @@ from typing import Any, Optional, Union
 from .errors import InfeasibleBudgetError
 from .graph import Graph
 from .plan import Plan
-from .search import least_feasible_budget
+from .memory_model import MemoryModel
+from .search import least_feasible_budget, vanilla_bytes
 from .solvers import REGISTRY, check_solver
 from .units import format_bytes, parse_bytes
 
@@ -21,7 +22,8 @@ def _gb(nbytes: Optional[float]) -> str:
 
 
 def solve(graph: Graph, budget: Union[str, int, float, None] = None, solver: str = "approx",
-          strategy: str = "tc", *, raise_infeasible: bool = True, **kw: Any) -> Plan:
+          strategy: str = "tc", *, raise_infeasible: bool = True,
+          model: Optional[MemoryModel] = None, **kw: Any) -> Plan:
     """Find a recomputation plan for ``graph`` within ``budget``.
 
     Args:
@@ -33,6 +35,9 @@ def solve(graph: Graph, budget: Union[str, int, float, None] = None, solver: str
             (memory-centric: most overhead, coarsest blocks).
         raise_infeasible: when False an infeasible budget gives a Plan with
             ``feasible=False`` instead of an exception.
+        model: the memory model the budget is for
+            (:class:`~chainer_recompute.core.memory_model.MemoryModel`);
+            ``None``: the paper's.
         **kw: passed to the solver (``max_lower_sets``, ...).
 
     Raises:
@@ -47,11 +52,11 @@ def solve(graph: Graph, budget: Union[str, int, float, None] = None, solver: str
     """
     check_solver(solver, strategy)
     budget_bytes = None if budget is None else parse_bytes(budget)
-    plan = REGISTRY[solver](graph, budget_bytes, strategy=strategy, **kw)
+    plan = REGISTRY[solver](graph, budget_bytes, strategy=strategy, model=model, **kw)
     if plan.feasible or not raise_infeasible:
         return plan
-    least = least_feasible_budget(graph, solver=solver, strategy=strategy)
-    vanilla = 2 * graph.activation_bytes
+    least = least_feasible_budget(graph, solver=solver, strategy=strategy, model=model)
+    vanilla = vanilla_bytes(graph, model)
     raise InfeasibleBudgetError(
         f"budget {_gb(budget_bytes)} is below the least feasible {_gb(least)} for this graph "
         f"with solver {solver!r} (vanilla backpropagation needs {_gb(vanilla)} under the same "

@@ -29,17 +29,20 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .graph import Graph
-from .lower_sets import above, beside, boundary, mask_to_set, set_to_mask
+from .lower_sets import boundary, mask_to_set, set_to_mask
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .memory_model import MemoryModel
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["Op", "Schedule", "SimResult", "StrategyCost", "build_schedule", "paper_cost",
-           "paper_peak_bytes", "simulate"]
+           "paper_peak_bytes", "simulate", "strategy_cost"]
 
 # Op kinds.
 FORWARD = "forward"          # compute v for the first time (allocates M_v)
@@ -102,56 +105,84 @@ def _masks(lower_sets: Sequence) -> List[int]:
     return [m if isinstance(m, int) else set_to_mask(m) for m in lower_sets]
 
 
-def paper_cost(graph: Graph, lower_sets: Sequence) -> StrategyCost:
-    """Peak memory and overhead of a strategy under the paper's model:
-    M^(i) = Σ_{j<i} M(U_j) + 2·M(V_i) + M(A_i) + M(B_i) and
-    T = Σ_i T(V_i \\ U_i).
+def strategy_cost(graph: Graph, lower_sets: Sequence,
+                  model: Optional["MemoryModel"] = None) -> StrategyCost:
+    """Peak memory and overhead of a strategy under a memory model
+    (PAPER.md §3; :class:`~.memory_model.MemoryModel`, the paper's by
+    default):
+
+        M^(i) = constant + Σ_{j<i} keep(U_j) + block(V_i) + above(A_i)
+                + beside(B_i) + max_{v ∈ V_i} transient_v
+
+    (the paper: Σ_{j<i} M(U_j) + 2·M(V_i) + M(A_i) + M(B_i)) and
+    T = Σ_i T(V_i \\ U_i). Vectorised over the blocks and the edges.
 
     Args:
         graph: the graph.
         lower_sets: L_1 ⊊ ... ⊊ L_k = V as bitsets or sets of node ids.
+        model: the memory model; ``None`` for the paper's.
 
     >>> g = Graph.from_edges([1, 2, 1], [(0, 1), (1, 2)])
     >>> c = paper_cost(g, [{0, 1}, {0, 1, 2}])
     >>> c.peak_bytes, c.overhead
     (7, 2.0)
     """
-    nb = graph.node_bytes
-    nc = graph.node_cost
-
-    def m_of(mask: int) -> int:
-        return int(sum(int(nb[v]) for v in mask_to_set(mask)))
-
-    def t_of(mask: int) -> float:
-        return float(sum(float(nc[v]) for v in mask_to_set(mask)))
-
+    from .lower_sets import _derived_words, _n_words, _words_of_mask, _bits, _mask_of_words
+    from .memory_model import MemoryModel
+    if model is None:
+        model = MemoryModel.paper(graph)
+    masks = _masks(lower_sets)
     prev = 0
-    acc = 0
-    peaks = []
-    ups = []
-    overhead = 0.0
-    for cur in _masks(lower_sets):
+    for cur in masks:
         if cur & prev != prev or cur == prev:
             raise ValueError("lower sets must form a strictly increasing chain")
-        block = cur & ~prev
-        u = boundary(graph, cur) & block
-        peaks.append(acc + 2 * m_of(block) + m_of(above(graph, cur)) + m_of(beside(graph, cur)))
-        acc += m_of(u)
-        overhead += t_of(block & ~u)
-        ups.append(u)
         prev = cur
-    return StrategyCost(peak_bytes=max(peaks) if peaks else 0, overhead=overhead,
-                        block_peaks_bytes=tuple(peaks), checkpoints=tuple(ups))
+    if not masks:
+        return StrategyCost(peak_bytes=0, overhead=0.0, block_peaks_bytes=(), checkpoints=())
+    n = graph.n
+    nw = _n_words(n)
+    words = np.stack([_words_of_mask(m, nw) for m in masks])
+    bnd, a, b = _derived_words(graph, words)
+    x = _bits(words, n).astype(bool)
+    xp = np.zeros_like(x)
+    xp[1:] = x[:-1]
+    block = x & ~xp
+    u = _bits(bnd, n).astype(bool) & block
+    i64 = np.int64
+    keep = (u.astype(i64) @ model.keep_bytes)
+    acc = np.concatenate([[0], np.cumsum(keep)[:-1]])
+    trans = np.where(block, model.transient_bytes[None, :], 0).max(axis=1)
+    peaks = (model.constant_bytes + acc + block.astype(i64) @ model.block_bytes
+             + _bits(a, n).astype(i64) @ model.above_bytes
+             + _bits(b, n).astype(i64) @ model.beside_bytes + trans)
+    nc = graph.node_cost.astype(np.float64)
+    overhead = 0.0
+    for row in block & ~u:  # block by block, nodes in order (the sum's rounding as before)
+        overhead += float(sum(float(nc[v]) for v in np.flatnonzero(row)))
+    ups = tuple(_mask_of_words(r) for r in _pack_rows(u, nw))
+    return StrategyCost(peak_bytes=int(peaks.max()), overhead=overhead,
+                        block_peaks_bytes=tuple(int(p) for p in peaks), checkpoints=ups)
 
 
-def paper_peak_bytes(graph: Graph, lower_sets: Sequence) -> int:
-    """The paper model's peak memory of a strategy (see :func:`paper_cost`).
+def _pack_rows(bits: np.ndarray, nw: int) -> np.ndarray:
+    from .lower_sets import _pack
+    return _pack(bits, nw)
+
+
+#: The paper's name for :func:`strategy_cost` (its default model is the paper's).
+paper_cost = strategy_cost
+
+
+def paper_peak_bytes(graph: Graph, lower_sets: Sequence,
+                     model: Optional["MemoryModel"] = None) -> int:
+    """The peak memory of a strategy under ``model`` (the paper's by
+    default; see :func:`strategy_cost`).
 
     >>> g = Graph.from_edges([1, 2, 1], [(0, 1), (1, 2)])
     >>> paper_peak_bytes(g, [{0, 1, 2}])
     8
     """
-    return paper_cost(graph, lower_sets).peak_bytes
+    return strategy_cost(graph, lower_sets, model).peak_bytes
 
 
 def build_schedule(graph: Graph, lower_sets: Sequence, *,

@@ -8,16 +8,20 @@ import dataclasses
 import logging
 from typing import Callable, Optional, Union
 
+import numpy as np
+
 from .errors import GraphError
 from .graph import Graph
 from .lower_sets import DEFAULT_MAX_LOWER_SETS, LowerSetFamily
+from .memory_model import MemoryModel
 from .solvers import REGISTRY, check_solver, solve_chen, solve_chen_greedy
 from .solvers._dp import run_dp
 from .units import parse_bytes
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["bisect_least", "largest_batch_size", "least_feasible_budget", "scale_bytes"]
+__all__ = ["bisect_least", "largest_batch_size", "least_feasible_budget", "scale_bytes",
+           "scale_model", "vanilla_bytes"]
 
 
 def bisect_least(feasible: Callable[[int], bool], lo: int, hi: int, rel_tol: float = 0.0) -> int:
@@ -39,39 +43,59 @@ def bisect_least(feasible: Callable[[int], bool], lo: int, hi: int, rel_tol: flo
 
 def least_feasible_budget(graph: Graph, solver: str = "approx", strategy: str = "tc", *,
                           rel_tol: float = 0.0,
-                          max_lower_sets: Optional[int] = DEFAULT_MAX_LOWER_SETS) -> int:
-    """The least budget (bytes, paper model) for which ``solver`` finds a
-    plan.
+                          max_lower_sets: Optional[int] = DEFAULT_MAX_LOWER_SETS,
+                          model: Optional[MemoryModel] = None) -> int:
+    """The least budget (bytes, under ``model``, the paper's memory model
+    by default) for which ``solver`` finds a plan.
 
     For the DPs this is a bisection on the budget over a feasibility-only
     DP (one state per lower set: the least retained memory), exact to the
-    byte with ``rel_tol=0`` (the default; ~35 cheap DP runs). Feasibility
-    does not depend on the strategy. Chen's sqrt(n) ignores the budget, so
-    its figure is its plan's predicted peak; for Chen's greedy it is the
-    least predicted peak over the ``b`` it tries; for ``none`` it is 2·M(V).
+    byte with ``rel_tol=0`` (the default; ~35 cheap DP runs). It starts
+    from ``constant + max_v (block_v + transient_v) - 1``, which no
+    strategy fits (some block holds v), and from the single block V,
+    ``constant + block(V) + max_v transient_v``, which always fits.
+    Feasibility does not depend on the strategy. Chen's sqrt(n) ignores the
+    budget, so its figure is its plan's predicted peak; for Chen's greedy
+    it is the least predicted peak over the ``b`` it tries; for ``none`` it
+    is the single block's (the paper's: 2·M(V)).
 
     >>> g = Graph.from_edges([1, 1, 1, 1], [(0, 1), (1, 2), (2, 3)])
     >>> least_feasible_budget(g, 'exact')
     4
     """
     check_solver(solver, strategy)
+    if model is None:
+        model = MemoryModel.paper(graph)
     if solver == "none":
-        return 2 * graph.activation_bytes
+        return vanilla_bytes(graph, model)
     if solver == "chen":
-        return int(solve_chen(graph, None, strategy=strategy).predicted_peak_bytes)
+        return int(solve_chen(graph, None, strategy=strategy, model=model).predicted_peak_bytes)
     if solver == "chen-greedy":
-        return int(solve_chen_greedy(graph, None, strategy=strategy).predicted_peak_bytes)
-    fam = (LowerSetFamily.all(graph, max_lower_sets) if solver == "exact"
-           else LowerSetFamily.ancestor_closures(graph))
+        return int(solve_chen_greedy(graph, None, strategy=strategy,
+                                     model=model).predicted_peak_bytes)
+    fam = (LowerSetFamily.all(graph, max_lower_sets, model) if solver == "exact"
+           else LowerSetFamily.ancestor_closures(graph, model))
 
     def ok(b: int) -> bool:
         return run_dp(fam, b, "feasible").chain is not None
 
-    hi = 2 * graph.activation_bytes
-    lo = max(-1, 2 * int(graph.node_bytes.max()) - 1)
-    if hi <= lo + 1 or ok(lo):
-        return max(lo, 0) if ok(max(lo, 0)) else hi
+    hi = vanilla_bytes(graph, model)
+    lo = model.constant_bytes + int((model.block_bytes + model.transient_bytes).max()) - 1
+    if hi <= lo + 1:
+        return hi
     return bisect_least(ok, lo, hi, rel_tol)
+
+
+def vanilla_bytes(graph: Graph, model: Optional[MemoryModel] = None) -> int:
+    """The single block V's peak under ``model`` (the paper's: 2·M(V)):
+    what plain backpropagation needs, and a budget every DP meets.
+
+    >>> vanilla_bytes(Graph.from_edges([1, 2], [(0, 1)]))
+    6
+    """
+    if model is None:
+        return 2 * graph.activation_bytes
+    return int(model.constant_bytes + model.block_bytes.sum() + model.transient_bytes.max())
 
 
 def scale_bytes(graph: Graph, factor: float) -> Graph:
@@ -91,9 +115,29 @@ def scale_bytes(graph: Graph, factor: float) -> Graph:
     return graph.replace(arrays=arrays, nodes=nodes)
 
 
+def scale_model(model: MemoryModel, factor: float) -> MemoryModel:
+    """``model`` for a batch ``factor`` times larger: every per-node weight
+    scaled (rounded to whole bytes), the constant (parameters, their
+    gradients, optimizer state) unchanged.
+
+    >>> from chainer_recompute.core.graph import Graph
+    >>> scale_model(MemoryModel.paper(Graph.from_edges([4, 8], [(0, 1)])), 2).block_bytes.tolist()
+    [16, 32]
+    """
+    def s(w: np.ndarray) -> np.ndarray:
+        return np.round(w * float(factor)).astype(np.int64)
+
+    return dataclasses.replace(model, block_bytes=s(model.block_bytes),
+                               keep_bytes=s(model.keep_bytes), above_bytes=s(model.above_bytes),
+                               beside_bytes=s(model.beside_bytes),
+                               transient_bytes=s(model.transient_bytes))
+
+
 def largest_batch_size(graph: Graph, budget: Union[str, int, float], solver: str = "approx",
                        strategy: str = "tc", *, batch_size: Optional[int] = None,
-                       max_batch_size: int = 1 << 20) -> int:
+                       max_batch_size: int = 1 << 20,
+                       model: Union[MemoryModel, Callable[[Graph], MemoryModel], None] = None
+                       ) -> int:
     """The largest batch size whose graph (activations scaled linearly from
     the capture batch) still has a feasible plan within ``budget``; 0 when
     not even batch 1 fits.
@@ -106,6 +150,10 @@ def largest_batch_size(graph: Graph, budget: Union[str, int, float], solver: str
         batch_size: the batch the graph was captured at, for graphs that
             do not record it (the authors' files: 32, or 8 for U-Net).
         max_batch_size: search cap.
+        model: the memory model: ``None`` (the paper's, on each scaled
+            graph), a :class:`MemoryModel` of ``graph`` (scaled with
+            :func:`scale_model`), or a function from a scaled graph to its
+            model.
 
     >>> g = Graph.from_edges([4, 4], [(0, 1)])
     >>> largest_batch_size(g, 32, 'exact', batch_size=1)
@@ -119,7 +167,11 @@ def largest_batch_size(graph: Graph, budget: Union[str, int, float], solver: str
     def ok(b: int) -> bool:
         g = graph.scale_batch(b) if (batch_size is None and graph.batch_size) else \
             scale_bytes(graph, b / base)
-        return REGISTRY[solver](g, budget_bytes, strategy=strategy).feasible
+        if model is None or callable(model) and not isinstance(model, MemoryModel):
+            m = None if model is None else model(g)
+        else:
+            m = scale_model(model, b / base)
+        return REGISTRY[solver](g, budget_bytes, strategy=strategy, model=m).feasible
 
     if not ok(1):
         return 0

@@ -110,37 +110,81 @@ def dp_costs(node_cost: np.ndarray, n_lower_sets: int = 0) -> np.ndarray:
 
 
 class _Pairs:
-    """Vectorised generation of the allowed transitions out of one row."""
+    """Vectorised generation of the allowed transitions out of one row.
+
+    A transition ``L -> L'`` (``L ⊊ L'``) needs ``m + step <= budget`` with
+    ``step = block(L') - block(L) + back(L') + max_{v ∈ L' \\ L} transient_v``
+    (the model's per-block peak less the retained memory ``m`` and the
+    constant), and adds ``ΔM = keep(∂(L') \\ L)`` and ``ΔT = T(∂(L') \\ L)``.
+    Rows are also held sorted by block(L), so that the supersets a slack
+    allows are a contiguous window (block and back weights are never
+    negative).
+
+    The transient term is exact: nodes with a positive transient are ranked
+    by it (largest first) and every row re-encoded as a bitset over those
+    ranks; the largest transient of ``L' \\ L`` is then the rank of the
+    lowest set bit of ``rank(L') & ~rank(L)``.
+    """
 
     def __init__(self, family: LowerSetFamily) -> None:
+        from ..lower_sets import _bits, _n_words, _pack
+        model = family.model
         self.K = len(family)
-        self.mem = family.mem_bytes.astype(np.int64)
         self.size = family.size
-        order = np.argsort(self.mem, kind="stable")
-        self.by_mem = order
-        # Every per-row array again, permuted into M(L) order, so that a
+        self.blk = family.block_bytes.astype(np.int64)
+        order = np.argsort(self.blk, kind="stable")
+        self.by_blk = order
+        # Every per-row array again, permuted into block(L) order, so that a
         # budget window is a contiguous slice (no fancy indexing).
-        self.mem_s = self.mem[order]
+        self.blk_s = self.blk[order]
         self.size_s = self.size[order]
-        self.back_s = family.back_bytes.astype(np.int64)[order]
+        self.back = family.back_bytes.astype(np.int64)
+        self.back_s = self.back[order]
         self.words = family.words
         self.words_s = np.ascontiguousarray(family.words[order])
         self.bwords = family.boundary_words
         self.bwords_s = np.ascontiguousarray(family.boundary_words[order])
         self.node_t = dp_costs(family.graph.node_cost, self.K)
         self.total_t = int(self.node_t.sum())
-        self.btime_s = _weighted_sum(family.boundary_words, self.node_t,
-                                     family.graph.n).astype(np.int64)[order]
-        self.bbytes_s = family.boundary_bytes.astype(np.int64)[order]
-        self.node_m = family.graph.node_bytes.astype(np.int64)
+        self.btime = _weighted_sum(family.boundary_words, self.node_t,
+                                   family.graph.n).astype(np.int64)
+        self.btime_s = self.btime[order]
+        self.bbytes = family.boundary_bytes.astype(np.int64)
+        self.bbytes_s = self.bbytes[order]
+        self.node_m = model.keep_bytes.astype(np.int64)
+        self.constant = int(model.constant_bytes)
+        tr = model.transient_bytes.astype(np.int64)
+        pos = np.flatnonzero(tr > 0)
+        rank = pos[np.argsort(-tr[pos], kind="stable")]
+        self.trans_vals = tr[rank]
+        self.trans_rank = rank
+        self.has_trans = len(rank) > 0
+        if self.has_trans:
+            nwt = _n_words(len(rank))
+            self.twords = _pack(_bits(family.words, family.graph.n)[:, rank], nwt)
+            self.twords_s = np.ascontiguousarray(self.twords[order])
+
+    def transient(self, i: int, p: np.ndarray) -> np.ndarray:
+        """max_{v ∈ L'_p \\ L_i} transient_v for the rows ``p`` of the
+        block(L)-sorted arrays (supersets of row ``i``)."""
+        x = self.twords_s[p] & ~self.twords[i]
+        nz = x != 0
+        w = np.argmax(nz, axis=1)
+        xv = x[np.arange(len(p)), w]
+        low = xv & (~xv + np.uint64(1))
+        found = nz.any(axis=1)
+        bit = np.zeros(len(p), dtype=np.int64)
+        bit[found] = np.log2(low[found].astype(np.float64)).astype(np.int64)
+        r = 64 * w + bit
+        return np.where(found, self.trans_vals[np.minimum(r, len(self.trans_vals) - 1)], 0)
 
     def out_of(self, i: int, slack: Optional[int]):
         """Targets (rows), step bytes, ΔT and ΔM of every proper superset
-        ``L'`` of row ``i`` with ``2·(M(L')-M(L)) + M(A) + M(B) <= slack``."""
-        mi = self.mem[i]
-        lo = int(np.searchsorted(self.mem_s, mi, "left"))
-        hi = self.K if slack is None else int(np.searchsorted(self.mem_s, mi + slack // 2, "right"))
-        step = 2 * (self.mem_s[lo:hi] - mi) + self.back_s[lo:hi]
+        ``L'`` of row ``i`` with ``step <= slack``."""
+        bi = self.blk[i]
+        lo = int(np.searchsorted(self.blk_s, bi, "left"))
+        hi = self.K if slack is None else int(np.searchsorted(self.blk_s, bi + slack, "right"))
+        step = self.blk_s[lo:hi] - bi + self.back_s[lo:hi]
         ok = self.size_s[lo:hi] > self.size[i]
         if slack is not None:
             ok &= step <= slack
@@ -150,11 +194,16 @@ class _Pairs:
         p = np.flatnonzero(ok)
         step = step[p]
         p += lo
+        if self.has_trans and len(p):
+            step = step + self.transient(i, p)
+            if slack is not None:
+                fits = step <= slack
+                p, step = p[fits], step[fits]
         d_t = self.btime_s[p]
         d_m = self.bbytes_s[p]
-        bi = self.bwords[i]
-        for w in np.flatnonzero(bi):
-            x = int(bi[w])
+        bi_words = self.bwords[i]
+        for w in np.flatnonzero(bi_words):
+            x = int(bi_words[w])
             col = self.bwords_s[p, w]
             while x:
                 low = x & -x
@@ -163,7 +212,7 @@ class _Pairs:
                 hit = (col & np.uint64(low)) != 0
                 d_t = d_t - hit * self.node_t[v]
                 d_m = d_m - hit * self.node_m[v]
-        return self.by_mem[p], step, d_t, d_m
+        return self.by_blk[p], step, d_t, d_m
 
 
 def _feasibility(pairs: _Pairs, budget: Optional[int]):
@@ -229,9 +278,12 @@ def run_dp(family: LowerSetFamily, budget_bytes: Optional[int], objective: str,
     >>> run_dp(LowerSetFamily.all(g), None, 'tc').chain
     [0, 1, 2, 3]
     """
+    if family.model is None:
+        family = family.with_model(None)
     pairs = _Pairs(family)
     K = pairs.K
-    budget = None if budget_bytes is None else int(budget_bytes)
+    # The model's constant is paid by every block: it shifts the budget.
+    budget = None if budget_bytes is None else int(budget_bytes) - pairs.constant
     if budget is not None and budget < 0:
         return DPResult(None, 0.0, 0, 0, 0)
     inf = np.iinfo(np.int64).max
@@ -461,7 +513,8 @@ def plan_from_dp(graph: "Graph", family: LowerSetFamily, budget_bytes: Optional[
                  res.n_transitions, dt)
     if res.chain is None:
         return infeasible_plan(graph, solver=solver, strategy=strategy,
-                               budget_bytes=budget_bytes, solve_time_s=dt, info=info)
+                               budget_bytes=budget_bytes, solve_time_s=dt, info=info,
+                               model=family.model)
     masks = [family.mask(r) for r in res.chain[1:]]
     return make_plan(graph, masks, solver=solver, strategy=strategy,
-                     budget_bytes=budget_bytes, solve_time_s=dt, info=info)
+                     budget_bytes=budget_bytes, solve_time_s=dt, info=info, model=family.model)

@@ -10,6 +10,7 @@ from typing import Optional
 
 from ..graph import Graph
 from ..lower_sets import LowerSetFamily
+from ..memory_model import MemoryModel
 from ..plan import Plan
 from ._dp import plan_from_dp
 
@@ -19,7 +20,8 @@ __all__ = ["solve_approx"]
 
 
 def solve_approx(graph: Graph, budget_bytes: Optional[int], *, strategy: str = "tc",
-                 family: Optional[LowerSetFamily] = None, method: str = "auto") -> Plan:
+                 family: Optional[LowerSetFamily] = None, method: str = "auto",
+                 model: Optional[MemoryModel] = None) -> Plan:
     """Approximate DP: the exact DP's recurrence restricted to ∅, V and the
     ancestor closures L_v = {v} ∪ ancestors(v) (|V|+2 sets at most),
     ordered so that subsets come before supersets (by size, then memory).
@@ -30,11 +32,13 @@ def solve_approx(graph: Graph, budget_bytes: Optional[int], *, strategy: str = "
 
     Args:
         graph: the graph.
-        budget_bytes: the memory budget under the paper model, or ``None``.
+        budget_bytes: the memory budget under the memory model, or ``None``.
         strategy: ``'tc'`` or ``'mc'``.
         family: a precomputed :meth:`LowerSetFamily.ancestor_closures`.
         method: the DP table's form, ``auto``, ``dense`` or ``sparse``
             (see :func:`run_dp`).
+        model: the memory model (:class:`MemoryModel`); ``None``: the
+            family's model when a family is given, else the paper's.
 
     Returns:
         A :class:`Plan`; ``feasible`` is False when nothing fits.
@@ -49,5 +53,6 @@ def solve_approx(graph: Graph, budget_bytes: Optional[int], *, strategy: str = "
     2
     """
     t0 = time.perf_counter()
-    fam = family if family is not None else LowerSetFamily.ancestor_closures(graph)
+    fam = (LowerSetFamily.ancestor_closures(graph, model) if family is None
+           else family if model is None else family.with_model(model))
     return plan_from_dp(graph, fam, budget_bytes, strategy, method, "approx", t0)

@@ -14,18 +14,20 @@ from ..errors import LowerSetExplosionError
 from ..graph import Graph
 from ..lower_sets import DEFAULT_MAX_LOWER_SETS, LowerSetFamily, full_mask
 from ..plan import Plan, make_plan
-from ..schedule import paper_cost
+from ..memory_model import MemoryModel
+from ..schedule import strategy_cost
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["chen_candidates", "solve_chen", "solve_chen_greedy", "solve_none"]
 
 
-def solve_none(graph: Graph, budget_bytes: Optional[int], *, strategy: str = "tc") -> Plan:
+def solve_none(graph: Graph, budget_bytes: Optional[int], *, strategy: str = "tc",
+               model: Optional[MemoryModel] = None) -> Plan:
     """Vanilla backpropagation: keep everything, recompute nothing.
 
-    The predicted peak is the paper model's single block, 2·M(V);
-    ``feasible`` says whether that fits the budget.
+    The predicted peak is the memory model's single block (the paper's:
+    2·M(V)); ``feasible`` says whether that fits the budget.
 
     >>> solve_none(Graph.from_edges([1, 1], [(0, 1)]), None).overhead
     0.0
@@ -33,7 +35,7 @@ def solve_none(graph: Graph, budget_bytes: Optional[int], *, strategy: str = "tc
     t0 = time.perf_counter()
     return make_plan(graph, [full_mask(graph)], solver="none", strategy=strategy,
                      budget_bytes=budget_bytes, solve_time_s=time.perf_counter() - t0,
-                     recompute=False)
+                     recompute=False, model=model)
 
 
 def chen_candidates(graph: Graph,
@@ -59,14 +61,16 @@ def chen_candidates(graph: Graph,
 
 
 def solve_chen(graph: Graph, budget_bytes: Optional[int], *, strategy: str = "tc",
-               max_lower_sets: Optional[int] = DEFAULT_MAX_LOWER_SETS) -> Plan:
+               max_lower_sets: Optional[int] = DEFAULT_MAX_LOWER_SETS,
+               model: Optional[MemoryModel] = None) -> Plan:
     """Chen et al.'s sqrt(n) checkpointing as the authors implemented it.
 
     The candidates (:func:`chen_candidates`, sorted by M(L)) are walked
     with k = max(1, floor(sqrt(#candidates))) thresholds spaced M(V)/k
     apart: the first and the last candidate are cuts, and so is each
     candidate whose M(L) passes the next threshold. The budget is ignored
-    when choosing; ``feasible`` says whether the result fits it.
+    when choosing; ``feasible`` says whether the result fits it under
+    ``model`` (the paper's memory model by default).
 
     References:
         Chen, Xu, Zhang, Guestrin, "Training Deep Nets with Sublinear
@@ -97,7 +101,8 @@ def solve_chen(graph: Graph, budget_bytes: Optional[int], *, strategy: str = "tc
                 thresh += step
     chain = sorted({c for c in cuts if c}, key=lambda m: bin(m).count("1"))
     return make_plan(graph, chain, solver="chen", strategy=strategy, budget_bytes=budget_bytes,
-                     solve_time_s=time.perf_counter() - t0, info={"n_candidates": len(cands)})
+                     solve_time_s=time.perf_counter() - t0, info={"n_candidates": len(cands)},
+                     model=model)
 
 
 def _greedy_chain(graph: Graph, cut_ok: List[bool], b: int) -> List[int]:
@@ -115,12 +120,13 @@ def _greedy_chain(graph: Graph, cut_ok: List[bool], b: int) -> List[int]:
 
 
 def solve_chen_greedy(graph: Graph, budget_bytes: Optional[int], *, strategy: str = "tc",
-                      n_trials: int = 200) -> Plan:
+                      n_trials: int = 200, model: Optional[MemoryModel] = None) -> Plan:
     """Chen et al.'s budgeted greedy: walk the nodes in topological order
     with a running size; after a node whose topological prefix has a
     single-node boundary, cut when the running size passes ``b`` and
     restart it. ``b`` is searched over ``n_trials`` values in (0, M(V)];
-    among the resulting plans that fit the budget (paper model) the least
+    among the resulting plans that fit the budget (under ``model``, the
+    paper's memory model by default) the least
     overhead (tc) or the most (mc) wins; without a budget, or when none
     fits, the least predicted peak.
 
@@ -150,7 +156,7 @@ def solve_chen_greedy(graph: Graph, budget_bytes: Optional[int], *, strategy: st
         b = total * j // n_trials
         chain = tuple(_greedy_chain(graph, cut_ok, b))
         if chain not in seen:
-            c = paper_cost(graph, chain)
+            c = strategy_cost(graph, chain, model)
             seen[chain] = (c.peak_bytes, c.overhead, b)
     fits = [(ch, v) for ch, v in seen.items()
             if budget_bytes is not None and v[0] <= budget_bytes]
@@ -161,4 +167,4 @@ def solve_chen_greedy(graph: Graph, budget_bytes: Optional[int], *, strategy: st
         chain, _ = min(seen.items(), key=lambda cv: (cv[1][0], cv[1][1]))
     return make_plan(graph, list(chain), solver="chen-greedy", strategy=strategy,
                      budget_bytes=budget_bytes, solve_time_s=time.perf_counter() - t0,
-                     info={"b_bytes": seen[chain][2]})
+                     info={"b_bytes": seen[chain][2]}, model=model)

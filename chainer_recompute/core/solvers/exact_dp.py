@@ -10,6 +10,7 @@ from typing import Optional
 
 from ..graph import Graph
 from ..lower_sets import DEFAULT_MAX_LOWER_SETS, LowerSetFamily
+from ..memory_model import MemoryModel
 from ..plan import Plan
 from ._dp import plan_from_dp
 
@@ -20,7 +21,8 @@ __all__ = ["solve_exact"]
 
 def solve_exact(graph: Graph, budget_bytes: Optional[int], *, strategy: str = "tc",
                 max_lower_sets: Optional[int] = DEFAULT_MAX_LOWER_SETS,
-                family: Optional[LowerSetFamily] = None, method: str = "auto") -> Plan:
+                family: Optional[LowerSetFamily] = None, method: str = "auto",
+                model: Optional[MemoryModel] = None) -> Plan:
     """Exact DP: the best canonical strategy over all lower sets.
 
     DP table: ``opt[L]`` is the Pareto frontier of (retained time
@@ -32,13 +34,15 @@ def solve_exact(graph: Graph, budget_bytes: Optional[int], *, strategy: str = "t
 
     Args:
         graph: the graph.
-        budget_bytes: the memory budget under the paper model, or ``None``.
+        budget_bytes: the memory budget under the memory model, or ``None``.
         strategy: ``'tc'`` or ``'mc'``.
         max_lower_sets: raise :class:`LowerSetExplosionError` above this.
         family: a precomputed :meth:`LowerSetFamily.all` (reuse it across
             budgets).
         method: the DP table's form, ``auto``, ``dense`` or ``sparse``
             (see :func:`run_dp`); all give the same optimum.
+        model: the memory model (:class:`MemoryModel`); ``None``: the
+            family's model when a family is given, else the paper's.
 
     Returns:
         A :class:`Plan`; ``feasible`` is False when nothing fits.
@@ -56,5 +60,6 @@ def solve_exact(graph: Graph, budget_bytes: Optional[int], *, strategy: str = "t
     True
     """
     t0 = time.perf_counter()
-    fam = family if family is not None else LowerSetFamily.all(graph, max_lower_sets)
+    fam = (LowerSetFamily.all(graph, max_lower_sets, model) if family is None
+           else family if model is None else family.with_model(model))
     return plan_from_dp(graph, fam, budget_bytes, strategy, method, "exact", t0)

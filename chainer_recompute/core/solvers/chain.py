@@ -65,7 +65,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["POLICIES", "ChainTable", "ByteSizes", "bptt_hsm_table", "bptt_ism_table",
            "bptt_msm_table", "chain_table", "clear_table_cache", "hsm_policy", "max_useful_slots",
-           "policy_cost", "revolve_beta", "revolve_min_forward_steps", "revolve_split",
+           "plain_schedule", "policy_cost", "revolve_beta", "revolve_min_forward_steps", "revolve_split",
            "schedule", "simulate_bytes", "simulate_slots", "check_chain"]
 
 #: Policy names, as accepted by :func:`schedule` and the runtime.
@@ -638,6 +638,18 @@ def schedule(policy: str, t: int, m: int, alpha: int = 1, *,
             stack += later
 
 
+def plain_schedule(t: int) -> Iterator[Op]:
+    """Plain BPTT as a schedule: every step kept, then backpropagated.
+
+    >>> list(plain_schedule(2))
+    [('keep', 0), ('keep', 1), ('backward', 1), ('backward', 0)]
+    """
+    for k in range(t):
+        yield ("keep", k)
+    for k in range(t - 1, -1, -1):
+        yield ("backward", k)
+
+
 def simulate_slots(ops: Iterator[Op], alpha: int = 1) -> Tuple[int, int]:
     """``(forward steps, peak slots)`` of a schedule: a checkpoint takes
     one slot (none when it is the output of the step kept just before,
@@ -693,6 +705,13 @@ class ByteSizes:
         keep_peak: the same for a step that builds its graph.
         backward_peak: the same for the backward of one step (parameter
             gradients already allocated).
+        first_backward_peak: the same for the first backward, which
+            allocates the parameter gradients (default: ``backward_peak +
+            param_grads``).
+        outputs: what the model keeps of a step besides its state
+            (``L.Classifier``'s ``y``): held from the first step on, and
+            once more during the backward pass (the forward pass's last,
+            put back at the end, beside the recomputed steps').
         state0: bytes of the start state that the call allocates (0 when
             it was live before the call).
     """
@@ -707,6 +726,8 @@ class ByteSizes:
     keep_peak: int
     backward_peak: int
     state0: int = 0
+    first_backward_peak: Optional[int] = None
+    outputs: int = 0
 
     @property
     def hidden_slot(self) -> int:
@@ -726,7 +747,8 @@ class ByteSizes:
         return max(1, -(-self.internal_slot // max(self.hidden_slot, 1)))
 
 
-def simulate_bytes(ops: Iterator[Op], sizes: ByteSizes, t: int) -> int:
+def simulate_bytes(ops: Iterator[Op], sizes: ByteSizes, t: int,
+                   trace: Optional[List[Tuple[Op, int, int]]] = None) -> int:
     """Predicted peak bytes of a schedule above the bytes live when it
     starts, from one step's measured sizes: states are counted once
     however many holders they have (the running state, a checkpoint, the
@@ -772,6 +794,13 @@ def simulate_bytes(ops: Iterator[Op], sizes: ByteSizes, t: int) -> int:
     peak = 0
     grad_live = False
     params_live = False
+    outputs_held = 0  # copies of the model's outputs held (0, 1, 2)
+
+    def hold_outputs(copies: int) -> None:
+        nonlocal live, outputs_held
+        if copies > outputs_held:
+            live += (copies - outputs_held) * sizes.outputs
+            outputs_held = copies
 
     def move_running(to: Optional[int]) -> None:
         nonlocal running
@@ -783,7 +812,12 @@ def simulate_bytes(ops: Iterator[Op], sizes: ByteSizes, t: int) -> int:
 
     def backward(k: int) -> None:
         nonlocal peak, live, grad_live, params_live
-        extra = sizes.backward_peak + (0 if params_live else sizes.param_grads)
+        if outputs_held < 2:  # the backward pass starts: it saves the RNG state
+            hold_outputs(2)
+            live += sizes.rng
+        first = (sizes.first_backward_peak if sizes.first_backward_peak is not None
+                 else sizes.backward_peak + sizes.param_grads)
+        extra = sizes.backward_peak if params_live else first
         peak = max(peak, live + extra)
         if not params_live:
             live += sizes.param_grads
@@ -798,6 +832,7 @@ def simulate_bytes(ops: Iterator[Op], sizes: ByteSizes, t: int) -> int:
     def keep(k: int) -> None:
         nonlocal peak, live
         peak = max(peak, live + sizes.keep_peak)
+        hold_outputs(1)
         live += sizes.internal
         hold(k + 1, OUT)
         hold(k, IN)
@@ -810,6 +845,7 @@ def simulate_bytes(ops: Iterator[Op], sizes: ByteSizes, t: int) -> int:
         if name == "advance":
             a, b = op[1], op[2]
             peak = max(peak, live + sizes.advance_peak)
+            hold_outputs(1)
             move_running(a + 1)
             if b - a >= 2:
                 peak = max(peak, live + sizes.advance_peak)
@@ -834,4 +870,6 @@ def simulate_bytes(ops: Iterator[Op], sizes: ByteSizes, t: int) -> int:
         else:  # pragma: no cover
             raise RecomputeError(f"unknown chain operation {op!r}")
         peak = max(peak, live)
+        if trace is not None:
+            trace.append((op, live, peak))
     return int(peak)

@@ -485,6 +485,7 @@ def measure_step(cell: _Cell, k: int, state_arrays: Tuple[Any, ...]) -> ByteSize
 def _measure_step(cell: _Cell, k: int, state_arrays: Tuple[Any, ...]) -> ByteSizes:
     rng = np.random.get_state()
     implicit_state = None if cell.explicit else cell.get_state()
+    implicit_outputs = [(link, name, getattr(link, name)) for link, name in cell.out_keys]
     saved_grads: List[Tuple[chainer.Parameter, Any]] = []
     try:
         with _meter() as m_rng:
@@ -499,7 +500,11 @@ def _measure_step(cell: _Cell, k: int, state_arrays: Tuple[Any, ...]) -> ByteSiz
             advance_peak = m_adv.result.peak_bytes
             del loss, out
         np.random.set_state(rng)
-        # a step with its graph, from copies of the state (to see what it keeps of them)
+        # a step with its graph, from copies of the state (to see what it keeps of
+        # them); the model's outputs of the step before are let go first, so that
+        # their release does not hide what the step keeps
+        for link, name in cell.out_keys:
+            setattr(link, name, None)
         with _meter() as m_copy:
             copies = tuple(None if a is None else a.copy() for a in state_arrays)
             inputs = _leaves(copies)
@@ -548,6 +553,8 @@ def _measure_step(cell: _Cell, k: int, state_arrays: Tuple[Any, ...]) -> ByteSiz
         np.random.set_state(rng)
         if implicit_state is not None:
             cell.set_state(implicit_state)
+        for link, name, value in implicit_outputs:
+            setattr(link, name, value)
 
 
 # --------------------------------------------------------------------------
@@ -591,7 +598,7 @@ class ChainRecompute:
     >>> loss = runner(xs[:-1], xs[1:])            # 11 steps
     >>> model.cleargrads(); loss.backward(); loss.unchain_backward()
     >>> runner.last_stats.forward_steps           # plain BPTT: 11
-    25
+    29
     """
 
     def __init__(self, step: Callable[..., Any], *, policy: str = "msm",

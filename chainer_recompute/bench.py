@@ -119,25 +119,30 @@ class _Runner:
 
 
 def gradients_match(make_link: Any, x: Any, t: Any, budget: Any, **options: Any) -> bool:
-    """One step of plain backprop and one with recomputation, from the same
-    parameters and random state: are the loss and all gradients bit-for-bit
-    equal?"""
+    """Two steps of plain backprop and two with recomputation (the first
+    call records the graph, the second runs the plan), from the same
+    parameters and random state: are the losses and all gradients of both
+    steps bit-for-bit equal, and did the second step follow its plan?"""
     import numpy
     plain = make_link()
     plain(x, t)
     ours = copy.deepcopy(plain)
     apply(ours, budget=budget, **options)
-    results = []
-    for model in (plain, ours):
-        numpy.random.seed(0)
-        model.cleargrads()
-        loss = model(x, t)
-        loss.backward()
-        results.append((loss.array, {n: p.grad for n, p in model.namedparams()}))
     xp = backend.get_array_module(x)
-    (l1, g1), (l2, g2) = results
-    return bool(xp.array_equal(l1, l2)) and all(
-        bool(xp.array_equal(g1[k], g2[k])) for k in g1)
+    for step in range(2):
+        results = []
+        for model in (plain, ours):
+            numpy.random.seed(step)
+            model.cleargrads()
+            loss = model(x, t)
+            loss.backward()
+            results.append((loss.array, {n: p.grad for n, p in model.namedparams()}))
+        (l1, g1), (l2, g2) = results
+        if not (bool(xp.array_equal(l1, l2)) and all(
+                bool(xp.array_equal(g1[k], g2[k])) for k in g1)):
+            return False
+    stats = runner_of(ours).last_stats
+    return stats is not None and stats.path == "planned"
 
 
 def compare(make_link: Any, x: Any, t: Any, configs: List[Dict[str, Any]],

@@ -139,6 +139,7 @@ def _run_model(args: argparse.Namespace) -> int:
     out = {"model": args.model, "batch_size": batch, "device": args.device,
            "least_feasible_bytes": least, "budget_bytes": budget, "plan": _plan_dict(plan)}
     options = dict(budget=budget, solver=args.solver, strategy=args.strategy, cost=args.cost,
+                   budget_scope="activations",
                    capture_batch=cap_batch)
     if args.check_gradients:
         same = gradients_match(make, x, t, **options)

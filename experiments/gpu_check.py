@@ -52,8 +52,8 @@ def main(argv=None):
         least = cr.least_feasible_budget(graph, solver="approx", strategy=strategy)
         print(f"least feasible budget approx/{strategy}: {format_bytes(least)}")
         configs.append(dict(budget=least, solver="approx", strategy=strategy,
-                            label=f"approx-{strategy} @least"))
-    same = gradients_match(make, x, t, budget=configs[0]["budget"])
+                            budget_scope="activations", label=f"approx-{strategy} @least"))
+    same = gradients_match(make, x, t, budget=configs[0]["budget"], budget_scope="activations")
     print(f"loss and gradients identical to plain backprop: {same}")
     results = compare(make, x, t, configs, iterations=args.iterations)
     base = results[0]

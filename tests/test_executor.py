@@ -172,7 +172,8 @@ def _train_both(make, inputs, budget, steps=3, solver="approx", strategy="tc"):
     plain = make()
     plain(x, t)  # initialise lazily shaped parameters
     ours = copy.deepcopy(plain)
-    cr.apply(ours, budget=budget, solver=solver, strategy=strategy)
+    cr.apply(ours, budget=budget, solver=solver, strategy=strategy,
+             budget_scope="activations" if isinstance(budget, int) else "total")
     opt1, opt2 = chainer.optimizers.MomentumSGD(0.01), chainer.optimizers.MomentumSGD(0.01)
     opt1.setup(plain)
     opt2.setup(ours)
@@ -242,7 +243,7 @@ def test_measured_peak_below_vanilla(name):
     plain = make()
     plain(x, t)
     ours = copy.deepcopy(plain)
-    cr.apply(ours, budget=least)
+    cr.apply(ours, budget=least, budget_scope="activations")
     for _ in range(2):  # the first call is recorded, the second plans
         ours(x, t).backward()
     vanilla, recompute = _peak(plain, x, t), _peak(ours, x, t)
@@ -316,7 +317,7 @@ def test_backward_twice_matches_plain():
     plain = make()
     plain(x, t)
     ours = copy.deepcopy(plain)
-    cr.apply(ours, budget=least)
+    cr.apply(ours, budget=least, budget_scope="activations")
     for model in (plain, ours):
         model.cleargrads()
         loss = model(x, t)
@@ -331,7 +332,7 @@ def test_no_backward_leaks_nothing():
     _, least = _least(make, (x, t))
     model = make()
     model(x, t)
-    cr.apply(model, budget=least)
+    cr.apply(model, budget=least, budget_scope="activations")
     model(x, t).backward()  # recorded
     model(x, t).backward()  # planned
     gc.collect()
@@ -360,7 +361,7 @@ def test_graph_change_is_detected_and_replanned(caplog):
     plain = Switch()
     plain(x, t)
     ours = copy.deepcopy(plain)
-    cr.apply(ours, budget=least)
+    cr.apply(ours, budget=least, budget_scope="activations")
     for _ in range(2):
         for model in (plain, ours):
             model.cleargrads()
@@ -395,7 +396,7 @@ def test_budget_below_least_feasible_changes_nothing():
     g, least = _least(make, (x, t))
     model = make()
     model(x, t)
-    cr.apply(model, budget=int(least * 0.5))
+    cr.apply(model, budget=int(least * 0.5), budget_scope="activations")
     model(x, t)  # recorded: runs as plain Chainer
     before = _state(model)[1]
     with pytest.raises(InfeasibleBudgetError) as info:
@@ -478,7 +479,7 @@ def test_capture_at_a_small_batch_and_scale():
     plain = make()
     plain(x, t)
     ours = copy.deepcopy(plain)
-    cr.apply(ours, budget=least, capture_batch=2)
+    cr.apply(ours, budget=least, capture_batch=2, budget_scope="activations")
     for model in (plain, ours):
         for _ in range(2):
             model.cleargrads()

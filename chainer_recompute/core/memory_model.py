@@ -26,7 +26,7 @@ import numpy as np
 if TYPE_CHECKING:  # pragma: no cover
     from .graph import Graph
 
-__all__ = ["MemoryModel", "SCOPES"]
+__all__ = ["MemoryModel", "SCOPES", "measured_model"]
 
 #: ``activations``: the paper's model (what the authors' solver optimises);
 #: ``total``: everything the allocator sees in one training iteration.
@@ -100,3 +100,28 @@ class MemoryModel:
         zero = np.zeros(graph.n, dtype=np.int64)
         return cls(block_bytes=2 * m, keep_bytes=m, above_bytes=m, beside_bytes=m,
                    transient_bytes=zero, constant_bytes=0, scope="activations")
+
+
+def measured_model(graph: "Graph") -> MemoryModel:
+    """The per-block formula with what a recorded graph measured
+    (``scope='total'``): a block holds its nodes' own output memory (views
+    cost nothing), the arrays they keep in attributes and their outputs'
+    gradients; a checkpoint holds its outputs and attributes; gradients
+    arrive from A, values are read from B; each node's largest transient
+    (forward or backward) and the plan-independent bytes (parameters,
+    their gradients, optimizer state, inputs) come on top.
+
+    The formula is the DP's objective; the runtime's exact memory under a
+    plan is predicted by :func:`~chainer_recompute.core.replay.replay`.
+    """
+    from .replay import param_grad_bytes, state_constant_bytes
+    own = graph.node_bytes.astype(np.int64)
+    held = np.array([n.held_bytes for n in graph.nodes], dtype=np.int64)
+    grad = np.array([sum(graph.arrays[a].nbytes for a in n.outputs) for n in graph.nodes],
+                    dtype=np.int64)
+    trans = np.array([max(n.forward_transient_bytes or 0, n.backward_transient_bytes or 0)
+                      for n in graph.nodes], dtype=np.int64)
+    const = state_constant_bytes(graph) + param_grad_bytes(graph)
+    return MemoryModel(block_bytes=own + held + grad, keep_bytes=own + held,
+                       above_bytes=grad, beside_bytes=own, transient_bytes=trans,
+                       constant_bytes=const, scope="total")

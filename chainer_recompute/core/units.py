@@ -84,3 +84,29 @@ def format_bytes(nbytes: float, binary: bool = True) -> str:
             return f"{x:.0f} {unit}" if unit == "B" else f"{x:.2f} {unit}"
         x /= base
     raise AssertionError("unreachable")
+
+
+def format_bytes_up(nbytes: float, binary: bool = True) -> str:
+    """Like :func:`format_bytes`, rounded *up* at the last digit shown, so
+    that the figure pasted back as a budget is never below ``nbytes``.
+
+    >>> format_bytes_up(29_364_001, binary=False), parse_bytes('29.37 MB') >= 29_364_001
+    ('29.37 MB', True)
+    >>> format_bytes_up(3 * 2**30)
+    '3.00 GiB'
+    """
+    if nbytes is None or (isinstance(nbytes, float) and math.isnan(nbytes)):
+        return "n/a"
+    base = 1024.0 if binary else 1000.0
+    units = ["B", "KiB", "MiB", "GiB", "TiB"] if binary else ["B", "kB", "MB", "GB", "TB"]
+    x = float(nbytes)
+    for k, unit in enumerate(units):
+        if abs(x) < base or unit == units[-1]:
+            if unit == "B":
+                return f"{math.ceil(x):.0f} B"
+            up = math.ceil(round(x * 100, 6)) / 100
+            if up >= base and k + 1 < len(units):
+                return f"{math.ceil(up / base * 100) / 100:.2f} {units[k + 1]}"
+            return f"{up:.2f} {unit}"
+        x /= base
+    raise AssertionError("unreachable")

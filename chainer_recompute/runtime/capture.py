@@ -608,6 +608,8 @@ class Recorder(chainer.FunctionHook):
                     aid = self._new_array(_ArrayRecord(tuple(xnode.shape), str(xnode.dtype),
                                                        _node_nbytes(xnode), "input", None,
                                                        name or ""))
+                    if var is None:  # a temporary made in the forward (noise, a constant)
+                        self.arrays[aid].dies_at = call.index + 1
                 self.array_of[xnode] = aid
             in_ids.append(aid)
         call.in_ids = tuple(in_ids)

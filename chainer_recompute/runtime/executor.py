@@ -61,101 +61,30 @@ import chainer
 from chainer import backend
 
 from ..core.errors import RecomputeError
+from ..core.execution import ExecutionPlan
 from ..core.graph import Graph
 from .capture import Call, Recorder, fingerprint, owner_of
 
 logger = logging.getLogger(__name__)
 
 
-class Program:
-    """What to drop, when to release it, and how to regenerate it.
+class Program(ExecutionPlan):
+    """An :class:`~chainer_recompute.core.execution.ExecutionPlan` with the
+    very parameters it was planned for (wiring checks) and what the runtime
+    learned about it.
 
     Args:
-        graph: the planned graph; node ids are the order in which the
-            model's forward applies its functions.
-        lower_sets: the plan's strategy L_1 ⊊ ... ⊊ L_k = V.
-        kept: nodes whose outputs are checkpoints (U_1 ∪ ... ∪ U_k).
+        graph, lower_sets, kept: see ``ExecutionPlan``.
         param_refs: weak references to the parameters, by array id.
-
-    Nodes that are not recomputable and nodes that produce no array are
-    never dropped.
     """
 
     def __init__(self, graph: Graph, lower_sets: Sequence[FrozenSet[int]],
                  kept: FrozenSet[int], param_refs: Optional[Dict[int, Any]] = None) -> None:
-        self.graph = graph
-        # array id -> weakref to the very Parameter (wiring checks)
+        super().__init__(graph, lower_sets, kept)
         self.param_refs: Dict[int, Any] = dict(param_refs or {})
-        n = graph.n
-        self.block_of = [0] * n
-        prev: FrozenSet[int] = frozenset()
-        for b, L in enumerate(lower_sets):
-            for v in L - prev:
-                self.block_of[v] = b
-            prev = L
-        if len(prev) != n:
-            raise RecomputeError(f"the plan covers {len(prev)} of the graph's {n} nodes; "
-                                 f"the last lower set must be V")
-        self.dropped: FrozenSet[int] = frozenset(
-            v for v in range(n) if v not in kept and graph.nodes[v].recomputable)
-        self.unsafe = [v for v in range(n) if v not in kept and not graph.nodes[v].recomputable]
-        arrays = graph.arrays
-        self.derived: Dict[int, Tuple[str, ...]] = {}
-        self.written: Dict[int, Tuple[str, ...]] = {}
-        for node in graph.nodes:
-            self.derived[node.id] = tuple(h.name for h in node.held if h.role == "derived")
-            self.written[node.id] = tuple(h.name for h in node.held if h.role == "written")
-        # When to release: at the forward_preprocess of the function after
-        # the last forward reader (n: when the forward has returned).
-        self.release_at: Dict[int, List[int]] = {}
-        for u in sorted(self.dropped):
-            last = max(graph.succs[u], default=u)
-            self.release_at.setdefault(last + 1, []).append(u)
-        # sources[u]: input positions of dropped node u whose arrays are not
-        # made by a dropped node: what regeneration starts from.
-        self.sources: Dict[int, Tuple[int, ...]] = {}
-        for u in self.dropped:
-            pos = []
-            for j, a in enumerate(graph.nodes[u].inputs):
-                p = arrays[a].producer
-                if p is None or p not in self.dropped:
-                    pos.append(j)
-            self.sources[u] = tuple(pos)
-        self.releasable: FrozenSet[int] = frozenset(
-            v for v in range(n) if graph.nodes[v].recomputable)
-        self.needs, self.done = backward_readers(graph, self.releasable, self.derived)
-        self.block_nodes: Dict[int, List[int]] = {}
-        for u in sorted(self.dropped):
-            self.block_nodes.setdefault(self.block_of[u], []).append(u)
-        self.multi_backward = False  # learned: keep regenerated arrays between backward passes
-
-    @property
-    def n(self) -> int:
-        return self.graph.n
-
-
-def backward_readers(graph: Graph, releasable: FrozenSet[int],
-                     derived: Dict[int, Tuple[str, ...]]
-                     ) -> Tuple[Dict[int, Tuple[int, ...]], Dict[int, Tuple[int, ...]]]:
-    """``needs[w]``: nodes whose arrays the backward of ``w`` reads (its own
-    retained outputs and derived attributes, the producers of its retained
-    inputs); ``done[w]``: the nodes with one backward reader less once
-    ``w``'s backward has run (``needs[w]`` and ``w``). Both restricted to
-    ``releasable``."""
-    needs: Dict[int, Tuple[int, ...]] = {}
-    done: Dict[int, Tuple[int, ...]] = {}
-    for node in graph.nodes:
-        need = set()
-        if node.retained_outputs or derived.get(node.id):
-            need.add(node.id)
-        for a in node.retained_inputs:
-            p = graph.arrays[a].producer
-            if p is not None:
-                need.add(p)
-        need &= releasable
-        needs[node.id] = tuple(sorted(need))
-        done[node.id] = tuple(sorted(need | ({node.id} & releasable)))
-    return needs, done
+        # learned: the graph is backpropagated more than once per iteration,
+        # so regenerated arrays are kept between backward passes
+        self.multi_backward = False
 
 
 class IterationStats:
@@ -256,6 +185,9 @@ class IterationHook(Recorder):
         self.remaining: Dict[int, int] = {}
         self._needs: Dict[int, Tuple[int, ...]] = {}
         self._done: Dict[int, Tuple[int, ...]] = {}
+        self._bw_left: Optional[Set[int]] = None
+        #: called once when the backward pass has run every reachable function
+        self.on_backward_done: Optional[Any] = None
         self.stats = IterationStats(len(self.program.dropped) if self.program else 0,
                                     path="recorded" if self.program is None else "planned")
         if self.program is not None:
@@ -417,6 +349,8 @@ class IterationHook(Recorder):
 
     # ---------------------------------------------------------- backward
     def before_backward(self, i: int, function: Any) -> None:
+        if self._reach is None or i not in self._reach:
+            self._extend_reach(function)
         if chainer.config.enable_backprop or not self.forward_done:
             # Double backprop reads the arrays in a second-order graph; a
             # backward inside the forward (chainer.grad) will be followed
@@ -429,13 +363,17 @@ class IterationHook(Recorder):
         self._bw_seen.add(i)
         if self.program is None:
             return
-        if self._reach is None or i not in self._reach:
-            self._extend_reach(function)
         missing = [u for u in self._needs.get(i, ()) if u in self.released]
         if missing:
             self._regenerate(missing)
 
     def after_backward(self, i: int, function: Any) -> None:
+        if self._bw_left is not None:
+            self._bw_left.discard(i)
+            if not self._bw_left:
+                self._bw_left = None
+                if self.on_backward_done is not None:
+                    self.on_backward_done(self)
         if self.program is None:
             return
         for u in self._done.get(i, ()):
@@ -502,6 +440,8 @@ class IterationHook(Recorder):
             if not any(x.requires_grad for x in (f.inputs or ())):
                 continue
             reach.add(i)
+            if self._bw_left is not None or not self._bw_seen:
+                self._bw_left = (self._bw_left or set()) | {i}
             for u in self._done.get(i, ()):
                 self.remaining[u] = self.remaining.get(u, 0) + 1
             for x in f.inputs:

@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import collections
 import logging
-import math
 import threading
 import time
+import weakref
 from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple
+
+import numpy
 
 from . import _chainer  # noqa: F401
 import chainer
@@ -85,11 +87,12 @@ def _signature(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Hashable:
 class _Structure:
     """One planned graph of a signature."""
 
-    __slots__ = ("graph", "plan", "program", "planning_time_s")
+    __slots__ = ("graph", "plan", "program", "planning_time_s", "checked")
 
     def __init__(self, graph: Graph, plan: Any, program: Program, planning_time_s: float):
         self.graph, self.plan, self.program = graph, plan, program
         self.planning_time_s = planning_time_s
+        self.checked = 0  # planned iterations whose peak was measured
 
 
 class _Entry:
@@ -131,6 +134,16 @@ class Recompute:
         verify: checksum the parameters and inputs that regeneration reads,
             so that an in-place change between forward and backward is
             reported instead of giving a different gradient.
+        budget_scope: ``'total'`` (default): the budget bounds everything
+            the device holds in an iteration (parameters, gradients,
+            optimizer state, activations, temporaries); ``'activations'``:
+            the paper's model only.
+        check_iterations: how many planned iterations per plan have their
+            peak measured by the allocator (NumPy: tracemalloc, slower
+            while on) and checked against the budget; on CuPy every
+            iteration is measured (the pool hook is cheap). A peak over the
+            budget warns once, corrects the model by what was measured, and
+            plans again.
         **solver_options: passed to the solver.
 
     >>> runner = Recompute(loss_fn, budget='2G')            # doctest: +SKIP
@@ -144,9 +157,12 @@ class Recompute:
     def __init__(self, fn: Callable[..., Any], budget: Any, *, solver: str = "approx",
                  strategy: str = "tc", cost: str = "measured", max_plans: int = 8,
                  max_structures: int = 4, capture_batch: Optional[int] = None,
-                 verify: bool = True, **solver_options: Any) -> None:
+                 verify: bool = True, budget_scope: str = "total", check_iterations: int = 3,
+                 **solver_options: Any) -> None:
+        from ..core.budget import check_scope
         from ..core.costs import COST_MODELS
         from ..core.solvers import check_solver
+        check_scope(budget_scope)
         self.budget_least = isinstance(budget, str) and budget.strip().lower() == "least"
         self.budget_bytes: Optional[int] = None if self.budget_least else parse_bytes(budget)
         check_solver(solver, strategy)
@@ -161,10 +177,13 @@ class Recompute:
         self.max_plans, self.max_structures = max_plans, max_structures
         self.capture_batch = capture_batch
         self.verify = verify
+        self.budget_scope = budget_scope
+        self.check_iterations = check_iterations
         self.options: Dict[str, Any] = dict(
             budget=budget, solver=solver, strategy=strategy, cost=cost, max_plans=max_plans,
             max_structures=max_structures, capture_batch=capture_batch, verify=verify,
-            **solver_options)
+            budget_scope=budget_scope, check_iterations=check_iterations, **solver_options)
+        self._warned_over = False
         self._entries: "collections.OrderedDict[Hashable, _Entry]" = collections.OrderedDict()
         self.last_stats: Optional[IterationStats] = None
 
@@ -203,14 +222,11 @@ class Recompute:
         return entry.structures[0].plan
 
     def _solve(self, graph: Graph) -> Any:
-        from ..core.planner import solve
-        from ..core.search import least_feasible_budget
-        budget = self.budget_bytes
-        if self.budget_least:
-            budget = least_feasible_budget(graph, solver=self.solver, strategy=self.strategy)
+        from ..core.budget import plan_for_budget
+        budget: Any = "least" if self.budget_least else self.budget_bytes
         try:
-            return solve(graph, budget, solver=self.solver, strategy=self.strategy,
-                         **self.solver_options)
+            return plan_for_budget(graph, budget, solver=self.solver, strategy=self.strategy,
+                                   scope=self.budget_scope, **self.solver_options)
         except InfeasibleBudgetError as e:
             logger.error("chainer_recompute: %s", e)
             raise
@@ -309,8 +325,12 @@ class Recompute:
             self._plan_pending(entry, args, kwargs)
         elif not entry.structures and self.capture_batch is not None and entry.calls == 1:
             self._plan_separately(entry, args, kwargs)
-        hook = IterationHook([s.program for s in entry.structures], link=self._link(args),
+        self._stop_meter()
+        link = self._link(args)
+        hook = IterationHook([s.program for s in entry.structures], link=link,
                              args=list(args) + list(kwargs.values()), verify=self.verify)
+        if entry.structures:
+            self._start_meter(entry, hook, link, args, kwargs)
         with _Active(), hook:
             out = self.fn(*args, **kwargs)
         hook.finish()
@@ -334,6 +354,80 @@ class Recompute:
             used = hook.program
             entry.structures.sort(key=lambda s: s.program is not used)
         return out
+
+    # ------------------------------------------------- measured memory
+    _meter: Any = None
+
+    def _start_meter(self, entry: _Entry, hook: IterationHook, link: Optional[chainer.Link],
+                     args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        """Measure this iteration's peak, from the call to the end of its
+        backward, when the plan it starts on still needs checking."""
+        from .capture import _xp_of, is_array
+        from .memory import MemoryMeter
+        s = entry.structures[0]
+        arrays = [a for a in list(args) + list(kwargs.values())]
+        xp = _xp_of([x.raw_array if isinstance(x, chainer.Variable) else x for x in arrays])
+        gpu = xp is not numpy
+        if not gpu and s.checked >= self.check_iterations:
+            return
+        start = 0
+        old_grads: List[Any] = []
+        if not gpu:  # arrays made before tracing starts: counted by hand
+            if link is not None:
+                sb = state_bytes(link)
+                start += sb["params"] + sb["optimizer_state"]
+                old_grads = [p.grad for p in link.params() if p.grad is not None]
+                start += sum(int(g.nbytes) for g in old_grads)
+            for path_arr in arrays:
+                arr = path_arr.raw_array if isinstance(path_arr, chainer.Variable) else path_arr
+                if is_array(arr):
+                    start += int(arr.nbytes)
+        meter = MemoryMeter(xp)
+        meter.start()
+        # If tracing already ran (an outer meter), the gradients' frees are
+        # seen by tracemalloc and must not be taken off again.
+        refs = [] if meter.scope != "numpy arrays" or not getattr(meter, "_owns", False) \
+            else [(weakref.ref(g), int(g.nbytes)) for g in old_grads]
+        self._meter = (meter, s, entry, start, refs, hook.stats, gpu)
+        hook.on_backward_done = lambda _hook: self._stop_meter(done=True)
+
+    def _stop_meter(self, done: bool = False) -> None:
+        if self._meter is None:
+            return
+        meter, s, entry, start, refs, stats, absolute = self._meter
+        self._meter = None
+        m = meter.stop()
+        if not done or stats.path != "planned":
+            return  # no backward, or the iteration left its plan: nothing to check
+        if absolute:
+            measured = m.absolute_peak_bytes
+        else:
+            # Gradients alive at the start and cleared before the backward
+            # were made before tracing began: tracemalloc does not see them
+            # go, so they are taken off by hand.
+            measured = start + m.peak_bytes - sum(nb for ref, nb in refs if ref() is None)
+        s.checked += 1
+        stats.measured_peak_bytes = int(measured)
+        stats.predicted_peak_bytes = s.plan.predicted_peak_bytes
+        stats.budget_bytes = s.plan.budget_bytes
+        budget = s.plan.budget_bytes
+        if self.budget_scope != "total" or budget is None or measured <= budget:
+            return
+        excess = int(measured - (s.plan.predicted_peak_bytes or 0))
+        if not self._warned_over:
+            self._warned_over = True
+            logger.warning(
+                "chainer_recompute: the measured peak %s is over the budget %s (predicted %s); "
+                "correcting the memory model by %s and planning again",
+                format_bytes(measured), format_bytes(budget),
+                format_bytes(s.plan.predicted_peak_bytes or 0), format_bytes(max(excess, 0)))
+        graph = s.graph
+        meta = dict(graph.meta)
+        meta["correction_bytes"] = int(meta.get("correction_bytes", 0)) + max(excess, 1)
+        graph = graph.replace(meta=meta)
+        t0 = time.perf_counter()
+        entry.structures.remove(s)
+        self._add(entry, graph, s.program.param_refs, s.program.multi_backward, t0)
 
     def __repr__(self) -> str:
         budget = "least" if self.budget_least else format_bytes(self.budget_bytes)

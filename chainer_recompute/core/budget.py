@@ -1,0 +1,266 @@
+"""Planning for a budget the allocator will hold: ``budget_scope='total'``.
+
+Pure core: numpy only.
+
+Two scopes:
+
+- ``'activations'``: the paper's model (PAPER.md §3): the budget bounds the
+  per-block formula over activations and their gradients; parameters,
+  gradients, optimizer state and temporaries come on top. This is what the
+  authors' solver does, kept to reproduce their tables and for graphs that
+  record nothing else (their text format).
+- ``'total'`` (the default of ``apply()`` and the CLI): the budget bounds
+  the whole iteration as the allocator sees it: parameters, their
+  gradients, optimizer state, inputs, activations, gradients and the
+  functions' temporary buffers. The DPs optimise the per-block formula
+  with the measured terms (:func:`~chainer_recompute.core.memory_model.measured_model`);
+  each candidate plan's real peak is predicted by replaying the iteration
+  event by event (:func:`~chainer_recompute.core.replay.replay`), and the
+  DPs' own budget is searched until the replayed peak fits the user's.
+  Plain backpropagation is a candidate too (it needs no recomputation), so
+  the least feasible budget is never above plain Chainer's predicted peak.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+from .errors import BudgetError, InfeasibleBudgetError
+from .execution import ExecutionPlan
+from .graph import Graph
+from .memory_model import SCOPES, MemoryModel, measured_model
+from .plan import Plan
+from .planner import solve
+from .replay import replay
+from .search import least_feasible_budget
+from .solvers import check_solver, solve_none
+from .units import format_bytes, format_bytes_up, parse_bytes
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BudgetSearch", "plan_for_budget", "check_scope"]
+
+#: Relative precision of the search over the DPs' own budget.
+SEARCH_TOL = 0.005
+#: Headroom kept below a total budget for what the replay does not see
+#: (small arrays of the loss, allocator rounding): a plan's replayed peak
+#: stays under ``budget * (1 - MARGIN)``, and the least feasible budget is
+#: the least replayed peak divided by ``1 - MARGIN``.
+MARGIN = 0.01
+
+
+def check_scope(scope: str) -> None:
+    """Raise :class:`BudgetError` for an unknown budget scope."""
+    if scope not in SCOPES:
+        raise BudgetError(f"unknown budget_scope {scope!r}; accepted: {list(SCOPES)} "
+                          f"('total': everything the device holds in an iteration; "
+                          f"'activations': the paper's model)")
+
+
+class BudgetSearch:
+    """Plans of one graph for budgets on the total peak (see module doc).
+
+    Args:
+        graph: a recorded graph (with measured transients and lifetimes).
+        solver, strategy: as in :func:`~chainer_recompute.core.planner.solve`.
+        **solver_options: passed to the solver.
+
+    Plans are cached by the DPs' budget, so that several budgets (and the
+    least feasible one) share the work.
+    """
+
+    def __init__(self, graph: Graph, solver: str = "approx", strategy: str = "tc",
+                 **solver_options: Any) -> None:
+        check_solver(solver, strategy)
+        self.graph, self.solver, self.strategy = graph, solver, strategy
+        self.options = solver_options
+        self.model: MemoryModel = measured_model(graph)
+        self._cache: Dict[int, Tuple[Plan, Optional[int]]] = {}
+        self._vanilla: Optional[Tuple[Plan, int]] = None
+        self._least: Optional[Tuple[Plan, int]] = None
+        self.dp_least = least_feasible_budget(graph, solver=solver if solver in ("approx", "exact")
+                                              else "approx", strategy=strategy,
+                                              model=self.model)
+
+    # ----------------------------------------------------------- pieces
+    def peak_of(self, plan: Plan) -> int:
+        """The replayed total peak of a plan."""
+        if not plan.recompute:
+            return replay(self.graph, None).peak_bytes
+        ep = ExecutionPlan(self.graph, plan.lower_sets, frozenset(plan.kept))
+        return replay(self.graph, ep).peak_bytes
+
+    def vanilla(self) -> Tuple[Plan, int]:
+        """Plain backpropagation and its replayed peak."""
+        if self._vanilla is None:
+            plan = solve_none(self.graph, None, model=self.model)
+            self._vanilla = (plan, replay(self.graph, None).peak_bytes)
+        return self._vanilla
+
+    def at(self, dp_budget: int) -> Tuple[Optional[Plan], Optional[int]]:
+        """The solver's plan for the DPs' budget ``dp_budget`` and its
+        replayed peak (``None, None`` when the DP finds nothing)."""
+        dp_budget = int(dp_budget)
+        hit = self._cache.get(dp_budget)
+        if hit is None:
+            plan = solve(self.graph, dp_budget, solver=self.solver, strategy=self.strategy,
+                         raise_infeasible=False, model=self.model, **self.options)
+            hit = (plan, self.peak_of(plan) if plan.feasible else None)
+            self._cache[dp_budget] = hit
+        plan, peak = hit
+        return (plan, peak) if plan.feasible else (None, None)
+
+    def _grid(self) -> List[int]:
+        lo = self.dp_least
+        hi = max(lo + 1, self._dp_vanilla())
+        k = 12
+        return sorted({int(lo * (hi / lo) ** (j / k)) if lo > 0 else lo + (hi - lo) * j // k
+                       for j in range(k + 1)})
+
+    def _dp_vanilla(self) -> int:
+        m = self.model
+        return int(m.constant_bytes + m.block_bytes.sum() + m.transient_bytes.max())
+
+    # ---------------------------------------------------------- answers
+    def least(self) -> Tuple[Plan, int]:
+        """The plan with the least replayed peak among the candidates (the
+        DPs' plans over a range of their budgets, and plain backprop), and
+        that peak: the least feasible total budget."""
+        if self._least is None:
+            best = self.vanilla()
+            for b in self._grid():
+                plan, peak = self.at(b)
+                if plan is not None and peak is not None and peak < best[1]:
+                    best = (plan, peak)
+            self._least = best
+        return self._least
+
+    def fit(self, budget_bytes: int) -> Plan:
+        """The plan for a total budget: the least overhead (tc) or the
+        coarsest (mc) whose replayed peak fits (with :data:`MARGIN`).
+
+        Raises:
+            InfeasibleBudgetError: no candidate fits; the message gives the
+                least feasible total budget, rounded up.
+        """
+        t0 = time.perf_counter()
+        limit = int(budget_bytes * (1 - MARGIN))
+        van_plan, van_peak = self.vanilla()
+        if self.strategy == "tc" and van_peak <= limit:
+            return self._annotate(van_plan, van_peak, budget_bytes, None, t0)
+        ok: Dict[int, Tuple[Plan, int]] = {}
+
+        def fits(b: int) -> bool:
+            plan, peak = self.at(b)
+            if plan is not None and peak is not None and peak <= limit:
+                ok[b] = (plan, peak)
+                return True
+            return False
+
+        # The largest DP budget whose plan fits: the DPs' formula is not the
+        # replay's, so search it (monotone in practice), then fall back to
+        # every budget tried.
+        lo, hi = self.dp_least - 1, self._dp_vanilla()
+        if fits(hi):
+            lo = hi
+        else:
+            start = min(max(limit, self.dp_least), hi)
+            if fits(start):
+                lo = start
+            else:
+                hi = start
+            while hi - lo > max(1, int(SEARCH_TOL * hi)):
+                mid = (lo + hi) // 2
+                if fits(mid):
+                    lo = mid
+                else:
+                    hi = mid
+        if not ok:
+            for b in self._grid():
+                fits(b)
+        if not ok:
+            if van_peak <= limit:  # mc with nothing coarser that fits
+                return self._annotate(van_plan, van_peak, budget_bytes, None, t0)
+            least = self.least_budget()
+            raise InfeasibleBudgetError(
+                f"budget {format_bytes(budget_bytes)} is below the least feasible "
+                f"{format_bytes_up(least)} for this model and batch with solver "
+                f"{self.solver!r} (total peak: parameters, gradients, optimizer state, "
+                f"activations and temporaries; plain Chainer needs "
+                f"{format_bytes_up(van_peak / (1 - MARGIN))}); raise the budget to at least "
+                f"{format_bytes_up(least)} or reduce the batch size",
+                budget_bytes=budget_bytes, least_feasible_bytes=least,
+                vanilla_bytes=int(math.ceil(van_peak / (1 - MARGIN))))
+        b = max(ok)
+        plan, peak = ok[b]
+        return self._annotate(plan, peak, budget_bytes, b, t0)
+
+    def _annotate(self, plan: Plan, peak: int, budget_bytes: Optional[int],
+                  dp_budget: Optional[int], t0: float) -> Plan:
+        info = dict(plan.info)
+        info.update(memory_scope="total", dp_budget_bytes=dp_budget,
+                    dp_peak_bytes=plan.predicted_peak_bytes,
+                    vanilla_peak_bytes=self.vanilla()[1], search_time_s=time.perf_counter() - t0)
+        return dataclasses.replace(plan, predicted_peak_bytes=int(peak),
+                                   budget_bytes=budget_bytes, feasible=True, info=info)
+
+    def least_budget(self) -> int:
+        """The least feasible total budget: the least replayed peak with
+        :data:`MARGIN` of headroom."""
+        return int(math.ceil(self.least()[1] / (1 - MARGIN)))
+
+    def least_plan(self) -> Plan:
+        """The plan at the least feasible total budget."""
+        t0 = time.perf_counter()
+        plan, peak = self.least()
+        return self._annotate(plan, peak, self.least_budget(), None, t0)
+
+
+def plan_for_budget(graph: Graph, budget: Union[str, int, float], *, solver: str = "approx",
+                    strategy: str = "tc", scope: str = "total",
+                    **solver_options: Any) -> Plan:
+    """The plan for ``budget`` (bytes, ``'8G'``, or ``'least'``) in a scope.
+
+    Args:
+        graph: the graph.
+        budget: the budget, or ``'least'``: the least feasible one.
+        solver, strategy: as in :func:`~chainer_recompute.core.planner.solve`.
+        scope: ``'total'`` (what the allocator sees; needs a recorded graph)
+            or ``'activations'`` (the paper's model).
+
+    Returns:
+        A :class:`Plan`; for ``total``, ``predicted_peak_bytes`` is the
+        replayed total peak and ``info`` holds the DPs' budget and formula.
+
+    Raises:
+        BudgetError, UnknownSolverError, InfeasibleBudgetError.
+
+    >>> g = Graph.from_edges([4, 4, 4, 4], [(0, 1), (1, 2), (2, 3)])
+    >>> plan_for_budget(g, 'least', solver='exact', scope='activations').predicted_peak_bytes
+    16
+    """
+    check_scope(scope)
+    check_solver(solver, strategy)
+    least = isinstance(budget, str) and budget.strip().lower() == "least"
+    if scope == "activations":
+        b = (least_feasible_budget(graph, solver=solver, strategy=strategy) if least
+             else parse_bytes(budget))
+        return solve(graph, b, solver=solver, strategy=strategy, **solver_options)
+    if solver == "none":
+        search = BudgetSearch(graph, "approx", strategy)
+        plan, peak = search.vanilla()
+        need = int(math.ceil(peak / (1 - MARGIN)))
+        b = need if least else parse_bytes(budget)
+        if need > b:
+            raise InfeasibleBudgetError(
+                f"budget {format_bytes(b)} is below what plain Chainer needs, "
+                f"{format_bytes_up(need)}", budget_bytes=b, least_feasible_bytes=need,
+                vanilla_bytes=need)
+        return search._annotate(plan, peak, b, None, time.perf_counter())
+    search = BudgetSearch(graph, solver, strategy, **solver_options)
+    if least:
+        return search.least_plan()
+    return search.fit(parse_bytes(budget))

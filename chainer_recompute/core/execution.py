@@ -1,0 +1,123 @@
+"""What the runtime does with a plan, as data: which nodes are dropped,
+when their arrays are released, what regeneration starts from, which
+backward reads which node.
+
+Pure core: numpy only. The runtime's executor drives Chainer with it, and
+:mod:`~chainer_recompute.core.replay` replays the same decisions to
+predict the memory of an iteration.
+"""
+from __future__ import annotations
+
+from typing import Dict, FrozenSet, List, Sequence, Tuple
+
+from .errors import RecomputeError
+from .graph import Graph
+
+__all__ = ["ExecutionPlan", "backward_readers"]
+
+
+def backward_readers(graph: Graph, releasable: FrozenSet[int],
+                     derived: Dict[int, Tuple[str, ...]]
+                     ) -> Tuple[Dict[int, Tuple[int, ...]], Dict[int, Tuple[int, ...]]]:
+    """``needs[w]``: nodes whose arrays the backward of ``w`` reads (its own
+    retained outputs and derived attributes, the producers of its retained
+    inputs); ``done[w]``: the nodes with one backward reader less once
+    ``w``'s backward has run (``needs[w]`` and ``w``). Both restricted to
+    ``releasable``.
+
+    >>> g = Graph.from_edges([4, 4], [(0, 1)])
+    >>> backward_readers(g, frozenset({0, 1}), {})
+    ({0: (), 1: ()}, {0: (0,), 1: (1,)})
+    """
+    needs: Dict[int, Tuple[int, ...]] = {}
+    done: Dict[int, Tuple[int, ...]] = {}
+    for node in graph.nodes:
+        need = set()
+        if node.retained_outputs or derived.get(node.id):
+            need.add(node.id)
+        for a in node.retained_inputs:
+            p = graph.arrays[a].producer
+            if p is not None:
+                need.add(p)
+        need &= releasable
+        needs[node.id] = tuple(sorted(need))
+        done[node.id] = tuple(sorted(need | ({node.id} & releasable)))
+    return needs, done
+
+
+class ExecutionPlan:
+    """The runtime's view of a plan.
+
+    Args:
+        graph: the planned graph; node ids are the order in which the
+            model's forward applies its functions.
+        lower_sets: the plan's strategy L_1 ⊊ ... ⊊ L_k = V.
+        kept: nodes whose outputs are checkpoints (U_1 ∪ ... ∪ U_k).
+
+    Attributes:
+        dropped: nodes whose arrays are released in the forward pass and
+            regenerated in the backward (not kept, recomputable).
+        unsafe: nodes the plan would drop but that cannot be recomputed
+            (kept instead).
+        release_at: ``release_at[i]``: dropped nodes released just before
+            node ``i`` runs (after their last forward reader; ``n``: when
+            the forward has returned).
+        sources: ``sources[u]``: input positions of dropped node ``u`` whose
+            arrays are not made by a dropped node: what regeneration starts
+            from (held until then).
+        releasable: recomputable nodes (the only ones ever released).
+        needs, done: see :func:`backward_readers`.
+        block_of, block_nodes: each node's block; the dropped nodes of
+            each block (regenerated together).
+        derived, written: attribute names by role, per node.
+
+    >>> g = Graph.from_edges([4, 4, 4], [(0, 1), (1, 2)])
+    >>> ep = ExecutionPlan(g, [frozenset({0, 1}), frozenset({0, 1, 2})], frozenset({1}))
+    >>> sorted(ep.dropped), ep.release_at
+    ([0, 2], {2: [0], 3: [2]})
+    """
+
+    def __init__(self, graph: Graph, lower_sets: Sequence[FrozenSet[int]],
+                 kept: FrozenSet[int]) -> None:
+        self.graph = graph
+        n = graph.n
+        self.block_of = [0] * n
+        prev: FrozenSet[int] = frozenset()
+        for b, L in enumerate(lower_sets):
+            for v in L - prev:
+                self.block_of[v] = b
+            prev = L
+        if len(prev) != n:
+            raise RecomputeError(f"the plan covers {len(prev)} of the graph's {n} nodes; "
+                                 f"the last lower set must be V")
+        self.dropped: FrozenSet[int] = frozenset(
+            v for v in range(n) if v not in kept and graph.nodes[v].recomputable)
+        self.unsafe = [v for v in range(n) if v not in kept and not graph.nodes[v].recomputable]
+        arrays = graph.arrays
+        self.derived: Dict[int, Tuple[str, ...]] = {}
+        self.written: Dict[int, Tuple[str, ...]] = {}
+        for node in graph.nodes:
+            self.derived[node.id] = tuple(h.name for h in node.held if h.role == "derived")
+            self.written[node.id] = tuple(h.name for h in node.held if h.role == "written")
+        self.release_at: Dict[int, List[int]] = {}
+        for u in sorted(self.dropped):
+            last = max(graph.succs[u], default=u)
+            self.release_at.setdefault(last + 1, []).append(u)
+        self.sources: Dict[int, Tuple[int, ...]] = {}
+        for u in self.dropped:
+            pos = []
+            for j, a in enumerate(graph.nodes[u].inputs):
+                p = arrays[a].producer
+                if p is None or p not in self.dropped:
+                    pos.append(j)
+            self.sources[u] = tuple(pos)
+        self.releasable: FrozenSet[int] = frozenset(
+            v for v in range(n) if graph.nodes[v].recomputable)
+        self.needs, self.done = backward_readers(graph, self.releasable, self.derived)
+        self.block_nodes: Dict[int, List[int]] = {}
+        for u in sorted(self.dropped):
+            self.block_nodes.setdefault(self.block_of[u], []).append(u)
+
+    @property
+    def n(self) -> int:
+        return self.graph.n

@@ -1,0 +1,371 @@
+"""Replaying one training iteration under a plan, event by event, to
+predict the memory the allocator will see.
+
+Pure core: numpy only.
+
+The replay follows what Chainer and the runtime's executor do with each
+array, from the recorded graph:
+
+- a function's outputs are allocated when it runs (a view shares its base's
+  memory), with the attribute arrays it keeps (dropout masks, pooling
+  indexes, BatchNorm statistics) and, during the call, its measured
+  transient working set (im2col buffers);
+- an array lives while something references it: the caller's ``Variable``
+  (until the recorded moment it went away), Chainer's retention for
+  backward (until the iteration ends, or until the executor releases it),
+  the executor's hold on the arrays regeneration starts from;
+- backward runs in the recorded order: before a function's backward the
+  executor regenerates the released arrays it reads (the released nodes of
+  their block that a remaining backward reads, with every intermediate value
+  alive until the block is done), the call allocates the gradients of its
+  inputs (a backward that returned views allocates nothing) on top of its
+  transient, then the gradients of its outputs are freed and nodes with no
+  backward reader left are released again;
+- bytes that do not depend on the plan come on top: parameters, optimizer
+  state and the caller's input arrays; the previous iteration's parameter
+  gradients during the forward (a training loop such as Chainer's
+  ``StandardUpdater`` clears them only after the forward, right before the
+  backward; ``meta['grads_in_forward']`` records what the recorded
+  iteration did), each parameter's new gradient from the first backward
+  that reads it, and the optimizer update's largest temporary at the end.
+
+:func:`replay` gives the peak and the whole timeline; with ``plan=None`` it
+replays plain Chainer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
+
+import numpy as np
+
+from .execution import ExecutionPlan
+from .graph import Graph
+
+__all__ = ["ReplayResult", "replay", "state_constant_bytes"]
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    """What :func:`replay` found.
+
+    Attributes:
+        peak_bytes: the largest total, constants included.
+        peak_event: the event at the peak (``'forward 12 Convolution2D'``,
+            ``'regenerate 7 ... for backward 9'``, ``'backward 3 ...'``,
+            ``'update'``).
+        constant_bytes: the plan-independent part (see
+            :func:`state_constant_bytes`).
+        events: event labels, in order.
+        memory_bytes: the total at each event (int64), peaks of calls
+            included.
+        recomputed: nodes re-run in the backward (with repeats).
+    """
+
+    peak_bytes: int
+    peak_event: str
+    constant_bytes: int
+    events: Tuple[str, ...] = field(repr=False)
+    memory_bytes: np.ndarray = field(repr=False)
+    recomputed: int = 0
+
+
+def state_constant_bytes(graph: Graph) -> int:
+    """Parameters, optimizer state and the caller's input arrays: present
+    during the whole iteration whatever the plan (plus a correction the
+    runtime may have measured, ``meta['correction_bytes']``)."""
+    sb = graph.state_bytes
+    params = sb.get("params", graph.param_bytes)
+    inputs = sum(a.nbytes for a in graph.arrays
+                 if a.kind == "input" and a.name and a.view_of is None)
+    return int(params + sb.get("optimizer_state", 0) + inputs
+               + int(graph.meta.get("correction_bytes", 0)))
+
+
+def param_grad_bytes(graph: Graph) -> int:
+    """Bytes of the parameters' gradients."""
+    sb = graph.state_bytes
+    return int(sb.get("param_grads", sb.get("params", graph.param_bytes)))
+
+
+class _Memory:
+    """Buffers with the reasons they are alive, attribute arrays and
+    gradients; the running total."""
+
+    def __init__(self, graph: Graph, base: int) -> None:
+        self.graph = graph
+        self.owner = [a.id if a.view_of is None else a.view_of for a in graph.arrays]
+        self.holders: Dict[int, Set[Tuple[int, str]]] = {}  # buffer -> {(array, reason)}
+        self.attrs: Dict[Tuple[int, str], int] = {}
+        self.grads: Dict[int, int] = {}  # array -> bytes of its gradient buffer
+        self.level = base
+        self.events: List[str] = []
+        self.trace: List[int] = []
+
+    def record(self, label: str, extra: int = 0) -> None:
+        self.events.append(label)
+        self.trace.append(self.level + extra)
+
+    def hold(self, a: int, why: str) -> None:
+        buf = self.owner[a]
+        held = self.holders.get(buf)
+        if held is None:
+            held = self.holders[buf] = set()
+            self.level += self.graph.arrays[buf].nbytes
+        held.add((a, why))
+
+    def drop(self, a: int, why: str) -> None:
+        buf = self.owner[a]
+        held = self.holders.get(buf)
+        if held is None:
+            return
+        held.discard((a, why))
+        if not held:
+            del self.holders[buf]
+            self.level -= self.graph.arrays[buf].nbytes
+
+    def held_by(self, a: int, *whys: str) -> bool:
+        return any((a, w) in self.holders.get(self.owner[a], ()) for w in whys)
+
+    def alive(self, a: int) -> bool:
+        return any(x == a for x, _ in self.holders.get(self.owner[a], ()))
+
+    def set_attr(self, key: Tuple[int, str], nbytes: int) -> None:
+        if key not in self.attrs:
+            self.attrs[key] = nbytes
+            self.level += nbytes
+
+    def clear_attr(self, key: Tuple[int, str]) -> None:
+        self.level -= self.attrs.pop(key, 0)
+
+
+def _view_like_backward(graph: Graph, w: int) -> bool:
+    """The backward returned views of its output gradients (reshape,
+    transpose): it allocated (almost) nothing though its inputs need
+    gradients."""
+    node = graph.nodes[w]
+    if node.backward_alloc_bytes is None:
+        return all(graph.arrays[a].view_of is not None for a in node.outputs) and \
+            graph.nodes[w].op in ("Reshape", "Transpose", "ExpandDims", "Squeeze",
+                                  "BroadcastTo", "Identity")
+    want = sum(graph.arrays[a].nbytes for a in node.inputs if graph.arrays[a].kind != "param")
+    return want > 0 and node.backward_alloc_bytes < 0.5 * want
+
+
+def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
+           keep_after_backward: bool = False) -> ReplayResult:
+    """Replay one iteration of ``graph`` under ``plan`` (``None``: plain
+    Chainer) and return its memory.
+
+    Args:
+        graph: a recorded graph (views, lifetimes, transients and the
+            backward order are used where recorded; without a recorded
+            order, backward runs in reverse node order).
+        plan: the execution plan.
+        keep_after_backward: regenerated arrays stay until the iteration
+            ends (a graph backpropagated twice per iteration).
+
+    >>> from chainer_recompute.core.execution import ExecutionPlan
+    >>> g = Graph.from_edges([4, 4, 4], [(0, 1), (1, 2)])
+    >>> replay(g).peak_bytes > 0
+    True
+    """
+    n = graph.n
+    arrays = graph.arrays
+    nodes = graph.nodes
+    constant = state_constant_bytes(graph)
+    old_grads = param_grad_bytes(graph) if graph.meta.get("grads_in_forward", True) else 0
+    mem = _Memory(graph, constant + old_grads)
+    dropped: FrozenSet[int] = plan.dropped if plan is not None else frozenset()
+    # Which outputs have their data held in their node (a consumer retains
+    # them): those come back on regeneration.
+    retained_by: Dict[int, int] = {}
+    for node in nodes:
+        for a in node.retained_inputs:
+            retained_by[a] = retained_by.get(a, 0) + 1
+        for a in node.retained_outputs:
+            retained_by[a] = retained_by.get(a, 0) + 1
+    dies: Dict[int, List[int]] = {}
+    for a in arrays:
+        if a.producer is not None and a.dies_at is not None:
+            dies.setdefault(a.dies_at, []).append(a.id)
+    temporaries: Dict[int, List[int]] = {}
+    for node in nodes:
+        for a in node.inputs:
+            info = arrays[a]
+            if info.kind == "input" and info.dies_at is not None and not info.name:
+                temporaries.setdefault(node.id, []).append(a)
+    released: Set[int] = set()
+
+    def held_attrs(u: int) -> List[Tuple[str, int, str]]:
+        return [(h.name, h.nbytes, h.role) for h in nodes[u].held if h.role != "written"]
+
+    def release(u: int) -> None:
+        for a in nodes[u].outputs:
+            mem.drop(a, "ret")
+            mem.drop(a, "pin")
+        for name, _, role in held_attrs(u):
+            if role == "derived":
+                mem.clear_attr((u, name))
+        released.add(u)
+
+    # ------------------------------------------------------------ forward
+    for i in range(n):
+        node = nodes[i]
+        for a in dies.get(i, ()):
+            mem.drop(a, "var")
+        if plan is not None:
+            for u in plan.release_at.get(i, ()):
+                release(u)
+        for a in temporaries.get(i, ()):
+            mem.hold(a, "var")
+        if i in dropped:
+            for j in plan.sources[i]:  # type: ignore[union-attr]
+                a = node.inputs[j]
+                if arrays[a].kind != "param":
+                    mem.hold(a, "pin")
+        for a in node.outputs:
+            mem.hold(a, "var")
+        for a in node.retained_outputs:
+            mem.hold(a, "ret")
+        for a in node.retained_inputs:
+            if arrays[a].kind != "param":
+                mem.hold(a, "ret")
+        for name, nbytes, _ in held_attrs(i):
+            mem.set_attr((i, name), nbytes)
+        mem.record(f"forward {i} {node.op}", node.forward_transient_bytes or 0)
+        for a in temporaries.get(i, ()):
+            mem.drop(a, "var")
+        for a in node.outputs:
+            if arrays[a].dies_at is not None and arrays[a].dies_at <= i + 1:
+                mem.drop(a, "var")
+    for a in dies.get(n, ()):
+        mem.drop(a, "var")
+    if plan is not None:
+        for u in plan.release_at.get(n, ()):
+            release(u)
+    mem.record("end of forward")
+    mem.level -= old_grads  # cleared before the backward
+    grads_made: Set[int] = set()
+
+    # ----------------------------------------------------------- backward
+    order = list(graph.backward_order) if graph.backward_order else \
+        [v for v in range(n - 1, -1, -1) if nodes[v].has_backward]
+    remaining: Dict[int, int] = {}
+    if plan is not None:
+        for w in order:
+            for u in plan.done.get(w, ()):
+                remaining[u] = remaining.get(u, 0) + 1
+    recomputed = 0
+
+    def available(a: int, values: Set[int]) -> bool:
+        return arrays[a].kind == "param" or a in values or mem.alive(a)
+
+    def regenerate(w: int, targets: List[int]) -> None:
+        nonlocal recomputed
+        assert plan is not None
+        wanted = set(targets)
+        for b in {plan.block_of[u] for u in targets}:
+            for u in plan.block_nodes.get(b, ()):
+                if u in released and remaining.get(u, 0) > 0:
+                    wanted.add(u)
+        values: Set[int] = set()
+        order_: Set[int] = set()
+        stack = sorted(wanted)
+        while stack:
+            u = stack.pop()
+            if u in order_:
+                continue
+            order_.add(u)
+            for a in nodes[u].inputs:
+                p = arrays[a].producer
+                if not available(a, values) and p is not None:
+                    stack.append(p)
+        for u in sorted(order_):
+            for a in nodes[u].outputs:
+                mem.hold(a, "val")
+                values.add(a)
+            for name, nbytes, role in held_attrs(u):
+                if role == "derived":
+                    mem.set_attr((u, name), nbytes)
+            mem.record(f"regenerate {u} {nodes[u].op} for backward {w}",
+                       nodes[u].forward_transient_bytes or 0)
+            recomputed += 1
+            if u in wanted and u in released:
+                released.discard(u)
+                for a in nodes[u].outputs:
+                    if a in retained_by:
+                        mem.hold(a, "ret")
+            else:
+                for name, _, role in held_attrs(u):
+                    if role == "derived":
+                        mem.clear_attr((u, name))
+        for a in values:
+            mem.drop(a, "val")
+
+    def regenerable(u: int) -> bool:
+        for a in nodes[u].inputs:
+            info = arrays[a]
+            if info.kind == "param" or mem.alive(a):
+                continue
+            if info.producer is None or not regenerable(info.producer):
+                return False
+        return True
+
+    for w in order:
+        node = nodes[w]
+        if plan is not None:
+            missing = [u for u in plan.needs.get(w, ()) if u in released]
+            if missing:
+                regenerate(w, missing)
+        view_like = _view_like_backward(graph, w)
+        new = 0
+        if not view_like:
+            for a in set(node.inputs):
+                info = arrays[a]
+                if info.kind == "param":
+                    if a in grads_made:
+                        new += info.nbytes  # accumulated: a sum is made, then the parts go
+                    else:
+                        grads_made.add(a)
+                        mem.level += info.nbytes
+                    continue
+                if info.producer is None and info.name:
+                    continue  # the caller's inputs need no gradient
+                if a in mem.grads:
+                    new += info.nbytes  # accumulation: a sum is made, then the parts go
+                else:
+                    mem.grads[a] = info.nbytes
+                    mem.level += info.nbytes
+        mem.record(f"backward {w} {node.op}", (node.backward_transient_bytes or 0) + new)
+        for a in node.outputs:
+            g = mem.grads.pop(a, 0)
+            if view_like:
+                for x in node.inputs:  # the input gradients are views of these
+                    if arrays[x].kind != "param" and x not in mem.grads:
+                        mem.grads[x] = g
+                        g = 0
+            mem.level -= g
+        if plan is not None:
+            for u in plan.done.get(w, ()):
+                remaining[u] = remaining.get(u, 0) - 1
+            if not keep_after_backward:
+                for u in plan.done.get(w, ()):
+                    if (remaining.get(u, 0) <= 0 and u in plan.releasable and u not in released
+                            and regenerable(u)):
+                        release(u)
+    sb = graph.state_bytes
+    mem.record("update", sb.get("update_transient", 0))
+    trace = np.asarray(mem.trace, dtype=np.int64)
+    k = int(np.argmax(trace)) if len(trace) else 0
+    return ReplayResult(peak_bytes=int(trace[k]) if len(trace) else constant,
+                        peak_event=mem.events[k] if mem.events else "",
+                        constant_bytes=constant, events=tuple(mem.events),
+                        memory_bytes=trace, recomputed=recomputed)
+
+
+def plan_of(graph: Graph, lower_sets: Sequence[FrozenSet[int]],
+            kept: FrozenSet[int]) -> ExecutionPlan:
+    """The execution plan of a strategy (a convenience for callers that
+    have a Plan's lower sets and kept nodes)."""
+    return ExecutionPlan(graph, lower_sets, kept)

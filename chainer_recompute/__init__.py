@@ -36,6 +36,8 @@ _LAZY = {
     "remove": ("runtime.runner", "remove"),
     "runner_of": ("runtime.runner", "runner_of"),
     "Recompute": ("runtime.runner", "Recompute"),
+    "bptt": ("runtime.bptt", None),
+    "extensions": ("runtime.extensions", None),
 }
 
 
@@ -43,7 +45,8 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import importlib
         module, attr = _LAZY[name]
-        value = getattr(importlib.import_module(f".{module}", __name__), attr)
+        mod = importlib.import_module(f".{module}", __name__)
+        value = mod if attr is None else getattr(mod, attr)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'chainer_recompute' has no attribute {name!r}")

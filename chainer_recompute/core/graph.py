@@ -104,7 +104,8 @@ class Node:
             leaves allocated (im2col buffers, workspaces), measured by the
             allocator; ``None`` where not measured.
         backward_alloc_bytes: bytes the backward call leaves allocated (the
-            input gradients it makes), measured; ``None`` where not measured.
+            input gradients it makes, less gradients it replaced by their
+            sum; may be negative), measured; ``None`` where not measured.
         has_backward: False when no input requires a gradient, so Chainer
             never runs this function's backward.
     """

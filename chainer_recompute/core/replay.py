@@ -17,10 +17,12 @@ array, from the recorded graph:
 - backward runs in the recorded order: before a function's backward the
   executor regenerates the released arrays it reads (the released nodes of
   their block that a remaining backward reads, with every intermediate value
-  alive until the block is done), the call allocates the gradients of its
-  inputs (a backward that returned views allocates nothing) on top of its
-  transient, then the gradients of its outputs are freed and nodes with no
-  backward reader left are released again;
+  alive until the block is done), the call allocates what it was measured
+  to allocate (the gradients of its inputs, less the gradients it replaced
+  by their sum; an input gradient that is the output gradient itself or a
+  view of it costs nothing), attributed to the inputs by size, on top of
+  its transient; then the gradients of its outputs are freed and nodes with
+  no backward reader left are released again;
 - bytes that do not depend on the plan come on top: parameters, optimizer
   state and the caller's input arrays; the previous iteration's parameter
   gradients during the forward (a training loop such as Chainer's
@@ -35,7 +37,7 @@ replays plain Chainer.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
@@ -95,9 +97,12 @@ class _Memory:
     def __init__(self, graph: Graph, base: int) -> None:
         self.graph = graph
         self.owner = [a.id if a.view_of is None else a.view_of for a in graph.arrays]
+        # Buffers of parameters and of the caller's inputs (and views of
+        # them) are in the constant: holding them adds nothing.
+        self.constant = {a.id for a in graph.arrays
+                         if a.kind == "param" or _caller_input(a)}
         self.holders: Dict[int, Set[Tuple[int, str]]] = {}  # buffer -> {(array, reason)}
         self.attrs: Dict[Tuple[int, str], int] = {}
-        self.grads: Dict[int, int] = {}  # array -> bytes of its gradient buffer
         self.level = base
         self.events: List[str] = []
         self.trace: List[int] = []
@@ -108,6 +113,8 @@ class _Memory:
 
     def hold(self, a: int, why: str) -> None:
         buf = self.owner[a]
+        if buf in self.constant:
+            return
         held = self.holders.get(buf)
         if held is None:
             held = self.holders[buf] = set()
@@ -128,6 +135,8 @@ class _Memory:
         return any((a, w) in self.holders.get(self.owner[a], ()) for w in whys)
 
     def alive(self, a: int) -> bool:
+        if self.owner[a] in self.constant:
+            return True
         return any(x == a for x, _ in self.holders.get(self.owner[a], ()))
 
     def set_attr(self, key: Tuple[int, str], nbytes: int) -> None:
@@ -139,17 +148,58 @@ class _Memory:
         self.level -= self.attrs.pop(key, 0)
 
 
-def _view_like_backward(graph: Graph, w: int) -> bool:
-    """The backward returned views of its output gradients (reshape,
-    transpose): it allocated (almost) nothing though its inputs need
-    gradients."""
-    node = graph.nodes[w]
-    if node.backward_alloc_bytes is None:
-        return all(graph.arrays[a].view_of is not None for a in node.outputs) and \
-            graph.nodes[w].op in ("Reshape", "Transpose", "ExpandDims", "Squeeze",
-                                  "BroadcastTo", "Identity")
-    want = sum(graph.arrays[a].nbytes for a in node.inputs if graph.arrays[a].kind != "param")
-    return want > 0 and node.backward_alloc_bytes < 0.5 * want
+class _Gradients:
+    """Gradient buffers, shared by the arrays whose gradient they are."""
+
+    def __init__(self, mem: "_Memory") -> None:
+        self.mem = mem
+        self.of: Dict[int, Set[int]] = {}  # array -> buffer ids
+        self.size: Dict[int, int] = {}
+        self.refs: Dict[int, int] = {}
+        self._next = 0
+
+    def has(self, a: int) -> bool:
+        return a in self.of
+
+    def buffers_of(self, outs: Sequence[int]) -> Set[int]:
+        return set().union(*(self.of.get(a, set()) for a in outs)) if outs else set()
+
+    def new(self, a: int, nbytes: int) -> None:
+        b = self._next
+        self._next += 1
+        self.size[b], self.refs[b] = nbytes, 0
+        self.mem.level += nbytes
+        self._ref(a, {b})
+
+    def share(self, a: int, bufs: Set[int]) -> None:
+        self._ref(a, bufs)
+
+    def replace(self, a: int, nbytes: int) -> int:
+        """``a``'s gradient becomes a new array of ``nbytes``; returns the
+        bytes this adds, net of what its old buffers freed."""
+        before = self.mem.level
+        self.drop([a])
+        self.new(a, nbytes)
+        return self.mem.level - before
+
+    def _ref(self, a: int, bufs: Set[int]) -> None:
+        have = self.of.setdefault(a, set())
+        for b in bufs - have:
+            self.refs[b] += 1
+        have |= bufs
+
+    def drop(self, arrays: Sequence[int]) -> None:
+        for a in arrays:
+            for b in self.of.pop(a, ()):
+                self.refs[b] -= 1
+                if self.refs[b] == 0:
+                    self.mem.level -= self.size.pop(b)
+                    del self.refs[b]
+
+
+def _caller_input(info: Any) -> bool:
+    """An array the caller passed in (counted in the constant)."""
+    return info.kind == "input" and bool(info.name)
 
 
 def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
@@ -222,14 +272,14 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
         if i in dropped:
             for j in plan.sources[i]:  # type: ignore[union-attr]
                 a = node.inputs[j]
-                if arrays[a].kind != "param":
+                if arrays[a].kind != "param" and not _caller_input(arrays[a]):
                     mem.hold(a, "pin")
         for a in node.outputs:
             mem.hold(a, "var")
         for a in node.retained_outputs:
             mem.hold(a, "ret")
         for a in node.retained_inputs:
-            if arrays[a].kind != "param":
+            if arrays[a].kind != "param" and not _caller_input(arrays[a]):
                 mem.hold(a, "ret")
         for name, nbytes, _ in held_attrs(i):
             mem.set_attr((i, name), nbytes)
@@ -247,6 +297,7 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
     mem.record("end of forward")
     mem.level -= old_grads  # cleared before the backward
     grads_made: Set[int] = set()
+    grads = _Gradients(mem)
 
     # ----------------------------------------------------------- backward
     order = list(graph.backward_order) if graph.backward_order else \
@@ -259,7 +310,8 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
     recomputed = 0
 
     def available(a: int, values: Set[int]) -> bool:
-        return arrays[a].kind == "param" or a in values or mem.alive(a)
+        info = arrays[a]
+        return info.kind == "param" or _caller_input(info) or a in values or mem.alive(a)
 
     def regenerate(w: int, targets: List[int]) -> None:
         nonlocal recomputed
@@ -306,7 +358,7 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
     def regenerable(u: int) -> bool:
         for a in nodes[u].inputs:
             info = arrays[a]
-            if info.kind == "param" or mem.alive(a):
+            if info.kind == "param" or _caller_input(info) or mem.alive(a):
                 continue
             if info.producer is None or not regenerable(info.producer):
                 return False
@@ -318,34 +370,43 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
             missing = [u for u in plan.needs.get(w, ()) if u in released]
             if missing:
                 regenerate(w, missing)
-        view_like = _view_like_backward(graph, w)
-        new = 0
-        if not view_like:
-            for a in set(node.inputs):
-                info = arrays[a]
-                if info.kind == "param":
-                    if a in grads_made:
-                        new += info.nbytes  # accumulated: a sum is made, then the parts go
-                    else:
-                        grads_made.add(a)
-                        mem.level += info.nbytes
-                    continue
-                if info.producer is None and info.name:
-                    continue  # the caller's inputs need no gradient
-                if a in mem.grads:
-                    new += info.nbytes  # accumulation: a sum is made, then the parts go
-                else:
-                    mem.grads[a] = info.nbytes
-                    mem.level += info.nbytes
-        mem.record(f"backward {w} {node.op}", (node.backward_transient_bytes or 0) + new)
-        for a in node.outputs:
-            g = mem.grads.pop(a, 0)
-            if view_like:
-                for x in node.inputs:  # the input gradients are views of these
-                    if arrays[x].kind != "param" and x not in mem.grads:
-                        mem.grads[x] = g
-                        g = 0
-            mem.level -= g
+        targets = [a for a in dict.fromkeys(node.inputs)
+                   if arrays[a].kind != "param" and not _caller_input(arrays[a])]
+        params = [a for a in dict.fromkeys(node.inputs) if arrays[a].kind == "param"]
+        first = [a for a in params if a not in grads_made]
+        grads_made.update(first)
+        param_new = sum(arrays[a].nbytes for a in first)
+        fresh = [a for a in targets if not grads.has(a)]
+        accumulated = [a for a in targets if grads.has(a)]
+        extra = node.backward_transient_bytes
+        if extra is None:  # a sum is made before its parts go
+            extra = sum(arrays[a].nbytes for a in accumulated)
+        # An accumulated gradient becomes a new array, the sum; its parts
+        # are let go (freeing what nothing else shares).
+        acc_net = sum(grads.replace(a, arrays[a].nbytes) for a in accumulated)
+        if node.backward_alloc_bytes is not None:
+            # measured: the input gradients it made, net of sums it replaced
+            act = max(0, node.backward_alloc_bytes - param_new - acc_net)
+        else:
+            act = sum(arrays[a].nbytes for a in fresh)
+        # Inputs that get new arrays, the largest first, as far as the
+        # measured allocation goes; the others get the output gradient
+        # itself or a view of it (Add returns gy for both inputs, Reshape
+        # a view), sharing its buffer.
+        out_bufs = grads.buffers_of(node.outputs)
+        left = act
+        for a in sorted(fresh, key=lambda x: -arrays[x].nbytes):
+            nb = arrays[a].nbytes
+            if left >= nb // 2 or not out_bufs:
+                grads.new(a, min(nb, left) if left < nb else nb)
+                left -= min(nb, left)
+            else:
+                grads.share(a, out_bufs)
+        if left > 0 and fresh:  # more than the gradients' sizes: keep it on the first
+            grads.new(fresh[0], left)
+        mem.level += param_new
+        mem.record(f"backward {w} {node.op}", extra)
+        grads.drop(node.outputs)
         if plan is not None:
             for u in plan.done.get(w, ()):
                 remaining[u] = remaining.get(u, 0) - 1

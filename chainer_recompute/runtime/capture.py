@@ -429,6 +429,7 @@ class Recorder(chainer.FunctionHook):
             self._param_names = {id(p): path for path, p in link.namedparams()}
             self._external_ids = persistent_array_ids(link)
         self._arg_names: Dict[int, str] = {}
+        self._arg_ids: Dict[str, int] = {}  # argument path -> its array id
         for k, a in enumerate(args):
             for path, arr in _arrays_in(a, str(k)):
                 self._arg_names.setdefault(id(arr), path)
@@ -605,11 +606,17 @@ class Recorder(chainer.FunctionHook):
                     self.param_refs[aid] = weakref.ref(var)
                 else:
                     name = call.in_args[j] if j < len(call.in_args) else None
-                    aid = self._new_array(_ArrayRecord(tuple(xnode.shape), str(xnode.dtype),
-                                                       _node_nbytes(xnode), "input", None,
-                                                       name or ""))
-                    if var is None:  # a temporary made in the forward (noise, a constant)
-                        self.arrays[aid].dies_at = call.index + 1
+                    # A raw array argument gets a new Variable (and node) at every
+                    # function it is passed to: it is still one array.
+                    aid = self._arg_ids.get(name) if name else None
+                    if aid is None:
+                        aid = self._new_array(_ArrayRecord(
+                            tuple(xnode.shape), str(xnode.dtype), _node_nbytes(xnode),
+                            "input", None, name or ""))
+                        if name:
+                            self._arg_ids[name] = aid
+                        elif var is None:  # a temporary made in the forward (noise)
+                            self.arrays[aid].dies_at = call.index + 1
                 self.array_of[xnode] = aid
             in_ids.append(aid)
         call.in_ids = tuple(in_ids)
@@ -672,8 +679,10 @@ class Recorder(chainer.FunctionHook):
                 synchronize(tuple(in_data))
                 m = meter.stop()
                 call = self.calls[i]
-                call.bwd_transient = max(0, m.peak_bytes - max(0, m.retained_bytes))
-                call.bwd_alloc = max(0, m.retained_bytes)
+                # The net allocation may be negative (accumulated gradients
+                # replace their parts); the transient is above the end state.
+                call.bwd_alloc = int(m.retained_bytes)
+                call.bwd_transient = max(0, m.peak_bytes - m.retained_bytes)
             self.calls[i].bwd_time_s = time.perf_counter() - t0
         self.after_backward(i, function)
 

@@ -47,6 +47,18 @@ from .executor import IterationHook, IterationStats, Program
 
 logger = logging.getLogger(__name__)
 
+#: What a user of apply() is told (the first plan, an infeasible budget, a
+#: fallback): visible by default on stderr, like the CLI's own output;
+#: ``verbose=False`` silences the informational lines. Configure the
+#: ``chainer_recompute.report`` logger to route it elsewhere.
+report = logging.getLogger("chainer_recompute.report")
+if not report.handlers:
+    _handler = logging.StreamHandler()
+    _handler.setFormatter(logging.Formatter("chainer_recompute: %(message)s"))
+    report.addHandler(_handler)
+    report.setLevel(logging.INFO)
+    report.propagate = False
+
 _ATTR = "_chainer_recompute"
 _local = threading.local()
 
@@ -138,6 +150,9 @@ class Recompute:
             the device holds in an iteration (parameters, gradients,
             optimizer state, activations, temporaries); ``'activations'``:
             the paper's model only.
+        verbose: print one line when the first plan is made (through the
+            ``chainer_recompute.report`` logger, visible by default);
+            warnings and errors are printed either way.
         check_iterations: how many planned iterations per plan have their
             peak measured by the allocator (NumPy: tracemalloc, slower
             while on) and checked against the budget; on CuPy every
@@ -158,7 +173,7 @@ class Recompute:
                  strategy: str = "tc", cost: str = "measured", max_plans: int = 8,
                  max_structures: int = 4, capture_batch: Optional[int] = None,
                  verify: bool = True, budget_scope: str = "total", check_iterations: int = 3,
-                 **solver_options: Any) -> None:
+                 verbose: bool = True, **solver_options: Any) -> None:
         from ..core.budget import check_scope
         from ..core.costs import COST_MODELS
         from ..core.solvers import check_solver
@@ -182,8 +197,12 @@ class Recompute:
         self.options: Dict[str, Any] = dict(
             budget=budget, solver=solver, strategy=strategy, cost=cost, max_plans=max_plans,
             max_structures=max_structures, capture_batch=capture_batch, verify=verify,
-            budget_scope=budget_scope, check_iterations=check_iterations, **solver_options)
+            budget_scope=budget_scope, check_iterations=check_iterations, verbose=verbose,
+            **solver_options)
+        self.verbose = verbose
         self._warned_over = False
+        self._reported_plan = False
+        self._reported_infeasible = False
         self._entries: "collections.OrderedDict[Hashable, _Entry]" = collections.OrderedDict()
         self.last_stats: Optional[IterationStats] = None
 
@@ -228,7 +247,9 @@ class Recompute:
             return plan_for_budget(graph, budget, solver=self.solver, strategy=self.strategy,
                                    scope=self.budget_scope, **self.solver_options)
         except InfeasibleBudgetError as e:
-            logger.error("chainer_recompute: %s", e)
+            if not self._reported_infeasible:
+                self._reported_infeasible = True
+                report.error("%s", e)
             raise
 
     def _add(self, entry: _Entry, graph: Graph, param_refs: Dict[int, Any],
@@ -239,11 +260,12 @@ class Recompute:
         s = _Structure(graph, plan, program, time.perf_counter() - t0)
         entry.structures.insert(0, s)
         del entry.structures[self.max_structures:]
-        logger.info("chainer_recompute: planned %d functions in %.2f s: %s", graph.n,
-                    s.planning_time_s, plan)
+        level = logging.INFO if (self.verbose and not self._reported_plan) else logging.DEBUG
+        self._reported_plan = True
+        report.log(level, "%s", describe_plan(graph, plan, s.planning_time_s))
         if program.unsafe:
-            logger.warning(
-                "chainer_recompute: %d functions cannot be recomputed safely and are kept: %s",
+            report.warning(
+                "%d functions cannot be recomputed safely and are kept: %s",
                 len(program.unsafe), ", ".join(
                     f"{graph.nodes[v].op} ({graph.nodes[v].attrs.get('unsafe_reason')})"
                     for v in program.unsafe[:5]))
@@ -259,8 +281,8 @@ class Recompute:
                            meta={"state_bytes": state_bytes(link)} if link is not None else None,
                            fill=hook.program.graph if hook.program is not None else None)
         if hook.backward_during_forward:
-            logger.warning("chainer_recompute: the model's forward runs a backward "
-                           "(chainer.grad?); its graph is run without recomputation")
+            report.warning("the model's forward runs a backward (chainer.grad?); its graph "
+                           "is run without recomputation")
             from ..core.solvers import solve_none
             plan = solve_none(graph, None)
             program = Program(graph, plan.lower_sets, frozenset(plan.kept),
@@ -339,14 +361,14 @@ class Recompute:
             entry.pending = hook
             if entry.structures:
                 entry.recorded += 1
-                logger.info("chainer_recompute: the model's graph changed for the same input "
-                            "signature (%s); this iteration keeps what it had not released "
-                            "and the next call plans the new structure", hook.stats.mismatch)
+                logger.info("the model's graph changed for the same input signature (%s); this "
+                            "iteration keeps what it had not released and the next call plans "
+                            "the new structure", hook.stats.mismatch)
                 if entry.recorded >= self.PLAIN_AFTER and 2 * entry.recorded > entry.calls:
                     entry.plain, entry.pending = True, None
                     entry.structures.clear()
-                    logger.warning(
-                        "chainer_recompute: the graph of %s changed on %d of its %d calls "
+                    report.warning(
+                        "the graph of %s changed on %d of its %d calls "
                         "with the same input signature; running it without recomputation "
                         "from now on", getattr(self.fn, "__qualname__", "the model"),
                         entry.recorded, entry.calls)
@@ -416,8 +438,8 @@ class Recompute:
         excess = int(measured - (s.plan.predicted_peak_bytes or 0))
         if not self._warned_over:
             self._warned_over = True
-            logger.warning(
-                "chainer_recompute: the measured peak %s is over the budget %s (predicted %s); "
+            report.warning(
+                "the measured peak %s is over the budget %s (predicted %s); "
                 "correcting the memory model by %s and planning again",
                 format_bytes(measured), format_bytes(budget),
                 format_bytes(s.plan.predicted_peak_bytes or 0), format_bytes(max(excess, 0)))
@@ -433,6 +455,24 @@ class Recompute:
         budget = "least" if self.budget_least else format_bytes(self.budget_bytes)
         return (f"Recompute(budget={budget}, solver={self.solver!r}, strategy={self.strategy!r}, "
                 f"signatures={len(self._entries)})")
+
+
+def describe_plan(graph: Graph, plan: Any, planning_time_s: float) -> str:
+    """One line on a plan: what it saves and what it costs."""
+    name = graph.meta.get("model", "model")
+    head = f"planned {name} ({graph.n} functions, batch {graph.batch_size})"
+    if not plan.recompute:
+        return (f"{head}: plain backprop fits the budget {format_bytes(plan.budget_bytes)} "
+                f"(predicted peak {format_bytes(plan.predicted_peak_bytes)}); nothing recomputed "
+                f"[{planning_time_s:.2f} s]")
+    vanilla = plan.info.get("vanilla_peak_bytes")
+    saving = (f", plain Chainer {format_bytes(vanilla)} "
+              f"(-{100 * (1 - plan.predicted_peak_bytes / vanilla):.0f}%)" if vanilla else "")
+    scope = plan.info.get("memory_scope", "activations")
+    return (f"{head}: predicted peak {format_bytes(plan.predicted_peak_bytes)} ({scope}) for "
+            f"budget {format_bytes(plan.budget_bytes)}{saving}; recomputes "
+            f"{100 * (plan.overhead_fraction or 0):.0f}% of a forward in {plan.n_blocks} blocks "
+            f"[{planning_time_s:.2f} s]")
 
 
 # ------------------------------------------------------------- apply()

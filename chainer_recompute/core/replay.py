@@ -415,6 +415,18 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
                     if (remaining.get(u, 0) <= 0 and u in plan.releasable and u not in released
                             and regenerable(u)):
                         release(u)
+    # The optimizer update: if the caller held nothing of the graph but what
+    # the forward returned (the loss), the graph is gone by then
+    # (``optimizer.update`` drops the loss after the backward); a model
+    # that keeps outputs (``Classifier.y``) keeps it alive.
+    returned = set(graph.meta.get("returned", ()))
+    if returned and not any(a.producer is not None and a.dies_at is None and a.id not in returned
+                            for a in arrays):
+        for buf in list(mem.holders):
+            mem.level -= arrays[buf].nbytes
+        mem.holders.clear()
+        for key in list(mem.attrs):
+            mem.clear_attr(key)
     sb = graph.state_bytes
     mem.record("update", sb.get("update_transient", 0))
     trace = np.asarray(mem.trace, dtype=np.int64)

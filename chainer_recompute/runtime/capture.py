@@ -418,6 +418,7 @@ class Recorder(chainer.FunctionHook):
         self.backward_order: List[int] = []
         self.backward_during_forward = False
         self.forward_done = False
+        self.returned: List[int] = []  # array ids the forward returned
         self._depth = 0
         self._top: List[Optional[Call]] = []
         self._pending: Optional[Call] = None
@@ -487,11 +488,13 @@ class Recorder(chainer.FunctionHook):
     def after_mapping(self, call: Call) -> None:
         """Called once ``call``'s inputs and outputs are known as array ids."""
 
-    def finish(self) -> None:
-        """The forward has returned: map the last function."""
+    def finish(self, result: Any = None) -> None:
+        """The forward has returned (``result``): map the last function."""
         self._map_pending()
         self.forward_done = True
         self._watch.clear()
+        self.returned = sorted({self.array_of[v.node] for v in _variables_in(result)
+                                if v.node in self.array_of})
 
     # ---------------------------------------------------- measuring a call
     def _wrap(self, call: Call, function: Any, in_data: Tuple[Any, ...]) -> None:
@@ -759,7 +762,7 @@ class Recorder(chainer.FunctionHook):
                 recomputable=recomputable, label=c.label, attrs=attrs,
                 forward_transient_bytes=fwd_t, backward_transient_bytes=bwd_t,
                 backward_alloc_bytes=bwd_a, has_backward=c.has_backward))
-        m = {"model": name}
+        m: Dict[str, Any] = {"model": name, "returned": list(self.returned)}
         m.update(meta or {})
         order = self.backward_order or None
         return Graph(arrays, nodes, batch_size=batch_size, cost_model=cost_model, meta=m,
@@ -949,7 +952,7 @@ def capture(model: Callable[..., Any], *args: Any, backward: bool = False,
                 e.add_note(f"chainer_recompute.capture: the model's forward raised after "
                            f"{len(rec.calls)} functions (last: {last})")
             raise
-        rec.finish()
+        rec.finish(result)
         if backward:
             out = first_variable(result)
             if out is None:
@@ -1012,6 +1015,17 @@ def _find_link(model: Any) -> Optional[chainer.Link]:
         return model
     owner = getattr(model, "__self__", None)
     return owner if isinstance(owner, chainer.Link) else None
+
+
+def _variables_in(result: Any) -> Iterator[chainer.Variable]:
+    if isinstance(result, chainer.Variable):
+        yield result
+    elif isinstance(result, dict):
+        for v in result.values():
+            yield from _variables_in(v)
+    elif isinstance(result, (tuple, list)):
+        for v in result:
+            yield from _variables_in(v)
 
 
 def first_variable(result: Any) -> Optional[chainer.Variable]:

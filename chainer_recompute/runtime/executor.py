@@ -291,8 +291,8 @@ class IterationHook(Recorder):
         if self.program not in alive:
             self._switch(alive[0])
 
-    def finish(self) -> None:
-        super().finish()
+    def finish(self, result: Any = None) -> None:
+        super().finish(result)
         if self.executing and len(self.calls) != self.program.n:
             self._set_mismatch(len(self.calls), f"the forward applied {len(self.calls)} "
                                                 f"functions, but the planned graph has "

@@ -317,7 +317,7 @@ class Recompute:
             hook = IterationHook(link=link, args=list(cut_args) + list(cut_kwargs.values()))
             with _Active(), hook:
                 out = self.fn(*cut_args, **cut_kwargs)
-            hook.finish()
+            hook.finish(out)
             from .capture import first_variable
             loss = first_variable(out)
             if loss is not None and loss.requires_grad:
@@ -355,7 +355,7 @@ class Recompute:
             self._start_meter(entry, hook, link, args, kwargs)
         with _Active(), hook:
             out = self.fn(*args, **kwargs)
-        hook.finish()
+        hook.finish(out)
         self.last_stats = hook.stats
         if hook.recording:
             entry.pending = hook

@@ -897,6 +897,70 @@ def test_data_dependent_branch_selection():
     compare(scenario).assert_recomputed(at_least=3)
 
 
+class LayerChoice(chainer.Chain):
+    """The data choose which of two Linear layers of the same shape runs:
+    same function names, shapes and wiring of arrays, other parameters."""
+
+    def __init__(self, w: int = 32) -> None:
+        super().__init__()
+        with self.init_scope():
+            self.a, self.b = L.Linear(w, w), L.Linear(w, w)
+            self.cs = chainer.ChainList(*[L.Linear(w, w) for _ in range(4)])
+            self.out = L.Linear(w, 10)
+
+    def forward(self, x, t):
+        h = F.tanh((self.a if float(x.mean()) >= 0 else self.b)(x))
+        for c in self.cs:
+            h = F.tanh(c(h))
+        return F.softmax_cross_entropy(self.out(h), t)
+
+
+class BNThenBranch(chainer.Chain):
+    """BatchNorm first; the data add a function at the end, so the
+    structure seen on a mismatch iteration is planned too."""
+
+    def __init__(self, w: int = 32) -> None:
+        super().__init__()
+        with self.init_scope():
+            self.bn = L.BatchNormalization(w)
+            self.cs = chainer.ChainList(*[L.Linear(w, w) for _ in range(4)])
+            self.out = L.Linear(w, 10)
+
+    def forward(self, x, t):
+        h = F.tanh(self.bn(x))
+        for c in self.cs:
+            h = F.tanh(c(h))
+        if float(x.mean()) < 0:
+            h = F.relu(h)
+        return F.softmax_cross_entropy(self.out(h), t)
+
+
+def _shifted(signs, seed=14):
+    rs = np.random.RandomState(seed)
+    return [(rs.randn(16, 32).astype(np.float32) + s, rs.randint(0, 10, 16).astype(np.int32))
+            for s in signs]
+
+
+@pytest.mark.parametrize("net, signs", [
+    (LayerChoice, [1, -1, 1, -1, 1, -1]),
+    (BNThenBranch, [1, -1, -1, -1, 1, -1]),
+], ids=["same_shaped_layers", "batchnorm_then_branch"])
+def test_data_dependent_structure_more(net, signs):
+    """Data-dependent structure, two more shapes of it: a choice between
+    two Linear layers of the same shape (the candidate plans differ only
+    in their parameters), and a BatchNorm followed by a data-dependent
+    function (its statistics must be updated once per call on the plan
+    made from a mismatch iteration as on any other)."""
+    data = _shifted(signs)
+
+    def scenario(env):
+        model = env.apply("model", net(), **LEAST_ACT)
+        opt = env.optimizer("main", chainer.optimizers.SGD(0.1), model)
+        train_steps(env, model, opt, data)
+
+    compare(scenario).assert_recomputed(at_least=3)
+
+
 # ------------------------------------------------------- double backprop
 class Critic(chainer.Chain):
     def __init__(self, n_in: int = 32, w: int = 64, depth: int = 6) -> None:

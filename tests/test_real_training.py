@@ -324,6 +324,66 @@ def compare(scenario: Callable[[Env], None], seed: int = 0, **options: Any) -> P
     return Pair(plain, ours).check()
 
 
+# ---------------------------------------------- the comparison itself
+class _Counted(chainer.Chain):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+        with self.init_scope():
+            self.l1 = L.Linear(8, 8)
+            self.bn = L.BatchNormalization(8)
+            self.l2 = L.Linear(8, 3)
+
+    def forward(self, x):
+        self.calls += 1
+        return self.l2(F.relu(self.bn(self.l1(x))))
+
+
+_TAMPER = {
+    "rng/numpy": lambda m: np.random.rand(),
+    "rng/python": lambda m: random.random(),
+    "param/": lambda m: m.predictor.l1.W.array.__setitem__(
+        (0, 0), np.nextafter(m.predictor.l1.W.array[0, 0], np.float32(1))),
+    "grad/": lambda m: m.predictor.l2.b.grad.__setitem__(0, m.predictor.l2.b.grad[0] * 2),
+    "persist/": lambda m: m.predictor.bn.avg_var.__setitem__(1, 0.5),
+    "state/": lambda m: setattr(m, "y", m.y * 1),  # a new Variable, same values: no difference
+    "pystate/": lambda m: setattr(m.predictor, "calls", m.predictor.calls + 1),
+    "opt/": lambda m: m.predictor.l1.b.update_rule.state["m"].__setitem__(0, 1.0),
+}
+
+
+def _tamper_scenario(kind):
+    data = [(x[:, :8], t % 3) for x, t in batches(3, batch=4)]
+
+    def scenario(env):
+        model = env.track("model", L.Classifier(_Counted()))
+        opt = env.optimizer("main", chainer.optimizers.Adam(), model)
+        for i, (x, t) in enumerate(data):
+            model.cleargrads()
+            loss = model(x, t)
+            loss.backward()
+            opt.update()
+            if i == 1 and kind is not None:
+                _TAMPER[kind](model)
+            env.snap(f"{i}", loss=loss)
+
+    return scenario
+
+
+@pytest.mark.parametrize("kind", sorted(_TAMPER))
+def test_comparison_catches_each_kind_of_state(kind):
+    """The records differ when one value of one kind changes by one ulp
+    or one random draw (so "identical" above means what it says); a new
+    Variable with the same values is no difference."""
+    plain = run(_tamper_scenario(None), False, {})
+    other = run(_tamper_scenario(kind), False, {})
+    diff = Pair(plain, other).first_difference()
+    if kind == "state/":
+        assert diff is None, diff
+    else:
+        assert diff is not None and "record #1" in diff and kind in diff, diff
+
+
 # =====================================================================
 # Small helpers for scenarios
 # =====================================================================
@@ -452,14 +512,18 @@ def test_wiring_depends_on_data(net):
     assert pair.ours.data["structures"] == 2, pair.stats_report()
 
 
+@pytest.mark.parametrize("capture_batch", [None, 4])
 @pytest.mark.parametrize("ratio", [0.0, 0.3])
-def test_lazy_init_and_dropout(ratio):
+def test_lazy_init_and_dropout(ratio, capture_batch):
     """``L.Linear(None, n)`` (parameters made at the first call, from the
-    global RNG) with and without dropout."""
+    global RNG) with and without dropout; with ``capture_batch`` the
+    separate capture must leave the parameters uninitialised and the RNG
+    untouched."""
     data = batches(4)
 
     def scenario(env):
-        model = env.apply("model", L.Classifier(MLP(lazy=True, dropout=ratio)))
+        model = env.apply("model", L.Classifier(MLP(lazy=True, dropout=ratio)),
+                          capture_batch=capture_batch)
         opt = env.optimizer("main", chainer.optimizers.Adam(), model)
         train_steps(env, model, opt, data)
 
@@ -484,6 +548,54 @@ def test_lazy_init_with_shuffling_iterator():
             env.snap(f"{i} update", epoch=it.epoch)
 
     compare(scenario).assert_recomputed(at_least=6)
+
+
+class RNNLM(chainer.Chain):
+    """Chainer's PTB example in small: ``L.LSTM`` keeps ``h``/``c`` between
+    calls; truncated BPTT over 3 calls per backward."""
+
+    def __init__(self, n_vocab: int = 50, n_units: int = 32) -> None:
+        super().__init__()
+        with self.init_scope():
+            self.embed = L.EmbedID(n_vocab, n_units)
+            self.l1 = L.LSTM(n_units, n_units)
+            self.l2 = L.LSTM(n_units, n_units)
+            self.out = L.Linear(n_units, n_vocab)
+
+    def reset_state(self):
+        self.l1.reset_state()
+        self.l2.reset_state()
+
+    def forward(self, x, t):
+        h = self.l1(F.dropout(self.embed(x), 0.2))
+        h = self.l2(F.dropout(h, 0.2))
+        return F.softmax_cross_entropy(self.out(F.dropout(h, 0.2)), t)
+
+
+@pytest.mark.parametrize("capture_batch", [None, 4])
+def test_stateful_lstm_truncated_bptt(capture_batch):
+    """The LSTM state advances exactly as in plain Chainer (a separate
+    capture must not advance it); 4 updates of 3 calls each."""
+    rs = np.random.RandomState(15)
+    words = rs.randint(0, 50, (13, 8)).astype(np.int32)
+
+    def scenario(env):
+        model = env.apply("model", RNNLM(), capture_batch=capture_batch)
+        opt = env.optimizer("main", chainer.optimizers.SGD(0.5), model)
+        opt.add_hook(chainer.optimizer_hooks.GradientClipping(5))
+        model.reset_state()
+        for i in range(4):
+            loss = 0
+            for k in range(3):
+                loss += model(words[3 * i + k], words[3 * i + k + 1])
+            model.cleargrads()
+            loss.backward()
+            env.snap(f"{i} backward", loss=loss)
+            loss.unchain_backward()
+            opt.update()
+            env.snap(f"{i} update")
+
+    compare(scenario).assert_recomputed(at_least=3)
 
 
 class AnnealedVAE(chainer.Chain):

@@ -82,9 +82,12 @@ class Program(ExecutionPlan):
                  kept: FrozenSet[int], param_refs: Optional[Dict[int, Any]] = None) -> None:
         super().__init__(graph, lower_sets, kept)
         self.param_refs: Dict[int, Any] = dict(param_refs or {})
-        # learned: the graph is backpropagated more than once per iteration,
-        # so regenerated arrays are kept between backward passes
+        # learned: the graph is backpropagated more than once per iteration
         self.multi_backward = False
+        # decided by the runner once multi_backward is known: keep the
+        # regenerated arrays between backward passes (one regeneration
+        # serves both) when that fits the budget, else regenerate again
+        self.keep_between_backward: Optional[bool] = None
 
 
 class IterationStats:
@@ -379,7 +382,7 @@ class IterationHook(Recorder):
         for u in self._done.get(i, ()):
             if u in self.remaining:
                 self.remaining[u] -= 1
-        if self.no_release or self.program.multi_backward:
+        if self.no_release or self.program.keep_between_backward:
             return
         limit = self.program.n if self.mismatch_at is None else self.mismatch_at
         for u in self._done.get(i, ()):

@@ -258,6 +258,8 @@ class Recompute:
         program = Program(graph, plan.lower_sets, frozenset(plan.kept), param_refs=param_refs)
         program.multi_backward = multi_backward
         s = _Structure(graph, plan, program, time.perf_counter() - t0)
+        if multi_backward:
+            self._decide_keep(s)
         entry.structures.insert(0, s)
         del entry.structures[self.max_structures:]
         level = logging.INFO if (self.verbose and not self._reported_plan) else logging.DEBUG
@@ -348,6 +350,9 @@ class Recompute:
         elif not entry.structures and self.capture_batch is not None and entry.calls == 1:
             self._plan_separately(entry, args, kwargs)
         self._stop_meter()
+        for s in entry.structures:
+            if s.program.multi_backward and s.program.keep_between_backward is None:
+                self._decide_keep(s)
         link = self._link(args)
         hook = IterationHook([s.program for s in entry.structures], link=link,
                              args=list(args) + list(kwargs.values()), verify=self.verify)
@@ -376,6 +381,21 @@ class Recompute:
             used = hook.program
             entry.structures.sort(key=lambda s: s.program is not used)
         return out
+
+    def _decide_keep(self, s: _Structure) -> None:
+        """The plan's graph is backpropagated twice per iteration (a GAN's
+        generator): keep what the first backward regenerates for the second
+        if the replayed peak with that still fits the budget."""
+        from ..core.budget import MARGIN
+        from ..core.replay import replay
+        budget = s.plan.budget_bytes
+        peak = replay(s.graph, s.program, keep_after_backward=True).peak_bytes
+        s.program.keep_between_backward = (self.budget_scope != "total" or budget is None
+                                           or peak <= budget * (1 - MARGIN))
+        logger.info("the graph is backpropagated more than once per iteration; %s",
+                    "regenerated arrays are kept between the backward passes"
+                    if s.program.keep_between_backward else
+                    "keeping them would exceed the budget: each backward regenerates")
 
     # ------------------------------------------------- measured memory
     _meter: Any = None

@@ -150,6 +150,12 @@ class Recompute:
             the device holds in an iteration (parameters, gradients,
             optimizer state, activations, temporaries); ``'activations'``:
             the paper's model only.
+        coordinator: plans collectively across processes (data-parallel
+            training); an object with ``plan(graph, solve) -> Plan``, called
+            instead of solving locally (``solve(graph)`` solves here), and
+            ``on_call(runner, signature, state)`` at each training call
+            (``state``: ``'record'``, ``'plan'``, ``'run'`` or ``'plain'``).
+            See :mod:`chainer_recompute.runtime.distributed`.
         verbose: print one line when the first plan is made (through the
             ``chainer_recompute.report`` logger, visible by default);
             warnings and errors are printed either way.
@@ -173,7 +179,8 @@ class Recompute:
                  strategy: str = "tc", cost: str = "measured", max_plans: int = 8,
                  max_structures: int = 4, capture_batch: Optional[int] = None,
                  verify: bool = True, budget_scope: str = "total", check_iterations: int = 3,
-                 verbose: bool = True, **solver_options: Any) -> None:
+                 verbose: bool = True, coordinator: Any = None,
+                 **solver_options: Any) -> None:
         from ..core.budget import check_scope
         from ..core.costs import COST_MODELS
         from ..core.solvers import check_solver
@@ -198,8 +205,9 @@ class Recompute:
             budget=budget, solver=solver, strategy=strategy, cost=cost, max_plans=max_plans,
             max_structures=max_structures, capture_batch=capture_batch, verify=verify,
             budget_scope=budget_scope, check_iterations=check_iterations, verbose=verbose,
-            **solver_options)
+            coordinator=coordinator, **solver_options)
         self.verbose = verbose
+        self.coordinator = coordinator
         self._warned_over = False
         self._reported_plan = False
         self._reported_infeasible = False
@@ -254,7 +262,8 @@ class Recompute:
 
     def _add(self, entry: _Entry, graph: Graph, param_refs: Dict[int, Any],
              multi_backward: bool, t0: float) -> _Structure:
-        plan = self._solve(graph)
+        plan = (self._solve(graph) if self.coordinator is None
+                else self.coordinator.plan(graph, self._solve))
         program = Program(graph, plan.lower_sets, frozenset(plan.kept), param_refs=param_refs)
         program.multi_backward = multi_backward
         s = _Structure(graph, plan, program, time.perf_counter() - t0)
@@ -342,6 +351,10 @@ class Recompute:
         sig = _signature(args, kwargs)
         entry = self._entry(sig)
         entry.calls += 1
+        if self.coordinator is not None:
+            state = ("plain" if entry.plain else "plan" if entry.pending is not None
+                     else "run" if entry.structures else "record")
+            self.coordinator.on_call(self, sig, state)
         if entry.plain:
             self.last_stats = IterationStats(path="plain")
             return self.fn(*args, **kwargs)

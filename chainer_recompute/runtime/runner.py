@@ -522,7 +522,9 @@ def _recompute_call(self: chainer.Link, *args: Any, **kwargs: Any) -> Any:
 def _reduce_ex(self: chainer.Link, protocol: int) -> Any:
     runner = vars(self)[_ATTR]
     state = {k: v for k, v in vars(self).items() if k != _ATTR}
-    return (_rebuild, (type(self)._chainer_recompute_base, runner.options), state)
+    # A communicator does not travel with a snapshot: apply() again to set it.
+    options = {k: v for k, v in runner.options.items() if k != "coordinator"}
+    return (_rebuild, (type(self)._chainer_recompute_base, options), state)
 
 
 def _rebuild(base: type, options: Dict[str, Any]) -> chainer.Link:

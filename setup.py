@@ -22,7 +22,12 @@ setup(
         "networkx>=2.6",
         "setuptools<81",
     ],
-    extras_require={"test": ["pytest>=7", "pytest-timeout>=2"]},
+    extras_require={
+        "test": ["pytest>=7", "pytest-timeout>=2"],
+        # Compiled DP kernels (chainer_recompute/core/solvers/_dp_numba.py);
+        # without them the solvers run on NumPy alone, with the same answers.
+        "fast": ["numba>=0.59"],
+    },
     entry_points={"console_scripts": [
         "chainer-recompute=chainer_recompute.cli:main",
     ]},

@@ -18,6 +18,11 @@ from chainer_recompute.core.memory_model import MemoryModel
 from chainer_recompute.core.planner import solve
 from chainer_recompute.core.search import least_feasible_budget
 from chainer_recompute.core.solvers import solve_approx, solve_exact
+from chainer_recompute.core.solvers._dp import numba_available
+
+#: The DP's kernels under test: NumPy always, the compiled ones when numba
+#: is installed (the ``fast`` extra).
+ENGINES = ["numpy"] + (["numba"] if numba_available() else [])
 
 
 def random_dag(rng: random.Random, kind: str) -> Tuple[List[int], List[Tuple[int, int]], List[int]]:
@@ -109,21 +114,31 @@ def test_exact_dp_matches_brute_force(seed: int) -> None:
     total_t = sum(costs)
     chains = brute_force(g)
     least = min(p for p, _ in chains)
-    assert least_feasible_budget(g, "exact") == least
-    assert least_feasible_budget(g, "approx") >= least
+    for engine in ENGINES:
+        assert least_feasible_budget(g, "exact", engine=engine) == least
+        assert least_feasible_budget(g, "approx", engine=engine) >= least
+        # Infeasible just below the least feasible budget.
+        assert not solve_exact(g, least - 1, engine=engine).feasible
+        assert not solve_approx(g, least - 1, engine=engine).feasible
     budgets = sorted({least, max(p for p, _ in chains), rng.choice(chains)[0],
                       (least + max(p for p, _ in chains)) // 2})
-    # Infeasible just below the least feasible budget.
-    assert not solve_exact(g, least - 1).feasible
-    assert not solve_approx(g, least - 1).feasible
     for b in budgets:
         ok = [t for p, t in chains if p <= b]
         best_tc, best_mc = max(ok), min(ok)
-        tc = solve_exact(g, b, strategy="tc")
-        mc = solve_exact(g, b, strategy="mc")
-        # The sparse (Pareto frontier) table finds the same optima.
+        tc = solve_exact(g, b, strategy="tc", engine="numpy")
+        mc = solve_exact(g, b, strategy="mc", engine="numpy")
+        # The sparse (Pareto frontier) table and the compiled kernels find
+        # the same optima.
         assert solve_exact(g, b, strategy="tc", method="sparse").overhead == tc.overhead
         assert solve_exact(g, b, strategy="mc", method="sparse").overhead == mc.overhead
+        for engine in ENGINES[1:]:
+            for strategy, ref in (("tc", tc), ("mc", mc)):
+                p = solve_exact(g, b, strategy=strategy, engine=engine)
+                assert p.feasible and p.predicted_peak_bytes <= b
+                assert p.overhead == ref.overhead
+                a_np = solve_approx(g, b, strategy=strategy, engine="numpy")
+                a_nb = solve_approx(g, b, strategy=strategy, engine=engine)
+                assert a_nb.feasible == a_np.feasible and a_nb.overhead == a_np.overhead
         assert tc.feasible and mc.feasible
         assert tc.predicted_peak_bytes <= b and mc.predicted_peak_bytes <= b
         assert tc.overhead == pytest.approx(total_t - best_tc)
@@ -165,18 +180,22 @@ def test_dps_match_brute_force_under_random_models(seed: int) -> None:
     total_t = sum(costs)
     chains = brute_force(g, model)
     least = min(p for p, _ in chains)
-    assert least_feasible_budget(g, "exact", model=model) == least
-    assert least_feasible_budget(g, "approx", model=model) >= least
-    assert not solve_exact(g, least - 1, model=model).feasible
-    assert not solve_approx(g, least - 1, model=model).feasible
-    if model.constant_bytes:
-        assert not solve_exact(g, model.constant_bytes - 1, model=model).feasible
+    for engine in ENGINES:
+        assert least_feasible_budget(g, "exact", model=model, engine=engine) == least
+        assert least_feasible_budget(g, "approx", model=model, engine=engine) >= least
+        assert not solve_exact(g, least - 1, model=model, engine=engine).feasible
+        assert not solve_approx(g, least - 1, model=model, engine=engine).feasible
+        if model.constant_bytes:
+            assert not solve_exact(g, model.constant_bytes - 1, model=model,
+                                   engine=engine).feasible
     worst = max(p for p, _ in chains)
     for b in sorted({least, worst, rng.choice(chains)[0], (least + worst) // 2}):
         ok = [t for p, t in chains if p <= b]
         for strategy, best in (("tc", max(ok)), ("mc", min(ok))):
-            for method in ("dense", "sparse"):
-                p = solve_exact(g, b, strategy=strategy, model=model, method=method)
+            runs = [dict(method="dense"), dict(method="sparse")] + [
+                dict(engine=e) for e in ENGINES[1:]]
+            for kw in runs:
+                p = solve_exact(g, b, strategy=strategy, model=model, **kw)
                 assert p.feasible and p.predicted_peak_bytes <= b
                 assert p.overhead == pytest.approx(total_t - best)
                 assert p.info["memory_scope"] == "total"
@@ -187,3 +206,36 @@ def test_dps_match_brute_force_under_random_models(seed: int) -> None:
                     assert ap.overhead >= total_t - best - 1e-9
                 else:
                     assert ap.overhead <= total_t - best + 1e-9
+
+
+def wide_dag(rng: random.Random, n: int) -> Graph:
+    """A DAG of a few parallel branches with cross links: many lower sets."""
+    width = rng.randint(3, 5)
+    edges = set()
+    for v in range(width, n):
+        edges.add((v - width, v))
+        if rng.random() < 0.25:
+            edges.add((rng.randrange(v), v))
+    sizes = [rng.randint(1, 50) for _ in range(n)]
+    costs = [rng.choice([1, 1, 2, 10]) for _ in range(n)]
+    return Graph.from_edges(sizes, sorted(edges), costs=costs)
+
+
+@pytest.mark.skipif(len(ENGINES) < 2, reason="numba is not installed (the 'fast' extra)")
+@pytest.mark.parametrize("seed", range(12))
+def test_compiled_matches_numpy_on_many_lower_sets(seed: int) -> None:
+    """Graphs too large for brute force (hundreds of lower sets): the
+    compiled kernels against the NumPy DP, which brute force checks above,
+    under the paper's model and a random one, across the budget range."""
+    rng = random.Random(20_000 + seed)
+    g = wide_dag(rng, rng.randint(13, 17))
+    model = random_model(rng, g) if seed % 2 else None
+    lo = least_feasible_budget(g, "exact", model=model, engine="numpy")
+    assert least_feasible_budget(g, "exact", model=model, engine="numba") == lo
+    hi = solve(g, None, "none", model=model).predicted_peak_bytes
+    for b in sorted({lo, lo + (hi - lo) // 8, int(lo * 1.25), (lo + hi) // 2, 2 * hi}):
+        for strategy in ("tc", "mc"):
+            ref = solve_exact(g, b, strategy=strategy, model=model, engine="numpy")
+            got = solve_exact(g, b, strategy=strategy, model=model, engine="numba")
+            assert got.feasible and got.predicted_peak_bytes <= b
+            assert got.overhead == pytest.approx(ref.overhead)

@@ -18,8 +18,8 @@ count never goes down and an explosion is detected as soon as it happens.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, FrozenSet, Iterable, List, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Dict, FrozenSet, Iterable, List, Optional, Sequence
 
 import numpy as np
 
@@ -324,6 +324,8 @@ class LowerSetFamily:
     beside_words: Optional[np.ndarray] = None
     block_bytes: Optional[np.ndarray] = None
     model: Optional["MemoryModel"] = None
+    #: derived arrays that solvers keep between calls (per model)
+    cache: Dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.words)

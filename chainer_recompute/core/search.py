@@ -44,7 +44,8 @@ def bisect_least(feasible: Callable[[int], bool], lo: int, hi: int, rel_tol: flo
 def least_feasible_budget(graph: Graph, solver: str = "approx", strategy: str = "tc", *,
                           rel_tol: float = 0.0,
                           max_lower_sets: Optional[int] = DEFAULT_MAX_LOWER_SETS,
-                          model: Optional[MemoryModel] = None) -> int:
+                          model: Optional[MemoryModel] = None,
+                          engine: Optional[str] = None) -> int:
     """The least budget (bytes, under ``model``, the paper's memory model
     by default) for which ``solver`` finds a plan.
 
@@ -57,7 +58,8 @@ def least_feasible_budget(graph: Graph, solver: str = "approx", strategy: str = 
     Feasibility does not depend on the strategy. Chen's sqrt(n) ignores the
     budget, so its figure is its plan's predicted peak; for Chen's greedy
     it is the least predicted peak over the ``b`` it tries; for ``none`` it
-    is the single block's (the paper's: 2·M(V)).
+    is the single block's (the paper's: 2·M(V)). ``engine`` selects the
+    DP's kernels (see :func:`~chainer_recompute.core.solvers._dp.run_dp`).
 
     >>> g = Graph.from_edges([1, 1, 1, 1], [(0, 1), (1, 2), (2, 3)])
     >>> least_feasible_budget(g, 'exact')
@@ -77,7 +79,7 @@ def least_feasible_budget(graph: Graph, solver: str = "approx", strategy: str = 
            else LowerSetFamily.ancestor_closures(graph, model))
 
     def ok(b: int) -> bool:
-        return run_dp(fam, b, "feasible").chain is not None
+        return run_dp(fam, b, "feasible", engine=engine).chain is not None
 
     hi = vanilla_bytes(graph, model)
     lo = model.constant_bytes + int((model.block_bytes + model.transient_bytes).max()) - 1

@@ -25,6 +25,7 @@ size's turn comes.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
@@ -153,6 +154,12 @@ class _Pairs:
         self.bbytes_s = self.bbytes[order]
         self.node_m = model.keep_bytes.astype(np.int64)
         self.constant = int(model.constant_bytes)
+        # The most retained time any continuation from L can add: T of the
+        # nodes outside L that have a successor (each kept at most once).
+        g = family.graph
+        nonsink = np.array([self.node_t[v] if g.succs[v] else 0 for v in range(g.n)],
+                           dtype=np.int64)
+        self.r0 = int(nonsink.sum()) - _weighted_sum(family.words, nonsink, g.n).astype(np.int64)
         tr = model.transient_bytes.astype(np.int64)
         pos = np.flatnonzero(tr > 0)
         rank = pos[np.argsort(-tr[pos], kind="stable")]
@@ -254,8 +261,47 @@ def _capacity(pairs: _Pairs, budget: int, least: np.ndarray) -> np.ndarray:
     return cap
 
 
+#: ``auto`` (compiled kernels when numba is installed and the problem is
+#: large enough to repay loading them, see :data:`COMPILED_MIN_WORK`),
+#: ``numba`` or ``numpy``; the environment variable
+#: ``CHAINER_RECOMPUTE_DP_ENGINE`` sets the default.
+ENGINE = os.environ.get("CHAINER_RECOMPUTE_DP_ENGINE", "auto")
+ENGINES = ("auto", "numba", "numpy")
+#: ``auto`` uses the compiled kernels when K²·(T+1)/2 (inclusion pairs
+#: times retained-time levels) exceeds this, or when numba is already loaded.
+COMPILED_MIN_WORK = 20_000_000
+#: The compiled DP keeps a dense table of K·(T+1) entries (16 bytes each)
+#: up to this many; larger problems use the NumPy frontiers.
+COMPILED_DENSE_LIMIT = 40_000_000
+
+
+def numba_available() -> bool:
+    """Whether the compiled kernels can be used (numba is importable)."""
+    import importlib.util
+    return importlib.util.find_spec("numba") is not None
+
+
+def _pick_engine(engine: Optional[str], family: LowerSetFamily, total_t: int) -> str:
+    engine = ENGINE if engine is None else engine
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    if engine == "numpy":
+        return "numpy"
+    if engine == "numba":
+        if not numba_available():
+            raise ImportError("engine='numba' needs numba: pip install 'chainer-recompute[fast]'")
+        return "numba"
+    if not numba_available():
+        return "numpy"
+    import sys
+    K = len(family)
+    if "numba" in sys.modules or K * K * (total_t + 1) // 2 > COMPILED_MIN_WORK:
+        return "numba"
+    return "numpy"
+
+
 def run_dp(family: LowerSetFamily, budget_bytes: Optional[int], objective: str,
-           method: str = "auto") -> DPResult:
+           method: str = "auto", engine: Optional[str] = None) -> DPResult:
     """Run the DP; ``objective`` is ``'tc'``, ``'mc'`` or ``'feasible'``.
 
     Returns the best chain ending at V (the last row) under the objective:
@@ -268,10 +314,15 @@ def run_dp(family: LowerSetFamily, budget_bytes: Optional[int], objective: str,
     which keeps the frontiers small near the least feasible budget without
     changing the optimum.
 
-    ``method``: ``dense`` (a table row of T+1 entries per lower set, fast on
+    ``engine``: ``numba`` (compiled kernels, :mod:`._dp_numba`: a feasible
+    chain found first by a one-state-per-row heuristic bounds the optimum,
+    and every state that cannot reach it is pruned), ``numpy`` (vectorised
+    NumPy), ``auto`` or ``None`` (:data:`ENGINE`). ``method`` (NumPy
+    engine): ``dense`` (a table row of T+1 entries per lower set, fast on
     small families), ``sparse`` (Pareto frontiers, for large families), or
-    ``auto`` (dense while the table has at most :data:`DENSE_LIMIT` entries).
-    Both find the same optimum.
+    ``auto`` (dense while the table has at most :data:`DENSE_LIMIT`
+    entries); giving ``dense`` or ``sparse`` selects the NumPy engine unless
+    ``engine`` says otherwise. All find the same optimum.
 
     >>> from chainer_recompute.core.graph import Graph
     >>> g = Graph.from_edges([1, 1, 1], [(0, 1), (1, 2)])
@@ -280,12 +331,23 @@ def run_dp(family: LowerSetFamily, budget_bytes: Optional[int], objective: str,
     """
     if family.model is None:
         family = family.with_model(None)
-    pairs = _Pairs(family)
+    pairs = family.cache.get("pairs")
+    if pairs is None:
+        pairs = family.cache["pairs"] = _Pairs(family)
     K = pairs.K
     # The model's constant is paid by every block: it shifts the budget.
     budget = None if budget_bytes is None else int(budget_bytes) - pairs.constant
     if budget is not None and budget < 0:
         return DPResult(None, 0.0, 0, 0, 0)
+    if objective not in ("tc", "mc", "feasible"):
+        raise ValueError(f"objective must be 'tc', 'mc' or 'feasible', got {objective!r}")
+    if method not in ("auto", "dense", "sparse"):
+        raise ValueError(f"method must be 'auto', 'dense' or 'sparse', got {method!r}")
+    if engine is None and method != "auto":
+        engine = "numpy"  # a NumPy table was asked for
+    if (_pick_engine(engine, family, pairs.total_t) == "numba"
+            and (objective == "feasible" or K * (pairs.total_t + 1) <= COMPILED_DENSE_LIMIT)):
+        return _run_compiled(family, pairs, budget, objective)
     inf = np.iinfo(np.int64).max
     least, fsrc, n_feas = _feasibility(pairs, budget)
     if least[K - 1] == inf:
@@ -301,9 +363,152 @@ def run_dp(family: LowerSetFamily, budget_bytes: Optional[int], objective: str,
         method = "dense" if K * (pairs.total_t + 1) <= DENSE_LIMIT else "sparse"
     if method == "dense":
         return _dense(pairs, budget, objective, least, cap)
-    if method != "sparse":
-        raise ValueError(f"method must be 'auto', 'dense' or 'sparse', got {method!r}")
     return _sparse(pairs, budget, objective, least, cap)
+
+
+def _kernel_args(family: LowerSetFamily, pairs: _Pairs) -> tuple:
+    """The family as the flat arrays of :mod:`._dp_numba` (cached)."""
+    args = family.cache.get("kernel_args")
+    if args is not None:
+        return args
+    from ..lower_sets import _bits, _group_any, _n_words
+    g = family.graph
+    n, K = g.n, pairs.K
+    x = _bits(family.words, n).astype(bool)
+    all_rows = pairs.by_blk.astype(np.int64)
+    all_blk = pairs.blk_s
+    # Rows containing each node, sorted by block(L).
+    vs, ps = np.nonzero(x[all_rows].T)
+    vptr = np.zeros(n + 1, dtype=np.int64)
+    np.add.at(vptr, vs + 1, 1)
+    vptr = np.cumsum(vptr)
+    # Maximal elements of each row.
+    edges = np.array(g.edges, dtype=np.int64).reshape(-1, 2)
+    not_max = _group_any(x[:, edges[:, 1]], edges[:, 0], n)
+    rs, ms = np.nonzero(x & ~not_max)
+    mptr = np.zeros(K + 1, dtype=np.int64)
+    np.add.at(mptr, rs + 1, 1)
+    mptr = np.cumsum(mptr)
+    nw = _n_words(n)
+    tw = pairs.twords if pairs.has_trans else np.zeros((K, 0), dtype=np.uint64)
+    nums = np.stack([pairs.size, pairs.back, pairs.btime, pairs.bbytes, pairs.blk],
+                    axis=1).astype(np.int64).view(np.uint64)
+    R = np.ascontiguousarray(np.concatenate(
+        [family.words, family.boundary_words, tw, nums], axis=1), dtype=np.uint64)
+    args = (R, (nw, tw.shape[1]), all_rows, all_blk, vptr, all_rows[ps], all_blk[ps],
+            mptr, ms.astype(np.int64), pairs.node_t.astype(np.int64),
+            pairs.node_m.astype(np.int64), pairs.trans_vals.astype(np.int64))
+    family.cache["kernel_args"] = args
+    return args
+
+
+def _chain_from(src: np.ndarray, K: int) -> List[int]:
+    chain = [K - 1]
+    while chain[-1] != 0:
+        chain.append(int(src[chain[-1]]))
+    chain.reverse()
+    return chain
+
+
+def _prefix_chain(family: LowerSetFamily) -> Optional[List[int]]:
+    """Rows of the topological prefixes {0}, {0, 1}, ..., V, when the family
+    holds them all (every lower set does), else None."""
+    from ..lower_sets import _n_words
+    n = family.graph.n
+    nw = _n_words(n)
+    chain = [0]
+    for k in range(1, n + 1):
+        want = np.zeros(nw, dtype=np.uint64)
+        want[:k >> 6] = np.uint64(0xFFFFFFFFFFFFFFFF)
+        if k & 63:
+            want[k >> 6] = np.uint64((1 << (k & 63)) - 1)
+        rows = np.flatnonzero(family.size == k)
+        hit = rows[np.all(family.words[rows] == want, axis=1)]
+        if len(hit) == 0:
+            return None
+        chain.append(int(hit[0]))
+    return chain
+
+
+def _run_compiled(family: LowerSetFamily, pairs: _Pairs, budget: Optional[int],
+                  objective: str) -> DPResult:
+    """The DP on the compiled kernels (:mod:`._dp_numba`).
+
+    1. Unless the budget can never bind (every transition from every state
+       fits it), the most retained memory with which V is still reachable
+       from each row (one backward pass; ∅ with 0 says whether anything
+       fits).
+    2. A feasible chain from a one-state-per-row heuristic (greedy on the
+       objective; for tc also on retained time less a price per retained
+       byte), whose retained time is an incumbent.
+    3. If the incumbent meets the bound at ∅ (tc: every non-sink kept; mc:
+       nothing kept) it is optimal; else the dense DP, where a push that
+       cannot reach the incumbent even with the bound of its row (tc: the
+       retained time of the non-sinks outside it; mc: 0) is dropped. Ties
+       with the incumbent are kept, so the DP finds the optimum itself.
+    """
+    from . import _dp_numba as kn
+    P = _kernel_args(family, pairs)
+    K, T = pairs.K, pairs.total_t
+    inf = kn.INF
+    has_budget = budget is not None
+    if has_budget:
+        ub = family.cache.get("never_binds")
+        if ub is None:
+            w = np.maximum(family.model.block_bytes, family.model.keep_bytes)
+            ub = family.cache["never_binds"] = int(
+                (_weighted_sum(family.words, w, family.graph.n) + pairs.back).max()
+                + (pairs.trans_vals.max() if pairs.has_trans else 0))
+        if budget >= ub:
+            has_budget = False
+    B = int(budget) if has_budget else 0
+    if objective == "feasible":
+        least, src, n = kn.feasibility(P, B, has_budget)
+        if least[K - 1] == inf:
+            return DPResult(None, 0.0, 0, int(n), 0)
+        return DPResult(_chain_from(src, K), float("nan"), int(least[K - 1]), int(n), K)
+    tc = objective == "tc"
+    if not has_budget:
+        if not tc:  # one block: nothing retained
+            return DPResult([0, K - 1], 0.0, 0, 1, 2)
+        chain = _prefix_chain(family)
+        if chain is not None:  # every non-sink kept
+            return DPResult(chain, float(pairs.r0[0]), 0, len(chain) - 1, len(chain))
+        cap = np.full(K, inf, dtype=np.int64)
+    else:
+        cap = kn.capacity(P, B)
+        if cap[0] < 0:
+            return DPResult(None, 0.0, 0, 0, 0)
+    lams = [0.0]
+    if tc and has_budget:
+        lams += [0.3] if K > 5000 else [0.1, 0.3, 1.0]
+    best = None
+    for lam in lams:
+        bt, bm, gsrc = kn.greedy(P, B, has_budget, tc, cap, lam * T / max(B, 1))
+        t_end = int(bt[K - 1])
+        if best is None or (t_end > best[0] if tc else t_end < best[0]):
+            best = (t_end, int(bm[K - 1]), gsrc)
+    bound = pairs.r0 if tc else np.zeros(K, dtype=np.int64)
+    inc = best[0]
+    if (tc and inc >= bound[0]) or (not tc and inc <= 0):
+        return DPResult(_chain_from(best[2], K), float(inc), best[1], 0, K)
+    opt = np.full((K, T + 1), inf, dtype=np.int64)
+    src_r = np.full((K, T + 1), -1, dtype=np.int32)
+    src_t = np.full((K, T + 1), -1, dtype=np.int32)
+    pushes = kn.dense(P, B, has_budget, tc, cap, T, bound, inc, opt, src_r, src_t)
+    last = opt[K - 1]
+    reached = np.flatnonzero(last != inf)
+    n_states = int(np.count_nonzero(opt != inf))
+    if len(reached) == 0:  # cannot happen: the incumbent's chain survives
+        return DPResult(_chain_from(best[2], K), float(inc), best[1], int(pushes), n_states)
+    t_end = int(reached[-1] if tc else reached[0])
+    chain = [K - 1]
+    r, t = K - 1, t_end
+    while r != 0:
+        r, t = int(src_r[r, t]), int(src_t[r, t])
+        chain.append(r)
+    chain.reverse()
+    return DPResult(chain, float(t_end), int(last[t_end]), int(pushes), n_states)
 
 
 def _dense(pairs: _Pairs, budget: Optional[int], objective: str, least: np.ndarray,
@@ -498,14 +703,15 @@ def _sparse(pairs: _Pairs, budget: Optional[int], objective: str, least: np.ndar
 
 
 def plan_from_dp(graph: "Graph", family: LowerSetFamily, budget_bytes: Optional[int],
-                 strategy: str, method: str, solver: str, t0: float) -> "Plan":
+                 strategy: str, method: str, solver: str, t0: float,
+                 engine: Optional[str] = None) -> "Plan":
     """Run the DP over ``family`` and wrap its chain in a Plan (the common
     tail of the exact and approximate solvers; ``t0`` is when the solve
     started, family construction included)."""
     import time
 
     from ..plan import infeasible_plan, make_plan
-    res = run_dp(family, budget_bytes, strategy, method)
+    res = run_dp(family, budget_bytes, strategy, method, engine)
     dt = time.perf_counter() - t0
     info = {"n_lower_sets": len(family), "n_transitions": res.n_transitions,
             "n_states": res.n_states}

@@ -21,7 +21,7 @@ __all__ = ["solve_approx"]
 
 def solve_approx(graph: Graph, budget_bytes: Optional[int], *, strategy: str = "tc",
                  family: Optional[LowerSetFamily] = None, method: str = "auto",
-                 model: Optional[MemoryModel] = None) -> Plan:
+                 model: Optional[MemoryModel] = None, engine: Optional[str] = None) -> Plan:
     """Approximate DP: the exact DP's recurrence restricted to ∅, V and the
     ancestor closures L_v = {v} ∪ ancestors(v) (|V|+2 sets at most),
     ordered so that subsets come before supersets (by size, then memory).
@@ -39,6 +39,9 @@ def solve_approx(graph: Graph, budget_bytes: Optional[int], *, strategy: str = "
             (see :func:`run_dp`).
         model: the memory model (:class:`MemoryModel`); ``None``: the
             family's model when a family is given, else the paper's.
+        engine: ``numba`` (compiled kernels, the ``fast`` extra), ``numpy``
+            or ``auto``/``None`` (see :func:`run_dp`); all give the same
+            optimum.
 
     Returns:
         A :class:`Plan`; ``feasible`` is False when nothing fits.
@@ -55,4 +58,4 @@ def solve_approx(graph: Graph, budget_bytes: Optional[int], *, strategy: str = "
     t0 = time.perf_counter()
     fam = (LowerSetFamily.ancestor_closures(graph, model) if family is None
            else family if model is None else family.with_model(model))
-    return plan_from_dp(graph, fam, budget_bytes, strategy, method, "approx", t0)
+    return plan_from_dp(graph, fam, budget_bytes, strategy, method, "approx", t0, engine)

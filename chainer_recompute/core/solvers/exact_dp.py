@@ -22,7 +22,7 @@ __all__ = ["solve_exact"]
 def solve_exact(graph: Graph, budget_bytes: Optional[int], *, strategy: str = "tc",
                 max_lower_sets: Optional[int] = DEFAULT_MAX_LOWER_SETS,
                 family: Optional[LowerSetFamily] = None, method: str = "auto",
-                model: Optional[MemoryModel] = None) -> Plan:
+                model: Optional[MemoryModel] = None, engine: Optional[str] = None) -> Plan:
     """Exact DP: the best canonical strategy over all lower sets.
 
     DP table: ``opt[L]`` is the Pareto frontier of (retained time
@@ -43,6 +43,9 @@ def solve_exact(graph: Graph, budget_bytes: Optional[int], *, strategy: str = "t
             (see :func:`run_dp`); all give the same optimum.
         model: the memory model (:class:`MemoryModel`); ``None``: the
             family's model when a family is given, else the paper's.
+        engine: ``numba`` (compiled kernels, the ``fast`` extra), ``numpy``
+            or ``auto``/``None`` (see :func:`run_dp`); all give the same
+            optimum.
 
     Returns:
         A :class:`Plan`; ``feasible`` is False when nothing fits.
@@ -62,4 +65,4 @@ def solve_exact(graph: Graph, budget_bytes: Optional[int], *, strategy: str = "t
     t0 = time.perf_counter()
     fam = (LowerSetFamily.all(graph, max_lower_sets, model) if family is None
            else family if model is None else family.with_model(model))
-    return plan_from_dp(graph, fam, budget_bytes, strategy, method, "exact", t0)
+    return plan_from_dp(graph, fam, budget_bytes, strategy, method, "exact", t0, engine)

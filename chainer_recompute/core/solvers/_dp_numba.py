@@ -1,0 +1,426 @@
+"""Compiled kernels of the DP (numba), used by :mod:`._dp` when numba is
+installed (the ``fast`` extra); the NumPy path computes the same optima.
+
+Pure core: numpy and numba only. Importing this module imports numba and
+compiles nothing: the kernels are compiled on first use and cached on disk.
+
+The family is passed as ``P = (R, lay, all_rows, all_blk, vptr, vrows, vblk,
+mptr, mnodes, node_t, node_k, trans_vals)``:
+
+- ``R``: one uint64 record per row (so that a row is one or two cache
+  lines): its set words, its boundary words, its transient-rank words
+  (see :class:`._dp._Pairs`), then |L|, back(L), T(∂L), keep(∂L), block(L);
+  ``lay = (nw, nwt)`` gives the word counts.
+- ``all_rows``/``all_blk``: every row sorted by block(L), and that key;
+  ``vrows``/``vblk`` (offsets ``vptr``): for each node, the rows that
+  contain it, sorted the same way; ``mnodes`` (offsets ``mptr``): the
+  maximal elements of each row.
+
+The transitions out of row ``i`` with slack ``s`` are the proper supersets
+``L'`` of ``L_i`` with ``step = block(L') - block(L_i) + back(L') +
+max_{v ∈ L' \\ L_i} transient_v <= s``. Every superset contains each
+maximal element of ``L_i``, so the candidates are read from the list of the
+maximal element whose block window ``[block(L_i), block(L_i) + s]`` is the
+shortest (∅ reads every row). A transition adds ``ΔT = T(∂L') - T(∂L' ∩
+∂L)`` and ``ΔM = keep(∂L') - keep(∂L' ∩ ∂L)`` (``∂L' ∩ L ⊆ ∂L``).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+INF = np.iinfo(np.int64).max
+
+_DEBRUIJN = np.uint64(0x03F79D71B4CB0A89)
+_DEBRUIJN_TABLE = np.array([
+    0, 1, 48, 2, 57, 49, 28, 3, 61, 58, 50, 42, 38, 29, 17, 4,
+    62, 55, 59, 36, 53, 51, 43, 22, 45, 39, 33, 30, 24, 18, 12, 5,
+    63, 47, 56, 27, 60, 41, 37, 16, 54, 35, 52, 21, 44, 32, 23, 11,
+    46, 26, 40, 15, 34, 20, 31, 10, 25, 14, 19, 9, 13, 8, 7, 6], dtype=np.int64)
+
+@njit(cache=True, inline="always")
+def _ctz(x):
+    """Index of the lowest set bit of a non-zero uint64."""
+    low = x & (~x + np.uint64(1))
+    return _DEBRUIJN_TABLE[(low * _DEBRUIJN) >> np.uint64(58)]
+
+
+@njit(cache=True)
+def _window(P, i, slack, has_slack):
+    """(use the node lists?, lo, hi): the candidate rows of row ``i``."""
+    R, lay, all_rows, all_blk, vptr, vrows, vblk, mptr, mnodes, node_t, node_k, trans_vals = P
+    nw, nwt = lay
+    bi = np.int64(R[i, 2 * nw + nwt + 4])
+    top = bi + slack
+    use_v = False
+    lo = np.searchsorted(all_blk, bi)
+    hi = np.searchsorted(all_blk, top, side="right") if has_slack else len(all_blk)
+    for q in range(mptr[i], mptr[i + 1]):
+        v = mnodes[q]
+        a = vptr[v]
+        e = vptr[v + 1]
+        seg = vblk[a:e]
+        l2 = a + np.searchsorted(seg, bi)
+        h2 = a + (np.searchsorted(seg, top, side="right") if has_slack else e - a)
+        if h2 - l2 < hi - lo:
+            use_v = True
+            lo = l2
+            hi = h2
+    return use_v, lo, hi
+
+
+@njit(cache=True)
+def feasibility(P, budget, has_budget):
+    """least[L]: the least retained memory reaching row L (INF when none),
+    and the row it came from; the number of transitions tried."""
+    R, lay, all_rows, all_blk, vptr, vrows, vblk, mptr, mnodes, node_t, node_k, trans_vals = P
+    nw, nwt = lay
+    c_size = 2 * nw + nwt
+    c_back = c_size + 1
+    c_tb = c_size + 2
+    c_kb = c_size + 3
+    c_blk = c_size + 4
+    K = R.shape[0]
+    least = np.full(K, INF, dtype=np.int64)
+    src = np.full(K, -1, dtype=np.int64)
+    least[0] = 0
+    n = 0
+    for i in range(K - 1):
+        li = least[i]
+        if li == INF:
+            continue
+        slack = budget - li
+        use_v, lo, hi = _window(P, i, slack, has_budget)
+        rows = vrows if use_v else all_rows
+        keys = vblk if use_v else all_blk
+        bi = np.int64(R[i, c_blk])
+        for p in range(lo, hi):
+            j = rows[p]
+            # Proper superset within the slack? (see the module doc)
+            if R[j, c_size] <= R[i, c_size]:
+                continue
+            miss = np.uint64(0)
+            for w in range(nw):
+                miss |= R[i, w] & ~R[j, w]
+            if miss != 0:
+                continue
+            step = keys[p] - bi + np.int64(R[j, c_back])
+            if has_budget and step > slack:
+                continue
+            if nwt > 0:
+                for w in range(nwt):
+                    x = R[j, 2 * nw + w] & ~R[i, 2 * nw + w]
+                    if x != 0:
+                        step += trans_vals[64 * w + _ctz(x)]
+                        break
+                if has_budget and step > slack:
+                    continue
+            d_t = np.int64(R[j, c_tb])
+            d_m = np.int64(R[j, c_kb])
+            for w in range(nw):
+                x = R[j, nw + w] & R[i, nw + w]
+                while x != 0:
+                    v = 64 * w + _ctz(x)
+                    d_t -= node_t[v]
+                    d_m -= node_k[v]
+                    x &= x - np.uint64(1)
+            n += 1
+            v = li + d_m
+            if v < least[j]:
+                least[j] = v
+                src[j] = i
+    return least, src, n
+
+
+@njit(cache=True)
+def capacity(P, budget):
+    """cap[L]: the most retained memory with which V is still reachable
+    from L within the budget (-1 when it is not). A chain reaching L has
+    kept at least ∂(L), so the slack out of L is at most budget - keep(∂L)."""
+    R, lay, all_rows, all_blk, vptr, vrows, vblk, mptr, mnodes, node_t, node_k, trans_vals = P
+    nw, nwt = lay
+    c_size = 2 * nw + nwt
+    c_back = c_size + 1
+    c_tb = c_size + 2
+    c_kb = c_size + 3
+    c_blk = c_size + 4
+    K = R.shape[0]
+    cap = np.full(K, -1, dtype=np.int64)
+    cap[K - 1] = budget
+    for i in range(K - 2, -1, -1):
+        kbi = np.int64(R[i, c_kb])
+        if kbi > budget:
+            continue
+        slack = budget - kbi
+        use_v, lo, hi = _window(P, i, slack, True)
+        rows = vrows if use_v else all_rows
+        keys = vblk if use_v else all_blk
+        bi = np.int64(R[i, c_blk])
+        best = -1
+        for p in range(lo, hi):
+            j = rows[p]
+            cj = cap[j]
+            if cj <= best:  # min(.., cj - ΔM) cannot beat best (ΔM >= 0)
+                continue
+            # Proper superset within the slack? (see the module doc)
+            if R[j, c_size] <= R[i, c_size]:
+                continue
+            miss = np.uint64(0)
+            for w in range(nw):
+                miss |= R[i, w] & ~R[j, w]
+            if miss != 0:
+                continue
+            step = keys[p] - bi + np.int64(R[j, c_back])
+            if True and step > slack:
+                continue
+            if nwt > 0:
+                for w in range(nwt):
+                    x = R[j, 2 * nw + w] & ~R[i, 2 * nw + w]
+                    if x != 0:
+                        step += trans_vals[64 * w + _ctz(x)]
+                        break
+                if True and step > slack:
+                    continue
+            if budget - step <= best:
+                continue
+            d_t = np.int64(R[j, c_tb])
+            d_m = np.int64(R[j, c_kb])
+            for w in range(nw):
+                x = R[j, nw + w] & R[i, nw + w]
+                while x != 0:
+                    v = 64 * w + _ctz(x)
+                    d_t -= node_t[v]
+                    d_m -= node_k[v]
+                    x &= x - np.uint64(1)
+            val = cj - d_m
+            if budget - step < val:
+                val = budget - step
+            if val > best:
+                best = val
+        cap[i] = best
+    return cap
+
+
+@njit(cache=True)
+def greedy(P, budget, has_budget, tc, cap, lam):
+    """One state per row, the best objective (most retained time for tc,
+    least for mc; then least memory; with ``lam > 0``, retained time less
+    ``lam`` per retained byte) among those that can still reach V: a
+    feasible chain quickly, whose retained time bounds the optimum.
+    Returns (t, m, src) per row."""
+    R, lay, all_rows, all_blk, vptr, vrows, vblk, mptr, mnodes, node_t, node_k, trans_vals = P
+    nw, nwt = lay
+    c_size = 2 * nw + nwt
+    c_back = c_size + 1
+    c_tb = c_size + 2
+    c_kb = c_size + 3
+    c_blk = c_size + 4
+    K = R.shape[0]
+    bt = np.full(K, -1, dtype=np.int64)
+    bm = np.full(K, INF, dtype=np.int64)
+    src = np.full(K, -1, dtype=np.int64)
+    bt[0] = 0
+    bm[0] = 0
+    sgn = 1.0 if tc else -1.0
+    for i in range(K - 1):
+        m = bm[i]
+        if m == INF:
+            continue
+        t = bt[i]
+        slack = budget - m
+        use_v, lo, hi = _window(P, i, slack, has_budget)
+        rows = vrows if use_v else all_rows
+        keys = vblk if use_v else all_blk
+        bi = np.int64(R[i, c_blk])
+        for p in range(lo, hi):
+            j = rows[p]
+            if has_budget and cap[j] < m:
+                continue
+            # Proper superset within the slack? (see the module doc)
+            if R[j, c_size] <= R[i, c_size]:
+                continue
+            miss = np.uint64(0)
+            for w in range(nw):
+                miss |= R[i, w] & ~R[j, w]
+            if miss != 0:
+                continue
+            step = keys[p] - bi + np.int64(R[j, c_back])
+            if has_budget and step > slack:
+                continue
+            if nwt > 0:
+                for w in range(nwt):
+                    x = R[j, 2 * nw + w] & ~R[i, 2 * nw + w]
+                    if x != 0:
+                        step += trans_vals[64 * w + _ctz(x)]
+                        break
+                if has_budget and step > slack:
+                    continue
+            d_t = np.int64(R[j, c_tb])
+            d_m = np.int64(R[j, c_kb])
+            for w in range(nw):
+                x = R[j, nw + w] & R[i, nw + w]
+                while x != 0:
+                    v = 64 * w + _ctz(x)
+                    d_t -= node_t[v]
+                    d_m -= node_k[v]
+                    x &= x - np.uint64(1)
+            nm = m + d_m
+            if has_budget and nm > cap[j]:
+                continue
+            nt = t + d_t
+            if bm[j] != INF:
+                if lam > 0.0:
+                    a = sgn * nt - lam * nm
+                    b = sgn * bt[j] - lam * bm[j]
+                    if a < b or (a == b and nm >= bm[j]):
+                        continue
+                elif tc:
+                    if nt < bt[j] or (nt == bt[j] and nm >= bm[j]):
+                        continue
+                else:
+                    if nt > bt[j] or (nt == bt[j] and nm >= bm[j]):
+                        continue
+            bt[j] = nt
+            bm[j] = nm
+            src[j] = i
+    return bt, bm, src
+
+
+@njit(cache=True)
+def dense(P, budget, has_budget, tc, cap, T, bound, incumbent, opt, src_r, src_t):
+    """The DP over a dense table: ``opt[L, t]`` is the least retained
+    memory of a chain ending at row L with retained time t (INF when
+    none); ``src_r``/``src_t`` point back. Rows are expanded in order; each
+    row's Pareto-optimal entries are pushed to every allowed superset.
+
+    Pruning that keeps the optimum: a push to row L' with retained time t'
+    is dropped when even ``t' + bound[L']`` (tc: the most retained time any
+    continuation can add) falls short of ``incumbent`` (the retained time
+    of a known feasible chain), or for mc when ``t' + bound[L']`` (the
+    least it can add) exceeds it; and when its memory exceeds cap[L'].
+    Returns the number of pushes."""
+    R, lay, all_rows, all_blk, vptr, vrows, vblk, mptr, mnodes, node_t, node_k, trans_vals = P
+    nw, nwt = lay
+    c_size = 2 * nw + nwt
+    c_back = c_size + 1
+    c_tb = c_size + 2
+    c_kb = c_size + 3
+    c_blk = c_size + 4
+    K = R.shape[0]
+    ts = np.empty(T + 1, dtype=np.int64)
+    ms = np.empty(T + 1, dtype=np.int64)
+    opt[0, 0] = 0
+    pushes = 0
+    for i in range(K - 1):
+        if cap[i] < 0:
+            continue
+        # The row's Pareto-optimal entries, by increasing memory.
+        n = 0
+        run = INF
+        if tc:
+            for t in range(T, -1, -1):
+                m = opt[i, t]
+                if m < run:
+                    run = m
+                    ts[n] = t
+                    ms[n] = m
+                    n += 1
+        else:
+            for t in range(T + 1):
+                m = opt[i, t]
+                if m < run:
+                    run = m
+                    ts[n] = t
+                    ms[n] = m
+                    n += 1
+        if n == 0:
+            continue
+        for a in range(n // 2):
+            b = n - 1 - a
+            ts[a], ts[b] = ts[b], ts[a]
+            ms[a], ms[b] = ms[b], ms[a]
+        # tc: retained time increases along the list, so the states that
+        # cannot reach the incumbent are a prefix; mc: it decreases, and
+        # the states above the incumbent are a prefix.
+        t_hi = ts[n - 1] if tc else ts[0]
+        slack = budget - ms[0]
+        use_v, lo, hi = _window(P, i, slack, has_budget)
+        rows = vrows if use_v else all_rows
+        keys = vblk if use_v else all_blk
+        bi = np.int64(R[i, c_blk])
+        for p in range(lo, hi):
+            j = rows[p]
+            if has_budget and cap[j] < ms[0]:
+                continue
+            # tc: ΔT <= T(∂L'), so the best this pair can give is known early.
+            if tc and t_hi + np.int64(R[j, c_tb]) + bound[j] < incumbent:
+                continue
+            # Proper superset within the slack? (see the module doc)
+            if R[j, c_size] <= R[i, c_size]:
+                continue
+            miss = np.uint64(0)
+            for w in range(nw):
+                miss |= R[i, w] & ~R[j, w]
+            if miss != 0:
+                continue
+            step = keys[p] - bi + np.int64(R[j, c_back])
+            if has_budget and step > slack:
+                continue
+            if nwt > 0:
+                for w in range(nwt):
+                    x = R[j, 2 * nw + w] & ~R[i, 2 * nw + w]
+                    if x != 0:
+                        step += trans_vals[64 * w + _ctz(x)]
+                        break
+                if has_budget and step > slack:
+                    continue
+            d_t = np.int64(R[j, c_tb])
+            d_m = np.int64(R[j, c_kb])
+            for w in range(nw):
+                x = R[j, nw + w] & R[i, nw + w]
+                while x != 0:
+                    v = 64 * w + _ctz(x)
+                    d_t -= node_t[v]
+                    d_m -= node_k[v]
+                    x &= x - np.uint64(1)
+            lim = INF
+            if has_budget:
+                lim = budget - step
+                lc = cap[j] - d_m
+                if lc < lim:
+                    lim = lc
+            lo_ = 0
+            hi_ = n
+            if tc:
+                need = incumbent - d_t - bound[j]
+                if t_hi < need:
+                    continue
+                while lo_ < hi_:
+                    mid = (lo_ + hi_) >> 1
+                    if ts[mid] < need:
+                        lo_ = mid + 1
+                    else:
+                        hi_ = mid
+            else:
+                allow = incumbent - d_t - bound[j]
+                while lo_ < hi_:
+                    mid = (lo_ + hi_) >> 1
+                    if ts[mid] > allow:
+                        lo_ = mid + 1
+                    else:
+                        hi_ = mid
+            s = lo_
+            row = opt[j]
+            while s < n:
+                m = ms[s]
+                if m > lim:
+                    break
+                nt = ts[s] + d_t
+                nm = m + d_m
+                if nm < row[nt]:
+                    row[nt] = nm
+                    src_r[j, nt] = i
+                    src_t[j, nt] = ts[s]
+                pushes += 1
+                s += 1
+    return pushes

@@ -62,3 +62,28 @@ def test_mc_not_below_tc_overhead(name: str) -> None:
     assert tc.feasible and mc.feasible
     assert mc.overhead >= tc.overhead
     assert mc.n_blocks <= tc.n_blocks
+
+
+# The least feasible budgets of the exhaustive DPs, exact to the byte (paper
+# model); they must not change with the solver's speed.
+LEAST_BYTES = {  # name: (approx, exact)
+    "vgg19": (2106589184, 2106589184),
+    "resnet50": (1310195712, 1258815488),
+    "unet": (5784403968, 5545689088),
+    "densenet": (1676279808, 1676279808),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LEAST_BYTES))
+def test_least_budgets_unchanged(name: str) -> None:
+    from chainer_recompute.core.solvers._dp import numba_available
+    g = load(name)
+    for engine in ["numpy"] + (["numba"] if numba_available() else []):
+        approx, exact = LEAST_BYTES[name]
+        assert least_feasible_budget(g, "approx", engine=engine) == approx
+        assert least_feasible_budget(g, "exact", engine=engine) == exact
+        # Same optimum from both engines at the least budget and with slack.
+        for budget in (exact, exact * 5 // 4):
+            for strategy in ("tc", "mc"):
+                ref = solve(g, budget, "exact", strategy, engine="numpy")
+                assert solve(g, budget, "exact", strategy, engine=engine).overhead == ref.overhead

@@ -101,7 +101,8 @@ def our_least(path: Path, solver: str) -> int:
 
 
 # ---------------------------------------------------------------- theirs
-def theirs_rss(binary: Path, path: Path, budget: int, strategy: str) -> Dict:
+def theirs_rss(binary: Path, path: Path, budget: int, strategy: str,
+               timeout_s: Optional[float] = None) -> Dict:
     """One run of the authors' solver: its wall time and own peak RSS. It
     runs in a scratch directory (it writes .dot files there), under
     /usr/bin/time when present (a child forked from this Python process
@@ -117,15 +118,28 @@ def theirs_rss(binary: Path, path: Path, budget: int, strategy: str) -> Dict:
         with open(out_path, "wb") as fout:
             t0 = time.perf_counter()
             proc = subprocess.Popen(argv, stdin=fin, stdout=fout, stderr=subprocess.DEVNULL,
-                                    cwd=tmp)
-            _, _, ru = os.wait4(proc.pid, 0)
+                                    cwd=tmp, start_new_session=True)
+            timed_out = False
+            while True:
+                pid, _, ru = os.wait4(proc.pid, os.WNOHANG)
+                if pid:
+                    break
+                if timeout_s is not None and time.perf_counter() - t0 > timeout_s:
+                    os.killpg(proc.pid, 9)  # the timer and the solver
+                    _, _, ru = os.wait4(proc.pid, 0)
+                    timed_out = True
+                    break
+                time.sleep(0.002)
             dt = time.perf_counter() - t0
             proc.returncode = 0
         rss = ru.ru_maxrss * 1024
-        if timer and rss_file.exists():
-            rss = int(rss_file.read_text().split()[-1]) * 1024
+        words = rss_file.read_text().split() if timer and rss_file.exists() else []
+        if words and words[-1].isdigit():
+            rss = int(words[-1]) * 1024
+        elif timer:
+            rss = None
         feasible = b"IMPOSSIBLE" not in out_path.read_bytes()[:100]
-    return {"time_s": dt, "rss_bytes": rss, "feasible": feasible}
+    return {"time_s": dt, "rss_bytes": rss, "feasible": feasible, "timed_out": timed_out}
 
 
 def their_least(binary: Path, path: Path, start: int, rel_tol: float = 1e-3) -> int:
@@ -160,6 +174,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--names", default=",".join(NAMES))
     ap.add_argument("--repeat", type=int, default=1, help="runs of each solve (the least kept)")
     ap.add_argument("--authors-least", help="JSON cache of their least budgets (read/written)")
+    ap.add_argument("--authors-timeout", type=float, default=None,
+                    help="stop one run of theirs after this many seconds (reported as '> T')")
     ap.add_argument("--skip-captured", action="store_true",
                     help="skip the approximate DP on experiments/graphs/*.json")
     args = ap.parse_args(argv)
@@ -198,17 +214,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 for strategy in ("tc", "mc"):
                     o = best(ours, path, b_ours, solver, strategy)
                     t = None if tbin is None else best(theirs_rss, tbin, path, b_theirs,
-                                                       strategy)
+                                                       strategy, args.authors_timeout)
                     ratio = "-" if t is None else f"{o['time_s'] / t['time_s']:.3f}"
+                    t_s = "-" if t is None else f"{t['time_s']:.3f}"
+                    if t is not None and t["timed_out"]:
+                        ratio, t_s = f"< {ratio}", f"> {t['time_s']:.0f} (stopped)"
                     budgets = gb(b_ours) + ("" if t is None else f" / {gb(b_theirs)}")
                     ov = "infeasible" if not o["feasible"] else f"{o['overhead']:g}"
                     line = (f"| {name} | {solver} | {strategy} | {label} | {budgets} | "
                             f"{o['time_s']:.3f} | "
-                            f"{'-' if t is None else format(t['time_s'], '.3f')} | {ratio} | "
+                            f"{t_s} | {ratio} | "
                             f"{o['rss_bytes'] / 1e9:.2f} | "
-                            f"{'-' if t is None else format(t['rss_bytes'] / 1e9, '.2f')} | "
+                            f"{'-' if t is None or t['rss_bytes'] is None else format(t['rss_bytes'] / 1e9, '.2f')} | "
                             f"{ov} |")
-                    if t is not None and not t["feasible"]:
+                    if t is not None and not t["feasible"] and not t["timed_out"]:
                         line += " (theirs: IMPOSSIBLE)"
                     print(line, flush=True)
     if not args.skip_captured:

@@ -439,15 +439,20 @@ def _run_compiled(family: LowerSetFamily, pairs: _Pairs, budget: Optional[int],
        from each row (one backward pass; ∅ with 0 says whether anything
        fits).
     2. A feasible chain from a one-state-per-row heuristic (greedy on the
-       objective; for tc also on retained time less a price per retained
-       byte), whose retained time is an incumbent.
+       objective), whose retained time is an incumbent.
     3. If the incumbent meets the bound at ∅ (tc: every non-sink kept; mc:
        nothing kept) it is optimal; else the dense DP, where a push that
        cannot reach the incumbent even with the bound of its row (tc: the
        retained time of the non-sinks outside it; mc: 0) is dropped. Ties
        with the incumbent are kept, so the DP finds the optimum itself.
+       For tc the DP first runs with guesses above the incumbent, from the
+       top down (see the code): a guess above the optimum finds nothing,
+       cheaply; the first that finds a chain has found the optimum.
     """
+    import time
+
     from . import _dp_numba as kn
+    t0 = time.perf_counter()
     P = _kernel_args(family, pairs)
     K, T = pairs.K, pairs.total_t
     inf = kn.INF
@@ -479,36 +484,67 @@ def _run_compiled(family: LowerSetFamily, pairs: _Pairs, budget: Optional[int],
         cap = kn.capacity(P, B)
         if cap[0] < 0:
             return DPResult(None, 0.0, 0, 0, 0)
-    lams = [0.0]
-    if tc and has_budget:
-        lams += [0.3] if K > 5000 else [0.1, 0.3, 1.0]
-    best = None
-    for lam in lams:
-        bt, bm, gsrc = kn.greedy(P, B, has_budget, tc, cap, lam * T / max(B, 1))
-        t_end = int(bt[K - 1])
-        if best is None or (t_end > best[0] if tc else t_end < best[0]):
-            best = (t_end, int(bm[K - 1]), gsrc)
+    bt, bm, gsrc = kn.greedy(P, B, has_budget, tc, cap, 0.0)
+    inc = int(bt[K - 1])
     bound = pairs.r0 if tc else np.zeros(K, dtype=np.int64)
-    inc = best[0]
+    logger.debug("capacity and greedy: incumbent %d (%.2f s)", inc, time.perf_counter() - t0)
     if (tc and inc >= bound[0]) or (not tc and inc <= 0):
-        return DPResult(_chain_from(best[2], K), float(inc), best[1], 0, K)
-    opt = np.full((K, T + 1), inf, dtype=np.int64)
-    src_r = np.full((K, T + 1), -1, dtype=np.int32)
-    src_t = np.full((K, T + 1), -1, dtype=np.int32)
-    pushes = kn.dense(P, B, has_budget, tc, cap, T, bound, inc, opt, src_r, src_t)
+        return DPResult(_chain_from(gsrc, K), float(inc), int(bm[K - 1]), 0, K)
+    pushes = 0
+    if tc:
+        # The optimum lies in [inc, bound(∅)]. A run with a guess g above inc
+        # keeps only what can still reach g: when the optimum is below g it
+        # finds nothing and costs little; when it finds a chain, that chain
+        # is optimal. Guesses step down from the top by 1/32 of the
+        # interval left, so the run that succeeds is close to the optimum.
+        lo, hi = inc, int(bound[0]) + 1
+        opt = np.full((K, T + 1), inf, dtype=np.int64)
+        src_r = np.full((K, T + 1), -1, dtype=np.int32)
+        src_t = np.full((K, T + 1), -1, dtype=np.int32)
+        touched = np.zeros(K, dtype=np.bool_)
+        while hi - lo > 1:
+            guess = hi - max(1, (hi - lo) // 32)
+            n_g = kn.dense(P, B, has_budget, tc, cap, T, bound, guess, opt, src_r, src_t,
+                           touched)
+            pushes += n_g
+            found = opt[K - 1] != inf
+            logger.debug("guess %d: %d pushes, %s (%.2f s)", guess, n_g,
+                         "found" if found.any() else "none", time.perf_counter() - t0)
+            if found[guess:].any():
+                break
+            hi = guess
+            opt[touched] = inf  # reset the rows written
+            touched[:] = False
+        else:
+            opt = None
+    else:
+        opt = None
+    if opt is None:
+        opt = np.full((K, T + 1), inf, dtype=np.int64)
+        src_r = np.full((K, T + 1), -1, dtype=np.int32)
+        src_t = np.full((K, T + 1), -1, dtype=np.int32)
+        touched = np.zeros(K, dtype=np.bool_)
+        n_f = kn.dense(P, B, has_budget, tc, cap, T, bound, inc, opt, src_r, src_t, touched)
+        pushes += n_f
+        logger.debug("dense: %d pushes (%.2f s)", n_f, time.perf_counter() - t0)
     last = opt[K - 1]
     reached = np.flatnonzero(last != inf)
     n_states = int(np.count_nonzero(opt != inf))
     if len(reached) == 0:  # cannot happen: the incumbent's chain survives
         return DPResult(_chain_from(best[2], K), float(inc), best[1], int(pushes), n_states)
     t_end = int(reached[-1] if tc else reached[0])
+    return DPResult(_backtrack(src_r, src_t, K, t_end), float(t_end), int(last[t_end]),
+                    int(pushes), n_states)
+
+
+def _backtrack(src_r: np.ndarray, src_t: np.ndarray, K: int, t_end: int) -> List[int]:
     chain = [K - 1]
     r, t = K - 1, t_end
     while r != 0:
         r, t = int(src_r[r, t]), int(src_t[r, t])
         chain.append(r)
     chain.reverse()
-    return DPResult(chain, float(t_end), int(last[t_end]), int(pushes), n_states)
+    return chain
 
 
 def _dense(pairs: _Pairs, budget: Optional[int], objective: str, least: np.ndarray,

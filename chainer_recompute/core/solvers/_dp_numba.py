@@ -287,7 +287,7 @@ def greedy(P, budget, has_budget, tc, cap, lam):
 
 
 @njit(cache=True)
-def dense(P, budget, has_budget, tc, cap, T, bound, incumbent, opt, src_r, src_t):
+def dense(P, budget, has_budget, tc, cap, T, bound, incumbent, opt, src_r, src_t, touched):
     """The DP over a dense table: ``opt[L, t]`` is the least retained
     memory of a chain ending at row L with retained time t (INF when
     none); ``src_r``/``src_t`` point back. Rows are expanded in order; each
@@ -298,7 +298,8 @@ def dense(P, budget, has_budget, tc, cap, T, bound, incumbent, opt, src_r, src_t
     continuation can add) falls short of ``incumbent`` (the retained time
     of a known feasible chain), or for mc when ``t' + bound[L']`` (the
     least it can add) exceeds it; and when its memory exceeds cap[L'].
-    Returns the number of pushes."""
+    ``touched[L]`` is set for every row written (so that the caller can
+    reset just those). Returns the number of pushes."""
     R, lay, all_rows, all_blk, vptr, vrows, vblk, mptr, mnodes, node_t, node_k, trans_vals = P
     nw, nwt = lay
     c_size = 2 * nw + nwt
@@ -310,9 +311,10 @@ def dense(P, budget, has_budget, tc, cap, T, bound, incumbent, opt, src_r, src_t
     ts = np.empty(T + 1, dtype=np.int64)
     ms = np.empty(T + 1, dtype=np.int64)
     opt[0, 0] = 0
+    touched[0] = True
     pushes = 0
     for i in range(K - 1):
-        if cap[i] < 0:
+        if cap[i] < 0 or not touched[i]:
             continue
         # The row's Pareto-optimal entries, by increasing memory.
         n = 0
@@ -411,6 +413,8 @@ def dense(P, budget, has_budget, tc, cap, T, bound, incumbent, opt, src_r, src_t
                         hi_ = mid
             s = lo_
             row = opt[j]
+            if s < n and ms[s] <= lim:
+                touched[j] = True
             while s < n:
                 m = ms[s]
                 if m > lim:

@@ -495,15 +495,20 @@ def _run_compiled(family: LowerSetFamily, pairs: _Pairs, budget: Optional[int],
         # The optimum lies in [inc, bound(∅)]. A run with a guess g above inc
         # keeps only what can still reach g: when the optimum is below g it
         # finds nothing and costs little; when it finds a chain, that chain
-        # is optimal. Guesses step down from the top by 1/32 of the
+        # is optimal (at most MAX_GUESSES, steps of at least 1/64 of the
+        # first interval). Guesses step down from the top by 1/32 of the
         # interval left, so the run that succeeds is close to the optimum.
         lo, hi = inc, int(bound[0]) + 1
+        min_step = max(1, (hi - lo) // 64)
+        guesses = 0
         opt = np.full((K, T + 1), inf, dtype=np.int64)
         src_r = np.full((K, T + 1), -1, dtype=np.int32)
         src_t = np.full((K, T + 1), -1, dtype=np.int32)
         touched = np.zeros(K, dtype=np.bool_)
-        while hi - lo > 1:
-            guess = hi - max(1, (hi - lo) // 32)
+        found_opt = False
+        while hi - lo > min_step and guesses < MAX_GUESSES:
+            guesses += 1
+            guess = hi - max(min_step, (hi - lo) // 32)
             n_g = kn.dense(P, B, has_budget, tc, cap, T, bound, guess, opt, src_r, src_t,
                            touched)
             pushes += n_g
@@ -511,19 +516,18 @@ def _run_compiled(family: LowerSetFamily, pairs: _Pairs, budget: Optional[int],
             logger.debug("guess %d: %d pushes, %s (%.2f s)", guess, n_g,
                          "found" if found.any() else "none", time.perf_counter() - t0)
             if found[guess:].any():
+                found_opt = True
                 break
             hi = guess
             opt[touched] = inf  # reset the rows written
             touched[:] = False
-        else:
-            opt = None
     else:
-        opt = None
-    if opt is None:
+        found_opt = False
         opt = np.full((K, T + 1), inf, dtype=np.int64)
         src_r = np.full((K, T + 1), -1, dtype=np.int32)
         src_t = np.full((K, T + 1), -1, dtype=np.int32)
         touched = np.zeros(K, dtype=np.bool_)
+    if not found_opt:
         n_f = kn.dense(P, B, has_budget, tc, cap, T, bound, inc, opt, src_r, src_t, touched)
         pushes += n_f
         logger.debug("dense: %d pushes (%.2f s)", n_f, time.perf_counter() - t0)
@@ -535,6 +539,11 @@ def _run_compiled(family: LowerSetFamily, pairs: _Pairs, budget: Optional[int],
     t_end = int(reached[-1] if tc else reached[0])
     return DPResult(_backtrack(src_r, src_t, K, t_end), float(t_end), int(last[t_end]),
                     int(pushes), n_states)
+
+
+#: The most guessed runs of the compiled tc DP before the run with the
+#: incumbent (see :func:`_run_compiled`).
+MAX_GUESSES = 40
 
 
 def _backtrack(src_r: np.ndarray, src_t: np.ndarray, K: int, t_end: int) -> List[int]:

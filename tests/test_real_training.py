@@ -99,7 +99,8 @@ def link_records(prefix: str, link: chainer.Link, rec: Dict[str, Any]) -> None:
 class StatsCopy:
     """The counters of a runner's ``last_stats`` at one moment."""
 
-    __slots__ = ("path", "n_dropped", "n_released", "recomputed_nodes", "mismatch")
+    __slots__ = ("path", "n_dropped", "n_released", "recomputed_nodes", "mismatch", "n_nodes",
+                 "release_mode")
 
     def __init__(self, stats: Any) -> None:
         for k in self.__slots__:
@@ -110,7 +111,8 @@ class StatsCopy:
         return self.path == "planned" and (self.n_dropped or 0) > 0
 
     def __repr__(self) -> str:
-        return (f"{self.path}(dropped={self.n_dropped}, recomputed={self.recomputed_nodes}"
+        return (f"{self.path}(dropped={self.n_dropped}, recomputed={self.recomputed_nodes}, "
+                f"release={self.release_mode}"
                 + (f", mismatch={self.mismatch!r}" if self.mismatch else "") + ")")
 
 
@@ -1547,9 +1549,13 @@ def test_graph_backpropagated_twice_simple(capture_batch):
 
 
 def _assert_second_backward_cheaper(pair, name, first, second):
-    """On every step where ``name`` ran a plan with drops: the nodes
-    recomputed by the second backward pass (``last_stats`` after it, less
-    after the first) are at most those of the first."""
+    """On every step where ``name`` ran a plan with drops: when the memory
+    allows keeping what the first backward regenerated (release mode
+    ``all``), the second backward pass recomputes at most what the first
+    did; when it does not (a tight budget), it regenerates what the first
+    released, about each node once, never node by node over and over (at
+    most the first pass's recomputations plus one per function, and a few
+    more the first time the second pass comes unannounced)."""
     checked, bad = 0, []
     for i in range(8):
         try:
@@ -1561,10 +1567,12 @@ def _assert_second_backward_cheaper(pair, name, first, second):
             continue
         first_n = a.recomputed_nodes
         second_n = b.recomputed_nodes - a.recomputed_nodes
-        if second_n > first_n:
-            bad.append(f"step {i}: first backward {first_n}, second {second_n}")
+        limit = first_n if a.release_mode == "all" else first_n + int(1.25 * a.n_nodes)
+        if second_n > limit:
+            bad.append(f"step {i}: first backward {first_n}, second {second_n} "
+                       f"(release mode {a.release_mode}, {a.n_nodes} functions)")
         checked += 1
-    assert not bad, (f"{name}: the second backward recomputed more than the first: "
+    assert not bad, (f"{name}: the second backward recomputed too much: "
                      + "; ".join(bad) + "\n" + pair.stats_report())
     assert checked >= 2, pair.stats_report()
 

@@ -64,7 +64,7 @@ class ExecutionPlan:
             the forward has returned).
         sources: ``sources[u]``: input positions of dropped node ``u`` whose
             arrays are not made by a dropped node: what regeneration starts
-            from (held until then).
+            from (held until then); ``source_arrays``: those made by nodes.
         releasable: recomputable nodes (the only ones ever released).
         needs, done: see :func:`backward_readers`.
         block_of, block_nodes: each node's block; the dropped nodes of
@@ -111,6 +111,10 @@ class ExecutionPlan:
                 if p is None or p not in self.dropped:
                     pos.append(j)
             self.sources[u] = tuple(pos)
+        #: arrays made by a node that regeneration starts from
+        self.source_arrays: FrozenSet[int] = frozenset(
+            graph.nodes[u].inputs[j] for u, pos in self.sources.items() for j in pos
+            if arrays[graph.nodes[u].inputs[j]].producer is not None)
         self.releasable: FrozenSet[int] = frozenset(
             v for v in range(n) if graph.nodes[v].recomputable)
         self.needs, self.done = backward_readers(graph, self.releasable, self.derived)

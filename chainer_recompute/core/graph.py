@@ -292,9 +292,9 @@ class Graph:
     def state_bytes(self) -> Dict[str, int]:
         """Bytes that do not depend on the plan, as recorded at capture:
         ``params``, ``param_grads``, ``optimizer_state`` (0 where no
-        optimizer was known) and ``update_transient`` (the largest
-        temporary of an optimizer update); empty for graphs that do not
-        record them (the authors' files)."""
+        optimizer was known), ``update_transient`` (the largest temporary
+        of an optimizer update) and ``persistents`` (BatchNorm statistics);
+        empty for graphs that do not record them (the authors' files)."""
         return {k: int(v) for k, v in self.meta.get("state_bytes", {}).items()}
 
     @property

@@ -12,13 +12,15 @@ from .plan import Plan
 from .memory_model import MemoryModel
 from .search import least_feasible_budget, vanilla_bytes
 from .solvers import REGISTRY, check_solver
-from .units import format_bytes, parse_bytes
+from .units import format_bytes, format_bytes_up, parse_bytes
 
 __all__ = ["solve"]
 
 
-def _gb(nbytes: Optional[float]) -> str:
-    return "n/a" if nbytes is None else format_bytes(nbytes, binary=False)
+def _gb(nbytes: Optional[float], up: bool = False) -> str:
+    if nbytes is None:
+        return "n/a"
+    return format_bytes_up(nbytes, binary=False) if up else format_bytes(nbytes, binary=False)
 
 
 def solve(graph: Graph, budget: Union[str, int, float, None] = None, solver: str = "approx",
@@ -58,8 +60,9 @@ def solve(graph: Graph, budget: Union[str, int, float, None] = None, solver: str
     least = least_feasible_budget(graph, solver=solver, strategy=strategy, model=model)
     vanilla = vanilla_bytes(graph, model)
     raise InfeasibleBudgetError(
-        f"budget {_gb(budget_bytes)} is below the least feasible {_gb(least)} for this graph "
-        f"with solver {solver!r} (vanilla backpropagation needs {_gb(vanilla)} under the same "
+        f"budget {_gb(budget_bytes)} is below the least feasible {_gb(least, up=True)} for this "
+        f"graph with solver {solver!r} (vanilla backpropagation needs {_gb(vanilla, up=True)} "
+        f"under the same "
         f"model); raise the budget, use solver='exact' if the graph allows it, or reduce the "
         f"batch size", budget_bytes=budget_bytes, least_feasible_bytes=least,
         vanilla_bytes=vanilla)

@@ -44,7 +44,15 @@ import numpy as np
 from .execution import ExecutionPlan
 from .graph import Graph
 
-__all__ = ["ReplayResult", "replay", "state_constant_bytes"]
+__all__ = ["RELEASE_MODES", "ReplayResult", "replay", "state_constant_bytes"]
+
+#: What is released after a node's last backward reader has run: ``none``
+#: held back (everything recomputable is released; a second backward pass
+#: through the graph regenerates checkpoints too), ``checkpoints`` kept
+#: until the iteration ends (only regenerated arrays are released: a second
+#: pass costs what the first did), or ``all`` kept (a second pass
+#: regenerates nothing).
+RELEASE_MODES = ("none", "checkpoints", "all")
 
 
 @dataclass(frozen=True)
@@ -73,14 +81,15 @@ class ReplayResult:
 
 
 def state_constant_bytes(graph: Graph) -> int:
-    """Parameters, optimizer state and the caller's input arrays: present
-    during the whole iteration whatever the plan (plus a correction the
-    runtime may have measured, ``meta['correction_bytes']``)."""
+    """Parameters, optimizer state, persistent arrays (BatchNorm
+    statistics) and the caller's input arrays: present during the whole
+    iteration whatever the plan (plus a correction the runtime may have
+    measured, ``meta['correction_bytes']``)."""
     sb = graph.state_bytes
     params = sb.get("params", graph.param_bytes)
     inputs = sum(a.nbytes for a in graph.arrays
                  if a.kind == "input" and a.name and a.view_of is None)
-    return int(params + sb.get("optimizer_state", 0) + inputs
+    return int(params + sb.get("optimizer_state", 0) + sb.get("persistents", 0) + inputs
                + int(graph.meta.get("correction_bytes", 0)))
 
 
@@ -203,7 +212,7 @@ def _caller_input(info: Any) -> bool:
 
 
 def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
-           keep_after_backward: bool = False) -> ReplayResult:
+           release_mode: str = "none") -> ReplayResult:
     """Replay one iteration of ``graph`` under ``plan`` (``None``: plain
     Chainer) and return its memory.
 
@@ -212,8 +221,8 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
             backward order are used where recorded; without a recorded
             order, backward runs in reverse node order).
         plan: the execution plan.
-        keep_after_backward: regenerated arrays stay until the iteration
-            ends (a graph backpropagated twice per iteration).
+        release_mode: what the executor releases after the last backward
+            reader of a node (see :data:`RELEASE_MODES`).
 
     >>> from chainer_recompute.core.execution import ExecutionPlan
     >>> g = Graph.from_edges([4, 4, 4], [(0, 1), (1, 2)])
@@ -410,10 +419,10 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
         if plan is not None:
             for u in plan.done.get(w, ()):
                 remaining[u] = remaining.get(u, 0) - 1
-            if not keep_after_backward:
+            if release_mode != "all":
                 for u in plan.done.get(w, ()):
                     if (remaining.get(u, 0) <= 0 and u in plan.releasable and u not in released
-                            and regenerable(u)):
+                            and (release_mode == "none" or u in dropped) and regenerable(u)):
                         release(u)
     # The optimizer update: if the caller held nothing of the graph but what
     # the forward returned (the loss), the graph is gone by then

@@ -338,7 +338,7 @@ class Call:
         "index", "func", "op", "label", "in_shapes", "in_args", "out_meta", "out_view",
         "keep_in", "keep_out", "held", "in_ids", "out_ids", "has_backward", "measured",
         "time_s", "fwd_transient", "recomputable", "reason", "bwd_time_s", "bwd_transient",
-        "bwd_alloc", "_out", "_pre")
+        "bwd_alloc", "_out", "_pre", "_func_strong")
 
     def __init__(self, index: int, func: Any, in_data: Tuple[Any, ...],
                  in_args: Tuple[Optional[str], ...]) -> None:
@@ -365,6 +365,7 @@ class Call:
         self.bwd_transient: Optional[int] = None
         self.bwd_alloc: Optional[int] = None
         self._out: Optional[Tuple[Any, ...]] = None  # the outputs, until mapped
+        self._func_strong: Any = None  # the function node, until mapped
         self._pre: Any = None  # measurement state between pre- and postprocess
 
 
@@ -462,6 +463,9 @@ class Recorder(chainer.FunctionHook):
             self._stop_measure(call, function, in_data, out)
         self._describe(call, function, in_data, out)
         function.add_hook(self)  # to see its backward
+        # Held until its inputs and outputs are mapped at the next function:
+        # a result thrown away at once would take its node with it.
+        call._func_strong = function
         self._pending = call
 
     def deleted(self, function: Any = None) -> None:
@@ -648,6 +652,7 @@ class Recorder(chainer.FunctionHook):
         call.out_ids = tuple(out_ids)
         call._out = None
         self.after_mapping(call)
+        call._func_strong = None
 
     def _death_callback(self, aid: int) -> Callable[[Any], None]:
         def died(_ref: Any) -> None:
@@ -737,9 +742,10 @@ class Recorder(chainer.FunctionHook):
             held, recomputable, reason = c.held, c.recomputable, c.reason
             time_s, fwd_t = c.time_s, c.fwd_transient
             if ref is not None:
-                roles = {h.name: h.role for h in ref.held}
-                held = tuple(HeldArray(h.name, h.shape, h.dtype, h.nbytes,
-                                       roles.get(h.name, "state")) for h in c.held)
+                # Same function and shapes as the planned node: its attributes
+                # and their roles (written ones included: running statistics
+                # are not seen without measuring) are the same.
+                held = ref.held
                 recomputable = ref.recomputable
                 reason = ref.attrs.get("unsafe_reason", "")
                 time_s, fwd_t = ref.forward_time_s, ref.forward_transient_bytes
@@ -972,8 +978,9 @@ def state_bytes(link: chainer.Link, optimizer: Any = None) -> Dict[str, int]:
     """Bytes that do not depend on the plan: ``params``, ``param_grads``
     (as many as the parameters: every training iteration makes them),
     ``optimizer_state`` (measured when the optimizer has run, otherwise
-    estimated from its update rules) and ``update_transient`` (the
-    largest temporary of an update: one parameter's size)."""
+    estimated from its update rules), ``update_transient`` (the largest
+    temporary of an update: one parameter's size) and ``persistents``
+    (BatchNorm statistics and other persistent arrays)."""
     params = [p for p in link.params() if p.array is not None]
     pbytes = sum(int(p.array.nbytes) for p in params)
     state = 0
@@ -988,8 +995,16 @@ def state_bytes(link: chainer.Link, optimizer: Any = None) -> Dict[str, int]:
             state += sum(int(v.nbytes) for v in st.values() if is_array(v))
         else:
             state += _STATE_COPIES.get(type(rule).__name__, 2) * int(p.array.nbytes)
+    persistents = 0
+    seen: set = set()
+    for sub in link.links():
+        for name in getattr(sub, "_persistent", ()):
+            v = getattr(sub, name, None)
+            if is_array(v) and id(v) not in seen:
+                seen.add(id(v))
+                persistents += int(v.nbytes)
     return {"params": pbytes, "param_grads": pbytes, "optimizer_state": state,
-            "update_transient": largest}
+            "update_transient": largest, "persistents": persistents}
 
 
 #: Arrays of a parameter's size that each of Chainer's update rules keeps

@@ -84,10 +84,10 @@ class Program(ExecutionPlan):
         self.param_refs: Dict[int, Any] = dict(param_refs or {})
         # learned: the graph is backpropagated more than once per iteration
         self.multi_backward = False
-        # decided by the runner once multi_backward is known: keep the
-        # regenerated arrays between backward passes (one regeneration
-        # serves both) when that fits the budget, else regenerate again
-        self.keep_between_backward: Optional[bool] = None
+        # what stays after a node's last backward reader (replay.RELEASE_MODES):
+        # chosen by the runner from the replayed peaks and the budget
+        self.release_mode = "none"
+        self.release_mode_decided = False
 
 
 class IterationStats:
@@ -104,13 +104,17 @@ class IterationStats:
         n_released: arrays released at the moment (all dropped ones after
             the forward).
         recomputed_nodes: function forwards re-run during backward.
+        n_nodes: functions in the planned graph.
+        release_mode: what is kept after a node's last backward reader
+            (``none``, ``checkpoints``, ``all``; see ``core.replay``).
         mismatch: why the iteration stopped matching its plan.
         measured_peak_bytes / predicted_peak_bytes / budget_bytes: set by
             the runner when it measures the iteration (see ``apply``).
     """
 
     __slots__ = ("path", "n_dropped", "n_released", "recomputed_nodes", "mismatch",
-                 "measured_peak_bytes", "predicted_peak_bytes", "budget_bytes")
+                 "measured_peak_bytes", "predicted_peak_bytes", "budget_bytes", "n_nodes",
+                 "release_mode")
 
     def __init__(self, n_dropped: int = 0, path: str = "planned") -> None:
         self.path = path
@@ -121,6 +125,8 @@ class IterationStats:
         self.measured_peak_bytes: Optional[int] = None
         self.predicted_peak_bytes: Optional[int] = None
         self.budget_bytes: Optional[int] = None
+        self.n_nodes = 0
+        self.release_mode = "none"
 
     def __repr__(self) -> str:
         return (f"IterationStats(path={self.path!r}, dropped={self.n_dropped}, "
@@ -175,6 +181,7 @@ class IterationHook(Recorder):
         self.mismatch_at: Optional[int] = None
         self.kept: Dict[int, Any] = {}  # array id -> pinned array
         self._pinned_at: Dict[int, List[int]] = {}  # node -> array ids it pinned
+        self._pinned_ok: Set[int] = set()  # dropped nodes whose sources are held
         self.params: Dict[int, Any] = {}  # array id -> Parameter read by a dropped node
         self.fingerprints: Dict[int, Tuple[Any, ...]] = {}
         self.snapshots: Dict[int, Any] = {}  # array id -> parameter values saved before an update
@@ -194,6 +201,10 @@ class IterationHook(Recorder):
         self.stats = IterationStats(len(self.program.dropped) if self.program else 0,
                                     path="recorded" if self.program is None else "planned")
         if self.program is not None:
+            self.stats.n_nodes = self.program.n
+            self.stats.release_mode = self.program.release_mode
+            # (a backward may run inside the forward: chainer.grad)
+            self._needs, self._done = self.program.needs, self.program.done
             _patch_update_rule()
 
     @property
@@ -215,7 +226,7 @@ class IterationHook(Recorder):
         if not self.executing:
             return
         i = call.index
-        alive = [p for p in self.candidates if _matches_before(p, call)]
+        alive = [p for p in self.candidates if _matches_before(p, call, in_data)]
         if not alive:
             p = self.program
             if i >= p.n:
@@ -225,7 +236,9 @@ class IterationHook(Recorder):
                 node = p.graph.nodes[i]
                 planned = tuple(p.graph.arrays[a].shape for a in node.inputs)
                 msg = (f"function #{i} is {call.op} on inputs of shapes {call.in_shapes}, "
-                       f"but the plan has {node.op} on {planned}")
+                       f"but the plan has {node.op} on {planned}"
+                       + (" (other parameters or arguments)" if node.op == call.op and
+                          planned == call.in_shapes else ""))
             self._set_mismatch(i, msg)
             return
         self.candidates = alive
@@ -233,13 +246,15 @@ class IterationHook(Recorder):
             self._switch(alive[0])
         p = self.program
         for u in p.release_at.get(i, ()):
-            self._release(u)
+            if u in self._pinned_ok:  # its sources held under a verified wiring
+                self._release(u)
         if i in p.dropped:
             self._pin(i, p, in_data)
 
     def _switch(self, program: Program) -> None:
         self.program = program
         self.stats.n_dropped = len(program.dropped)
+        self._needs, self._done = program.needs, program.done
 
     def _pin(self, i: int, p: Program, in_data: Tuple[Any, ...]) -> None:
         node = p.graph.nodes[i]
@@ -259,6 +274,7 @@ class IterationHook(Recorder):
             if self.verify and info.kind == "input":
                 self.fingerprints[a] = fingerprint(in_data[j])
         self._pinned_at[i] = new
+        self._pinned_ok.add(i)
 
     def _watch_param(self, a: int, ref: Any) -> bool:
         """Regeneration may read parameter array ``a``: checksum it and save
@@ -285,14 +301,20 @@ class IterationHook(Recorder):
             self._set_mismatch(i, f"function #{i} ({call.op}) reads arrays {call.in_ids}, but "
                                   f"the plan has it read {node.inputs} (the model's wiring "
                                   f"depends on the data?)")
-            for a in self._pinned_at.pop(i, ()):  # pinned under an unverified wiring
-                self.kept.pop(a, None)
-                self.params.pop(a, None)
-                self.fingerprints.pop(a, None)
+            self._unpin(i)  # pinned under an unverified wiring
             return
         self.candidates = alive
         if self.program not in alive:
+            # This call's pins were made under the other plan's wiring.
+            self._unpin(call.index)
             self._switch(alive[0])
+
+    def _unpin(self, i: int) -> None:
+        for a in self._pinned_at.pop(i, ()):
+            self.kept.pop(a, None)
+            self.params.pop(a, None)
+            self.fingerprints.pop(a, None)
+        self._pinned_ok.discard(i)
 
     def finish(self, result: Any = None) -> None:
         super().finish(result)
@@ -303,7 +325,8 @@ class IterationHook(Recorder):
         if self.executing:
             self.candidates = [p for p in self.candidates if p.n == len(self.calls)]
             for u in self.program.release_at.get(self.program.n, ()):
-                self._release(u)
+                if u in self._pinned_ok:
+                    self._release(u)
             self._needs, self._done = self.program.needs, self.program.done
         elif self.program is not None and self.released:
             self._actual_readers()
@@ -313,6 +336,7 @@ class IterationHook(Recorder):
         plan's are wrong beyond the mismatch)."""
         p = self.program
         releasable = frozenset(u for u in p.releasable if u < (self.mismatch_at or 0))
+        self._needs, self._done = {}, {}  # new dicts: the plan's own must stay as they are
         for c in self.calls:
             need = set()
             derived = p.derived.get(c.index, ()) if c.index < p.n else ()
@@ -352,6 +376,17 @@ class IterationHook(Recorder):
 
     # ---------------------------------------------------------- backward
     def before_backward(self, i: int, function: Any) -> None:
+        if i in self._bw_seen:
+            # Another backward pass through this graph (a GAN's generator
+            # graph, or loss.backward() twice): count its readers afresh,
+            # so that its regenerations are block-wise again.
+            self.multi_backward = True
+            if self.program is not None:
+                self.program.multi_backward = True
+            self._bw_seen = set()
+            self._reach = None
+            self.remaining = {}
+            self._bw_left = None
         if self._reach is None or i not in self._reach:
             self._extend_reach(function)
         if chainer.config.enable_backprop or not self.forward_done:
@@ -359,10 +394,6 @@ class IterationHook(Recorder):
             # backward inside the forward (chainer.grad) will be followed
             # by another: keep everything from now on.
             self.no_release = True
-        if i in self._bw_seen:
-            self.multi_backward = True
-            if self.program is not None:
-                self.program.multi_backward = True
         self._bw_seen.add(i)
         if self.program is None:
             return
@@ -382,11 +413,13 @@ class IterationHook(Recorder):
         for u in self._done.get(i, ()):
             if u in self.remaining:
                 self.remaining[u] -= 1
-        if self.no_release or self.program.keep_between_backward:
+        mode = self.program.release_mode
+        if self.no_release or mode == "all":
             return
         limit = self.program.n if self.mismatch_at is None else self.mismatch_at
         for u in self._done.get(i, ()):
             if (self.remaining.get(u, 0) <= 0 and u in self.program.releasable and u < limit
+                    and (mode == "none" or u in self.program.dropped)
                     and self._regenerable(u)):
                 self._release(u)
 
@@ -520,7 +553,12 @@ class IterationHook(Recorder):
             self.stats.recomputed_nodes += 1
             for a, y in zip(self.calls[u].out_ids or (), outs):
                 values[a] = y
+            if u in self.released and u not in wanted and self._live_reader(u):
+                wanted.add(u)  # a checkpoint released after an earlier backward pass
             if u in wanted and u in self.released:
+                for a, y in zip(self.calls[u].out_ids or (), outs):
+                    if a in p.source_arrays:
+                        self.kept[a] = y  # later blocks start from it again
                 out_idx, had_retained = self.released.pop(u)
                 self.stats.n_released = len(self.released)
                 for k in out_idx:
@@ -571,7 +609,9 @@ class IterationHook(Recorder):
         return outs
 
 
-def _matches_before(p: Program, call: Call) -> bool:
+def _matches_before(p: Program, call: Call, in_data: Tuple[Any, ...]) -> bool:
+    """The call's function class, input shapes, arguments and parameters
+    (a parameter's input is its very array) are the planned node's."""
     i = call.index
     if i >= p.n:
         return False
@@ -579,12 +619,17 @@ def _matches_before(p: Program, call: Call) -> bool:
     if node.op != call.op or len(node.inputs) != len(call.in_shapes):
         return False
     arrays = p.graph.arrays
-    for a, shape, arg in zip(node.inputs, call.in_shapes, call.in_args):
+    for a, shape, arg, x in zip(node.inputs, call.in_shapes, call.in_args, in_data):
         info = arrays[a]
         if info.shape is not None and tuple(info.shape) != shape:
             return False
         if info.kind == "input" and (info.name or None) != arg:
             return False
+        if info.kind == "param":
+            ref = p.param_refs.get(a)
+            param = ref() if ref is not None else None
+            if param is None or param.array is not x:
+                return False
     return True
 
 

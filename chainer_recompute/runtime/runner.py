@@ -267,8 +267,8 @@ class Recompute:
         program = Program(graph, plan.lower_sets, frozenset(plan.kept), param_refs=param_refs)
         program.multi_backward = multi_backward
         s = _Structure(graph, plan, program, time.perf_counter() - t0)
-        if multi_backward:
-            self._decide_keep(s)
+        if plan.recompute:
+            self._decide_release(s)
         entry.structures.insert(0, s)
         del entry.structures[self.max_structures:]
         level = logging.INFO if (self.verbose and not self._reported_plan) else logging.DEBUG
@@ -292,16 +292,11 @@ class Recompute:
                            meta={"state_bytes": state_bytes(link)} if link is not None else None,
                            fill=hook.program.graph if hook.program is not None else None)
         if hook.backward_during_forward:
-            report.warning("the model's forward runs a backward (chainer.grad?); its graph "
-                           "is run without recomputation")
-            from ..core.solvers import solve_none
-            plan = solve_none(graph, None)
-            program = Program(graph, plan.lower_sets, frozenset(plan.kept),
-                              param_refs=hook.param_refs)
-            entry.structures.insert(0, _Structure(graph, plan, program,
-                                                  time.perf_counter() - t0))
-            del entry.structures[self.max_structures:]
-            return
+            # chainer.grad inside the forward (a gradient penalty): planned as
+            # usual; from the moment such a backward starts, the executor
+            # releases nothing more and regenerates what it needs.
+            logger.info("the model's forward runs a backward (chainer.grad?); arrays are "
+                        "not released after it starts")
         self._add(entry, graph, hook.param_refs, hook.multi_backward, t0)
 
     def _plan_separately(self, entry: _Entry, args: Tuple[Any, ...],
@@ -364,8 +359,8 @@ class Recompute:
             self._plan_separately(entry, args, kwargs)
         self._stop_meter()
         for s in entry.structures:
-            if s.program.multi_backward and s.program.keep_between_backward is None:
-                self._decide_keep(s)
+            if s.program.multi_backward and not s.program.release_mode_decided:
+                self._decide_release(s)
         link = self._link(args)
         hook = IterationHook([s.program for s in entry.structures], link=link,
                              args=list(args) + list(kwargs.values()), verify=self.verify)
@@ -395,20 +390,41 @@ class Recompute:
             entry.structures.sort(key=lambda s: s.program is not used)
         return out
 
-    def _decide_keep(self, s: _Structure) -> None:
-        """The plan's graph is backpropagated twice per iteration (a GAN's
-        generator): keep what the first backward regenerates for the second
-        if the replayed peak with that still fits the budget."""
+    def _decide_release(self, s: _Structure) -> None:
+        """What the executor keeps after a node's last backward reader
+        (replay.RELEASE_MODES): the mode that makes a second backward pass
+        cheapest among those whose replayed peak fits the budget (total
+        scope; ``all`` only for a graph known to be backpropagated twice per
+        iteration, a GAN's generator graph, else ``checkpoints``). In the
+        activations scope: ``all`` for such a graph, ``checkpoints`` where it
+        costs no peak."""
         from ..core.budget import MARGIN
         from ..core.replay import replay
         budget = s.plan.budget_bytes
-        peak = replay(s.graph, s.program, keep_after_backward=True).peak_bytes
-        s.program.keep_between_backward = (self.budget_scope != "total" or budget is None
-                                           or peak <= budget * (1 - MARGIN))
-        logger.info("the graph is backpropagated more than once per iteration; %s",
-                    "regenerated arrays are kept between the backward passes"
-                    if s.program.keep_between_backward else
-                    "keeping them would exceed the budget: each backward regenerates")
+        modes = ["all", "checkpoints"] if s.program.multi_backward else ["checkpoints"]
+        s.program.release_mode = "none"
+        if self.budget_scope != "total" or budget is None:
+            # The paper's model does not bound the real peak: keep what a
+            # second pass needs, or checkpoints where that costs nothing.
+            base = replay(s.graph, s.program, release_mode="none").peak_bytes
+            if s.program.multi_backward:
+                s.program.release_mode = "all"
+            elif replay(s.graph, s.program, release_mode="checkpoints").peak_bytes <= base:
+                s.program.release_mode = "checkpoints"
+        else:
+            for mode in modes:
+                if replay(s.graph, s.program, release_mode=mode).peak_bytes <= \
+                        budget * (1 - MARGIN):
+                    s.program.release_mode = mode
+                    break
+        s.program.release_mode_decided = s.program.multi_backward
+        if s.program.multi_backward:
+            logger.info("the graph is backpropagated more than once per iteration; after each "
+                        "backward pass %s", {
+                            "all": "regenerated arrays are kept for the next",
+                            "checkpoints": "checkpoints are kept, regenerated arrays released",
+                            "none": "everything is released (keeping more would exceed the "
+                                    "budget)"}[s.program.release_mode])
 
     # ------------------------------------------------- measured memory
     _meter: Any = None
@@ -430,7 +446,7 @@ class Recompute:
         if not gpu:  # arrays made before tracing starts: counted by hand
             if link is not None:
                 sb = state_bytes(link)
-                start += sb["params"] + sb["optimizer_state"]
+                start += sb["params"] + sb["optimizer_state"] + sb["persistents"]
                 old_grads = [p.grad for p in link.params() if p.grad is not None]
                 start += sum(int(g.nbytes) for g in old_grads)
             for path_arr in arrays:

@@ -27,6 +27,9 @@ setup(
         # Compiled DP kernels (chainer_recompute/core/solvers/_dp_numba.py);
         # without them the solvers run on NumPy alone, with the same answers.
         "fast": ["numba>=0.59"],
+        # ChainerMN (shipped with Chainer) over MPI (runtime/distributed.py): needs
+        # a system MPI to build mpi4py (Debian: openmpi-bin, libopenmpi-dev).
+        "mn": ["mpi4py>=3"],
     },
     entry_points={"console_scripts": [
         "chainer-recompute=chainer_recompute.cli:main",

@@ -31,6 +31,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 from .errors import BudgetError, InfeasibleBudgetError
 from .execution import ExecutionPlan
 from .graph import Graph
+from .lower_sets import DEFAULT_MAX_LOWER_SETS, LowerSetFamily
 from .memory_model import SCOPES, MemoryModel, measured_model
 from .plan import Plan
 from .planner import solve
@@ -78,12 +79,22 @@ class BudgetSearch:
         self.graph, self.solver, self.strategy = graph, solver, strategy
         self.options = solver_options
         self.model: MemoryModel = measured_model(graph)
+        # The lower sets with the model's quantities, built once for every
+        # budget tried (the DPs accept a prepared family).
+        self.family: Optional[LowerSetFamily] = None
+        if solver == "approx":
+            self.family = LowerSetFamily.ancestor_closures(graph, self.model)
+        elif solver == "exact":
+            self.family = LowerSetFamily.all(
+                graph, solver_options.get("max_lower_sets", DEFAULT_MAX_LOWER_SETS), self.model)
         self._cache: Dict[int, Tuple[Plan, Optional[int]]] = {}
         self._vanilla: Optional[Tuple[Plan, int]] = None
         self._least: Optional[Tuple[Plan, int]] = None
         self.dp_least = least_feasible_budget(graph, solver=solver if solver in ("approx", "exact")
                                               else "approx", strategy=strategy,
                                               model=self.model)
+        self.options = {k: v for k, v in solver_options.items() if k != "max_lower_sets"} \
+            if self.family is not None else solver_options
 
     # ----------------------------------------------------------- pieces
     def peak_of(self, plan: Plan) -> int:
@@ -106,8 +117,9 @@ class BudgetSearch:
         dp_budget = int(dp_budget)
         hit = self._cache.get(dp_budget)
         if hit is None:
+            extra = {} if self.family is None else {"family": self.family}
             plan = solve(self.graph, dp_budget, solver=self.solver, strategy=self.strategy,
-                         raise_infeasible=False, model=self.model, **self.options)
+                         raise_infeasible=False, model=self.model, **extra, **self.options)
             hit = (plan, self.peak_of(plan) if plan.feasible else None)
             self._cache[dp_budget] = hit
         plan, peak = hit
@@ -116,7 +128,7 @@ class BudgetSearch:
     def _grid(self) -> List[int]:
         lo = self.dp_least
         hi = max(lo + 1, self._dp_vanilla())
-        k = 12
+        k = 6
         return sorted({int(lo * (hi / lo) ** (j / k)) if lo > 0 else lo + (hi - lo) * j // k
                        for j in range(k + 1)})
 

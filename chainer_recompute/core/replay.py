@@ -364,14 +364,23 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
         for a in values:
             mem.drop(a, "val")
 
+    regen_ok: Dict[int, bool] = {}  # as the executor, decided once per node
+
     def regenerable(u: int) -> bool:
+        known = regen_ok.get(u)
+        if known is not None:
+            return known
+        regen_ok[u] = True  # provisional, against cycles
+        ok = True
         for a in nodes[u].inputs:
             info = arrays[a]
             if info.kind == "param" or _caller_input(info) or mem.alive(a):
                 continue
             if info.producer is None or not regenerable(info.producer):
-                return False
-        return True
+                ok = False
+                break
+        regen_ok[u] = ok
+        return ok
 
     for w in order:
         node = nodes[w]

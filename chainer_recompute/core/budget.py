@@ -252,7 +252,7 @@ def plan_for_budget(graph: Graph, budget: Union[str, int, float], *, solver: str
 
     >>> g = Graph.from_edges([4, 4, 4, 4], [(0, 1), (1, 2), (2, 3)])
     >>> plan_for_budget(g, 'least', solver='exact', scope='activations').predicted_peak_bytes
-    16
+    20
     """
     check_scope(scope)
     check_solver(solver, strategy)

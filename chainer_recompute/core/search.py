@@ -63,7 +63,7 @@ def least_feasible_budget(graph: Graph, solver: str = "approx", strategy: str = 
 
     >>> g = Graph.from_edges([1, 1, 1, 1], [(0, 1), (1, 2), (2, 3)])
     >>> least_feasible_budget(g, 'exact')
-    4
+    5
     """
     check_solver(solver, strategy)
     if model is None:

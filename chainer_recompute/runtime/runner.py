@@ -3,7 +3,7 @@ run every training forward under the backward driver.
 
 >>> import chainer_recompute as cr                        # doctest: +SKIP
 >>> model = cr.apply(model, budget='8G')                # doctest: +SKIP
->>> loss = model(x, t); loss.backward()                 # as before
+>>> loss = model(x, t); loss.backward()                 # doctest: +SKIP
 
 The first training call with a new input signature (shapes, dtypes, device,
 train mode, other arguments) runs exactly as plain Chainer would (one

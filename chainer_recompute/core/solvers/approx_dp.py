@@ -53,7 +53,7 @@ def solve_approx(graph: Graph, budget_bytes: Optional[int], *, strategy: str = "
 
     >>> g = Graph.from_edges([1, 1, 1], [(0, 1), (1, 2)])
     >>> solve_approx(g, 6).n_blocks
-    2
+    3
     """
     t0 = time.perf_counter()
     fam = (LowerSetFamily.ancestor_closures(graph, model) if family is None

@@ -79,7 +79,7 @@ def solve_chen(graph: Graph, budget_bytes: Optional[int], *, strategy: str = "tc
 
     >>> g = Graph.from_edges([1] * 9, [(i, i + 1) for i in range(8)])
     >>> solve_chen(g, None).n_blocks
-    4
+    3
     """
     t0 = time.perf_counter()
     cands = chen_candidates(graph, max_lower_sets)

@@ -18,8 +18,9 @@ count never goes down and an explosion is detected as soon as it happens.
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, FrozenSet, Iterable, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -60,14 +61,11 @@ def mask_to_set(mask: int) -> FrozenSet[int]:
     >>> sorted(mask_to_set(5))
     [0, 2]
     """
-    out = []
-    v = 0
-    while mask:
-        low = mask & -mask
-        v = low.bit_length() - 1
-        out.append(v)
-        mask ^= low
-    return frozenset(out)
+    if mask < 0:
+        raise ValueError("a bitset is a non-negative int")
+    raw = np.frombuffer(mask.to_bytes(max(1, (mask.bit_length() + 7) // 8), "little"),
+                        dtype=np.uint8)
+    return frozenset(np.flatnonzero(np.unpackbits(raw, bitorder="little")).tolist())
 
 
 def full_mask(graph: Graph) -> int:
@@ -79,12 +77,24 @@ def full_mask(graph: Graph) -> int:
     return (1 << graph.n) - 1
 
 
+_MASKS: "weakref.WeakKeyDictionary[Graph, Tuple[List[int], List[int]]]" = \
+    weakref.WeakKeyDictionary()
+
+
+def _masks_of(graph: Graph) -> Tuple[List[int], List[int]]:
+    got = _MASKS.get(graph)
+    if got is None:
+        got = _MASKS[graph] = ([set_to_mask(ps) for ps in graph.preds],
+                               [set_to_mask(ss) for ss in graph.succs])
+    return got
+
+
 def _pred_masks(graph: Graph) -> List[int]:
-    return [set_to_mask(ps) for ps in graph.preds]
+    return _masks_of(graph)[0]
 
 
 def _succ_masks(graph: Graph) -> List[int]:
-    return [set_to_mask(ss) for ss in graph.succs]
+    return _masks_of(graph)[1]
 
 
 def _as_mask(s) -> int:

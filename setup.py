@@ -23,7 +23,11 @@ setup(
         "setuptools<81",
     ],
     extras_require={
-        "test": ["pytest>=7", "pytest-timeout>=2"],
+        # matplotlib: tests/test_plotting.py draws the figures of --out.
+        "test": ["pytest>=7", "pytest-timeout>=2", "matplotlib>=3.5"],
+        # memory.png and schedule.png of `chainer-recompute --out DIR` and
+        # `chainer-recompute plot` (chainer_recompute/plotting.py).
+        "plot": ["matplotlib>=3.5"],
         # Compiled DP kernels (chainer_recompute/core/solvers/_dp_numba.py);
         # without them the solvers run on NumPy alone, with the same answers.
         "fast": ["numba>=0.59"],

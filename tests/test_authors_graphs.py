@@ -24,7 +24,7 @@ AUTHORS = {
 def load(name: str):
     path = GRAPHS / f"cg_{name}.txt"
     if not path.exists():
-        pytest.skip(f"{path} is absent: the shared graphs directory is not next to the repo")
+        pytest.skip(f"the authors' graph {path} is absent: put their cg_*.txt files in {GRAPHS}")
     from chainer_recompute.core.io import load_authors_graph
     return load_authors_graph(path)
 

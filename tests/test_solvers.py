@@ -214,3 +214,35 @@ def test_hsm_policy_splits_are_valid() -> None:
     assert pol[0] == (0, 10, 3)
     for off, length, slots in pol:
         assert 0 <= off and off + length <= 10 and 2 <= slots <= 3
+
+
+def test_dp_engines() -> None:
+    from chainer_recompute.core.solvers._dp import numba_available
+    g = Graph.from_edges([1, 2, 3, 4], [(0, 1), (0, 2), (1, 3), (2, 3)], costs=[1, 1, 1, 1])
+    ref = solve_exact(g, 15, engine="numpy")
+    assert ref.overhead == 1
+    with pytest.raises(ValueError, match="engine"):
+        solve_exact(g, 15, engine="fortran")
+    if numba_available():
+        assert solve_exact(g, 15, engine="numba").overhead == ref.overhead
+        assert solve_exact(g, 16, strategy="mc", engine="numba").overhead == 2
+        assert least_feasible_budget(g, "exact", engine="numba") == 15
+    else:
+        with pytest.raises(ImportError, match="fast"):
+            solve_exact(g, 15, engine="numba")
+
+
+def test_plan_records_memory_scope() -> None:
+    from chainer_recompute.core.memory_model import MemoryModel
+    g = chain4()
+    assert solve_exact(g, 5).info["memory_scope"] == "activations"
+    m = MemoryModel.paper(g)
+    total = MemoryModel(block_bytes=m.block_bytes, keep_bytes=m.keep_bytes,
+                        above_bytes=m.above_bytes, beside_bytes=m.beside_bytes,
+                        transient_bytes=[0, 3, 0, 0], constant_bytes=10, scope="total")
+    p = solve(g, 18, "exact", model=total)
+    assert p.info["memory_scope"] == "total" and p.predicted_peak_bytes <= 18
+    assert least_feasible_budget(g, "exact", model=total) == p.predicted_peak_bytes or \
+        least_feasible_budget(g, "exact", model=total) <= 18
+    with pytest.raises(InfeasibleBudgetError):
+        solve(g, 9, "exact", model=total)  # below the constant

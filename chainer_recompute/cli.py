@@ -750,7 +750,8 @@ def _next_command(args: argparse.Namespace, report: Dict[str, Any]) -> str:
                 f"budget={budget!r}) (PrintReport can show chainer_recompute.extensions."
                 f"RecomputeReport's keys)")
     if not plan["recompute"] and least is not None and least["recompute"]:
-        return (f"{cmd(_typed(least['budget_bytes']))}   # the least feasible budget: "
+        dry = ["--dry-run"] if args.dry_run else []
+        return (f"{cmd(_typed(least['budget_bytes']), dry)}   # the least feasible budget: "
                 f"{_pct(least['saving_fraction'])} less than plain backprop")
     if args.graph:
         return cmd(extra=["--out", "plan"]) + "   # memory.png and schedule.png"

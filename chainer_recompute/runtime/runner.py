@@ -111,9 +111,10 @@ class _Entry:
     """What a signature has: its plans (most recently used first), a
     recorded iteration waiting to be planned, and counters."""
 
-    __slots__ = ("structures", "pending", "calls", "recorded", "plain")
+    __slots__ = ("structures", "pending", "calls", "recorded", "plain", "error")
 
     def __init__(self) -> None:
+        self.error: Optional[Exception] = None  # raised at the next call
         self.structures: List[_Structure] = []
         self.pending: Optional[IterationHook] = None
         self.calls = 0
@@ -345,6 +346,8 @@ class Recompute:
             return self.fn(*args, **kwargs)
         sig = _signature(args, kwargs)
         entry = self._entry(sig)
+        if entry.error is not None:
+            raise entry.error
         entry.calls += 1
         if self.coordinator is not None:
             state = ("plain" if entry.plain else "plan" if entry.pending is not None
@@ -498,7 +501,12 @@ class Recompute:
         graph = graph.replace(meta=meta)
         t0 = time.perf_counter()
         entry.structures.remove(s)
-        self._add(entry, graph, s.program.param_refs, s.program.multi_backward, t0)
+        try:
+            self._add(entry, graph, s.program.param_refs, s.program.multi_backward, t0)
+        except InfeasibleBudgetError as e:
+            # Not from inside the user's backward: at the next call, before
+            # anything runs.
+            entry.error = e
 
     def __repr__(self) -> str:
         budget = "least" if self.budget_least else format_bytes(self.budget_bytes)

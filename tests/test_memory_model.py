@@ -244,3 +244,41 @@ def test_misprediction_warns_once_corrects_and_replans(monkeypatch, caplog):
     shrink["on"] = False
     after = runner.last_stats
     assert after.path == "planned" and after.measured_peak_bytes <= after.budget_bytes
+
+
+def test_overshoot_that_the_corrected_model_cannot_meet_raises_at_the_next_call(monkeypatch):
+    """The backward that measured the overshoot completes (gradients as in
+    plain Chainer); the next call raises InfeasibleBudgetError with the
+    least feasible figure, before running anything."""
+    import copy
+    import dataclasses
+    from chainer_recompute.core import budget as budget_mod
+    from chainer_recompute.models.small import SMALL_MODELS
+    link, args = SMALL_MODELS["convnet"](0)
+    plain = copy.deepcopy(link)
+    real_replay = budget_mod.replay
+
+    def optimistic(graph, plan=None, **kw):
+        r = real_replay(graph, plan, **kw)
+        if "correction_bytes" not in graph.meta:
+            return dataclasses.replace(r, peak_bytes=int(r.peak_bytes * 0.7))
+        return r
+
+    monkeypatch.setattr(budget_mod, "replay", optimistic)
+    link(*args).backward()  # initialise, as plain below
+    plain(*args).backward()
+    g = capture(link, *args, backward=True, link=link)
+    tight = BudgetSearch(g).least_budget()  # under the optimistic model
+    cr.apply(link, budget=tight, verbose=False)
+    for model in (plain, link):
+        model.cleargrads()
+        model(*args).backward()  # recorded
+    for model in (plain, link):
+        model.cleargrads()
+        model(*args).backward()  # planned: over the real budget; measured, re-planned
+    assert cr.runner_of(link).last_stats.measured_peak_bytes > tight
+    for (n, p), (_, q) in zip(sorted(plain.namedparams()), sorted(link.namedparams())):
+        np.testing.assert_array_equal(p.grad, q.grad, err_msg=n)
+    with pytest.raises(cr.InfeasibleBudgetError) as info:
+        link(*args)
+    assert info.value.least_feasible_bytes > tight

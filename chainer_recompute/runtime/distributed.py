@@ -208,10 +208,10 @@ class Coordinator:
         sync_s: seconds spent agreeing at the training calls (one
             allgather each), rounds excluded.
         round_s: seconds spent in rounds (the root's solving included).
-        last_round: what the last round did: ``planners`` (ranks), ``keys``
-            (structure key per rank, ``None`` where it had no graph),
-            ``senders`` (ranks that sent their graph to the root) and
-            ``plans`` (key -> plan).
+        last_round: what the last round did: ``planners`` (the ranks that
+            planned in that call; ``None`` when this rank planned), ``keys``
+            (the structure keys each rank brought), ``senders`` (key -> the
+            rank that sent its graph to the root) and ``plans`` (key -> plan).
 
     >>> model = cr.apply(model, budget='least',                  # doctest: +SKIP
     ...                  coordinator=Coordinator(comm))
@@ -260,6 +260,7 @@ class Coordinator:
         """Called by the runner at the start of every training call, on
         every rank: agree on what every rank is about to do."""
         self.calls += 1
+        self._expect = None  # an expectation left by a call that raised before planning
         will_plan = self._will_plan(runner, signature, state)
         corrections = {k: int(g.graph.meta.get("correction_bytes", 0))
                        for k, g in self._corrections.items()}
@@ -395,6 +396,9 @@ class Coordinator:
         # every rank checks its graph against the structure of its plan
         verdict = None
         for k, g in mine.items():
+            if k not in results:
+                verdict = f"rank {self.rank} got no plan for its graph from rank {self.root}"
+                continue
             _, plan, structure, _ = results[k]
             if structure != g.structure:
                 verdict = (f"rank {self.rank}'s graph does not match the plan broadcast by "

@@ -3,7 +3,7 @@
 
     mpiexec -n 2 python scripts/train_mn.py --model resnet50 --small --batch-size 8
     mpiexec -n 2 python scripts/train_mn.py ... --compare --iterations 6
-    mpiexec -n 2 python scripts/train_mn.py ... --largest-batch 160M
+    mpiexec -n 2 python scripts/train_mn.py ... --largest-batch 400M
 
 A usual ChainerMN script (``create_communicator``, ``scatter_dataset``,
 ``create_multi_node_optimizer``, ``create_multi_node_evaluator``, a
@@ -94,6 +94,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--compare", action="store_true",
                    help="plain ChainerMN, then with recomputation, --iterations each")
     p.add_argument("--iterations", type=int, default=6)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="--compare: alternate plain and recompute runs this many times")
     p.add_argument("--largest-batch", metavar="BUDGET", default=None,
                    help="the largest per-rank batch that fits BUDGET, without and with "
                         "recomputation")
@@ -164,7 +166,8 @@ class Measured:
         peaks, times = self.peaks[skip:] or self.peaks, self.times[skip:] or self.times
         pred = [p for p in self.predicted[skip:] if p]
         return {"peak_bytes": max(peaks), "peak_all_bytes": max(self.peaks),
-                "time_s": statistics.mean(times), "iterations": len(self.peaks),
+                "time_s": statistics.median(times), "time_min_s": min(times),
+                "steady_times_s": list(times), "iterations": len(self.peaks),
                 "first_peaks_bytes": self.peaks[:skip], "paths": self.paths,
                 "predicted_peak_bytes": max(pred) if pred else None}
 
@@ -223,17 +226,30 @@ def train(args: argparse.Namespace, comm: Any, *, applied: bool, batch: int,
                          "budget_bytes": p.budget_bytes, "n_blocks": p.n_blocks,
                          "overhead_fraction": p.overhead_fraction}
                         for p in runner.plans.values()]
-        res["solves"] = runner.coordinator.solves
+        c = runner.coordinator
+        res.update(solves=c.solves, rounds=c.rounds, calls=c.calls,
+                   sync_ms_per_call=1e3 * c.sync_s / max(c.calls, 1), round_s=c.round_s)
     del trainer, updater, optimizer, model, runner
     gc.collect()
     return res
+
+
+def merge(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """The figures of repeated runs of one configuration: the largest peak,
+    the median and the least time of all their steady iterations."""
+    out = dict(runs[-1])
+    times = [t for r in runs for t in r["steady_times_s"]]
+    out.update(peak_bytes=max(r["peak_bytes"] for r in runs),
+               peak_all_bytes=max(r["peak_all_bytes"] for r in runs),
+               time_s=statistics.median(times), time_min_s=min(times),
+               steady_times_s=times, rounds=len(runs))
+    return out
 
 
 def largest_batches(args: argparse.Namespace, budget_bytes: int) -> Dict[str, Any]:
     """On one rank: the predicted largest per-rank batch that fits without
     and with recomputation (total budget: the replayed peak with the
     budget search's headroom)."""
-    from chainer_recompute.bench import scale_batch
     from chainer_recompute.core.budget import MARGIN, BudgetSearch
     from chainer_recompute.core.errors import InfeasibleBudgetError
     from chainer_recompute.models import get_model
@@ -247,7 +263,8 @@ def largest_batches(args: argparse.Namespace, budget_bytes: int) -> Dict[str, An
     graph = cr.capture(model, x, t, backward=True, name=args.model)
 
     def need(b: int, plain: bool) -> int:
-        search = BudgetSearch(scale_batch(graph, b), args.solver, args.strategy)
+        # scaled as the runner scales a capture_batch graph
+        search = BudgetSearch(graph.scale_batch(b), args.solver, args.strategy)
         if plain:
             return int(math.ceil(search.vanilla()[1] / (1 - MARGIN)))
         try:
@@ -291,6 +308,7 @@ def table(rows: List[List[str]]) -> str:
 
 def main(argv: Optional[List[str]] = None) -> int:
     import chainermn
+    from chainer_recompute.core.errors import InfeasibleBudgetError
     from chainer_recompute.runtime.distributed import DistributedError
     args = parse_args(argv)
     comm = chainermn.create_communicator(args.communicator)
@@ -308,23 +326,32 @@ def main(argv: Optional[List[str]] = None) -> int:
             if found["plain"]:
                 runs["plain"] = train(args, comm, applied=False, batch=found["plain"],
                                       budget=None, stop=it, evaluate=False)
-            if found["recompute"]:
-                b = found["recompute"]
-                runs["recompute"] = train(args, comm, applied=True, batch=b,
-                                          budget=budget_bytes, stop=it, evaluate=False,
-                                          capture_batch=cb if cb < b else None)
+            b = found["recompute"]
+            while b > found["plain"]:
+                try:  # planned before the first step (capture_batch): every step in budget
+                    runs["recompute"] = train(args, comm, applied=True, batch=b,
+                                              budget=budget_bytes, stop=it, evaluate=False,
+                                              capture_batch=cb if cb < b else None)
+                    break
+                except InfeasibleBudgetError:  # raised on every rank: all try a smaller one
+                    found.setdefault("refused_by_runner", []).append(b)
+                    b -= 1
+            if "recompute" in runs:
                 runs["plain_at_recompute_batch"] = train(args, comm, applied=False, batch=b,
                                                          budget=None, stop=it, evaluate=False)
             report["largest"] = dict(found, budget_bytes=budget_bytes,
                                      runs={k: comm.gather_obj(v) for k, v in runs.items()})
         elif args.compare:
             it = (args.iterations, "iteration")
-            plain = train(args, comm, applied=False, batch=args.batch_size, budget=None,
-                          stop=it, evaluate=False)
-            ours = train(args, comm, applied=True, batch=args.batch_size,
-                         budget=args.budget, stop=it, evaluate=False,
-                         capture_batch=args.capture_batch)
-            ours["identical_to_plain"] = ours["digest"] == plain["digest"]
+            plains, ourss = [], []
+            for _ in range(args.rounds):  # alternated: load on a shared machine hits both
+                plains.append(train(args, comm, applied=False, batch=args.batch_size,
+                                    budget=None, stop=it, evaluate=False))
+                ourss.append(train(args, comm, applied=True, batch=args.batch_size,
+                                   budget=args.budget, stop=it, evaluate=False,
+                                   capture_batch=args.capture_batch))
+            plain, ours = merge(plains), merge(ourss)
+            ours["identical_to_plain"] = len({r["digest"] for r in plains + ourss}) == 1
             report["compare"] = {"plain": comm.gather_obj(plain),
                                  "recompute": comm.gather_obj(ours)}
             report["ranks"] = report["compare"]["recompute"]
@@ -363,20 +390,26 @@ def render(report: Dict[str, Any]) -> str:
             rows.append([str(p["rank"]), str(p["batch"]), fb(p["peak_bytes"]),
                          fb(r["peak_bytes"]),
                          f"{100 * (r['peak_bytes'] / p['peak_bytes'] - 1):+.0f}%",
-                         fb(r["predicted_peak_bytes"]), f"{p['time_s']:.3f}",
-                         f"{r['time_s']:.3f}", f"x{r['time_s'] / p['time_s']:.2f}",
+                         fb(r["predicted_peak_bytes"]),
+                         f"{p['time_s']:.3f} (min {p['time_min_s']:.3f})",
+                         f"{r['time_s']:.3f} (min {r['time_min_s']:.3f})",
+                         f"x{r['time_s'] / p['time_s']:.2f} (min x"
+                         f"{r['time_min_s'] / p['time_min_s']:.2f})",
                          str(r["identical_to_plain"])])
         out.append(table(rows))
     elif "largest" in report:
         lg = report["largest"]
         out.append(f"budget {fb(lg['budget_bytes'])} per rank: largest per-rank batch "
-                   f"{lg['plain']} plain, {lg['recompute']} with recomputation (predicted "
-                   f"from a capture at batch {lg['capture_batch']})")
-        rows = [["run", "per-rank batch", "rank", "measured peak (steady)",
-                 "measured peak (all)", "fits", "s/it"]]
+                   f"predicted {lg['plain']} plain, {lg['recompute']} with recomputation "
+                   f"(from a capture at batch {lg['capture_batch']}, scaled)"
+                   + (f"; refused by the runner's own planning: {lg['refused_by_runner']}"
+                      if lg.get("refused_by_runner") else ""))
+        rows = [["run", "per-rank batch", "rank", "peak (steady)", "fits", "peak (every "
+                 "iteration)", "fits", "s/it"]]
         for name, ranks in lg["runs"].items():
             for r in ranks:
                 rows.append([name, str(r["batch"]), str(r["rank"]), fb(r["peak_bytes"]),
+                             str(r["peak_bytes"] <= lg["budget_bytes"]),
                              fb(r["peak_all_bytes"]),
                              str(r["peak_all_bytes"] <= lg["budget_bytes"]),
                              f"{r['time_s']:.3f}"])

@@ -102,7 +102,14 @@ def structure_of(graph: Graph) -> Tuple[Any, ...]:
     its shape, dtype, kind, producer, view and name; per node its function,
     wiring (input and output array ids), what Chainer retains, the arrays it
     holds, whether it can be recomputed and whether it has a backward.
-    Two graphs with the same structure take the same plan."""
+    Two graphs with the same structure take the same plan.
+
+    >>> from chainer_recompute.core.graph import Graph
+    >>> a = Graph.from_edges([4, 8], [(0, 1)], costs=[1.0, 2.0])
+    >>> b = Graph.from_edges([4, 8], [(0, 1)], costs=[3.0, 5.0])  # other measurements
+    >>> structure_of(a) == structure_of(b)
+    True
+    """
     arrays = tuple((a.shape, a.dtype, a.kind, a.producer, a.view_of, a.name)
                    for a in graph.arrays)
     nodes = tuple((n.op, n.inputs, n.outputs, n.retained_inputs, n.retained_outputs,
@@ -114,17 +121,29 @@ def structure_of(graph: Graph) -> Tuple[Any, ...]:
 
 
 def structure_key(structure: Tuple[Any, ...]) -> str:
-    """A short digest of :func:`structure_of`."""
+    """A short digest of :func:`structure_of`.
+
+    >>> from chainer_recompute.core.graph import Graph
+    >>> len(structure_key(structure_of(Graph.from_edges([4, 8], [(0, 1)]))))
+    32
+    """
     return hashlib.sha256(repr(structure).encode()).hexdigest()[:32]
 
 
 def first_difference(a: Tuple[Any, ...], b: Tuple[Any, ...]) -> str:
-    """Where two structures (from :func:`structure_of`) first differ, in words."""
+    """Where two structures (from :func:`structure_of`) first differ, in words.
+
+    >>> from chainer_recompute.core.graph import Graph
+    >>> a = Graph.from_edges([4, 8], [(0, 1)], ops=['Linear', 'ReLU'])
+    >>> b = Graph.from_edges([4, 8], [(0, 1)], ops=['Linear', 'Tanh'])
+    >>> first_difference(structure_of(a), structure_of(b))
+    'function 1: ReLU (0,)->(1,) against Tanh (0,)->(1,) (functions differ)'
+    """
     (arrays_a, nodes_a), (arrays_b, nodes_b) = a, b
     for i, (x, y) in enumerate(zip(nodes_a, nodes_b)):
         if x != y:
-            fields = ("function", "inputs", "outputs", "retained inputs", "retained outputs",
-                      "held arrays", "recomputable", "has backward", "attributes")
+            fields = ("functions", "inputs", "outputs", "retained inputs", "retained outputs",
+                      "held arrays", "recomputable flags", "backward flags", "attributes")
             what = next(f for f, u, v in zip(fields, x, y) if u != v)
             return (f"function {i}: {x[0]} {x[1]}->{x[2]} against {y[0]} {y[1]}->{y[2]} "
                     f"({what} differ)")
@@ -215,6 +234,10 @@ class Coordinator:
 
     >>> model = cr.apply(model, budget='least',                  # doctest: +SKIP
     ...                  coordinator=Coordinator(comm))
+    >>> Coordinator(object())  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    chainer_recompute.runtime.distributed.DistributedError: expected a ChainerMN communicator ...
     """
 
     #: plans remembered per structure (for deferred corrections)

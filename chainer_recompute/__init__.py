@@ -14,10 +14,10 @@ from ._compat import ensure_numpy_compat
 
 ensure_numpy_compat()  # before anything imports chainer (NumPy 2 machines)
 
-from .core.errors import (BudgetError, CaptureError, GraphChangedError, GraphError,  # noqa: F401
-                     GraphFormatError, InfeasibleBudgetError, LowerSetExplosionError,
-                     RecomputeError, SchemaVersionError, UnknownSolverError,
-                     UnsafeRecomputeError)
+from .core.errors import (BudgetError, CaptureError, DistributedError,  # noqa: F401
+                          GraphChangedError, GraphError, GraphFormatError,
+                          InfeasibleBudgetError, LowerSetExplosionError, RecomputeError,
+                          SchemaVersionError, UnknownSolverError, UnsafeRecomputeError)
 from .core.graph import ArrayInfo, Graph, HeldArray, Node  # noqa: F401
 from .core.io import load_authors_graph, load_graph, save_graph  # noqa: F401
 from .core.plan import Plan  # noqa: F401
@@ -37,6 +37,7 @@ _LAZY = {
     "runner_of": ("runtime.runner", "runner_of"),
     "Recompute": ("runtime.runner", "Recompute"),
     "bptt": ("runtime.bptt", None),
+    "distributed": ("runtime.distributed", None),
     "extensions": ("runtime.extensions", None),
 }
 

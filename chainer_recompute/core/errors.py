@@ -63,3 +63,9 @@ class GraphChangedError(RecomputeError):
 
 class UnsafeRecomputeError(RecomputeError):
     """A function cannot be recomputed safely (randomness, side effects)."""
+
+
+class DistributedError(RecomputeError):
+    """Collective planning across ChainerMN ranks failed: not a ChainerMN
+    communicator, ranks that disagree (options, models, graphs against
+    their plan), or a collective call that failed. Raised on every rank."""

@@ -280,7 +280,8 @@ class Graph:
 
     def replace(self, *, arrays: Optional[Sequence[ArrayInfo]] = None,
                 nodes: Optional[Sequence[Node]] = None, **kw: Any) -> "Graph":
-        kwargs = dict(batch_size=self.batch_size, cost_model=self.cost_model, meta=self.meta)
+        kwargs = dict(batch_size=self.batch_size, cost_model=self.cost_model, meta=self.meta,
+                      backward_order=self.backward_order)
         kwargs.update(kw)
         return Graph(self.arrays if arrays is None else arrays,
                      self.nodes if nodes is None else nodes, **kwargs)
@@ -334,7 +335,8 @@ class Graph:
         batch get that dimension replaced (and their bytes scaled); the same
         for arrays held in function attributes. Parameters, scalars and
         per-channel statistics are unchanged. Measured times and transient
-        bytes scale linearly with the batch.
+        bytes scale linearly with the batch, and so do backward allocations
+        but for the parameter gradients in them.
 
         Raises:
             GraphError: when the graph does not know its batch size.
@@ -356,6 +358,16 @@ class Graph:
             shape, nbytes = scaled(a.shape, a.nbytes, a.kind)
             arrays.append(dataclasses.replace(a, shape=shape, nbytes=nbytes))
         ratio = batch_size / old
+        # A backward's allocation includes the parameter gradients it makes
+        # first (in the recorded order): those do not grow with the batch.
+        param_first: Dict[int, int] = {}
+        seen_params: set = set()
+        order = self.backward_order or range(self.n - 1, -1, -1)
+        for v in order:
+            for a in dict.fromkeys(self.nodes[v].inputs):
+                if self.arrays[a].kind == "param" and a not in seen_params:
+                    seen_params.add(a)
+                    param_first[v] = param_first.get(v, 0) + self.arrays[a].nbytes
         nodes = []
         for node in self.nodes:
             held = []
@@ -369,7 +381,10 @@ class Graph:
                 node, held=tuple(held),
                 forward_transient_bytes=scale_b(node.forward_transient_bytes),
                 backward_transient_bytes=scale_b(node.backward_transient_bytes),
-                backward_alloc_bytes=scale_b(node.backward_alloc_bytes),
+                backward_alloc_bytes=(
+                    None if node.backward_alloc_bytes is None else
+                    param_first.get(node.id, 0)
+                    + scale_b(node.backward_alloc_bytes - param_first.get(node.id, 0))),
                 forward_time_s=None if node.forward_time_s is None else node.forward_time_s * ratio,
                 backward_time_s=None if node.backward_time_s is None else node.backward_time_s * ratio))
         meta = dict(self.meta)

@@ -150,6 +150,15 @@ def fingerprint(a: Any) -> Tuple[Any, ...]:
             bytes(tail.tobytes()))
 
 
+def buffer_print(a: Any) -> Tuple[Any, ...]:
+    """The :func:`fingerprint` of the memory ``a`` lives in: its base
+    buffer when that is contiguous (no copy of a strided view)."""
+    r = root_of(a)
+    if is_array(r) and r.flags.c_contiguous:
+        return fingerprint(r)
+    return fingerprint(a)
+
+
 def synchronize(arrays: Sequence[Any]) -> None:
     for a in arrays:
         if is_array(a) and not isinstance(a, numpy.ndarray):
@@ -231,8 +240,8 @@ def _scalar_kind(v: Any) -> Optional[str]:
     return None
 
 
-def _analysis_key(f: Any, in_data: Tuple[Any, ...], held_names: Tuple[str, ...],
-                  rng_drawn: bool, written: Tuple[str, ...]) -> Tuple[Any, ...]:
+def _config_key(f: Any) -> Tuple[Any, ...]:
+    """A function's class and the names and kinds of its scalar settings."""
     config = []
     for owner in _attr_owners(f):
         for k, v in vars(owner).items():
@@ -241,9 +250,18 @@ def _analysis_key(f: Any, in_data: Tuple[Any, ...], held_names: Tuple[str, ...],
             kind = _scalar_kind(v)
             if kind is not None:
                 config.append((k, kind))
-    return (type(f), type(getattr(f, "_function", None)), tuple(sorted(config)), held_names,
-            tuple((str(x.dtype), x.ndim) if is_array(x) else None for x in in_data),
-            rng_drawn, written)
+    return (type(f), type(getattr(f, "_function", None)), tuple(sorted(config)))
+
+
+#: config key -> whether such a function wrote its inputs when checked.
+_WRITES_INPUTS: Dict[Tuple[Any, ...], bool] = {}
+
+
+def _analysis_key(f: Any, in_data: Tuple[Any, ...], held_names: Tuple[str, ...],
+                  rng_drawn: bool, written: Tuple[str, ...]) -> Tuple[Any, ...]:
+    return _config_key(f) + (
+        held_names, tuple((str(x.dtype), x.ndim) if is_array(x) else None for x in in_data),
+        rng_drawn, written)
 
 
 def _rerun(f: chainer.FunctionNode, in_data: Tuple[Any, ...],
@@ -510,7 +528,11 @@ class Recorder(chainer.FunctionHook):
         meter = None
         if self.recording:
             attrs_before = {(id(o), n): fingerprint(a) for o, n, a in attribute_arrays(function)}
-            inputs_before = [fingerprint(x) if is_array(x) else None for x in in_data]
+            # Whether a function writes its inputs depends on its class and
+            # configuration: checked the first time, then trusted.
+            key = _config_key(function)
+            inputs_before = ([buffer_print(x) if is_array(x) else None for x in in_data]
+                             if _WRITES_INPUTS.get(key, True) else [None] * len(in_data))
             meter = MemoryMeter(_xp_of(in_data)) if measure else None
             call._pre = (attrs_before, inputs_before, numpy.random.get_state(), meter)
 
@@ -547,8 +569,11 @@ class Recorder(chainer.FunctionHook):
                 written.append((owner, name))
             elif id(a) not in self._external_ids:
                 held.append((owner, name, a))
-        modified = any(b is not None and b != fingerprint(x)
+        modified = any(b is not None and b != buffer_print(x)
                        for x, b in zip(in_data, inputs_before))
+        key = _config_key(function)
+        if any(b is not None for b in inputs_before):
+            _WRITES_INPUTS[key] = modified
         drew = GlobalRNG.numpy_changed(rng_before)
         if modified:
             call.recomputable, call.reason = False, "its forward modifies its inputs in place"
@@ -830,6 +855,14 @@ def _uninitialize(param: chainer.Parameter) -> None:
     param.grad = None
 
 
+def _grad_copy(p: chainer.Parameter) -> Any:
+    try:
+        g = p.grad
+    except RuntimeError:  # uninitialised, its gradient never cleared
+        return None
+    return None if g is None else g.copy()
+
+
 class _LinkSnapshot:
     __slots__ = ("link", "attrs", "arrays", "params")
 
@@ -841,8 +874,9 @@ class _LinkSnapshot:
             v = getattr(link, name, None)
             if is_array(v):
                 self.arrays[name] = (v, v.copy())
-        self.params = [(p, p.array is None, None if p.grad is None else p.grad.copy())
-                       for p in link.params(include_uninit=True)]
+        own = [getattr(link, name) for name in sorted(getattr(link, "_params", ()))]
+        self.params = [(p, p.array is None, _grad_copy(p))
+                       for p in own]  # its own: each Link is snapshotted on its own
 
     def restore(self) -> None:
         for name, (arr, saved) in self.arrays.items():
@@ -966,6 +1000,8 @@ def capture(model: Callable[..., Any], *args: Any, backward: bool = False,
                                    f"chainer.Variable: nothing to backpropagate")
             loss = out if out.size == 1 else chainer.functions.sum(out)
             loss.grad_var = None
+            if link is not None:
+                link.cleargrads()  # as a training loop does (restored after)
             loss.backward()
         graph = rec.graph(cost_model=cost_model, batch_size=batch_size,
                           name=name or type(model).__name__,

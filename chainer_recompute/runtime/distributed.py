@@ -90,10 +90,7 @@ __all__ = ["Coordinator", "DistributedError", "apply", "structure_of", "structur
            "first_difference"]
 
 
-class DistributedError(RecomputeError):
-    """Collective planning across ChainerMN ranks failed: not a ChainerMN
-    communicator, ranks that disagree (options, models, graphs against
-    their plan), or a collective call that failed. Raised on every rank."""
+from ..core.errors import DistributedError  # noqa: E402  (re-exported here)
 
 
 # --------------------------------------------------------------- structure
@@ -237,7 +234,7 @@ class Coordinator:
     >>> Coordinator(object())  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    chainer_recompute.runtime.distributed.DistributedError: expected a ChainerMN communicator ...
+    chainer_recompute.core.errors.DistributedError: expected a ChainerMN communicator ...
     """
 
     #: plans remembered per structure (for deferred corrections)

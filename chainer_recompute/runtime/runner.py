@@ -155,7 +155,9 @@ class Recompute:
             training); an object with ``plan(graph, solve) -> Plan``, called
             instead of solving locally (``solve(graph)`` solves here), and
             ``on_call(runner, signature, state)`` at each training call
-            (``state``: ``'record'``, ``'plan'``, ``'run'`` or ``'plain'``).
+            (``state``: ``'record'``, ``'capture'``, ``'plan'``, ``'run'`` or
+            ``'plain'``; ``'plan'`` and ``'capture'`` calls call
+            ``coordinator.plan`` exactly once before the forward).
             See :mod:`chainer_recompute.runtime.distributed`.
         verbose: print one line when the first plan is made (through the
             ``chainer_recompute.report`` logger, visible by default);
@@ -331,6 +333,8 @@ class Recompute:
                 if loss.size != 1:
                     loss = chainer.functions.sum(loss)
                 loss.grad_var = None
+                if link is not None:
+                    link.cleargrads()  # as a training loop does (restored after)
                 loss.backward()
             del out, loss
         graph = hook.graph(cost_model=self.cost, batch_size=small,
@@ -351,7 +355,9 @@ class Recompute:
         entry.calls += 1
         if self.coordinator is not None:
             state = ("plain" if entry.plain else "plan" if entry.pending is not None
-                     else "run" if entry.structures else "record")
+                     else "run" if entry.structures
+                     else "capture" if self.capture_batch is not None and entry.calls == 1
+                     else "record")
             self.coordinator.on_call(self, sig, state)
         if entry.plain:
             self.last_stats = IterationStats(path="plain")
@@ -373,6 +379,10 @@ class Recompute:
             out = self.fn(*args, **kwargs)
         hook.finish(out)
         self.last_stats = hook.stats
+        for s in entry.structures:
+            if s.program is hook.program:
+                hook.stats.predicted_peak_bytes = s.plan.predicted_peak_bytes
+                hook.stats.budget_bytes = s.plan.budget_bytes
         if hook.recording:
             entry.pending = hook
             if entry.structures:

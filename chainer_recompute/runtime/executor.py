@@ -88,6 +88,10 @@ class Program(ExecutionPlan):
         # chosen by the runner from the replayed peaks and the budget
         self.release_mode = "none"
         self.release_mode_decided = False
+        # Updates of parameters while a graph of this plan was alive, after
+        # which it died without another backward pass: after PROBATION of
+        # them, parameters are no longer saved before updates.
+        self.clean_updates = 0
 
 
 class IterationStats:
@@ -200,6 +204,7 @@ class IterationHook(Recorder):
         self.on_backward_done: Optional[Any] = None
         self.stats = IterationStats(len(self.program.dropped) if self.program else 0,
                                     path="recorded" if self.program is None else "planned")
+        self._update_state = {"updated": False, "again": False}
         if self.program is not None:
             self.stats.n_nodes = self.program.n
             self.stats.release_mode = self.program.release_mode
@@ -376,6 +381,8 @@ class IterationHook(Recorder):
 
     # ---------------------------------------------------------- backward
     def before_backward(self, i: int, function: Any) -> None:
+        if self._update_state["updated"]:
+            self._update_state["again"] = True
         if i in self._bw_seen:
             # Another backward pass through this graph (a GAN's generator
             # graph, or loss.backward() twice): count its readers afresh,
@@ -488,9 +495,21 @@ class IterationHook(Recorder):
 
     def before_param_update(self, param: Any) -> None:
         """An optimizer is about to update ``param`` in place: keep its
-        values if a released block was computed from it."""
-        if not self.released:
+        values if a released block was computed from it, for a backward pass
+        that may still come (Chainer's DCGAN updater backpropagates the
+        discriminator's graph again after updating it). Plans known to be
+        backpropagated twice that regenerate in between always do; others
+        until ``PROBATION`` updates were followed by no second pass (then a
+        second pass after an update is caught by the checksums)."""
+        p = self.program
+        if not self.released or p is None:
             return
+        if not (p.multi_backward and p.release_mode != "all") and \
+                p.clean_updates >= PROBATION:
+            return
+        if not self._update_state["updated"]:
+            self._update_state["updated"] = True
+            weakref.finalize(self, _after_update, weakref.ref(p), self._update_state)
         for a, p in self.params.items():
             if p is param and a not in self.snapshots:
                 self.snapshots[a] = param.array.copy()
@@ -581,12 +600,15 @@ class IterationHook(Recorder):
                 info = self.arrays[a]
                 what = (f"parameter {info.name or a}" if info.kind == "param"
                         else f"input array {info.name or a}")
+                if self.program is not None:
+                    self.program.multi_backward = True  # the next iterations keep a copy
                 raise RecomputeError(
                     f"{what} was modified in place between the forward pass and the backward "
                     f"that recomputes node {u} ({self.calls[u].op}); recomputing it would give "
-                    f"a result different from plain Chainer's. Update parameters after the "
-                    f"backward (an optimizer's update() is handled), or do not write to an "
-                    f"input's array before its backward")
+                    f"a result different from plain Chainer's. If an optimizer updated it "
+                    f"between two backward passes through the same graph, the next iterations "
+                    f"keep a copy for that; otherwise do not write to a parameter's or an "
+                    f"input's array between the forward and its backward")
 
     def _run_forward(self, f: Any, u: int, in_data: Tuple[Any, ...]) -> Tuple[Any, ...]:
         detached = []
@@ -607,6 +629,19 @@ class IterationHook(Recorder):
                 setattr(owner, name, original)
             f._input_indexes_to_retain, f._output_indexes_to_retain = keep_in, keep_out
         return outs
+
+
+#: Updates of parameters after which a plan's graph died without another
+#: backward pass, before parameters are no longer saved for one.
+PROBATION = 1
+
+
+def _after_update(program_ref: Any, state: Dict[str, bool]) -> None:
+    """A graph that saw a parameter update died: count the update as
+    clean when no backward pass came after it."""
+    program = program_ref()
+    if program is not None and not state["again"]:
+        program.clean_updates += 1
 
 
 def _matches_before(p: Program, call: Call, in_data: Tuple[Any, ...]) -> bool:

@@ -58,11 +58,16 @@ class ArrayInfo:
     name: str = ""
     view_of: Optional[int] = None
     dies_at: Optional[int] = None
+    buffer_bytes: Optional[int] = None
 
     @property
     def owned_bytes(self) -> int:
-        """Bytes this array allocates itself: 0 for a view."""
-        return 0 if self.view_of is not None else self.nbytes
+        """Bytes this array allocates itself: 0 for a view, the whole
+        buffer for an array that is a strided view of a larger private
+        buffer (a ``Deconvolution2D`` output), else ``nbytes``."""
+        if self.view_of is not None:
+            return 0
+        return self.nbytes if self.buffer_bytes is None else self.buffer_bytes
 
 
 @dataclass(frozen=True)
@@ -356,7 +361,10 @@ class Graph:
         arrays = []
         for a in self.arrays:
             shape, nbytes = scaled(a.shape, a.nbytes, a.kind)
-            arrays.append(dataclasses.replace(a, shape=shape, nbytes=nbytes))
+            buf = a.buffer_bytes
+            if buf is not None and nbytes != a.nbytes:
+                buf = buf * batch_size // old
+            arrays.append(dataclasses.replace(a, shape=shape, nbytes=nbytes, buffer_bytes=buf))
         ratio = batch_size / old
         # A backward's allocation includes the parameter gradients it makes
         # first (in the recorded order): those do not grow with the batch.

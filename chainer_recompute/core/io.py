@@ -25,7 +25,7 @@ def graph_to_dict(graph: Graph) -> Dict[str, Any]:
         return {"id": a.id, "shape": None if a.shape is None else list(a.shape),
                 "dtype": a.dtype, "nbytes": a.nbytes, "kind": a.kind,
                 "producer": a.producer, "name": a.name, "view_of": a.view_of,
-                "dies_at": a.dies_at}
+                "dies_at": a.dies_at, "buffer_bytes": a.buffer_bytes}
 
     def held(h: HeldArray) -> Dict[str, Any]:
         return {"name": h.name, "shape": None if h.shape is None else list(h.shape),
@@ -64,7 +64,8 @@ def graph_from_dict(d: Dict[str, Any], source: str = "<dict>") -> Graph:
         arrays = [ArrayInfo(id=a["id"], shape=shape(a["shape"]), dtype=a["dtype"],
                             nbytes=int(a["nbytes"]), kind=a["kind"], producer=a["producer"],
                             name=a.get("name", ""), view_of=a.get("view_of"),
-                            dies_at=a.get("dies_at")) for a in d["arrays"]]
+                            dies_at=a.get("dies_at"), buffer_bytes=a.get("buffer_bytes"))
+                  for a in d["arrays"]]
         nodes = [Node(id=n["id"], op=n["op"], inputs=tuple(n["inputs"]),
                       outputs=tuple(n["outputs"]),
                       retained_inputs=tuple(n.get("retained_inputs", ())),

@@ -127,7 +127,7 @@ class _Memory:
         held = self.holders.get(buf)
         if held is None:
             held = self.holders[buf] = set()
-            self.level += self.graph.arrays[buf].nbytes
+            self.level += self.graph.arrays[buf].owned_bytes
         held.add((a, why))
 
     def drop(self, a: int, why: str) -> None:
@@ -138,7 +138,7 @@ class _Memory:
         held.discard((a, why))
         if not held:
             del self.holders[buf]
-            self.level -= self.graph.arrays[buf].nbytes
+            self.level -= self.graph.arrays[buf].owned_bytes
 
     def held_by(self, a: int, *whys: str) -> bool:
         return any((a, w) in self.holders.get(self.owner[a], ()) for w in whys)
@@ -388,8 +388,11 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
             missing = [u for u in plan.needs.get(w, ()) if u in released]
             if missing:
                 regenerate(w, missing)
+        # Inputs that get a gradient: arrays made by a function with a
+        # backward (an array computed only from inputs that need no
+        # gradient, such as a reshape of the data, gets none).
         targets = [a for a in dict.fromkeys(node.inputs)
-                   if arrays[a].kind != "param" and not _caller_input(arrays[a])]
+                   if arrays[a].producer is not None and nodes[arrays[a].producer].has_backward]
         params = [a for a in dict.fromkeys(node.inputs) if arrays[a].kind == "param"]
         first = [a for a in params if a not in grads_made]
         grads_made.update(first)

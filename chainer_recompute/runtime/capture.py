@@ -366,7 +366,7 @@ class Call:
         self.label = ""
         self.in_shapes = tuple(tuple(x.shape) for x in in_data)
         self.in_args = in_args
-        self.out_meta: Tuple[Tuple[Tuple[int, ...], str, int], ...] = ()
+        self.out_meta: Tuple[Tuple[Any, ...], ...] = ()  # (shape, dtype, nbytes, buffer bytes)
         self.out_view: Tuple[Optional[int], ...] = ()  # input index each output views
         self.keep_in: Tuple[int, ...] = ()
         self.keep_out: Tuple[int, ...] = ()
@@ -388,13 +388,15 @@ class Call:
 
 
 class _ArrayRecord:
-    __slots__ = ("shape", "dtype", "nbytes", "kind", "producer", "name", "view_of", "dies_at")
+    __slots__ = ("shape", "dtype", "nbytes", "kind", "producer", "name", "view_of", "dies_at",
+                 "buffer_bytes")
 
     def __init__(self, shape: Tuple[int, ...], dtype: str, nbytes: int, kind: str,
                  producer: Optional[int], name: str = "", view_of: Optional[int] = None) -> None:
         self.shape, self.dtype, self.nbytes, self.kind = shape, dtype, nbytes, kind
         self.producer, self.name, self.view_of = producer, name, view_of
         self.dies_at: Optional[int] = None
+        self.buffer_bytes: Optional[int] = None
 
 
 class Recorder(chainer.FunctionHook):
@@ -606,11 +608,18 @@ class Recorder(chainer.FunctionHook):
         call.held = tuple(held)
         roots = [root_of(x) if is_array(x) else None for x in in_data]
         views: List[Optional[int]] = []
+        buffers: List[Optional[int]] = []
         for y in out:
             r = root_of(y)
             views.append(next((j for j, rx in enumerate(roots) if rx is r), None))
+            # a strided view of a larger private buffer (Deconvolution2D's
+            # output): the buffer is what it costs
+            nb = getattr(r, "nbytes", None)
+            buffers.append(int(nb) if views[-1] is None and r is not y and nb and nb > y.nbytes
+                           else None)
         call.out_view = tuple(views)
-        call.out_meta = tuple((tuple(y.shape), str(y.dtype), int(y.nbytes)) for y in out)
+        call.out_meta = tuple((tuple(y.shape), str(y.dtype), int(y.nbytes), b)
+                              for y, b in zip(out, buffers))
         call.label = getattr(function, "label", "") or ""
 
     # ---------------------------------------------------- mapping to ids
@@ -655,7 +664,7 @@ class Recorder(chainer.FunctionHook):
         call.has_backward = any(x.requires_grad for x in xnodes)
         out_ids = []
         out_nodes = [ref() for ref in (f.outputs or ())] if f is not None else []
-        for k, (shape, dtype, nbytes) in enumerate(call.out_meta):
+        for k, (shape, dtype, nbytes, buffer_bytes) in enumerate(call.out_meta):
             j = call.out_view[k] if k < len(call.out_view) else None
             view_of = None
             if j is not None and j < len(in_ids):
@@ -663,6 +672,7 @@ class Recorder(chainer.FunctionHook):
                 view_of = in_ids[j] if base.view_of is None else base.view_of
             aid = self._new_array(_ArrayRecord(shape, dtype, nbytes, "intermediate",
                                                call.index, view_of=view_of))
+            self.arrays[aid].buffer_bytes = buffer_bytes
             out_ids.append(aid)
             ynode = out_nodes[k] if k < len(out_nodes) else None
             if ynode is None:
@@ -759,7 +769,7 @@ class Recorder(chainer.FunctionHook):
                 dies_at = fill.arrays[i].dies_at  # lifetimes were not watched
             arrays.append(ArrayInfo(id=i, shape=r.shape, dtype=r.dtype, nbytes=r.nbytes, kind=kind,
                                     producer=r.producer, name=r.name, view_of=r.view_of,
-                                    dies_at=dies_at))
+                                    dies_at=dies_at, buffer_bytes=r.buffer_bytes))
         nodes = []
         for c in self.calls:
             ref = fill.nodes[c.index] if (fill is not None and not c.measured

@@ -683,7 +683,7 @@ def _matches_after(p: Program, call: Call, param_refs: Dict[int, Any]) -> bool:
             if ref is None or ref() is not planned():
                 return False
     arrays = p.graph.arrays
-    for a, (shape, _, _) in zip(node.outputs, call.out_meta):
+    for a, (shape, _, _, _) in zip(node.outputs, call.out_meta):
         if arrays[a].shape is not None and tuple(arrays[a].shape) != shape:
             return False
     return (sorted(in_ids[j] for j in call.keep_in) == sorted(node.retained_inputs) and

@@ -1,26 +1,31 @@
 """The DP over a family of lower sets, shared by the exact and the
-approximate solvers (PAPER.md §4-§6).
+approximate solvers (PAPER.md §4-§6), under a memory model
+(:class:`~chainer_recompute.core.memory_model.MemoryModel`, the paper's by
+default).
 
-Pure core: numpy only.
+Pure core: numpy only (the optional compiled kernels in :mod:`._dp_numba`
+need numba).
 
 Table: for each lower set ``L`` (row of a :class:`LowerSetFamily`, rows
 sorted by size so every subset precedes its supersets) a Pareto frontier
 of states ``(t, m)``: ``t`` the retained time Σ_j T(U_j) and ``m`` the
-retained memory Σ_j M(U_j) of some chain ∅ ⊊ L_1 ⊊ ... ⊊ L. A transition
-``L -> L'`` for *every* ``L' ⊋ L`` in the family is allowed when
-``m + 2·(M(L') - M(L)) + M(A(L')) + M(B(L')) <= budget``; it adds
-``U' = ∂(L') ∩ (L' \\ L)``. Because ``∂(L') ∩ L ⊆ ∂(L)``,
-``T(U') = T(∂(L')) - Σ_{v ∈ ∂(L)} T_v·[v ∈ ∂(L')]``, a few vectorised bit
-tests per source.
+retained memory Σ_j keep(U_j) of some chain ∅ ⊊ L_1 ⊊ ... ⊊ L. A
+transition ``L -> L'`` for *every* ``L' ⊋ L`` in the family is allowed when
+``m + block(L') - block(L) + above(A(L')) + beside(B(L')) + max_{v ∈ L' \\ L}
+transient_v <= budget - constant`` (the paper: ``m + 2·(M(L') - M(L)) +
+M(A(L')) + M(B(L')) <= budget``); it adds ``U' = ∂(L') ∩ (L' \\ L)``.
+Because ``∂(L') ∩ L ⊆ ∂(L)``, ``T(U') = T(∂(L')) - Σ_{v ∈ ∂(L)}
+T_v·[v ∈ ∂(L')]``, a few vectorised bit tests per source.
 
 Dominance depends on the objective: time-centric keeps states with more
 ``t`` and less ``m``; memory-centric keeps less ``t`` and less ``m``;
 feasibility keeps the least ``m`` only. Candidate supersets of ``L`` are
-restricted by the budget to a window of M(L') (``2·(M(L') - M(L)) <=
-budget - m``) found by binary search in the rows sorted by M(L'), then
-filtered with a vectorised subset test. Pushed states are buffered per
-target size and reduced (grouped Pareto filter, all in numpy) when that
-size's turn comes.
+restricted by the budget to a window of block(L') (``block(L') - block(L)
+<= budget - m``) found by binary search in the rows sorted by block(L'),
+then filtered with a vectorised subset test. NumPy engine: pushed states
+are buffered per target size and reduced (grouped Pareto filter) when that
+size's turn comes, or kept in a dense table. Compiled engine: see
+:func:`_run_compiled`.
 """
 from __future__ import annotations
 

@@ -91,6 +91,9 @@ def _reduce(cols: Tuple[np.ndarray, ...]) -> Tuple[np.ndarray, ...]:
 EXACT_COST_LIMIT = 65536
 COST_UNITS = 4096
 MIN_COST_UNITS = 256
+#: ... and at most this many units per node (not below UNITS_FLOOR).
+UNITS_PER_NODE = 16
+UNITS_FLOOR = 64
 STATE_LIMIT = 8_000_000
 #: The dense table (one row of T+1 entries per lower set) is used while it
 #: has at most this many entries; larger problems use the sparse frontiers.
@@ -101,7 +104,7 @@ def dp_costs(node_cost: np.ndarray, n_lower_sets: int = 0) -> np.ndarray:
     """Integer DP costs (see :data:`COST_UNITS`).
 
     >>> dp_costs(np.array([10.0, 1.0])).tolist(), dp_costs(np.array([0.5, 0.25])).tolist()
-    ([10, 1], [2731, 1365])
+    ([10, 1], [43, 21])
     """
     c = np.asarray(node_cost, dtype=np.float64)
     total = float(c.sum())
@@ -112,6 +115,9 @@ def dp_costs(node_cost: np.ndarray, n_lower_sets: int = 0) -> np.ndarray:
     units = COST_UNITS
     if n_lower_sets > 0:
         units = int(min(COST_UNITS, max(MIN_COST_UNITS, STATE_LIMIT // n_lower_sets)))
+    # Small graphs need no finer grain than this, and their table stays
+    # small (planning a tiny model should not cost more than the model).
+    units = min(units, max(UNITS_FLOOR, UNITS_PER_NODE * len(c)))
     return np.round(c * (units / total)).astype(np.int64)
 
 

@@ -431,6 +431,11 @@ class Recompute:
                     s.program.release_mode = mode
                     break
         s.program.release_mode_decided = s.program.multi_backward
+        if s.program.release_mode != "none" and self.budget_scope == "total":
+            # what the plan will really hold: its prediction in that mode
+            import dataclasses
+            peak = replay(s.graph, s.program, release_mode=s.program.release_mode).peak_bytes
+            s.plan = dataclasses.replace(s.plan, predicted_peak_bytes=peak)
         if s.program.multi_backward:
             logger.info("the graph is backpropagated more than once per iteration; after each "
                         "backward pass %s", {

@@ -139,8 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: the segmentation networks (unet, pspnet) are recorded at three "
                         "smaller input sizes and extrapolated to theirs; full: at their size")
     p.add_argument("--iterations", type=_count, default=0, metavar="N",
-                   help="training iterations to run with the plan (0: plan only); the first "
-                        "is dropped from the averages")
+                   help="training iterations to run with the plan (0: plan only); the "
+                        "first (recorded) and second (planned) are left out of the averages")
     p.add_argument("--vanilla", action="store_true",
                    help="with --iterations: also run plain Chainer and measure it")
     p.add_argument("--check-gradients", action="store_true",
@@ -721,8 +721,9 @@ def format_report(report: Dict[str, Any]) -> str:
                      f"{format_bytes(plan['replayed_peak_bytes'])} (--budget-scope total "
                      f"bounds that figure)")
     if measured:
-        lines.append("as run: the plan apply() made from its own recording of the model, "
-                     "measured over the iterations after the first")
+        lines.append("as run: the plan apply() made from its own recording of the model "
+                     "(first iteration recorded, second planned), measured over the later ones; "
+                     "plain backprop over all but the first")
     if "gradients_identical" in report:
         lines.append(f"loss and gradients identical to plain backprop: "
                      f"{report['gradients_identical']}")

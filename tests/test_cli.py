@@ -62,14 +62,8 @@ def test_dry_run_table(capsys):
     assert not DECIMAL_UNIT.search(out), out
 
 
-# PSPNet's plan makes core/replay.py's regenerable() check, which has no
-# memo, exponential (more than 20 minutes): remove this skip once it has one.
-_PSPNET = pytest.param("pspnet", marks=pytest.mark.skip(
-    reason="replay()'s regenerable() is exponential on PSPNet's graph until it is memoised"))
-
-
 @pytest.mark.parametrize("name", ["mlp", "resnet50", "resnet101", "resnet152", "vgg19",
-                                  "googlenet", "densenet161", _PSPNET, "unet"])
+                                  "googlenet", "densenet161", "pspnet", "unet"])
 def test_dry_run_every_network(name, capsys, tmp_path):
     """The CLI's dry run on each registry network at its reduced size."""
     rc = main(["--model", name, "--small", "--batch-size", "2", "--dry-run", "-q",

@@ -90,7 +90,7 @@ def network(name: str, batch_size: int, *, small: bool = False, device: Any = "@
     with chainer.no_backprop_mode():
         link(xs, ts)  # lazily shaped parameters
     graph = capture(link, xs, ts, cost_model=cost_model, name=name)
-    return make, x, t, scale_batch(graph, batch_size) if small_batch else graph
+    return make, x, t, graph.scale_batch(batch_size) if small_batch else graph
 
 
 # ------------------------------------------------------------- progress
@@ -330,52 +330,10 @@ def dry_run_graph(name: str, batch_size: int, *, small: bool = False, device: An
         info["input_sizes"] = list(sizes.samples)
     info["capture_s"] = time.perf_counter() - t0
     if cb != batch_size:
-        graph = scale_batch(graph, batch_size)
+        graph = graph.scale_batch(batch_size)
     meta = dict(graph.meta)
     meta["dry_run"] = {k: v for k, v in info.items() if k != "capture_s"}
     return graph.replace(meta=meta, backward_order=graph.backward_order), info
-
-
-def param_grad_bytes_made(graph: Graph) -> List[int]:
-    """Per node, the bytes of the parameter gradients its backward makes:
-    those of the parameters it is the first (in backward order) to read.
-    They are part of its measured ``backward_alloc_bytes`` and do not grow
-    with the batch or the input size."""
-    order = list(graph.backward_order) if graph.backward_order else \
-        [v for v in range(graph.n - 1, -1, -1) if graph.nodes[v].has_backward]
-    made = [0] * graph.n
-    seen: set = set()
-    for v in order:
-        for a in dict.fromkeys(graph.nodes[v].inputs):
-            if graph.arrays[a].kind == "param" and a not in seen:
-                seen.add(a)
-                made[v] += graph.arrays[a].nbytes
-    return made
-
-
-def _scaled_alloc(alloc: Optional[int], param_part: int, ratio: float) -> Optional[int]:
-    """A backward's allocation at another size: its activation gradients
-    scale, its parameter gradients do not."""
-    if alloc is None:
-        return None
-    part = min(param_part, alloc) if alloc > 0 else 0
-    return int(round((alloc - part) * ratio)) + part
-
-
-def scale_batch(graph: Graph, batch_size: int) -> Graph:
-    """:meth:`Graph.scale_batch`, with each backward's measured allocation
-    scaled without the parameter gradients in it (see
-    :func:`param_grad_bytes_made`)."""
-    scaled = graph.scale_batch(batch_size)
-    if not graph.batch_size or graph.batch_size == batch_size:
-        return scaled.replace(backward_order=graph.backward_order)
-    ratio = batch_size / graph.batch_size
-    made = param_grad_bytes_made(graph)
-    nodes = [replace(new, backward_alloc_bytes=_scaled_alloc(old.backward_alloc_bytes,
-                                                               made[old.id], ratio))
-             for old, new in zip(graph.nodes, scaled.nodes)]
-    # (Graph.replace does not carry the backward order over: pass it.)
-    return scaled.replace(nodes=nodes, backward_order=graph.backward_order)
 
 
 def _affine(v1: int, v2: int, s1: int, s2: int, s: int) -> Optional[int]:
@@ -486,7 +444,7 @@ def extrapolate_input_size(recorded: Sequence[Tuple[int, Graph]], side: int) -> 
             return t1 + (t1 - t2) * (io - io1) / (io1 - io2)
         return t1 * r
 
-    made = param_grad_bytes_made(g1)
+    made = g1.param_grad_bytes_made()
     nodes = []
     for n1, n2 in zip(g1.nodes, g2.nodes):
         held = tuple(replace(h1, shape=shape_at(h1.shape, h2.shape, f"{n1.op} {h1.name}"),
@@ -501,7 +459,9 @@ def extrapolate_input_size(recorded: Sequence[Tuple[int, Graph]], side: int) -> 
             backward_time_s=time_at(n1.backward_time_s, n2.backward_time_s, io, io1, io2, r),
             forward_transient_bytes=scaled(n1.forward_transient_bytes, r),
             backward_transient_bytes=scaled(n1.backward_transient_bytes, r),
-            backward_alloc_bytes=_scaled_alloc(n1.backward_alloc_bytes, made[n1.id], r)))
+            backward_alloc_bytes=(None if n1.backward_alloc_bytes is None else
+                                  made[n1.id] + int(round((n1.backward_alloc_bytes
+                                                           - made[n1.id]) * r)))))
     meta = dict(g1.meta)
     meta["extrapolated"] = {"from_input_sides": [s for s, _ in recorded], "to_input_side": side}
     return Graph(arrays, nodes, batch_size=g1.batch_size, cost_model=g1.cost_model,

@@ -333,6 +333,23 @@ class Graph:
                 + sum(n.held_bytes for n in self.nodes))
 
     # ------------------------------------------------------------- scaling
+    def param_grad_bytes_made(self) -> List[int]:
+        """Per node, the bytes of the parameter gradients its backward makes
+        first (in the recorded backward order): part of its measured
+        ``backward_alloc_bytes`` that does not grow with the batch.
+
+        >>> Graph.from_edges([4], []).param_grad_bytes_made()
+        [0]
+        """
+        made = [0] * self.n
+        seen: set = set()
+        for v in (self.backward_order or range(self.n - 1, -1, -1)):
+            for a in dict.fromkeys(self.nodes[v].inputs):
+                if self.arrays[a].kind == "param" and a not in seen:
+                    seen.add(a)
+                    made[v] += self.arrays[a].nbytes
+        return made
+
     def scale_batch(self, batch_size: int) -> "Graph":
         """The graph at another batch size, by linear scaling.
 
@@ -366,16 +383,7 @@ class Graph:
                 buf = buf * batch_size // old
             arrays.append(dataclasses.replace(a, shape=shape, nbytes=nbytes, buffer_bytes=buf))
         ratio = batch_size / old
-        # A backward's allocation includes the parameter gradients it makes
-        # first (in the recorded order): those do not grow with the batch.
-        param_first: Dict[int, int] = {}
-        seen_params: set = set()
-        order = self.backward_order or range(self.n - 1, -1, -1)
-        for v in order:
-            for a in dict.fromkeys(self.nodes[v].inputs):
-                if self.arrays[a].kind == "param" and a not in seen_params:
-                    seen_params.add(a)
-                    param_first[v] = param_first.get(v, 0) + self.arrays[a].nbytes
+        param_first = self.param_grad_bytes_made()
         nodes = []
         for node in self.nodes:
             held = []
@@ -391,8 +399,8 @@ class Graph:
                 backward_transient_bytes=scale_b(node.backward_transient_bytes),
                 backward_alloc_bytes=(
                     None if node.backward_alloc_bytes is None else
-                    param_first.get(node.id, 0)
-                    + scale_b(node.backward_alloc_bytes - param_first.get(node.id, 0))),
+                    param_first[node.id]
+                    + scale_b(node.backward_alloc_bytes - param_first[node.id])),
                 forward_time_s=None if node.forward_time_s is None else node.forward_time_s * ratio,
                 backward_time_s=None if node.backward_time_s is None else node.backward_time_s * ratio))
         meta = dict(self.meta)

@@ -64,9 +64,10 @@ from ..errors import BudgetError, GraphError, RecomputeError, UnknownSolverError
 logger = logging.getLogger(__name__)
 
 __all__ = ["POLICIES", "ChainTable", "ByteSizes", "bptt_hsm_table", "bptt_ism_table",
-           "bptt_msm_table", "chain_table", "clear_table_cache", "hsm_policy", "max_useful_slots",
+           "bptt_msm_table", "chain_table", "clear_table_cache", "table_cache_bytes", "hsm_policy", "max_useful_slots",
            "plain_schedule", "policy_cost", "revolve_beta", "revolve_min_forward_steps", "revolve_split",
-           "schedule", "simulate_bytes", "simulate_slots", "check_chain"]
+           "schedule", "simulate_bytes", "simulate_slots", "check_chain", "CallBytes",
+           "StepFunction", "StepGraph", "replay_plain", "plain_peak_bytes"]
 
 #: Policy names, as accepted by :func:`schedule` and the runtime.
 POLICIES = ("hsm", "ism", "msm", "revolve")
@@ -333,6 +334,12 @@ def _columns(cost: np.ndarray, t_max: int, m_max: int) -> np.ndarray:
 def clear_table_cache() -> None:
     """Forget every cached table."""
     _CACHE.clear()
+
+
+def table_cache_bytes() -> int:
+    """Bytes of the cached tables' arrays (host memory for planning,
+    outside any budget)."""
+    return sum(tab.nbytes for tab in _CACHE.values())
 
 
 def chain_table(policy: str, t: int, m: int, alpha: int = 1) -> ChainTable:
@@ -695,7 +702,9 @@ class ByteSizes:
         state: the recurrent state between two steps (all its arrays).
         rng: one saved RNG state (kept with every checkpoint).
         internal: what a step's graph keeps besides its input and output
-            states (the internal state less the states).
+            states (the internal state less the states; the model's
+            outputs the graph holds too, such as ``L.Classifier``'s ``y``,
+            included).
         retained_input: the part of its input state that a step's graph
             keeps alive by itself.
         grad: the gradient of a state.
@@ -704,14 +713,16 @@ class ByteSizes:
             without a graph, while it runs (its output included).
         keep_peak: the same for a step that builds its graph.
         backward_peak: the same for the backward of one step (parameter
-            gradients already allocated).
+            gradients already allocated: they accumulate).
         first_backward_peak: the same for the first backward, which
             allocates the parameter gradients (default: ``backward_peak +
             param_grads``).
-        outputs: what the model keeps of a step besides its state
-            (``L.Classifier``'s ``y``): held from the first step on, and
-            once more during the backward pass (the forward pass's last,
-            put back at the end, beside the recomputed steps').
+        outputs: what the model keeps of the last step it ran besides its
+            state (``L.Classifier``'s ``y`` and ``loss``); the forward
+            pass's last are held through the backward pass too (they are
+            put back at the end).
+        outputs_shared: the part of ``outputs`` that a step's graph holds
+            too (counted in ``internal`` while the graph is kept).
         state0: bytes of the start state that the call allocates (0 when
             it was live before the call).
     """
@@ -728,6 +739,7 @@ class ByteSizes:
     state0: int = 0
     first_backward_peak: Optional[int] = None
     outputs: int = 0
+    outputs_shared: int = 0
 
     @property
     def hidden_slot(self) -> int:
@@ -747,114 +759,218 @@ class ByteSizes:
         return max(1, -(-self.internal_slot // max(self.hidden_slot, 1)))
 
 
+@dataclasses.dataclass(frozen=True)
+class CallBytes:
+    """What :func:`simulate_bytes` needs to know of the call besides the
+    step's sizes (all default to a call that starts from nothing).
+
+    Attributes:
+        grads_before: parameter gradients live when the call starts (the
+            previous iteration's, kept through the forward pass as
+            Chainer's PTB loop and ``StandardUpdater`` do).
+        grads_cleared: whether they are cleared before ``backward()``
+            (``model.cleargrads()``); if not, the backward accumulates
+            into them.
+        outputs_before: bytes of the model's outputs live at the call (the
+            previous iteration's ``L.Classifier.y``), let go when the
+            first step replaces them.
+        update_transient: the largest temporary of the optimizer update
+            that follows the backward (0: no update counted).
+        first_step_ran: the runtime ran step 0 without a graph before the
+            schedule (:class:`~chainer_recompute.runtime.bptt.ChainRecompute`
+            does, to find the state): its output state is the running
+            state when the schedule starts.
+    """
+
+    grads_before: int = 0
+    grads_cleared: bool = True
+    outputs_before: int = 0
+    update_transient: int = 0
+    first_step_ran: bool = False
+
+
 def simulate_bytes(ops: Iterator[Op], sizes: ByteSizes, t: int,
-                   trace: Optional[List[Tuple[Op, int, int]]] = None) -> int:
+                   trace: Optional[List[Tuple[Op, int, int]]] = None,
+                   call: Optional[CallBytes] = None) -> int:
     """Predicted peak bytes of a schedule above the bytes live when it
-    starts, from one step's measured sizes: states are counted once
-    however many holders they have (the running state, a checkpoint, the
-    graph that made them, the graph that reads them, the model after the
-    forward pass), with their transients on top.
+    starts, from one step's measured sizes, event by event.
+
+    Every array is counted once however many holders it has:
+
+    - a state (position ``p``) is held by the running state, a checkpoint,
+      the kept graph of the step that made it (``OUT``), the model after
+      the forward pass (the final state), or only in part
+      (``retained_input``) by the kept graph of the step that reads it;
+    - the model's outputs of step ``j`` (``L.Classifier``'s ``y``) are held
+      by the model until the next step replaces them, and the forward
+      pass's last through the backward; while step ``j``'s graph is kept,
+      their ``outputs_shared`` part is in its internal state;
+    - one state gradient lives from the first backward on, the parameter
+      gradients from the first backward (the previous iteration's until
+      then, see :class:`CallBytes`), one RNG state per checkpoint and one
+      for the backward pass;
+    - each step run adds its measured transient (``advance_peak``,
+      ``keep_peak``, ``(first_)backward_peak``) on top of what is live; the
+      optimizer update its largest temporary at the end.
+
+    Args:
+        ops: a schedule (:func:`schedule`, :func:`plain_schedule`).
+        sizes: the step's measured sizes.
+        t: steps.
+        trace: if given, ``(op, live bytes after it, peak so far)`` is
+            appended for every operation.
+        call: what is live at the call (:class:`CallBytes`).
 
     >>> s = ByteSizes(100, 10, 1000, 50, 100, 5000, 150, 1200, 2000)
     >>> simulate_bytes(schedule('hsm', 20, 20), s, 20) < simulate_bytes(schedule('msm', 20, 100, 10), s, 20)
     True
     """
-    full = sizes.state
-    holders: Dict[int, int] = {}  # position -> bit set of holders
+    call = call or CallBytes()
     RUN, CKPT, OUT, IN, FINAL = 1, 2, 4, 8, 16
-
-    def state_bytes(p: int, h: int) -> int:
-        if p == 0:
-            return sizes.state0 if h else 0
-        if h & (RUN | CKPT | OUT | FINAL):
-            return full
-        if h & IN:
-            return min(sizes.retained_input, full)
-        return 0
-
+    MODEL, FINAL_OUT = 1, 2
+    state_holders: Dict[int, int] = {}
+    out_holders: Dict[int, int] = {-1: MODEL}
+    kept: set = set()
+    counted: Dict[Tuple[str, int], int] = {("o", -1): call.outputs_before}
+    shared = min(sizes.outputs_shared, sizes.outputs)
     live = 0
 
-    def hold(p: int, bit: int) -> None:
+    def refresh(kind: str, p: int) -> None:
         nonlocal live
-        h = holders.get(p, 0)
-        live += state_bytes(p, h | bit) - state_bytes(p, h)
-        holders[p] = h | bit
-
-    def drop(p: int, bit: int) -> None:
-        nonlocal live
-        h = holders.get(p, 0)
-        live += state_bytes(p, h & ~bit) - state_bytes(p, h)
-        if h & ~bit:
-            holders[p] = h & ~bit
+        if kind == "s":
+            h = state_holders.get(p, 0)
+            if p == 0:
+                b = sizes.state0 if h else 0
+            elif h & (RUN | CKPT | OUT | FINAL):
+                b = sizes.state
+            elif h & IN:
+                b = min(sizes.retained_input, sizes.state)
+            else:
+                b = 0
         else:
-            holders.pop(p, None)
+            h = out_holders.get(p, 0)
+            if not h:
+                b = 0
+            elif p < 0:
+                b = call.outputs_before
+            else:
+                b = sizes.outputs - (shared if p in kept else 0)
+        live += b - counted.get((kind, p), 0)
+        counted[(kind, p)] = b
+
+    def hold(kind: str, p: int, bit: int) -> None:
+        table = state_holders if kind == "s" else out_holders
+        table[p] = table.get(p, 0) | bit
+        refresh(kind, p)
+
+    def drop(kind: str, p: int, bit: int) -> None:
+        table = state_holders if kind == "s" else out_holders
+        h = table.get(p, 0) & ~bit
+        if h:
+            table[p] = h
+        else:
+            table.pop(p, None)
+        refresh(kind, p)
 
     running: Optional[int] = 0
-    hold(0, RUN)
+    model_at = -1  # the step whose outputs the model holds
+    hold("s", 0, RUN)
     peak = 0
     grad_live = False
     params_live = False
-    outputs_held = 0  # copies of the model's outputs held (0, 1, 2)
-
-    def hold_outputs(copies: int) -> None:
-        nonlocal live, outputs_held
-        if copies > outputs_held:
-            live += (copies - outputs_held) * sizes.outputs
-            outputs_held = copies
+    backward_started = False
+    last_run = False  # step t-1 has run (its outputs are kept to the end)
 
     def move_running(to: Optional[int]) -> None:
         nonlocal running
         if running is not None:
-            drop(running, RUN)
+            drop("s", running, RUN)
         running = to
         if to is not None:
-            hold(to, RUN)
+            hold("s", to, RUN)
+
+    def ran(k: int) -> None:
+        """Step ``k`` ran: the model now holds its outputs."""
+        nonlocal model_at, last_run
+        hold("o", k, MODEL)
+        if model_at != k:
+            drop("o", model_at, MODEL)
+        model_at = k
+        if k == t - 1 and not last_run:
+            last_run = True
+            hold("o", k, FINAL_OUT)
+
+    def advance_step(k: int) -> None:
+        nonlocal peak
+        peak = max(peak, live + sizes.advance_peak)
+        ran(k)
+        move_running(k + 1)
+
+    def keep(k: int) -> None:
+        nonlocal peak, live
+        peak = max(peak, live + sizes.keep_peak)
+        kept.add(k)
+        live += sizes.internal
+        hold("s", k + 1, OUT)
+        hold("s", k, IN)
+        if k + 1 == t:
+            hold("s", t, FINAL)
+        ran(k)
+        move_running(k + 1)
 
     def backward(k: int) -> None:
-        nonlocal peak, live, grad_live, params_live
-        if outputs_held < 2:  # the backward pass starts: it saves the RNG state
-            hold_outputs(2)
+        nonlocal peak, live, grad_live, params_live, backward_started
+        if not backward_started:  # the backward pass saves the RNG state
+            backward_started = True
             live += sizes.rng
-        first = (sizes.first_backward_peak if sizes.first_backward_peak is not None
-                 else sizes.backward_peak + sizes.param_grads)
-        extra = sizes.backward_peak if params_live else first
+        if params_live:
+            extra = sizes.backward_peak
+        elif call.grads_before and not call.grads_cleared:
+            extra = sizes.backward_peak  # accumulates into the live gradients
+            params_live = True
+        else:
+            live -= call.grads_before
+            extra = (sizes.first_backward_peak if sizes.first_backward_peak is not None
+                     else sizes.backward_peak + sizes.param_grads)
         peak = max(peak, live + extra)
         if not params_live:
             live += sizes.param_grads
             params_live = True
         live -= sizes.internal
-        drop(k + 1, OUT)
-        drop(k, IN)
+        kept.discard(k)
+        refresh("o", k)
+        drop("s", k + 1, OUT)
+        drop("s", k, IN)
         if not grad_live:
             live += sizes.grad
             grad_live = True
 
-    def keep(k: int) -> None:
-        nonlocal peak, live
-        peak = max(peak, live + sizes.keep_peak)
-        hold_outputs(1)
-        live += sizes.internal
-        hold(k + 1, OUT)
-        hold(k, IN)
-        if k + 1 == t:
-            hold(t, FINAL)
-        move_running(k + 1)
-
+    pre_ran = call.first_step_ran and t >= 1
+    if pre_ran:  # step 0 without a graph, before the schedule
+        advance_step(0)
     for op in ops:
         name = op[0]
+        if pre_ran and name in ("advance", "keep", "leaf") and op[1] == 0:
+            pre_ran = False
+            if name == "advance":
+                if op[2] > 1:
+                    advance_step(1)
+                if op[2] > 2:  # uniform steps: the last one's holders suffice
+                    advance_step(op[2] - 1)
+                if trace is not None:
+                    trace.append((op, live, peak))
+                continue
+            move_running(0)  # step 0 again, from the start state, to build its graph
         if name == "advance":
             a, b = op[1], op[2]
-            peak = max(peak, live + sizes.advance_peak)
-            hold_outputs(1)
-            move_running(a + 1)
-            if b - a >= 2:
-                peak = max(peak, live + sizes.advance_peak)
-            move_running(b)
+            advance_step(a)
+            if b - a >= 2:  # uniform steps: the last one's holders suffice
+                advance_step(b - 1)
         elif name == "store":
-            hold(op[1], CKPT)
+            hold("s", op[1], CKPT)
             live += sizes.rng
         elif name == "free":
-            drop(op[1], CKPT)
+            drop("s", op[1], CKPT)
             live -= sizes.rng
         elif name == "restore":
             move_running(op[1])
@@ -872,4 +988,300 @@ def simulate_bytes(ops: Iterator[Op], sizes: ByteSizes, t: int,
         peak = max(peak, live)
         if trace is not None:
             trace.append((op, live, peak))
+    # the end of the backward pass: the state's gradient goes, then the update
+    if grad_live:
+        live -= sizes.grad
+    peak = max(peak, live + call.update_transient)
+    if trace is not None:
+        trace.append((("update",), live, peak))
     return int(peak)
+
+
+# --------------------------------------------------------------------------
+# Plain BPTT as Chainer runs it.
+
+@dataclasses.dataclass(frozen=True)
+class StepFunction:
+    """One function of a recorded step, for :func:`replay_plain`.
+
+    Attributes:
+        name: the function's label.
+        inputs: variable indexes of its inputs, in order.
+        outputs: variable indexes of its outputs.
+        grads: per input, bytes of the new gradient buffer its backward
+            makes (0: no gradient, or one that shares an output gradient).
+        shares: per input, the position in ``outputs`` of the output whose
+            gradient buffer its gradient is (or a view of), else -1.
+        peak: the highest bytes above those live before its backward,
+            while it runs.
+    """
+
+    name: str
+    inputs: Tuple[int, ...]
+    outputs: Tuple[int, ...]
+    grads: Tuple[int, ...]
+    shares: Tuple[int, ...]
+    peak: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StepGraph:
+    """The graph of one step, recorded from a backward (see
+    :func:`replay_plain`).
+
+    Attributes:
+        functions: in a topological order of the step.
+        kinds: per variable: ``'state'`` (an input state, ``state_index``
+            says which), ``'param'`` (a parameter, shared by all steps),
+            ``'leaf'`` (another leaf: data, constants) or ``'inner'`` (made
+            by a function of the step).
+        state_index: per variable, which input state it is (-1 if none).
+        creator: per variable, the index of the function that made it (-1
+            for leaves).
+        out_states: per entry of the state, the variable of the step's
+            output state (-1: None).
+        loss: the variable of the step's loss.
+    """
+
+    functions: Tuple[StepFunction, ...]
+    kinds: Tuple[str, ...]
+    state_index: Tuple[int, ...]
+    creator: Tuple[int, ...]
+    out_states: Tuple[int, ...]
+    loss: int
+
+
+def replay_plain(graph: StepGraph, forward_end_bytes: int, t: int, *,
+                 grads_cleared: bool = True, state0_grads: bool = False) -> int:
+    """Peak bytes of plain BPTT's ``backward()`` over ``t`` steps, as
+    Chainer runs it, above the bytes live when the call started.
+
+    Chainer keeps every step's graph until ``unchain_backward()``, and its
+    backward pops functions by rank, highest first (ties: the first
+    discovered), over the whole unroll: a function that does not depend on
+    the recurrent state (an embedding, the input projection of the first
+    layer) keeps its rank at every step and runs only at the very end, so
+    the gradients of its outputs wait, one per step. This replays that
+    order on ``t`` copies of the recorded step, with the summed loss
+    (``loss = 0; loss += step_loss``) on top: gradient buffers are counted
+    once however many variables share them, freed when the last one is
+    consumed; a gradient arriving where one is waiting is summed into a
+    new buffer; parameter gradients (and, with ``state0_grads``, the
+    gradients of a start state that requires them) stay to the end.
+
+    Args:
+        graph: the recorded step.
+        forward_end_bytes: bytes live when ``backward()`` starts, above the
+            call's start (the forward pass's graphs and outputs).
+        t: steps.
+        grads_cleared: parameter gradients were cleared before the
+            backward (else each parameter's first gradient is summed into
+            the live one).
+        state0_grads: the start state requires gradients (a state carried
+            over from the previous iteration is a leaf that does).
+
+    Returns:
+        The peak of the backward pass (transients included).
+    """
+    import heapq
+
+    nvar = len(graph.kinds)
+    # global ids: a variable of step k is k * nvar + v; the start state,
+    # parameters and the summed loss get ids past them
+    base = t * nvar
+    state0_ids = {}
+    param_ids: Dict[int, int] = {}
+    next_id = [base]
+
+    def new_id() -> int:
+        next_id[0] += 1
+        return next_id[0] - 1
+
+    def gid(k: int, v: int) -> int:
+        if v < 0:
+            return -1
+        kind = graph.kinds[v]
+        if kind == "param":
+            if v not in param_ids:
+                param_ids[v] = new_id()
+            return param_ids[v]
+        if kind == "state":
+            j = graph.state_index[v]
+            if k == 0:
+                if not state0_grads:
+                    return -1
+                if j not in state0_ids:
+                    state0_ids[j] = new_id()
+                return state0_ids[j]
+            prev = graph.out_states[j]
+            if prev < 0:
+                return -1
+            return gid(k - 1, prev)
+        return k * nvar + v
+
+    # ranks: Chainer's FunctionNode.rank = max(input ranks), a variable's
+    # rank is its creator's + 1 (leaves: 0)
+    var_rank: Dict[int, int] = {}
+    creator_of: Dict[int, Tuple[int, int]] = {}  # global var -> (step, function)
+    fn_ranks: List[List[int]] = []
+    for k in range(t):
+        ranks = []
+        for f_idx, f in enumerate(graph.functions):
+            r = max((var_rank.get(gid(k, v), 0) for v in f.inputs), default=0)
+            ranks.append(r)
+            for v in f.outputs:
+                g = gid(k, v)
+                if g < 0:
+                    continue
+                var_rank[g] = r + 1
+                creator_of[g] = (k, f_idx)
+        fn_ranks.append(ranks)
+    # the summed loss: S_0 = 0 + l_0 (AddConstant), S_k = S_{k-1} + l_k (Add)
+    sum_out: List[int] = []
+    sum_rank: List[int] = []
+    prev_rank = None
+    for k in range(t):
+        lr = var_rank.get(gid(k, graph.loss), 0)
+        r = lr if prev_rank is None else max(prev_rank, lr)
+        sum_rank.append(r)
+        sum_out.append(new_id())
+        prev_rank = r + 1
+
+    # gradient table: variable -> buffer; buffers: id -> [bytes, references]
+    table: Dict[int, int] = {}
+    buffers: Dict[int, List[int]] = {}
+    level = forward_end_bytes
+    peak = level
+
+    def new_buffer(nbytes: int) -> int:
+        nonlocal level
+        b = new_id()
+        buffers[b] = [nbytes, 0]
+        level += nbytes
+        return b
+
+    def ref(b: int) -> None:
+        buffers[b][1] += 1
+
+    def unref(b: int) -> None:
+        nonlocal level
+        buf = buffers[b]
+        buf[1] -= 1
+        if buf[1] <= 0:
+            level -= buf[0]
+            del buffers[b]
+
+    def give(var: int, b: Optional[int], nbytes: int) -> None:
+        """Gradient buffer ``b`` (None: a new one of ``nbytes``) arrives at ``var``."""
+        if b is None:
+            b = new_buffer(nbytes)
+        ref(b)
+        old = table.get(var)
+        if old is None and not grads_cleared and var in params:
+            # the parameter's gradient from before: live already, held by the
+            # parameter until the backward ends
+            old = new_id()
+            buffers[old] = [buffers[b][0], 2]
+        if old is not None:  # summed into a new buffer
+            size = max(buffers[old][0], buffers[b][0])
+            s = new_buffer(size)
+            ref(s)
+            unref(old)
+            unref(b)
+            b = s
+        table[var] = b
+
+    params = set(param_ids.values())
+
+    heap: List[Tuple[int, int, Tuple[str, int, int]]] = []
+    seen: set = set()
+
+    def add_cand(key: Tuple[str, int, int], rank: int) -> None:
+        if key not in seen:
+            heapq.heappush(heap, (-rank, len(seen), key))
+            seen.add(key)
+
+    # the loss gradient (a scalar) at the summed loss
+    table[sum_out[-1]] = new_buffer(0)
+    ref(table[sum_out[-1]])
+    add_cand(("sum", t - 1, 0), sum_rank[-1])
+    while heap:
+        _, _, key = heapq.heappop(heap)
+        kind, k, f_idx = key
+        if kind == "sum":
+            gy = table.pop(sum_out[k], None)
+            if gy is None:
+                continue
+            if k > 0:
+                give(sum_out[k - 1], gy, 0)
+                add_cand(("sum", k - 1, 0), sum_rank[k - 1])
+            lv = gid(k, graph.loss)
+            give(lv, gy, 0)
+            c = creator_of.get(lv)
+            if c is not None:
+                add_cand(("fn",) + c, fn_ranks[c[0]][c[1]])
+            unref(gy)
+            continue
+        f = graph.functions[f_idx]
+        outs = [gid(k, v) for v in f.outputs]
+        gys = [table.pop(o, None) for o in outs]
+        inputs = [gid(k, v) for v in f.inputs]
+        targets = [i for i, g in enumerate(inputs) if g >= 0 and (f.grads[i] or f.shares[i] >= 0)]
+        if targets:
+            peak = max(peak, level + f.peak)
+            done = set()
+            for i in targets:
+                x = inputs[i]
+                if x in done:
+                    continue
+                done.add(x)
+                s = f.shares[i]
+                if s >= 0:
+                    if gys[s] is None:
+                        continue
+                    give(x, gys[s], 0)
+                else:
+                    give(x, None, f.grads[i])
+                c = creator_of.get(x)
+                if c is not None:
+                    add_cand(("fn",) + c, fn_ranks[c[0]][c[1]])
+        for b in gys:
+            if b is not None:
+                unref(b)
+        peak = max(peak, level)
+    return int(peak)
+
+
+def plain_peak_bytes(sizes: ByteSizes, t: int, graph: Optional[StepGraph] = None,
+                     call: Optional[CallBytes] = None, *, state0_grads: bool = False) -> int:
+    """Predicted peak of plain BPTT (every step's graph kept, one
+    ``backward()``, ``unchain_backward()``, the update) above the bytes
+    live at the call.
+
+    The forward pass is :func:`simulate_bytes` of every step kept; the
+    backward is :func:`replay_plain` on the recorded step (without one,
+    :func:`simulate_bytes` of :func:`plain_schedule`, which frees each
+    step's graph after its backward as the chain runner does and so
+    predicts too little).
+
+    >>> s = ByteSizes(100, 10, 1000, 50, 100, 5000, 150, 1200, 2000)
+    >>> plain_peak_bytes(s, 10) >= 10 * 1000
+    True
+    """
+    call = call or CallBytes()
+    if graph is None:
+        return simulate_bytes(plain_schedule(t), sizes, t, call=call)
+    trace: List[Tuple[Op, int, int]] = []
+    fwd = dataclasses.replace(call, update_transient=0, first_step_ran=False)
+    forward_peak = simulate_bytes((("keep", k) for k in range(t)), sizes, t, trace=trace,
+                                  call=fwd)
+    live = trace[-2][1] if len(trace) >= 2 else 0  # before the closing ('update',) entry
+    cleared = call.grads_cleared or not call.grads_before
+    if cleared:
+        live -= call.grads_before
+    backward_peak = replay_plain(graph, live, t, grads_cleared=cleared,
+                                 state0_grads=state0_grads)
+    # after unchain_backward(): the last outputs, the final state, the gradients
+    end = (sizes.outputs - call.outputs_before + sizes.state + sizes.param_grads
+           - (call.grads_before if cleared else 0))
+    return int(max(forward_peak, backward_peak, end + call.update_transient))

@@ -1,5 +1,6 @@
 """Chain solvers (core/solvers/chain.py): Gruslys et al.'s BPTT tables and
 revolve, against brute force over all policies; schedules; bad input."""
+import dataclasses
 import functools
 import time
 
@@ -153,6 +154,71 @@ def test_byte_simulation_orders_policies_by_memory():
     assert tight < plain / 5
     peaks = [ch.simulate_bytes(ch.schedule("hsm", t, m), sizes, t) for m in (2, 5, 10, 20)]
     assert peaks == sorted(peaks)
+
+
+def test_byte_simulation_event_by_event():
+    """Plain BPTT's schedule on two steps, by hand: each array counted once
+    however many holders it has (the model's outputs inside a kept graph,
+    the state a graph makes and the next one reads)."""
+    sizes = ch.ByteSizes(state=100, rng=10, internal=1000, retained_input=100, grad=100,
+                         param_grads=5000, advance_peak=150, keep_peak=1200, backward_peak=2000,
+                         first_backward_peak=7000, outputs=50, outputs_shared=50)
+    trace = []
+    peak = ch.simulate_bytes(ch.plain_schedule(2), sizes, 2, trace=trace)
+    # keep 0: internal + state 1; keep 1: + internal + state 2; backward 1: the
+    # backward pass's RNG state, parameter gradients, the state's gradient, its
+    # internal state goes while the last outputs stay (they are put back at the
+    # end); backward 0; the state's gradient goes
+    assert [live for _, live, _ in trace] == [1100, 2200, 6360, 5260, 5160]
+    assert peak == 2210 + 7000
+    # outputs the graph does not share are held besides it
+    apart = ch.simulate_bytes(ch.plain_schedule(2), dataclasses.replace(sizes, outputs_shared=0),
+                              2)
+    assert apart == peak + 50
+    # gradients live at the call and cleared before the backward: gone at its start
+    call = ch.CallBytes(grads_before=5000, update_transient=3000)
+    trace = []
+    assert ch.simulate_bytes(ch.plain_schedule(2), sizes, 2, trace=trace, call=call) == peak - 5000
+    assert trace[-1][1] == 5160 - 5000
+    # not cleared: the backward accumulates into them
+    kept = dataclasses.replace(call, grads_cleared=False)
+    assert ch.simulate_bytes(ch.plain_schedule(2), sizes, 2, call=kept) == 2210 + 2000
+
+
+def _toy_step():
+    """embed(W, x) -> e; cell(s, e) -> h (the next state); loss(h) -> l."""
+    F = ch.StepFunction
+    return ch.StepGraph(
+        functions=(F("embed", (0, 1), (2,), (40, 0), (-1, -1), 40),
+                   F("cell", (3, 2), (4,), (10, 20), (-1, -1), 30),
+                   F("loss", (4,), (5,), (10,), (-1,), 10)),
+        kinds=("param", "leaf", "inner", "state", "inner", "inner"),
+        state_index=(-1, -1, -1, 0, -1, -1), creator=(-1, -1, 0, -1, 1, 2),
+        out_states=(4,), loss=5)
+
+
+def test_plain_replay_follows_chainers_backward_order():
+    """The embedding does not depend on the state: its rank is the same at
+    every step, so Chainer runs it last and the gradient of its output
+    waits, one per step (20 bytes each here)."""
+    g = _toy_step()
+    # by hand, t=2: loss 1, loss 0, cell 1 (h0's gradient summed), cell 0,
+    # embed 1 (W's gradient made), embed 0 (summed): 40 live + 20 waiting + 40
+    assert ch.replay_plain(g, 0, 2) == 100
+    assert ch.replay_plain(g, 0, 20) - ch.replay_plain(g, 0, 10) == 10 * 20
+    assert ch.replay_plain(g, 1000, 2) == 1100
+    sizes = ch.ByteSizes(state=10, rng=1, internal=30, retained_input=10, grad=10,
+                         param_grads=40, advance_peak=20, keep_peak=40, backward_peak=60)
+    # the runner's order (each graph freed after its backward) predicts less
+    assert ch.plain_peak_bytes(sizes, 50, g) > ch.plain_peak_bytes(sizes, 50, None)
+
+
+def test_table_cache_bytes():
+    ch.clear_table_cache()
+    assert ch.table_cache_bytes() == 0
+    tab = ch.chain_table("hsm", 50, 10)
+    assert ch.table_cache_bytes() == tab.nbytes > 0
+    ch.clear_table_cache()
 
 
 # ------------------------------------------------------------ bad input

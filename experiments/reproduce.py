@@ -240,13 +240,15 @@ def graph_path(net: str, batch: int, tag: str = "") -> Path:
 def run_cell(net: str, method: str, batch: int, cfg: Dict[str, Any], *, tag: str = "",
              small: bool = False, timeout_s: Optional[float] = None,
              save_graph: bool = True, budget: Any = "least", out: Optional[Path] = None,
-             graph_out: Optional[Path] = None) -> Dict[str, Any]:
+             graph_out: Optional[Path] = None,
+             measured: Optional[int] = None) -> Dict[str, Any]:
     """Run one cell in a subprocess; its JSON (or the error) is written at once."""
     proto = cfg["protocol"]
     small = small or bool(cfg["networks"].get(net, {}).get("small"))
     gpath = graph_out or graph_path(net, batch, tag)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", net, method,
-           "--batch", str(batch), "--measured", str(proto["measured_iterations"]),
+           "--batch", str(batch),
+           "--measured", str(measured or proto["measured_iterations"]),
            "--optimizer", proto["optimizer"], "--cost", proto["cost"],
            "--budget", str(budget)]
     if small:
@@ -599,6 +601,66 @@ def solver_rows(cfg: Dict[str, Any], networks: List[str], resume: bool) -> int:
                 row["breakdown"] = call_with_timeout("graph_breakdown", [path], 3600)
             res[key] = row
             write_json(out_path, res)
+    return 0
+
+
+# ======================================================================
+# Explanations: the recorded graphs replayed without the convolutions'
+# temporary buffers (NumPy's im2col/col2im; cuDNN on a GPU works within a
+# workspace bounded by CuPy's max_workspace_size, 8 MiB by default).
+
+def _without_transients(g):
+    import dataclasses
+    return g.replace(nodes=[dataclasses.replace(n, forward_transient_bytes=0,
+                                                backward_transient_bytes=0)
+                            for n in g.nodes])
+
+
+def explain_row(path: str, methods: List[str]) -> Dict[str, Any]:
+    """On one recorded graph: each method's plan at its least total budget
+    re-solved (as its cell did; cost model flops), its replayed peak (the
+    cell's prediction), the same plan replayed without transients, and the
+    least each method reaches when planned on the graph without transients;
+    plain backprop with and without transients."""
+    from chainer_recompute.core.budget import BudgetSearch
+    from chainer_recompute.core.io import load_graph
+    g = load_graph(path)
+    g0 = _without_transients(g)
+    out: Dict[str, Any] = {"vanilla": {"peak_bytes": _replayed_peak(g, None),
+                                       "peak_no_transient_bytes": _replayed_peak(g0, None)}}
+    for m in methods:
+        t0 = time.perf_counter()
+        if m == "chen":
+            plan = _chen_plan(g)
+            plan0 = _chen_plan(g0)
+        else:
+            solver, strategy = m.split("-")
+            plan = BudgetSearch(g, solver, strategy).least_plan()
+            plan0 = BudgetSearch(g0, solver, strategy).least_plan()
+        out[m] = {"peak_bytes": _replayed_peak(g, plan),
+                  "same_plan_no_transient_bytes": _replayed_peak(g0, plan),
+                  "replanned_no_transient_bytes": _replayed_peak(g0, plan0),
+                  "recompute": plan.recompute, "solve_s": time.perf_counter() - t0}
+    return out
+
+
+def explain(cfg: Dict[str, Any], networks: List[str], resume: bool) -> int:
+    out_path = RESULTS / "explain.json"
+    res = read_json(out_path) or {}
+    for net in [n for n in cfg["order"] if n in networks]:
+        batch = cfg["networks"][net]["paper_batch"]
+        gp = graph_path(net, batch)
+        if not gp.exists() or (resume and net in res and res[net].get("status") == "ok"):
+            continue
+        methods = ["approx-tc", "approx-mc", "chen"]
+        chk = read_json(RESULTS / "cells" / f"{net}_b{batch}__exact-check.json") or {}
+        methods += [f"exact-{s}" for s in ("tc", "mc") if chk.get(s, {}).get("status") == "ok"]
+        r = call_with_timeout("explain_row", [str(gp), methods],
+                              3600 + 2 * cfg["protocol"]["exact_timeout_s"])
+        r["load"] = load_avg()
+        res[net] = r
+        write_json(out_path, res)
+        print(f"{net}: {r['status']} ({r['wall_s']:.0f} s)", flush=True)
     return 0
 
 
@@ -1035,6 +1097,58 @@ def report_tables(cfg: Dict[str, Any]) -> Dict[str, str]:
             f"({bd['largest_transient_op']}) | {_gb(bd['activation_bytes'], 3)} / "
             f"{_gb(au.get('activation_bytes'), 3)} |")
     tables["breakdown"] = "\n".join(lines)
+    # ---- the runtime sweep
+    lines = ["| network | budget B GB | method | largest batch in B (replayed) | "
+             "largest_batch_size (DP formula) | measured at that batch: peak GB, fits B | "
+             "s/iter at that batch | s/iter at batch 8 (vs vanilla at 8) | "
+             "s/iter at batch 5 (vs vanilla's fit at 5) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for net in cfg.get("sweep", {}).get("networks", []):
+        state = read_json(SWEEP / f"{net}_budget.json")
+        if not state or "largest" not in state:
+            continue
+        budget = state["budget_bytes"]
+        meas = sweep_measured(net, budget)
+        a, c = vanilla_fit(meas)
+
+        def at(m: str, b: int) -> Optional[Dict[str, Any]]:
+            for r in meas.get(m, []):
+                if r["batch"] == b and r["status"] == "ok":
+                    return r
+            return None
+
+        v8 = at("vanilla", 8)
+        for m in cfg["sweep"]["methods"]:
+            lg = state["largest"][m]
+            L = lg.get("largest_batch")
+            r = at(m, L) if L else None
+            r8, r5 = at(m, 8), at(m, 5)
+            t8 = "-" if not r8 else (f"{r8['time_s']:.1f}" + (
+                f" ({_pct(r8['time_s'], v8['time_s'])})" if v8 and m != "vanilla" else ""))
+            t5 = "-" if not r5 else f"{r5['time_s']:.1f} ({_pct(r5['time_s'], a + 5 * c)})"
+            fits = "-" if not r else (f"{_gb(r['measured_peak_bytes'], 3)}, "
+                                      f"{'yes' if r['measured_peak_bytes'] <= budget else 'NO'}")
+            lines.append(
+                f"| {net} | {_gb(budget, 3)} | {m} | {L} | "
+                f"{lg.get('largest_batch_size_dp_formula', '-')} | {fits} | "
+                f"{'-' if not r else round(r['time_s'], 1)} | "
+                f"{t8} | {t5} |")
+    tables["sweep"] = "\n".join(lines)
+    # ---- interleaved timing
+    lines = ["| network (batch) | vanilla s/iter (median of n) | approx-DP TC at its least budget "
+             "s/iter (median of n) | TC overhead | recomputed share of a forward (flops) | "
+             "load (1 min) during the runs |",
+             "|---|---|---|---|---|---|"]
+    for net, d in timing_summary(cfg).items():
+        if "overhead" not in d:
+            continue
+        a = _cell(net, "approx-tc", cfg)
+        share = f"{100 * a['plan']['overhead_fraction']:.0f}%" if _ok(a) else "-"
+        lines.append(f"| {net} ({d['batch']}) | {d['median_vanilla_s']:.1f} ({len(d['vanilla'])}) | "
+                     f"{d['median_tc_s']:.1f} ({len(d['approx-tc'])}) | "
+                     f"{100 * d['overhead']:+.0f}% | {share} | "
+                     f"{min(d['loads']):.1f}-{max(d['loads']):.1f} |")
+    tables["timing"] = "\n".join(lines)
     return tables
 
 
@@ -1064,6 +1178,50 @@ def report(cfg: Dict[str, Any]) -> int:
         readme.write_text(text)
     print("\n\n".join(tables.values()))
     return 0
+
+
+# ======================================================================
+# Timing: vanilla and TC interleaved, several measured iterations each.
+
+def timing(cfg: Dict[str, Any], networks: List[str], rounds: int, resume: bool) -> int:
+    """The time overhead of approx-DP TC at its least budget against
+    vanilla, measured in alternating processes (vanilla, TC, vanilla, ...),
+    ``timing_iterations`` measured iterations each after the warm-up; the
+    median per iteration of each, with the load averages."""
+    k = cfg["protocol"].get("timing_iterations", 3)
+    for net in networks:
+        batch = cfg["networks"][net]["paper_batch"]
+        for r in range(rounds):
+            for m in ("vanilla", "approx-tc"):
+                p = RESULTS / "timing" / f"{net}_b{batch}_r{r}__{m}.json"
+                old = read_json(p)
+                if resume and old and old.get("status") == "ok":
+                    continue
+                out = run_cell(net, m, batch, cfg, out=p, save_graph=False, measured=k)
+                ts = [c["time_s"] for c in out.get("calls", [])[1:]]
+                print(f"{net} round {r} {m}: {out.get('status')} "
+                      f"{', '.join(f'{t:.1f}' for t in ts)} s (load {out['load_end']})",
+                      flush=True)
+    return 0
+
+
+def timing_summary(cfg: Dict[str, Any]) -> Dict[str, Any]:
+    import statistics
+    res: Dict[str, Any] = {}
+    for p in sorted((RESULTS / "timing").glob("*.json")):
+        r = read_json(p)
+        if not r or r.get("status") != "ok":
+            continue
+        d = res.setdefault(r["network"], {"batch": r["batch"], "vanilla": [], "approx-tc": [],
+                                          "loads": []})
+        d[r["method"]] += [c["time_s"] for c in r["calls"][1:]]
+        d["loads"] += [c["load"][0] for c in r["calls"][1:]]
+    for net, d in res.items():
+        if d["vanilla"] and d["approx-tc"]:
+            d["median_vanilla_s"] = statistics.median(d["vanilla"])
+            d["median_tc_s"] = statistics.median(d["approx-tc"])
+            d["overhead"] = d["median_tc_s"] / d["median_vanilla_s"] - 1
+    return res
 
 
 # ======================================================================
@@ -1129,6 +1287,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--solvers", action="store_true", help="the solver rows (pure core)")
     ap.add_argument("--sweep", help="NET: the runtime sweep at the fixed budget")
     ap.add_argument("--plots", action="store_true", help="draw the runtime plots")
+    ap.add_argument("--timing", type=int, metavar="ROUNDS",
+                    help="vanilla and approx-TC interleaved, ROUNDS rounds (--networks)")
+    ap.add_argument("--explain", action="store_true",
+                    help="replays without the convolutions' temporaries (pure core)")
     ap.add_argument("--report", action="store_true",
                     help="the Markdown tables (results/tables.md and experiments/README.md)")
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
@@ -1167,6 +1329,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         return sweep(cfg, args.sweep, args.resume)
     if args.plots:
         return plots(cfg)
+    if args.explain:
+        return explain(cfg, networks, args.resume)
+    if args.timing:
+        return timing(cfg, networks, args.timing, args.resume)
     if args.report:
         return report(cfg)
     if args.cell:

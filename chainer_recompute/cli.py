@@ -27,7 +27,7 @@ import shlex
 import sys
 import time
 import traceback
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from .core.units import ACCEPTED_FORMS, format_bytes, format_bytes_up, parse_bytes
 
@@ -190,9 +190,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return plot_main(argv[1:])
     verbose = "-v" in argv or "--verbose" in argv
     from .core.errors import RecomputeError
+    restore_logging = None
     try:
         args = build_parser().parse_args(_join_negative_values(argv))
-        _configure_logging(args.verbose)
+        restore_logging = _configure_logging(args.verbose)
         return _run(args)
     except UsageError as e:
         return _fail(e, verbose, EXIT_USAGE)
@@ -204,6 +205,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except Exception as e:  # noqa: BLE001 - a bug: one line unless -v
         return _fail(f"{type(e).__name__}: {e} (a bug? run with -v for the traceback)",
                      verbose, 1)
+    finally:
+        if restore_logging is not None:
+            restore_logging()
 
 
 def _fail(error: Any, verbose: bool, code: int) -> int:
@@ -215,16 +219,23 @@ def _fail(error: Any, verbose: bool, code: int) -> int:
     return code
 
 
-def _configure_logging(verbose: bool) -> None:
-    level = logging.INFO if verbose else logging.WARNING
+def _configure_logging(verbose: bool) -> Callable[[], None]:
+    """Route the library's log to stderr for this run; returns the function
+    that puts the caller's configuration back (main() called from Python
+    leaves the process's logging as it found it)."""
     root = logging.getLogger("chainer_recompute")
-    if not any(getattr(h, "_chainer_recompute_cli", False) for h in root.handlers):
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-        handler._chainer_recompute_cli = True  # type: ignore[attr-defined]
-        root.addHandler(handler)
-        root.propagate = False
-    root.setLevel(level)
+    saved = (root.level, root.propagate)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    root.addHandler(handler)
+    root.propagate = False
+    root.setLevel(logging.INFO if verbose else logging.WARNING)
+
+    def restore() -> None:
+        root.removeHandler(handler)
+        root.setLevel(saved[0])
+        root.propagate = saved[1]
+    return restore
 
 
 # ------------------------------------------------------------------ run

@@ -93,6 +93,16 @@ def _budget(text: str) -> str:
     return text.strip()
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an option's default, unless it is None (its help says what
+    happens then) or False (a plain switch)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default in (None, False):
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .models import MODELS
     p = _Parser(
@@ -103,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "overhead; optionally run training iterations and measure them. "
                     f"'{PROG} plot REPORT.json' redraws the figures of --out.",
         epilog="Sizes are binary: 8G = 8GiB = 8*2^30 bytes; 8GB = 8*10^9 bytes.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_DefaultsFormatter)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", default="mlp", choices=sorted(MODELS), metavar="NAME",
                      help=f"network to plan: {', '.join(sorted(MODELS))}")
@@ -123,7 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="batch size (default: the paper's for the network)")
     p.add_argument("--small", action="store_true",
                    help="the reduced variant of the network (quick CPU runs)")
-    p.add_argument("--solver", default="approx", choices=SOLVERS)
+    p.add_argument("--solver", default="approx", choices=SOLVERS,
+                   help="approx: approximate DP; exact: exhaustive exact DP; chen: Chen et "
+                   "al.'s sqrt(n) (budget ignored); chen-greedy: Chen's budgeted greedy; "
+                   "none: plain backprop")
     p.add_argument("--strategy", default="tc", choices=("tc", "mc"),
                    help="tc: least recomputation; mc: least memory")
     p.add_argument("--cost", default="measured", choices=("measured", "flops", "paper"),

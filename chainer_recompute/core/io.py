@@ -166,7 +166,89 @@ def load_authors_graph(path: PathLike) -> Graph:
     """
     source = os.fspath(path)
     with open(path) as f:
-        lines = _Lines(source, f.read())
+        text = f.read()
+    try:
+        # The common case, in few Python operations; anything unexpected
+        # (a malformed file) is read again below for the error message.
+        return _authors_graph(source, *_parse_authors_fast(text), _retry)
+    except Exception:
+        pass
+    lines = _Lines(source, text)
+    var_bytes, var_name, var_line, records = _parse_authors(lines)
+    return _authors_graph(source, var_bytes, var_name, var_line, records, lines.error)
+
+
+class _Retry(Exception):
+    pass
+
+
+def _retry(lineno: int, msg: str) -> Exception:
+    return _Retry()
+
+
+def _parse_authors_fast(text: str):
+    """:func:`_parse_authors` for well-formed files: raises on anything
+    else (which the careful parser then reports)."""
+    st = list(map(str.strip, text.splitlines()))
+    if all(st):
+        lineno_of = None
+    else:  # blank lines: skipped, line numbers kept
+        keep = [i for i, x in enumerate(st) if x]
+        st = [st[i] for i in keep]
+        lineno_of = keep
+    head = st[0].split()
+    n_vars, n_recs = int(head[0]), int(head[1])
+    var_bytes: Dict[int, int] = {}
+    var_name: Dict[int, str] = {}
+    for i in range(1, n_vars + 1):
+        vid, nbytes, name = st[i].split()
+        vid = int(vid)
+        var_bytes[vid] = int(nbytes)
+        var_name[vid] = name
+    if len(var_bytes) != n_vars:
+        raise _Retry()  # a variable defined twice
+    decode = json.JSONDecoder().raw_decode
+    valid = set()  # attribute lines known to be valid JSON
+    records = []
+    i = n_vars + 1
+    for _ in range(n_recs):
+        direction = st[i]
+        n_in, n_out = st[i + 1].split()[:2]
+        n_in, n_out = int(n_in), int(n_out)
+        a = i + 2
+        ins = [int(x.split(None, 1)[0]) for x in st[a:a + n_in]]
+        outs = [int(x.split(None, 1)[0]) for x in st[a + n_in:a + n_in + n_out]]
+        if len(ins) != n_in or len(outs) != n_out or n_in < 0 or n_out < 0:
+            raise _Retry()
+        j = a + n_in + n_out
+        op, attr_text = st[j], st[j + 1]
+        for v in ins:
+            var_bytes[v]
+        for v in outs:
+            var_bytes[v]
+        if direction == "forward":
+            attrs, end = decode(attr_text)
+            if end != len(attr_text):
+                raise _Retry()
+            valid.add(attr_text)
+            records.append((i + 1 if lineno_of is None else lineno_of[i] + 1, ins, outs, op,
+                            attrs))
+        elif direction == "backward":
+            if attr_text not in valid:
+                _, end = decode(attr_text)
+                if end != len(attr_text):
+                    raise _Retry()
+                valid.add(attr_text)
+        else:
+            raise _Retry()
+        i = j + 2
+    return var_bytes, var_name, None, records
+
+
+def _parse_authors(lines: _Lines):
+    """The variables (bytes, name, line) and the forward records (line,
+    inputs, outputs, op, attributes) of an authors' file, checked line by
+    line."""
     _, head = lines.ints("'N_VARIABLES N_FUNCTION_RECORDS'", 2)
     n_vars, n_recs = int(head[0]), int(head[1])
     var_bytes: Dict[int, int] = {}
@@ -206,7 +288,13 @@ def load_authors_graph(path: PathLike) -> Graph:
                 raise lines.error(ln2, f"refers to variable {vid}, which is not defined")
         if direction == "forward":
             records.append((lineno, [v for _, v in ins], [v for _, v in outs], op, attrs))
+    return var_bytes, var_name, var_line, records
 
+
+def _authors_graph(source: str, var_bytes: Dict[int, int], var_name: Dict[int, str],
+                   var_line: Optional[Dict[int, int]], records: list, error) -> Graph:
+    """The Graph of parsed authors' records (``error(lineno, msg)`` makes
+    the exception for an inconsistent file)."""
     # Arrays: variables in id order.
     order_ids = sorted(var_bytes)
     array_of = {vid: i for i, vid in enumerate(order_ids)}
@@ -214,7 +302,7 @@ def load_authors_graph(path: PathLike) -> Graph:
     for r, (lineno, _, outs, _, _) in enumerate(records):
         for v in outs:
             if v in producer_rec:
-                raise lines.error(lineno, f"variable {v} is the output of two forward records")
+                raise error(lineno, f"variable {v} is the output of two forward records")
             producer_rec[v] = r
     rec_edges = set()
     for r, (_, ins, _, _, _) in enumerate(records):
@@ -235,8 +323,8 @@ def load_authors_graph(path: PathLike) -> Graph:
             kind = "param"
         elif name == "_":
             if vid not in producer_rec:
-                raise lines.error(var_line[vid], f"intermediate variable {vid} is made by "
-                                                 f"no forward record")
+                raise error(None if var_line is None else var_line[vid],
+                            f"intermediate variable {vid} is made by no forward record")
             kind = "intermediate" if vid in read else "output"
         else:
             kind = "input"

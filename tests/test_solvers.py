@@ -246,3 +246,41 @@ def test_plan_records_memory_scope() -> None:
         least_feasible_budget(g, "exact", model=total) <= 18
     with pytest.raises(InfeasibleBudgetError):
         solve(g, 9, "exact", model=total)  # below the constant
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_chain_cost_equals_strategy_cost(seed: int) -> None:
+    """The DPs' plans take their cost from the family's per-row sums
+    (chain_cost): the same figures as strategy_cost from the graph, for
+    random chains, memory models and costs (integral or not)."""
+    import random
+
+    from chainer_recompute.core.lower_sets import LowerSetFamily
+    from chainer_recompute.core.memory_model import MemoryModel
+    from chainer_recompute.core.schedule import strategy_cost
+    from chainer_recompute.core.solvers._dp import chain_cost
+    rng = random.Random(seed)
+    n = rng.randint(2, 12)
+    edges = sorted({(rng.randrange(v), v) for v in range(1, n) for _ in range(rng.randint(0, 2))})
+    costs = [rng.random() * 3 for _ in range(n)] if seed % 3 == 0 else \
+        [rng.randint(1, 10) for _ in range(n)]
+    g = Graph.from_edges([rng.randint(1, 30) for _ in range(n)], edges, costs=costs)
+    model = None if seed % 2 else MemoryModel(
+        block_bytes=[rng.randint(0, 40) for _ in range(n)],
+        keep_bytes=[rng.randint(0, 20) for _ in range(n)],
+        above_bytes=[rng.randint(0, 20) for _ in range(n)],
+        beside_bytes=[rng.randint(0, 20) for _ in range(n)],
+        transient_bytes=[rng.choice([0, rng.randint(1, 60)]) for _ in range(n)],
+        constant_bytes=rng.randint(0, 50), scope="total")
+    fam = LowerSetFamily.all(g, model=model)
+    masks = fam.masks()
+    for _ in range(10):
+        rows, cur = [], 0
+        while cur != len(fam) - 1:  # a random chain ∅ ⊊ ... ⊊ V
+            sup = [j for j in range(cur + 1, len(fam))
+                   if masks[j] & masks[cur] == masks[cur] and masks[j] != masks[cur]]
+            cur = rng.choice(sup)
+            rows.append(cur)
+        got = chain_cost(fam, rows)
+        ref = strategy_cost(g, [masks[r] for r in rows], model)
+        assert got == ref

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, FrozenSet, Optional, Sequence, Tuple
 
 from .graph import Graph
-from .lower_sets import mask_to_set, set_to_mask
-from .schedule import build_schedule, simulate, strategy_cost
+from .lower_sets import set_to_mask
+from .schedule import StrategyCost, build_schedule, simulate, strategy_cost
 from .units import format_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -21,6 +21,41 @@ logger = logging.getLogger(__name__)
 __all__ = ["Plan", "make_plan", "infeasible_plan"]
 
 NodeSet = FrozenSet[int]
+
+
+class _SimulatedPeak:
+    """The liveness simulation of a plan's canonical schedule, run when its
+    peak is first read (a reporting figure: solvers do not pay for it)."""
+
+    __slots__ = ("graph", "masks", "recompute")
+
+    def __init__(self, graph: Graph, masks: Sequence[int], recompute: bool) -> None:
+        self.graph, self.masks, self.recompute = graph, tuple(masks), recompute
+
+    def __call__(self) -> int:
+        sched = build_schedule(self.graph, self.masks, recompute=self.recompute)
+        return int(simulate(self.graph, sched).peak_bytes)
+
+
+class _Lazy:
+    """A dataclass field whose value may be given as a :class:`_SimulatedPeak`,
+    evaluated (once) on first access. The field stays a required field of
+    ``__init__``; ``dataclasses.replace``, ``==``, ``repr``, ``hash`` and
+    pickling see the evaluated value."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.key = "_" + name
+
+    def __get__(self, obj: Any, owner: Optional[type] = None) -> Any:
+        if obj is None:
+            raise AttributeError(self.key)  # no class-level default
+        value = obj.__dict__[self.key]
+        if isinstance(value, _SimulatedPeak):
+            value = obj.__dict__[self.key] = value()
+        return value
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        obj.__dict__[self.key] = value  # from __init__ only (the class is frozen)
 
 
 @dataclass(frozen=True)
@@ -39,7 +74,8 @@ class Plan:
             ``info['memory_scope']`` names its scope); ``None`` when
             infeasible.
         simulated_peak_bytes: peak of the canonical schedule with liveness
-            (:func:`~chainer_recompute.core.schedule.simulate`).
+            (:func:`~chainer_recompute.core.schedule.simulate`); simulated
+            when first read.
         overhead: extra forward cost Σ T(V_i \\ U_i), in cost units.
         overhead_fraction: ``overhead / T(V)`` (a fraction of one forward).
         n_blocks: k.
@@ -62,7 +98,7 @@ class Plan:
     feasible: bool
     lower_sets: Tuple[NodeSet, ...]
     predicted_peak_bytes: Optional[int]
-    simulated_peak_bytes: Optional[int]
+    simulated_peak_bytes: Optional[int] = _Lazy()  # type: ignore[assignment]
     overhead: Optional[float]
     overhead_fraction: Optional[float]
     n_blocks: int
@@ -119,17 +155,27 @@ class Plan:
     def __str__(self) -> str:
         return self.summary()
 
+    def __getstate__(self) -> Dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_simulated_peak_bytes"] = self.simulated_peak_bytes  # not the graph
+        return state
+
 
 def make_plan(graph: Graph, lower_sets: Sequence, *, solver: str, strategy: str,
               budget_bytes: Optional[int], solve_time_s: float = 0.0,
               recompute: bool = True, info: Optional[Dict[str, Any]] = None,
-              model: Optional["MemoryModel"] = None) -> Plan:
+              model: Optional["MemoryModel"] = None,
+              cost: Optional[StrategyCost] = None) -> Plan:
     """Evaluate a strategy (memory model and simulator) and wrap it in a Plan.
 
     ``predicted_peak_bytes`` is the peak under ``model`` (the paper's when
     ``None``; ``info['memory_scope']`` records the model's scope) and
     ``feasible`` is ``predicted_peak_bytes <= budget_bytes`` (always True
-    without a budget).
+    without a budget). ``cost``: the strategy's
+    :func:`~chainer_recompute.core.schedule.strategy_cost` under ``model``
+    when the caller has it already (the DPs compute it from their family).
+    The liveness simulation (``simulated_peak_bytes``) runs when that field
+    is first read.
 
     >>> from chainer_recompute.core.graph import Graph
     >>> g = Graph.from_edges([1, 1, 1], [(0, 1), (1, 2)])
@@ -137,20 +183,51 @@ def make_plan(graph: Graph, lower_sets: Sequence, *, solver: str, strategy: str,
     True
     """
     masks = [m if isinstance(m, int) else set_to_mask(m) for m in lower_sets]
-    cost = strategy_cost(graph, masks, model)
-    sim = simulate(graph, build_schedule(graph, masks, recompute=recompute))
+    if cost is None:
+        cost = strategy_cost(graph, masks, model)
     total = float(graph.node_cost.sum())
     overhead = cost.overhead if recompute else 0.0
     feasible = budget_bytes is None or cost.peak_bytes <= budget_bytes
+    chain = chain_sets(masks)
     return Plan(solver=solver, strategy=strategy, budget_bytes=budget_bytes, feasible=feasible,
-                lower_sets=tuple(mask_to_set(m) for m in masks),
-                predicted_peak_bytes=int(cost.peak_bytes),
-                simulated_peak_bytes=int(sim.peak_bytes), overhead=overhead,
+                lower_sets=chain, predicted_peak_bytes=int(cost.peak_bytes),
+                simulated_peak_bytes=_SimulatedPeak(graph, masks, recompute),  # type: ignore
+                overhead=overhead,
                 overhead_fraction=overhead / total if total > 0 else 0.0,
                 n_blocks=len(masks), solve_time_s=solve_time_s, cost_model=graph.cost_model,
-                checkpoint_sets=tuple(mask_to_set(u) for u in cost.checkpoints)
-                if recompute else tuple(mask_to_set(m) for m in masks[:1]),
+                checkpoint_sets=tuple(frozenset(_bits_of(u)) for u in cost.checkpoints)
+                if recompute else chain[:1],
                 recompute=recompute, info=_info(info, model))
+
+
+def _bits_of(mask: int) -> list:
+    """The set bits of a non-negative int, increasing."""
+    out = []
+    while mask:
+        low = mask & -mask
+        out.append(low.bit_length() - 1)
+        mask ^= low
+    return out
+
+
+def chain_sets(masks: Sequence[int]) -> Tuple[NodeSet, ...]:
+    """A chain of bitsets L_1 ⊊ ... ⊊ L_k as frozensets (each built from
+    the previous one and its block).
+
+    >>> [sorted(s) for s in chain_sets([1, 7])]
+    [[0], [0, 1, 2]]
+    """
+    out = []
+    prev: NodeSet = frozenset()
+    prev_m = 0
+    for m in masks:
+        if m < 0:
+            raise ValueError("a bitset is a non-negative int")
+        prev = prev.union(_bits_of(m & ~prev_m)) if prev_m & ~m == 0 else \
+            frozenset(_bits_of(m))
+        prev_m = m
+        out.append(prev)
+    return tuple(out)
 
 
 def _info(info: Optional[Dict[str, Any]], model: Optional["MemoryModel"]) -> Dict[str, Any]:

@@ -758,6 +758,65 @@ def _sparse(pairs: _Pairs, budget: Optional[int], objective: str, least: np.ndar
     return DPResult(chain, retained_t, retained_m, n_trans, n_states)
 
 
+def chain_cost(family: LowerSetFamily, rows: List[int]):
+    """The strategy of family rows ``rows`` (L_1 ⊊ ... ⊊ L_k = V, ∅
+    excluded) under the family's memory model: the same
+    :class:`~chainer_recompute.core.schedule.StrategyCost` as
+    :func:`~chainer_recompute.core.schedule.strategy_cost`, from the
+    family's per-row sums (block, back, boundary) instead of the graph.
+
+    >>> from chainer_recompute.core.graph import Graph
+    >>> from chainer_recompute.core.schedule import strategy_cost
+    >>> g = Graph.from_edges([1, 2, 1], [(0, 1), (1, 2)])
+    >>> fam = LowerSetFamily.all(g).with_model(None)
+    >>> c = chain_cost(fam, [2, 3])
+    >>> (c.peak_bytes, c.overhead) == (strategy_cost(g, [3, 7]).peak_bytes, 2.0)
+    True
+    """
+    from ..lower_sets import _bits, _mask_of_words
+    from ..schedule import StrategyCost
+    model = family.model
+    g = family.graph
+    n = g.n
+    r = np.asarray(rows, dtype=np.int64)
+    words = family.words[r]
+    prev = np.zeros_like(words)
+    prev[1:] = words[:-1]
+    block = words & ~prev
+    u = family.boundary_words[r] & block
+    ub = _bits(u, n).astype(bool)
+    keep = ub.astype(np.int64) @ model.keep_bytes
+    acc = np.zeros(len(r), dtype=np.int64)
+    acc[1:] = np.cumsum(keep)[:-1]
+    blk = family.block_bytes[r].astype(np.int64)
+    blk[1:] -= blk[:-1].copy()
+    peaks = model.constant_bytes + acc + blk + family.back_bytes[r].astype(np.int64)
+    dropped = _bits(block & ~u, n).astype(bool)
+    if model.has_transients:
+        bb = _bits(block, n).astype(bool)
+        peaks = peaks + np.where(bb, model.transient_bytes[None, :], 0).max(axis=1)
+    nc = g.node_cost
+    if _integral_costs(g):
+        # Sums of integers below 2**53 are exact in any order.
+        overhead = float(int(dropped.sum(axis=0) @ nc.astype(np.int64)))
+    else:  # block by block, nodes in order (strategy_cost's rounding)
+        overhead = 0.0
+        ncl = nc.tolist()
+        rr, vv = np.nonzero(dropped)
+        cuts = np.searchsorted(rr, np.arange(1, len(r))).tolist()
+        vl = vv.tolist()
+        for a, b in zip([0] + cuts, cuts + [len(vl)]):
+            overhead += float(sum(ncl[v] for v in vl[a:b]))
+    return StrategyCost(peak_bytes=int(peaks.max()), overhead=overhead,
+                        block_peaks_bytes=tuple(peaks.tolist()),
+                        checkpoints=tuple(_mask_of_words(w) for w in u))
+
+
+def _integral_costs(graph: "Graph") -> bool:
+    nc = graph.node_cost
+    return bool(np.all(nc == np.round(nc))) and float(np.abs(nc).sum()) < 2.0 ** 52
+
+
 def plan_from_dp(graph: "Graph", family: LowerSetFamily, budget_bytes: Optional[int],
                  strategy: str, method: str, solver: str, t0: float,
                  engine: Optional[str] = None) -> "Plan":
@@ -778,5 +837,7 @@ def plan_from_dp(graph: "Graph", family: LowerSetFamily, budget_bytes: Optional[
                                budget_bytes=budget_bytes, solve_time_s=dt, info=info,
                                model=family.model)
     masks = [family.mask(r) for r in res.chain[1:]]
+    cost = chain_cost(family, res.chain[1:])
     return make_plan(graph, masks, solver=solver, strategy=strategy,
-                     budget_bytes=budget_bytes, solve_time_s=dt, info=info, model=family.model)
+                     budget_bytes=budget_bytes, solve_time_s=dt, info=info, model=family.model,
+                     cost=cost)

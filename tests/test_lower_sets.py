@@ -105,3 +105,48 @@ def test_authors_graph_counts(name: str, n: int, count: int) -> None:
     g = load_authors_graph(path)
     assert g.n == n
     assert count_lower_sets(g) == count
+
+
+FAMILY_ARRAYS = ["words", "size", "mem_bytes", "boundary_words", "boundary_time",
+                 "boundary_bytes", "back_bytes", "above_words", "beside_words", "block_bytes"]
+
+
+def _random_graph(rng, n: int, measured: bool) -> Graph:
+    edges = set()
+    for v in range(1, n):
+        for _ in range(rng.randint(0, 3)):
+            edges.add((rng.randrange(max(0, v - 6), v), v))
+    sizes = [rng.randint(1, 50) for _ in range(n)]
+    return Graph.from_edges(sizes, sorted(edges),
+                            costs=[rng.random() for _ in range(n)] if measured else None)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_compiled_family_equals_numpy(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The family built by the compiled kernels (once the DP's compiled
+    engine is loaded) has the NumPy code's arrays, in the same order; the
+    explosion error is the same."""
+    import random
+
+    from chainer_recompute.core import lower_sets
+    from chainer_recompute.core.solvers._dp import _load_kernels, numba_available
+    if not numba_available():
+        pytest.skip("numba is not installed (the 'fast' extra)")
+    rng = random.Random(seed)
+    g = _random_graph(rng, rng.choice([3, 20, 63, 64, 65, 130]), measured=seed % 2 == 1)
+    kn = _load_kernels()
+    got = {}
+    for label, kernels in (("numpy", None), ("compiled", kn)):
+        monkeypatch.setattr(lower_sets, "_KERNELS", kernels)
+        try:
+            fams = (LowerSetFamily.all(g, 50_000), LowerSetFamily.ancestor_closures(g))
+        except LowerSetExplosionError as e:
+            fams = (str(e), LowerSetFamily.ancestor_closures(g))
+        got[label] = fams
+    for a, b in zip(got["numpy"], got["compiled"]):
+        if isinstance(a, str):
+            assert a == b
+            continue
+        for f in FAMILY_ARRAYS:
+            x, y = getattr(a, f), getattr(b, f)
+            assert x.dtype == y.dtype and x.shape == y.shape and (x == y).all(), f

@@ -93,6 +93,28 @@ def _pred_masks(graph: Graph) -> List[int]:
     return _masks_of(graph)[0]
 
 
+def _adjacency_words(graph: Graph) -> Tuple[np.ndarray, np.ndarray]:
+    """The predecessors and the successors of each node as ``(n, W)``
+    uint64 words. Not cached: arrays kept alive with the graph would count
+    in the array bytes a runtime meter sees, and they take a millisecond."""
+    nw = _n_words(graph.n)
+    pm, sm = _masks_of(graph)
+    return tuple(np.frombuffer(b"".join(m.to_bytes(8 * nw, "little") for m in ms),
+                               dtype="<u8").astype(np.uint64).reshape(-1, nw)
+                 for ms in (pm, sm))
+
+
+#: The compiled kernels' module (:mod:`.solvers._dp_numba`) once the DP's
+#: compiled engine has loaded it in this process (it sets this), else
+#: ``None``; the family's arrays are then built by the kernels (the same
+#: arrays as the NumPy code's).
+_KERNELS = None
+
+
+def _kernels():
+    return _KERNELS
+
+
 def _succ_masks(graph: Graph) -> List[int]:
     return _masks_of(graph)[1]
 
@@ -179,20 +201,42 @@ def _mask_of_words(row: np.ndarray) -> int:
 def _enumerate_words(graph: Graph, max_lower_sets: Optional[int]) -> np.ndarray:
     n = graph.n
     nw = _n_words(n)
-    states = np.zeros((1, nw), dtype=np.uint64)
+    pw, _ = _adjacency_words(graph)
+    kn = _kernels()
+    if kn is not None:
+        states, v = kn.enum_lower_sets(pw, -1 if max_lower_sets is None else max_lower_sets)
+        if v >= 0:
+            _explosion(max_lower_sets, len(states), v, n)
+        return states
+    buf = np.zeros((64, nw), dtype=np.uint64)
+    K = 1
     for v in range(n):
-        pm = _words_of_mask(set_to_mask(graph.preds[v]), nw)
-        ok = np.all((states & pm) == pm, axis=1)
-        grown = states[ok]
-        grown[:, v >> 6] |= np.uint64(1 << (v & 63))
-        states = np.concatenate([states, grown])
-        if max_lower_sets is not None and len(states) > max_lower_sets:
-            raise LowerSetExplosionError(
-                f"the graph has more than {max_lower_sets:,} lower sets (already "
-                f"{len(states):,} among its first {v + 1} of {n} nodes): too many for the "
-                f"exact solver; use solver='approx' (|V|+2 lower sets) or raise "
-                f"max_lower_sets")
-    return states
+        states = buf[:K]
+        ok = None
+        for w in np.flatnonzero(pw[v]).tolist():
+            hit = (states[:, w] & pw[v, w]) == pw[v, w]
+            ok = hit if ok is None else ok & hit
+        grown = states if ok is None else states[ok]
+        m = len(grown)
+        if K + m > len(buf):
+            bigger = np.zeros((2 * (K + m), nw), dtype=np.uint64)
+            bigger[:K] = buf[:K]
+            grown = bigger[:K] if ok is None else grown
+            buf = bigger
+        buf[K:K + m] = grown
+        buf[K:K + m, v >> 6] |= np.uint64(1 << (v & 63))
+        K += m
+        if max_lower_sets is not None and K > max_lower_sets:
+            _explosion(max_lower_sets, K, v, n)
+    return buf[:K].copy()
+
+
+def _explosion(limit: int, count: int, v: int, n: int) -> None:
+    raise LowerSetExplosionError(
+        f"the graph has more than {limit:,} lower sets (already "
+        f"{count:,} among its first {v + 1} of {n} nodes): too many for the "
+        f"exact solver; use solver='approx' (|V|+2 lower sets) or raise "
+        f"max_lower_sets")
 
 
 def count_lower_sets(graph: Graph, limit: Optional[int] = None) -> int:
@@ -257,6 +301,10 @@ def _pack(bits: np.ndarray, n_words: int) -> np.ndarray:
 def _weighted_sum(words: np.ndarray, weights: np.ndarray, n: int,
                   chunk: int = 1 << 15) -> np.ndarray:
     """Σ weights[v] over the bits of each row of ``words``."""
+    if weights.dtype == np.int64 and len(words):
+        kn = _kernels()
+        if kn is not None:
+            return kn.wsum(np.ascontiguousarray(words), weights)
     out = np.zeros(len(words), dtype=weights.dtype)
     for s in range(0, len(words), chunk):
         bits = _bits(words[s:s + chunk], n)
@@ -278,6 +326,10 @@ def _group_any(x: np.ndarray, keys: np.ndarray, n: int) -> np.ndarray:
 
 def _derived_words(graph: Graph, words: np.ndarray, chunk: int = 1 << 14):
     """∂(L), A(L) and B(L) of every row, as words (vectorised over edges)."""
+    kn = _kernels()
+    if kn is not None:
+        pw, sw = _adjacency_words(graph)
+        return kn.derive(np.ascontiguousarray(words), sw, pw)
     n = graph.n
     nw = words.shape[1]
     edges = np.array(graph.edges, dtype=np.int64).reshape(-1, 2)
@@ -346,16 +398,30 @@ class LowerSetFamily:
         """Builds the family from raw rows (deduplicated and sorted here)."""
         n = graph.n
         nw = _n_words(n)
-        words = np.unique(np.ascontiguousarray(words, dtype=np.uint64).reshape(-1, nw), axis=0)
+        words = np.ascontiguousarray(words, dtype=np.uint64).reshape(-1, nw)
         mem = _weighted_sum(words, graph.node_bytes.astype(np.int64), n)
-        size = _popcount_rows(words)
-        order = np.lexsort((mem, size))
-        words = np.ascontiguousarray(words[order])
+        kn = _kernels()
+        size = _popcount_rows(words) if kn is None else kn.popcount(words)
+        # By size, then M(L), then the words (as np.unique orders rows);
+        # duplicates end up next to each other.
+        order = np.lexsort(tuple(words[:, q] for q in range(nw - 1, -1, -1)) + (mem, size))
+        words = words[order]
+        dup = np.zeros(len(words), dtype=bool)
+        if len(words) > 1:
+            dup[1:] = np.all(words[1:] == words[:-1], axis=1)
+        if dup.any():
+            order, words = order[~dup], words[~dup]
+        words = np.ascontiguousarray(words)
         mem, size = mem[order], size[order]
         bnd, a, b = _derived_words(graph, words)
+        nc = graph.node_cost
+        if kn is not None and np.all(nc == np.round(nc)) and np.abs(nc).sum() < 2.0 ** 52:
+            btime = kn.wsum(bnd, nc.astype(np.int64)).astype(np.float64)  # exact
+        else:
+            btime = _weighted_sum(bnd, nc.astype(np.float64), n)
         fam = cls(graph=graph, words=words, size=size, mem_bytes=mem, boundary_words=bnd,
-                  boundary_time=_weighted_sum(bnd, graph.node_cost.astype(np.float64), n),
-                  boundary_bytes=mem, back_bytes=mem, above_words=a, beside_words=b)
+                  boundary_time=btime, boundary_bytes=mem, back_bytes=mem, above_words=a,
+                  beside_words=b)
         return fam.with_model(model)
 
     def with_model(self, model: Optional["MemoryModel"]) -> "LowerSetFamily":

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from .. import lower_sets as _lower_sets
 from ..lower_sets import LowerSetFamily, _weighted_sum
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -139,37 +140,26 @@ class _Pairs:
     """
 
     def __init__(self, family: LowerSetFamily) -> None:
-        from ..lower_sets import _bits, _n_words, _pack
+        from ..lower_sets import _adjacency_words, _bits, _n_words, _pack
         model = family.model
+        g = family.graph
+        self.family = family
         self.K = len(family)
         self.size = family.size
-        self.blk = family.block_bytes.astype(np.int64)
-        order = np.argsort(self.blk, kind="stable")
-        self.by_blk = order
-        # Every per-row array again, permuted into block(L) order, so that a
-        # budget window is a contiguous slice (no fancy indexing).
-        self.blk_s = self.blk[order]
-        self.size_s = self.size[order]
-        self.back = family.back_bytes.astype(np.int64)
-        self.back_s = self.back[order]
-        self.words = family.words
-        self.words_s = np.ascontiguousarray(family.words[order])
-        self.bwords = family.boundary_words
-        self.bwords_s = np.ascontiguousarray(family.boundary_words[order])
-        self.node_t = dp_costs(family.graph.node_cost, self.K)
+        self.blk = np.asarray(family.block_bytes, dtype=np.int64)
+        self.by_blk = np.argsort(self.blk, kind="stable")
+        self.blk_s = self.blk[self.by_blk]
+        self.back = np.asarray(family.back_bytes, dtype=np.int64)
+        self.node_t = dp_costs(g.node_cost, self.K)
         self.total_t = int(self.node_t.sum())
-        self.btime = _weighted_sum(family.boundary_words, self.node_t,
-                                   family.graph.n).astype(np.int64)
-        self.btime_s = self.btime[order]
-        self.bbytes = family.boundary_bytes.astype(np.int64)
-        self.bbytes_s = self.bbytes[order]
-        self.node_m = model.keep_bytes.astype(np.int64)
+        self.btime = _weighted_sum(family.boundary_words, self.node_t, g.n).astype(np.int64)
+        self.bbytes = np.asarray(family.boundary_bytes, dtype=np.int64)
+        self.node_m = np.asarray(model.keep_bytes, dtype=np.int64)
         self.constant = int(model.constant_bytes)
         # The most retained time any continuation from L can add: T of the
         # nodes outside L that have a successor (each kept at most once).
-        g = family.graph
-        nonsink = np.array([self.node_t[v] if g.succs[v] else 0 for v in range(g.n)],
-                           dtype=np.int64)
+        _, sw = _adjacency_words(g)
+        nonsink = np.where(sw.any(axis=1), self.node_t, 0).astype(np.int64)
         self.r0 = int(nonsink.sum()) - _weighted_sum(family.words, nonsink, g.n).astype(np.int64)
         tr = model.transient_bytes.astype(np.int64)
         pos = np.flatnonzero(tr > 0)
@@ -179,8 +169,52 @@ class _Pairs:
         self.has_trans = len(rank) > 0
         if self.has_trans:
             nwt = _n_words(len(rank))
-            self.twords = _pack(_bits(family.words, family.graph.n)[:, rank], nwt)
-            self.twords_s = np.ascontiguousarray(self.twords[order])
+            self.twords = _pack(_bits(family.words, g.n)[:, rank], nwt)
+
+    # Every per-row array again, permuted into block(L) order, so that a
+    # budget window is a contiguous slice (no fancy indexing): the NumPy
+    # engine's (made on first use).
+    @property
+    def size_s(self) -> np.ndarray:
+        return self._sorted("size_s", self.size)
+
+    @property
+    def back_s(self) -> np.ndarray:
+        return self._sorted("back_s", self.back)
+
+    @property
+    def words_s(self) -> np.ndarray:
+        return self._sorted("words_s", self.family.words)
+
+    @property
+    def bwords_s(self) -> np.ndarray:
+        return self._sorted("bwords_s", self.family.boundary_words)
+
+    @property
+    def btime_s(self) -> np.ndarray:
+        return self._sorted("btime_s", self.btime)
+
+    @property
+    def bbytes_s(self) -> np.ndarray:
+        return self._sorted("bbytes_s", self.bbytes)
+
+    @property
+    def twords_s(self) -> np.ndarray:
+        return self._sorted("twords_s", self.twords)
+
+    @property
+    def words(self) -> np.ndarray:
+        return self.family.words
+
+    @property
+    def bwords(self) -> np.ndarray:
+        return self.family.boundary_words
+
+    def _sorted(self, key: str, arr: np.ndarray) -> np.ndarray:
+        got = self.__dict__.get("_" + key)
+        if got is None:
+            got = self.__dict__["_" + key] = np.ascontiguousarray(arr[self.by_blk])
+        return got
 
     def transient(self, i: int, p: np.ndarray) -> np.ndarray:
         """max_{v ∈ L'_p \\ L_i} transient_v for the rows ``p`` of the
@@ -279,17 +313,56 @@ def _capacity(pairs: _Pairs, budget: int, least: np.ndarray) -> np.ndarray:
 ENGINE = os.environ.get("CHAINER_RECOMPUTE_DP_ENGINE", "auto")
 ENGINES = ("auto", "numba", "numpy")
 #: ``auto`` uses the compiled kernels when K²·(T+1)/2 (inclusion pairs
-#: times retained-time levels) exceeds this, or when numba is already loaded.
+#: times retained-time levels) exceeds this (a NumPy run long enough to
+#: repay importing numba and loading the kernels), or when this process
+#: has loaded them already.
 COMPILED_MIN_WORK = 20_000_000
 #: The compiled DP keeps a dense table of K·(T+1) entries (16 bytes each)
 #: up to this many; larger problems use the NumPy frontiers.
 COMPILED_DENSE_LIMIT = 40_000_000
 
 
+_NUMBA: Optional[bool] = None
+
+
 def numba_available() -> bool:
     """Whether the compiled kernels can be used (numba is importable)."""
-    import importlib.util
-    return importlib.util.find_spec("numba") is not None
+    global _NUMBA
+    if _NUMBA is None:
+        import importlib.util
+        _NUMBA = importlib.util.find_spec("numba") is not None
+    return _NUMBA
+
+
+def loaded_kernels():
+    """The compiled kernels' module when this process has loaded it (and
+    every kernel in it), else ``None`` (see :func:`_pick_engine`)."""
+    return _lower_sets._KERNELS
+
+
+def _load_kernels():
+    """Import the compiled kernels and load every one of them (compiled, or
+    read from numba's on-disk cache) by solving a tiny graph: later solves
+    of any size then pay no loading."""
+    if _lower_sets._KERNELS is None:
+        from . import _dp_numba as kn
+        _lower_sets._KERNELS = kn
+        try:
+            _warm_up()
+        except BaseException:
+            _lower_sets._KERNELS = None
+            raise
+    return _lower_sets._KERNELS
+
+
+def _warm_up() -> None:
+    from ..graph import Graph
+    g = Graph.from_edges([4, 4, 4, 4], [(0, 1), (1, 2), (0, 2), (2, 3)])
+    fam = LowerSetFamily.all(g)
+    for objective in ("tc", "mc", "feasible"):
+        run_dp(fam, 20, objective, engine="numba")
+        run_dp(fam, None, objective, engine="numba")
+    run_dp(fam, 10_000, "tc", engine="numba")
 
 
 def _pick_engine(engine: Optional[str], family: LowerSetFamily, total_t: int) -> str:
@@ -301,12 +374,13 @@ def _pick_engine(engine: Optional[str], family: LowerSetFamily, total_t: int) ->
     if engine == "numba":
         if not numba_available():
             raise ImportError("engine='numba' needs numba: pip install 'chainer-recompute[fast]'")
+        _load_kernels()
         return "numba"
     if not numba_available():
         return "numpy"
-    import sys
     K = len(family)
-    if "numba" in sys.modules or K * K * (total_t + 1) // 2 > COMPILED_MIN_WORK:
+    if loaded_kernels() is not None or K * K * (total_t + 1) // 2 > COMPILED_MIN_WORK:
+        _load_kernels()
         return "numba"
     return "numpy"
 
@@ -382,24 +456,16 @@ def _kernel_args(family: LowerSetFamily, pairs: _Pairs) -> tuple:
     args = family.cache.get("kernel_args")
     if args is not None:
         return args
-    from ..lower_sets import _bits, _group_any, _n_words
+    from ..lower_sets import _adjacency_words, _n_words
+    kn = _load_kernels()
     g = family.graph
     n, K = g.n, pairs.K
-    x = _bits(family.words, n).astype(bool)
     all_rows = pairs.by_blk.astype(np.int64)
     all_blk = pairs.blk_s
-    # Rows containing each node, sorted by block(L).
-    vs, ps = np.nonzero(x[all_rows].T)
-    vptr = np.zeros(n + 1, dtype=np.int64)
-    np.add.at(vptr, vs + 1, 1)
-    vptr = np.cumsum(vptr)
-    # Maximal elements of each row.
-    edges = np.array(g.edges, dtype=np.int64).reshape(-1, 2)
-    not_max = _group_any(x[:, edges[:, 1]], edges[:, 0], n)
-    rs, ms = np.nonzero(x & ~not_max)
-    mptr = np.zeros(K + 1, dtype=np.int64)
-    np.add.at(mptr, rs + 1, 1)
-    mptr = np.cumsum(mptr)
+    # Rows containing each node, sorted by block(L); maximal elements of
+    # each row.
+    _, sw = _adjacency_words(g)
+    vptr, ps, mptr, ms = kn.node_lists(family.words, all_rows, sw, n)
     nw = _n_words(n)
     tw = pairs.twords if pairs.has_trans else np.zeros((K, 0), dtype=np.uint64)
     nums = np.stack([pairs.size, pairs.back, pairs.btime, pairs.bbytes, pairs.blk],
@@ -407,7 +473,7 @@ def _kernel_args(family: LowerSetFamily, pairs: _Pairs) -> tuple:
     R = np.ascontiguousarray(np.concatenate(
         [family.words, family.boundary_words, tw, nums], axis=1), dtype=np.uint64)
     args = (R, (nw, tw.shape[1]), all_rows, all_blk, vptr, all_rows[ps], all_blk[ps],
-            mptr, ms.astype(np.int64), pairs.node_t.astype(np.int64),
+            mptr, ms, pairs.node_t.astype(np.int64),
             pairs.node_m.astype(np.int64), pairs.trans_vals.astype(np.int64))
     family.cache["kernel_args"] = args
     return args

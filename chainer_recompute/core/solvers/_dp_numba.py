@@ -428,3 +428,167 @@ def dense(P, budget, has_budget, tc, cap, T, bound, incumbent, opt, src_r, src_t
                 pushes += 1
                 s += 1
     return pushes
+
+
+# ------------------------------------------------------------ the family
+# Kernels that build a :class:`~chainer_recompute.core.lower_sets.LowerSetFamily`
+# (the NumPy functions of :mod:`~chainer_recompute.core.lower_sets` compute the
+# same arrays); sets are rows of uint64 words, ``pw``/``sw`` the predecessor
+# and successor words of each node.
+
+@njit(cache=True)
+def enum_lower_sets(pw, limit):
+    """Every lower set, grown node by node in topological order (the rows in
+    the order of :func:`~chainer_recompute.core.lower_sets._enumerate_words`).
+    Returns (rows, v): v is the node after which the count first exceeded
+    ``limit`` (``limit < 0``: none), else -1."""
+    n, nw = pw.shape
+    cap = 64
+    out = np.zeros((cap, nw), dtype=np.uint64)
+    K = 1
+    for v in range(n):
+        w = v >> 6
+        bit = np.uint64(1) << np.uint64(v & 63)
+        K0 = K
+        for i in range(K0):
+            ok = True
+            for q in range(nw):
+                p = pw[v, q]
+                if (out[i, q] & p) != p:
+                    ok = False
+                    break
+            if not ok:
+                continue
+            if K == cap:
+                cap *= 2
+                grown = np.zeros((cap, nw), dtype=np.uint64)
+                grown[:K] = out[:K]
+                out = grown
+            for q in range(nw):
+                out[K, q] = out[i, q]
+            out[K, w] |= bit
+            K += 1
+        if limit >= 0 and K > limit:
+            return out[:K], v
+    return out[:K], -1
+
+
+@njit(cache=True)
+def derive(words, sw, pw):
+    """∂(L), A(L) = δ+(L) \\ L and B(L) = δ-(A(L)) \\ L of every row."""
+    K, nw = words.shape
+    bnd = np.zeros((K, nw), dtype=np.uint64)
+    a = np.zeros((K, nw), dtype=np.uint64)
+    b = np.zeros((K, nw), dtype=np.uint64)
+    one = np.uint64(1)
+    for r in range(K):
+        for q in range(nw):
+            x = words[r, q]
+            while x != 0:
+                v = 64 * q + _ctz(x)
+                x &= x - one
+                hit = False
+                for t in range(nw):
+                    y = sw[v, t] & ~words[r, t]
+                    if y != 0:
+                        hit = True
+                        a[r, t] |= y
+                if hit:
+                    bnd[r, q] |= one << np.uint64(v & 63)
+        for q in range(nw):
+            x = a[r, q]
+            while x != 0:
+                v = 64 * q + _ctz(x)
+                x &= x - one
+                for t in range(nw):
+                    b[r, t] |= pw[v, t] & ~words[r, t]
+    return bnd, a, b
+
+
+@njit(cache=True)
+def wsum(words, weights):
+    """Σ weights[v] over the bits of each row (int64)."""
+    K, nw = words.shape
+    out = np.zeros(K, dtype=np.int64)
+    one = np.uint64(1)
+    for r in range(K):
+        s = 0
+        for q in range(nw):
+            x = words[r, q]
+            while x != 0:
+                s += weights[64 * q + _ctz(x)]
+                x &= x - one
+        out[r] = s
+    return out
+
+
+@njit(cache=True)
+def popcount(words):
+    """|L| of every row."""
+    K, nw = words.shape
+    out = np.zeros(K, dtype=np.int64)
+    one = np.uint64(1)
+    for r in range(K):
+        c = 0
+        for q in range(nw):
+            x = words[r, q]
+            while x != 0:
+                x &= x - one
+                c += 1
+        out[r] = c
+    return out
+
+
+@njit(cache=True)
+def node_lists(words, order, sw, n):
+    """For the kernels' ``P``: the positions (in ``order``) of the rows that
+    hold each node (offsets ``vptr``), and the maximal elements of each row
+    (offsets ``mptr``)."""
+    K, nw = words.shape
+    one = np.uint64(1)
+    cnt = np.zeros(n + 1, dtype=np.int64)
+    mcnt = np.zeros(K + 1, dtype=np.int64)
+    for r in range(K):
+        for q in range(nw):
+            x = words[r, q]
+            while x != 0:
+                v = 64 * q + _ctz(x)
+                x &= x - one
+                cnt[v + 1] += 1
+                inside = False
+                for t in range(nw):
+                    if sw[v, t] & words[r, t]:
+                        inside = True
+                        break
+                if not inside:
+                    mcnt[r + 1] += 1
+    vptr = np.cumsum(cnt)
+    mptr = np.cumsum(mcnt)
+    vpos = np.empty(vptr[n], dtype=np.int64)
+    fill = vptr[:n].copy()
+    for p in range(K):
+        r = order[p]
+        for q in range(nw):
+            x = words[r, q]
+            while x != 0:
+                v = 64 * q + _ctz(x)
+                x &= x - one
+                vpos[fill[v]] = p
+                fill[v] += 1
+    mnodes = np.empty(mptr[K], dtype=np.int64)
+    k = 0
+    for r in range(K):
+        for q in range(nw):
+            x = words[r, q]
+            while x != 0:
+                v = 64 * q + _ctz(x)
+                x &= x - one
+                inside = False
+                for t in range(nw):
+                    if sw[v, t] & words[r, t]:
+                        inside = True
+                        break
+                if not inside:
+                    mnodes[k] = v
+                    k += 1
+    return vptr, vpos, mptr, mnodes

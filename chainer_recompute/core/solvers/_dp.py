@@ -568,26 +568,40 @@ def _run_compiled(family: LowerSetFamily, pairs: _Pairs, budget: Optional[int],
     if (tc and inc >= bound[0]) or (not tc and inc <= 0):
         return DPResult(_chain_from(gsrc, K), float(inc), int(bm[K - 1]), 0, K)
     pushes = 0
-    if tc:
-        # The optimum lies in [inc, bound(∅)]. A run with a guess g above inc
-        # keeps only what can still reach g: when the optimum is below g it
-        # finds nothing and costs little; when it finds a chain, that chain
-        # is optimal (at most MAX_GUESSES, steps of at least 1/64 of the
-        # first interval). Guesses step down from the top by 1/32 of the
-        # interval left, so the run that succeeds is close to the optimum.
+    opt = np.full((K, T + 1), inf, dtype=np.int64)
+    src_r = np.full((K, T + 1), -1, dtype=np.int32)
+    src_t = np.full((K, T + 1), -1, dtype=np.int32)
+    touched = np.zeros(K, dtype=np.bool_)
+    found_opt = False
+    if tc and K * (T + 1) > GUESS_MIN_TABLE:
+        # A run with the incumbent, stopped if it grows long (when the
+        # incumbent is close to the optimum it is short) ...
+        n_f = kn.dense(P, B, has_budget, tc, cap, T, bound, inc, opt, src_r, src_t, touched,
+                       GUESS_FIRST_PUSHES)
+        logger.debug("incumbent run: %d pushes (%.2f s)", n_f, time.perf_counter() - t0)
+        if n_f >= 0:
+            found_opt = True
+            pushes += n_f
+        else:
+            pushes += GUESS_FIRST_PUSHES
+            opt[touched] = inf
+            touched[:] = False
+    if tc and not found_opt and K * (T + 1) > GUESS_MIN_TABLE:
+        # ... else the optimum lies in [inc, bound(∅)]. A run with a guess g
+        # above inc keeps only what can still reach g: when the optimum is
+        # below g it finds nothing and costs little; when it finds a chain,
+        # that chain is optimal. Guesses step down from the top by
+        # 1/GUESS_STEPS of the interval left, so the run that succeeds is
+        # close to the optimum (the cost of a run grows fast as its guess
+        # goes below the optimum); the first steps are 1, 2, 4, ... (an
+        # optimum close to the bound is found in a few cheap runs).
         lo, hi = inc, int(bound[0]) + 1
-        min_step = max(1, (hi - lo) // 64)
-        guesses = 0
-        opt = np.full((K, T + 1), inf, dtype=np.int64)
-        src_r = np.full((K, T + 1), -1, dtype=np.int32)
-        src_t = np.full((K, T + 1), -1, dtype=np.int32)
-        touched = np.zeros(K, dtype=np.bool_)
-        found_opt = False
-        while hi - lo > min_step and guesses < MAX_GUESSES:
-            guesses += 1
-            guess = hi - max(min_step, (hi - lo) // 32)
+        first = 1
+        while hi - lo > 1:
+            guess = hi - min(first, max(1, (hi - lo) // GUESS_STEPS))
+            first *= 2
             n_g = kn.dense(P, B, has_budget, tc, cap, T, bound, guess, opt, src_r, src_t,
-                           touched)
+                           touched, 0)
             pushes += n_g
             found = opt[K - 1] != inf
             logger.debug("guess %d: %d pushes, %s (%.2f s)", guess, n_g,
@@ -598,29 +612,29 @@ def _run_compiled(family: LowerSetFamily, pairs: _Pairs, budget: Optional[int],
             hi = guess
             opt[touched] = inf  # reset the rows written
             touched[:] = False
-    else:
-        found_opt = False
-        opt = np.full((K, T + 1), inf, dtype=np.int64)
-        src_r = np.full((K, T + 1), -1, dtype=np.int32)
-        src_t = np.full((K, T + 1), -1, dtype=np.int32)
-        touched = np.zeros(K, dtype=np.bool_)
-    if not found_opt:
-        n_f = kn.dense(P, B, has_budget, tc, cap, T, bound, inc, opt, src_r, src_t, touched)
+    if not found_opt:  # (tc: nothing above the incumbent, which is optimal)
+        n_f = kn.dense(P, B, has_budget, tc, cap, T, bound, inc, opt, src_r, src_t, touched,
+                       0)
         pushes += n_f
         logger.debug("dense: %d pushes (%.2f s)", n_f, time.perf_counter() - t0)
     last = opt[K - 1]
     reached = np.flatnonzero(last != inf)
     n_states = int(np.count_nonzero(opt != inf))
     if len(reached) == 0:  # cannot happen: the incumbent's chain survives
-        return DPResult(_chain_from(best[2], K), float(inc), best[1], int(pushes), n_states)
+        return DPResult(_chain_from(gsrc, K), float(inc), int(bm[K - 1]), int(pushes), n_states)
     t_end = int(reached[-1] if tc else reached[0])
     return DPResult(_backtrack(src_r, src_t, K, t_end), float(t_end), int(last[t_end]),
                     int(pushes), n_states)
 
 
-#: The most guessed runs of the compiled tc DP before the run with the
-#: incumbent (see :func:`_run_compiled`).
-MAX_GUESSES = 40
+#: The compiled tc DP guesses the optimum (see :func:`_run_compiled`) when
+#: its table has more than this many entries, in steps of 1/GUESS_STEPS
+#: of the interval left ...
+GUESS_MIN_TABLE = 20_000
+GUESS_STEPS = 32
+#: ... after a run with the incumbent stopped at this many pushes did not
+#: finish.
+GUESS_FIRST_PUSHES = 200_000
 
 
 def _backtrack(src_r: np.ndarray, src_t: np.ndarray, K: int, t_end: int) -> List[int]:

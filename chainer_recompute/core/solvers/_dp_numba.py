@@ -287,7 +287,8 @@ def greedy(P, budget, has_budget, tc, cap, lam):
 
 
 @njit(cache=True)
-def dense(P, budget, has_budget, tc, cap, T, bound, incumbent, opt, src_r, src_t, touched):
+def dense(P, budget, has_budget, tc, cap, T, bound, incumbent, opt, src_r, src_t, touched,
+          max_pushes):
     """The DP over a dense table: ``opt[L, t]`` is the least retained
     memory of a chain ending at row L with retained time t (INF when
     none); ``src_r``/``src_t`` point back. Rows are expanded in order; each
@@ -299,7 +300,8 @@ def dense(P, budget, has_budget, tc, cap, T, bound, incumbent, opt, src_r, src_t
     of a known feasible chain), or for mc when ``t' + bound[L']`` (the
     least it can add) exceeds it; and when its memory exceeds cap[L'].
     ``touched[L]`` is set for every row written (so that the caller can
-    reset just those). Returns the number of pushes."""
+    reset just those). Returns the number of pushes, or -1 when the run
+    stopped after ``max_pushes`` (> 0) pushes (the table is then partial)."""
     R, lay, all_rows, all_blk, vptr, vrows, vblk, mptr, mnodes, node_t, node_k, trans_vals = P
     nw, nwt = lay
     c_size = 2 * nw + nwt
@@ -316,6 +318,8 @@ def dense(P, budget, has_budget, tc, cap, T, bound, incumbent, opt, src_r, src_t
     for i in range(K - 1):
         if cap[i] < 0 or not touched[i]:
             continue
+        if max_pushes > 0 and pushes > max_pushes:
+            return -1
         # The row's Pareto-optimal entries, by increasing memory.
         n = 0
         run = INF

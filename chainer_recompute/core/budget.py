@@ -51,6 +51,11 @@ SEARCH_TOL = 0.005
 #: stays under ``budget * (1 - MARGIN)``, and the least feasible budget is
 #: the least replayed peak divided by ``1 - MARGIN``.
 MARGIN = 0.01
+#: Steps of the grid of DP budgets over which the ``mc`` DP's plans are
+#: tried for the least replayed peak, and points tried between the best
+#: one's neighbours (see :meth:`BudgetSearch.candidates`).
+GRID_STEPS = 24
+REFINE_STEPS = 4
 
 
 def check_scope(scope: str) -> None:
@@ -87,9 +92,10 @@ class BudgetSearch:
         elif solver == "exact":
             self.family = LowerSetFamily.all(
                 graph, solver_options.get("max_lower_sets", DEFAULT_MAX_LOWER_SETS), self.model)
-        self._cache: Dict[int, Tuple[Plan, Optional[int]]] = {}
+        self._cache: Dict[Tuple[str, int], Tuple[Plan, Optional[int]]] = {}
         self._vanilla: Optional[Tuple[Plan, int]] = None
         self._least: Optional[Tuple[Plan, int]] = None
+        self._candidates: Optional[List[Tuple[Plan, int]]] = None
         self.dp_least = least_feasible_budget(graph, solver=solver if solver in ("approx", "exact")
                                               else "approx", strategy=strategy,
                                               model=self.model)
@@ -111,24 +117,27 @@ class BudgetSearch:
             self._vanilla = (plan, replay(self.graph, None).peak_bytes)
         return self._vanilla
 
-    def at(self, dp_budget: int) -> Tuple[Optional[Plan], Optional[int]]:
-        """The solver's plan for the DPs' budget ``dp_budget`` and its
-        replayed peak (``None, None`` when the DP finds nothing)."""
-        dp_budget = int(dp_budget)
-        hit = self._cache.get(dp_budget)
+    def at(self, dp_budget: int, strategy: Optional[str] = None
+           ) -> Tuple[Optional[Plan], Optional[int]]:
+        """The solver's plan for the DPs' budget ``dp_budget`` (with
+        ``strategy``, default this search's) and its replayed peak
+        (``None, None`` when the DP finds nothing)."""
+        key = (strategy or self.strategy, int(dp_budget))
+        hit = self._cache.get(key)
         if hit is None:
             extra = {} if self.family is None else {"family": self.family}
-            plan = solve(self.graph, dp_budget, solver=self.solver, strategy=self.strategy,
+            plan = solve(self.graph, key[1], solver=self.solver, strategy=key[0],
                          raise_infeasible=False, model=self.model, **extra, **self.options)
             hit = (plan, self.peak_of(plan) if plan.feasible else None)
-            self._cache[dp_budget] = hit
+            self._cache[key] = hit
         plan, peak = hit
         return (plan, peak) if plan.feasible else (None, None)
 
-    def _grid(self) -> List[int]:
+    def _grid(self, k: int = 6) -> List[int]:
+        """``k + 1`` DP budgets from the DPs' least to plain backprop's,
+        geometric."""
         lo = self.dp_least
         hi = max(lo + 1, self._dp_vanilla())
-        k = 6
         return sorted({int(lo * (hi / lo) ** (j / k)) if lo > 0 else lo + (hi - lo) * j // k
                        for j in range(k + 1)})
 
@@ -136,18 +145,41 @@ class BudgetSearch:
         m = self.model
         return int(m.constant_bytes + m.block_bytes.sum() + m.transient_bytes.max())
 
+    def candidates(self) -> List[Tuple[Plan, int]]:
+        """The plans tried for the least peak, with their replayed peaks:
+        plain backprop, this strategy's DP plans over :meth:`_grid`, and
+        the ``mc`` DP's over a finer grid, refined between the neighbours
+        of its best point. The replayed peak is not monotone in the DPs'
+        budget (the per-block formula over-counts some plans much more
+        than others), and ``mc`` plans, cheap to find, reach lower peaks
+        than ``tc`` ones whose formula is the same."""
+        if self._candidates is not None:
+            return self._candidates
+        out = [self.vanilla()]
+        for b in self._grid():
+            out.append(self.at(b))
+        if self.family is not None:  # (the exact DP: the coarse grid)
+            grid = self._grid(GRID_STEPS if self.solver == "approx" else 6)
+            peaks = []
+            for b in grid:
+                plan, peak = self.at(b, "mc")
+                out.append((plan, peak))
+                peaks.append(math.inf if peak is None else peak)
+            i = min(range(len(grid)), key=peaks.__getitem__)
+            lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
+            for j in range(1, REFINE_STEPS + 1):
+                out.append(self.at(lo + (hi - lo) * j // (REFINE_STEPS + 1), "mc"))
+        self._candidates = [(plan, peak) for plan, peak in out
+                            if plan is not None and peak is not None]
+        return self._candidates
+
     # ---------------------------------------------------------- answers
     def least(self) -> Tuple[Plan, int]:
-        """The plan with the least replayed peak among the candidates (the
-        DPs' plans over a range of their budgets, and plain backprop), and
-        that peak: the least feasible total budget."""
+        """The plan with the least replayed peak among :meth:`candidates`
+        (the least overhead among equal peaks), and that peak: the least
+        feasible total budget."""
         if self._least is None:
-            best = self.vanilla()
-            for b in self._grid():
-                plan, peak = self.at(b)
-                if plan is not None and peak is not None and peak < best[1]:
-                    best = (plan, peak)
-            self._least = best
+            self._least = min(self.candidates(), key=lambda c: (c[1], c[0].overhead))
         return self._least
 
     def fit(self, budget_bytes: int) -> Plan:
@@ -193,6 +225,12 @@ class BudgetSearch:
         if not ok:
             for b in self._grid():
                 fits(b)
+        if not ok:  # another strategy's plan, or a refined one (as least())
+            fitting = [c for c in self.candidates() if c[1] <= limit and c[0].recompute]
+            if fitting:
+                plan, peak = min(fitting, key=lambda c: (c[0].overhead, c[1]) if
+                                 self.strategy == "tc" else (c[1], c[0].overhead))
+                return self._annotate(plan, peak, budget_bytes, None, t0)
         if not ok:
             if van_peak <= limit:  # mc with nothing coarser that fits
                 return self._annotate(van_plan, van_peak, budget_bytes, None, t0)
@@ -225,10 +263,16 @@ class BudgetSearch:
         return int(math.ceil(self.least()[1] / (1 - MARGIN)))
 
     def least_plan(self) -> Plan:
-        """The plan at the least feasible total budget."""
+        """The plan at the least feasible total budget: with ``tc``, the
+        least overhead among the candidates that fit it."""
         t0 = time.perf_counter()
         plan, peak = self.least()
-        return self._annotate(plan, peak, self.least_budget(), None, t0)
+        budget = self.least_budget()
+        if self.strategy == "tc":
+            limit = int(budget * (1 - MARGIN))
+            plan, peak = min((c for c in self.candidates() if c[1] <= limit),
+                             key=lambda c: (c[0].overhead, c[1]))
+        return self._annotate(plan, peak, budget, None, t0)
 
 
 def plan_for_budget(graph: Graph, budget: Union[str, int, float], *, solver: str = "approx",

@@ -573,36 +573,50 @@ def _run_compiled(family: LowerSetFamily, pairs: _Pairs, budget: Optional[int],
     src_t = np.full((K, T + 1), -1, dtype=np.int32)
     touched = np.zeros(K, dtype=np.bool_)
     found_opt = False
-    if tc and K * (T + 1) > GUESS_MIN_TABLE:
-        # A run with the incumbent, stopped if it grows long (when the
-        # incumbent is close to the optimum it is short) ...
+
+    def reset() -> None:
+        opt[touched] = inf  # the rows written
+        touched[:] = False
+
+    def incumbent_run(limit: int) -> int:
+        """The run with the incumbent, stopped after ``limit`` pushes: its
+        pushes, or -1 when stopped (the table then reset)."""
         n_f = kn.dense(P, B, has_budget, tc, cap, T, bound, inc, opt, src_r, src_t, touched,
-                       GUESS_FIRST_PUSHES)
-        logger.debug("incumbent run: %d pushes (%.2f s)", n_f, time.perf_counter() - t0)
-        if n_f >= 0:
-            found_opt = True
-            pushes += n_f
-        else:
-            pushes += GUESS_FIRST_PUSHES
-            opt[touched] = inf
-            touched[:] = False
-    if tc and not found_opt and K * (T + 1) > GUESS_MIN_TABLE:
-        # ... else the optimum lies in [inc, bound(∅)]. A run with a guess g
-        # above inc keeps only what can still reach g: when the optimum is
-        # below g it finds nothing and costs little; when it finds a chain,
-        # that chain is optimal. Guesses step down from the top by
-        # 1/GUESS_STEPS of the interval left, so the run that succeeds is
-        # close to the optimum (the cost of a run grows fast as its guess
-        # goes below the optimum); the first steps are 1, 2, 4, ... (an
-        # optimum close to the bound is found in a few cheap runs).
+                       limit)
+        logger.debug("incumbent run (at most %d pushes): %d (%.2f s)", limit, n_f,
+                     time.perf_counter() - t0)
+        if n_f < 0:
+            reset()
+        return n_f
+
+    if tc and K * (T + 1) > GUESS_MIN_TABLE:
+        # Two searches, raced. (a) The run with the incumbent: short when
+        # the incumbent is close to the optimum. (b) The optimum lies in
+        # [inc, bound(∅)]; a run with a guess g above inc keeps only what
+        # can still reach g: when the optimum is below g it finds nothing
+        # and costs little; when it finds a chain, that chain is optimal.
+        # Guesses step down from the top by 1/GUESS_STEPS of the interval
+        # left, so the run that succeeds is close to the optimum (the cost
+        # of a run grows fast as its guess goes below the optimum); the
+        # first steps are 1, 2, 4, ... (an optimum close to the bound is
+        # found in a few cheap runs). (a) runs first with GUESS_FIRST_PUSHES
+        # pushes at most, then again each time the guesses have spent
+        # GUESS_RACE times its last limit, with what they have spent as its
+        # limit: when the incumbent is optimal (or nearly), the guesses
+        # near it each cost about as much as (a), which then wins.
+        limit = GUESS_FIRST_PUSHES
+        n_f = incumbent_run(limit)
+        pushes += limit if n_f < 0 else n_f
+        found_opt = n_f >= 0
         lo, hi = inc, int(bound[0]) + 1
-        first = 1
-        while hi - lo > 1:
+        first, spent = 1, 0
+        while not found_opt and hi - lo > 1:
             guess = hi - min(first, max(1, (hi - lo) // GUESS_STEPS))
             first *= 2
             n_g = kn.dense(P, B, has_budget, tc, cap, T, bound, guess, opt, src_r, src_t,
                            touched, 0)
             pushes += n_g
+            spent += n_g
             found = opt[K - 1] != inf
             logger.debug("guess %d: %d pushes, %s (%.2f s)", guess, n_g,
                          "found" if found.any() else "none", time.perf_counter() - t0)
@@ -610,8 +624,12 @@ def _run_compiled(family: LowerSetFamily, pairs: _Pairs, budget: Optional[int],
                 found_opt = True
                 break
             hi = guess
-            opt[touched] = inf  # reset the rows written
-            touched[:] = False
+            reset()
+            if spent >= GUESS_RACE * limit:
+                limit = spent
+                n_f = incumbent_run(limit)
+                pushes += limit if n_f < 0 else n_f
+                found_opt = n_f >= 0
     if not found_opt:  # (tc: nothing above the incumbent, which is optimal)
         n_f = kn.dense(P, B, has_budget, tc, cap, T, bound, inc, opt, src_r, src_t, touched,
                        0)
@@ -632,9 +650,11 @@ def _run_compiled(family: LowerSetFamily, pairs: _Pairs, budget: Optional[int],
 #: of the interval left ...
 GUESS_MIN_TABLE = 20_000
 GUESS_STEPS = 32
-#: ... after a run with the incumbent stopped at this many pushes did not
-#: finish.
+#: ... raced with a run with the incumbent, stopped at first after this
+#: many pushes, and tried again each time the guesses have spent
+#: GUESS_RACE times its last limit.
 GUESS_FIRST_PUSHES = 200_000
+GUESS_RACE = 16
 
 
 def _backtrack(src_r: np.ndarray, src_t: np.ndarray, K: int, t_end: int) -> List[int]:

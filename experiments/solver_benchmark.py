@@ -335,7 +335,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "compiled kernels from numba's cache or compiled anew)")
     args = ap.parse_args(argv)
     gdir = _graphs_dir(args)
-    budgets = args.budgets.split(",")
+    want_budgets = args.budgets.split(",")
     abin = Path(args.authors_bin) if args.authors_bin else None
     cache: Dict[str, int] = {}
     if args.authors_least and Path(args.authors_least).exists():
@@ -364,7 +364,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     Path(args.authors_least).write_text(json.dumps(cache, indent=1))
             for label, b_ours in (("least", least), ("1.25 x least", int(least * 1.25)),
                                   ("8 GiB", GIB8)):
-                if label.replace(" x least", "x").replace(" ", "") not in budgets:
+                if label.replace(" x least", "x").replace(" ", "") not in want_budgets:
                     continue
                 b_theirs = cache.get(key, least) if label == "least" else b_ours
                 for strategy in args.strategies.split(","):

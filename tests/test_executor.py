@@ -540,3 +540,40 @@ def test_unsafe_functions_are_kept_and_gradients_stay_identical():
     (entry,) = cr.runner_of(ours)._entries.values()
     assert not set(unsafe) & entry.structures[0].program.dropped
     assert cr.runner_of(ours).last_stats.recomputed_nodes > 0
+
+
+def test_two_live_graphs_share_one_saved_copy_of_a_parameter():
+    """Two live graphs of one applied Link (a GAN discriminator's real and
+    fake batches), updated between two backward passes: the values saved
+    before the update are one copy per parameter, not one per graph, and
+    the second backward pass is still plain backprop's."""
+    from chainer_recompute.runtime.executor import _LIVE
+    x, t = mlp_inputs()
+    plain = MLP()
+    plain(x, t)
+    ours = copy.deepcopy(plain)
+    cr.apply(ours, budget="least", cost="flops", verbose=False)
+    grads, saved = {}, []
+    for model in (plain, ours):
+        opt = chainer.optimizers.SGD(0.1)
+        opt.setup(model)
+        for _ in range(4):
+            a, b = model(x[:32], t[:32]), model(x[32:], t[32:])
+            model.cleargrads()
+            (a + b).backward()
+            opt.update()
+            if model is ours:  # ids and counts: a reference would keep a hook alive
+                saved.append((sum(1 for hook in _LIVE if hook.snapshots),
+                              [id(arr) for hook in _LIVE for arr in hook.snapshots.values()]))
+            model.cleargrads()
+            b.backward()  # through the updated parameters' old values
+            grads.setdefault(id(model), []).append([p.grad.copy() for p in model.params()])
+            opt.update()
+            del a, b
+    n_params = len(list(ours.params()))
+    assert any(n_hooks == 2 for n_hooks, _ in saved), saved
+    for n_hooks, ids in saved:
+        assert len(ids) == n_hooks * len(set(ids)) and len(set(ids)) <= n_params
+    for g_plain, g_ours in zip(grads[id(plain)], grads[id(ours)]):
+        for u, v in zip(g_plain, g_ours):
+            np.testing.assert_array_equal(u, v)

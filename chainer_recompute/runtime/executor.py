@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 
 from . import _chainer  # noqa: F401
 import chainer
@@ -155,8 +155,14 @@ def _patch_update_rule() -> None:
 
     def update(self: Any, param: Any) -> Any:
         if _LIVE:
+            saved: List[Any] = []
+
+            def copy() -> Any:  # one copy, shared by every live iteration
+                if not saved:
+                    saved.append(param.array.copy())
+                return saved[0]
             for hook in list(_LIVE):
-                hook.before_param_update(param)
+                hook.before_param_update(param, copy)
         return original(self, param)
 
     update.__wrapped__ = original  # type: ignore[attr-defined]
@@ -493,9 +499,10 @@ class IterationHook(Recorder):
                     stack.append(c)
         self._reach = reach
 
-    def before_param_update(self, param: Any) -> None:
+    def before_param_update(self, param: Any, copy: Callable[[], Any]) -> None:
         """An optimizer is about to update ``param`` in place: keep its
-        values if a released block was computed from it, for a backward pass
+        values (``copy()``: the copy shared by the live iterations that keep
+        them) if a released block was computed from it, for a backward pass
         that may still come (Chainer's DCGAN updater backpropagates the
         discriminator's graph again after updating it). Plans known to be
         backpropagated twice that regenerate in between always do; others
@@ -512,7 +519,7 @@ class IterationHook(Recorder):
             weakref.finalize(self, _after_update, weakref.ref(p), self._update_state)
         for a, p in self.params.items():
             if p is param and a not in self.snapshots:
-                self.snapshots[a] = param.array.copy()
+                self.snapshots[a] = copy()
 
     def _input_array(self, f: Any, j: int, a: int, values: Dict[int, Any]) -> Any:
         if a in values:

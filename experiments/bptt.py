@@ -419,7 +419,7 @@ def table(rows: List[Dict[str, Any]]) -> str:
         pm = plain.get((r["t"], "chain"), p)
         mem = pct(r["peak_bytes"] / pm["peak_bytes"] - 1) if pm else ""
         tim = (f"{pct(paired(r, p) - 1)} ({pct(r['time_min_s'] / p['time_min_s'] - 1)})"
-               if p else "")
+               if p and not r["method"].startswith("plain") else "")
         held = "" if not r.get("budget_bytes") or r.get("budget") == "least" else (
             "yes" if r["peak_bytes"] <= r["budget_bytes"] else "**no**")
         out.append(

@@ -249,3 +249,19 @@ def test_table_at_ten_thousand_steps_is_quick():
     assert tab.nbytes < 20e6 and ism.nbytes < 20e6
     assert tab.cost[10_000, 100] - 10_000 == ch.revolve_min_forward_steps(10_000, 100)
     ch.clear_table_cache()
+
+
+def test_revolve_cost_needs_no_deep_recursion():
+    """revolve's cost with slots to spare (m ~ t, the recursion as deep as
+    t) under a small recursion limit: every step stored once, ``2t - 1``
+    forward steps as HSM's table says for t <= 200."""
+    import sys
+    from chainer_recompute.core.solvers.chain import policy_cost
+    assert policy_cost("revolve", 150, 150) == policy_cost("hsm", 150, 150) == 299
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(150)
+    try:
+        assert policy_cost("revolve", 5000, 5000) == 9999
+        assert 2 * 3000 - 1 < policy_cost("revolve", 3000, 1000) < 3 * 3000
+    finally:
+        sys.setrecursionlimit(limit)

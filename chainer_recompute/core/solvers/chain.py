@@ -528,16 +528,32 @@ def revolve_split(length: int, snapshots: int) -> int:
 
 
 def _revolve_cost(length: int, snapshots: int, memo: Dict[Tuple[int, int], int]) -> int:
-    if length <= 1:
-        return length
-    if snapshots <= 1:
-        return length * (length + 1) // 2
-    key = (length, snapshots)
-    if key not in memo:
-        y = revolve_split(length, snapshots)
-        memo[key] = (y + _revolve_cost(length - y, snapshots - 1, memo)
-                     + _revolve_cost(y, snapshots, memo))
-    return memo[key]
+    """Forward steps of revolve: ``y`` steps to the split, then the right
+    part with one snapshot less, then the left part; an explicit stack, as
+    the recursion is as deep as ``length`` when snapshots are plenty."""
+    def base(l: int, c: int) -> Optional[int]:
+        if l <= 1:
+            return l
+        if c <= 1:
+            return l * (l + 1) // 2
+        return memo.get((l, c))
+
+    stack = [(length, snapshots)]
+    while stack:
+        l, c = stack[-1]
+        if base(l, c) is not None:
+            stack.pop()
+            continue
+        y = revolve_split(l, c)
+        right, left = base(l - y, c - 1), base(y, c)
+        if right is None:
+            stack.append((l - y, c - 1))
+        elif left is None:
+            stack.append((y, c))
+        else:
+            memo[(l, c)] = y + right + left
+            stack.pop()
+    return int(base(length, snapshots))  # type: ignore[arg-type]
 
 
 def policy_cost(policy: str, t: int, m: int, alpha: int = 1) -> int:

@@ -750,13 +750,14 @@ around the runner's planning calls (`Recompute._plan_pending`, `_add`):
    consecutive updates (steps 0-2), not one: the plan is made again after the
    runner's "measured peak over the budget" correction, and a new plan starts
    its probation afresh.
-2. **Chainer's DCGAN example, `dis` applied** (rows 1.14x / 1.24x at steps 1
-   and 2): the same copies, 22.4 MiB (the discriminator's parameters) after
-   the first update and 44.7 MiB after the second, i.e. the same parameters
-   copied twice, once by the hook of each of the two live `dis` graphs (real
-   batch and fake batch). From step 3 the plan, re-planned after the runner's
-   own "measured peak over the budget" correction, drops nothing, and the
-   copies stop (1.00x).
+2. **Chainer's DCGAN example, `dis` applied** (steps 1 and 2 above 1.0x):
+   the same copies of the discriminator's parameters (22.4 MiB) while a plan
+   is on probation. Before 437eddc the hook of each of the two live `dis`
+   graphs (real and fake batch) made its own copy (44.7 MiB after the second
+   update, 1.24x); now the live iterations share one copy per parameter
+   (1.12x at step 2 in this run). From step 3 the plan, re-planned after the
+   runner's own "measured peak over the budget" correction, drops nothing,
+   and the copies stop (1.00x).
 3. **The first planned call of a signature plans inside the call**, and the
    planner's arrays count in that step. MemoryMeter around
    `Recompute._plan_pending`: NStepLSTM row, 3.61 MiB and 2.92 MiB above its
@@ -765,16 +766,16 @@ around the runner's planning calls (`Recompute._plan_pending`, `_add`):
    loss Link (72 functions), 1.40 MiB (step 1, 1.78 against 0.51 MiB);
    Chainer's DCGAN example (dis), 0.26 MiB. A fixed cost per planned
    structure that dominates on tiny models.
-4. **The DCGAN-updater rows with `dis` applied, at every step** (1.17x-1.21x
-   of the small GAN, also on the last step): the discriminator's graph of the
-   fake batch is backpropagated again after `opt_dis.update()`, so its
-   parameters are copied before each update (`multi_backward` plans always
-   are). tracemalloc by line after the generator's backward (row 13, steps 1-3):
-   the applied run holds 24 arrays, 147 KiB, from that line, twice the
-   discriminator's 12 parameters (73.5 KiB): the hook of the real batch's
-   graph and the hook of the fake batch's graph each copy the same
-   parameters, and the real batch's graph is not backpropagated again; the
-   plan's drops save 40 KiB (leaky_relu outputs).
+4. **The DCGAN-updater rows with `dis` applied, at every step** (1.06x of
+   the small GAN on the last step; 1.21x before 437eddc): the
+   discriminator's graph of the fake batch is backpropagated again after
+   `opt_dis.update()`, so its parameters are copied before each update
+   (`multi_backward` plans always are). Before 437eddc the hooks of the real
+   and the fake batch's graphs each copied the 12 parameters (24 arrays,
+   147 KiB); now they share one copy (12 arrays, 73.5 KiB). That copy is
+   still more than the plan's drops save on this toy (40 KiB of leaky_relu
+   outputs), and the real batch's graph, never backpropagated again, keeps
+   it alive as long as the fake one does.
 """
 
 

@@ -158,8 +158,8 @@ class BudgetSearch:
         out = [self.vanilla()]
         for b in self._grid():
             out.append(self.at(b))
-        if self.family is not None:  # (the exact DP: the coarse grid)
-            grid = self._grid(GRID_STEPS if self.solver == "approx" else 6)
+        if self.family is not None:
+            grid = self._grid(GRID_STEPS)
             peaks = []
             for b in grid:
                 plan, peak = self.at(b, "mc")

@@ -122,6 +122,23 @@ def dp_costs(node_cost: np.ndarray, n_lower_sets: int = 0) -> np.ndarray:
     return np.round(c * (units / total)).astype(np.int64)
 
 
+class _BlockSorted:
+    """A per-row array of :class:`_Pairs` (the attribute ``source``)
+    permuted into block(L) order, made on first read and then kept on the
+    instance."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: "_Pairs", owner: Optional[type] = None) -> np.ndarray:
+        arr = np.ascontiguousarray(getattr(obj, self.source)[obj.by_blk])
+        obj.__dict__[self.name] = arr
+        return arr
+
+
 class _Pairs:
     """Vectorised generation of the allowed transitions out of one row.
 
@@ -174,33 +191,13 @@ class _Pairs:
     # Every per-row array again, permuted into block(L) order, so that a
     # budget window is a contiguous slice (no fancy indexing): the NumPy
     # engine's (made on first use).
-    @property
-    def size_s(self) -> np.ndarray:
-        return self._sorted("size_s", self.size)
-
-    @property
-    def back_s(self) -> np.ndarray:
-        return self._sorted("back_s", self.back)
-
-    @property
-    def words_s(self) -> np.ndarray:
-        return self._sorted("words_s", self.family.words)
-
-    @property
-    def bwords_s(self) -> np.ndarray:
-        return self._sorted("bwords_s", self.family.boundary_words)
-
-    @property
-    def btime_s(self) -> np.ndarray:
-        return self._sorted("btime_s", self.btime)
-
-    @property
-    def bbytes_s(self) -> np.ndarray:
-        return self._sorted("bbytes_s", self.bbytes)
-
-    @property
-    def twords_s(self) -> np.ndarray:
-        return self._sorted("twords_s", self.twords)
+    size_s = _BlockSorted("size")
+    back_s = _BlockSorted("back")
+    words_s = _BlockSorted("words")
+    bwords_s = _BlockSorted("bwords")
+    btime_s = _BlockSorted("btime")
+    bbytes_s = _BlockSorted("bbytes")
+    twords_s = _BlockSorted("twords")
 
     @property
     def words(self) -> np.ndarray:
@@ -209,12 +206,6 @@ class _Pairs:
     @property
     def bwords(self) -> np.ndarray:
         return self.family.boundary_words
-
-    def _sorted(self, key: str, arr: np.ndarray) -> np.ndarray:
-        got = self.__dict__.get("_" + key)
-        if got is None:
-            got = self.__dict__["_" + key] = np.ascontiguousarray(arr[self.by_blk])
-        return got
 
     def transient(self, i: int, p: np.ndarray) -> np.ndarray:
         """max_{v ∈ L'_p \\ L_i} transient_v for the rows ``p`` of the

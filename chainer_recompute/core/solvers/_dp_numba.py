@@ -543,6 +543,15 @@ def popcount(words):
     return out
 
 
+@njit(cache=True, inline="always")
+def _maximal(words, sw, r, v, nw):
+    """Whether node ``v`` of row ``r`` has no successor in the row."""
+    for t in range(nw):
+        if sw[v, t] & words[r, t]:
+            return False
+    return True
+
+
 @njit(cache=True)
 def node_lists(words, order, sw, n):
     """For the kernels' ``P``: the positions (in ``order``) of the rows that
@@ -559,12 +568,7 @@ def node_lists(words, order, sw, n):
                 v = 64 * q + _ctz(x)
                 x &= x - one
                 cnt[v + 1] += 1
-                inside = False
-                for t in range(nw):
-                    if sw[v, t] & words[r, t]:
-                        inside = True
-                        break
-                if not inside:
+                if _maximal(words, sw, r, v, nw):
                     mcnt[r + 1] += 1
     vptr = np.cumsum(cnt)
     mptr = np.cumsum(mcnt)
@@ -587,12 +591,7 @@ def node_lists(words, order, sw, n):
             while x != 0:
                 v = 64 * q + _ctz(x)
                 x &= x - one
-                inside = False
-                for t in range(nw):
-                    if sw[v, t] & words[r, t]:
-                        inside = True
-                        break
-                if not inside:
+                if _maximal(words, sw, r, v, nw):
                     mnodes[k] = v
                     k += 1
     return vptr, vpos, mptr, mnodes

@@ -160,7 +160,12 @@ class _Pairs:
         from ..lower_sets import _adjacency_words, _bits, _n_words, _pack
         model = family.model
         g = family.graph
-        self.family = family
+        # The family's arrays, not the family: the family caches this object
+        # (``family.cache['pairs']``), and a reference back would make a
+        # cycle that only the cyclic garbage collector frees, keeping every
+        # array of a large lattice alive long after the solve (issue 11).
+        self.words = family.words
+        self.bwords = family.boundary_words
         self.K = len(family)
         self.size = family.size
         self.blk = np.asarray(family.block_bytes, dtype=np.int64)
@@ -198,14 +203,6 @@ class _Pairs:
     btime_s = _BlockSorted("btime")
     bbytes_s = _BlockSorted("bbytes")
     twords_s = _BlockSorted("twords")
-
-    @property
-    def words(self) -> np.ndarray:
-        return self.family.words
-
-    @property
-    def bwords(self) -> np.ndarray:
-        return self.family.boundary_words
 
     def transient(self, i: int, p: np.ndarray) -> np.ndarray:
         """max_{v ∈ L'_p \\ L_i} transient_v for the rows ``p`` of the

@@ -70,13 +70,21 @@ def load_config(path: Optional[str]) -> Dict[str, Any]:
         return json.load(f)
 
 
-def mem_available() -> int:
-    """MemAvailable of /proc/meminfo, bytes."""
+def _meminfo(key: str) -> int:
+    """A field of /proc/meminfo (``MemAvailable``, ``MemTotal``), bytes."""
     with open("/proc/meminfo") as f:
         for line in f:
-            if line.startswith("MemAvailable:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def mem_available() -> int:
+    return _meminfo("MemAvailable")
+
+
+def mem_total() -> int:
+    return _meminfo("MemTotal")
 
 
 def load_avg() -> List[float]:
@@ -437,6 +445,7 @@ def table_cells(cfg: Dict[str, Any], networks: List[str], methods: List[str],
         van = read_json(cell_path(net, "vanilla", batch))
         need = int(1.15 * van["measured_peak_bytes"]) + (1 << 30) if van and \
             van.get("status") == "ok" else int(ncfg.get("expected_peak_gib", 8) * 2**30)
+        need = min(need, int(0.9 * mem_total()))  # U-Net: a machine of its own
         wait_for_memory(need, f"{net}:{method}")
         est = estimate_cell_s(net, method, cfg)
         print(f"[{k + 1}/{len(todo)}] {net}:{method} batch {batch} (estimate {fmt_s(est)}, "

@@ -1,0 +1,66 @@
+"""The pure-core parts of experiments/reproduce.py that make published
+figures: the runtime sweep's largest batches and simulated curves
+(issue 11), on a small captured graph."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "experiments"))
+
+import reproduce  # noqa: E402
+
+from chainer_recompute.core.io import load_graph, save_graph  # noqa: E402
+from chainer_recompute.core.replay import replay  # noqa: E402
+from chainer_recompute.runtime.capture import capture  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    """A convnet recorded at batch 4 (as ``--sweep`` records its network),
+    and the budget B at which plain backprop's largest batch is 4."""
+    from chainer_recompute.models.small import SMALL_MODELS
+    link, args = SMALL_MODELS["convnet"](0)
+    g = capture(link, *args, backward=True, cost_model="flops")
+    path = tmp_path_factory.mktemp("sweep") / "convnet.json"
+    save_graph(g, path)
+    b0 = g.batch_size
+    p0 = replay(g.scale_batch(b0), None).peak_bytes
+    p1 = replay(g.scale_batch(b0 + 1), None).peak_bytes
+    return str(path), b0, (p0 + p1) // 2
+
+
+def test_largest_batch_is_the_boundary_of_what_fits(recorded):
+    path, b0, budget = recorded
+    g0 = load_graph(path)
+    van = reproduce.largest_batch(path, "vanilla", budget)["largest_batch"]
+    assert van == b0  # B is defined by vanilla's largest batch
+    for method in ("chen", "approx-tc", "approx-mc", "exact-tc"):
+        r = reproduce.largest_batch(path, method, budget)
+        big = r["largest_batch"]
+        assert big >= van, method
+        if method == "chen":
+            continue
+        solver, strategy = method.split("-")
+        # it fits at its largest batch and at none of the next two
+        assert reproduce._fit_plan(g0.scale_batch(big), solver, strategy, budget) is not None
+        for b in (big + 1, big + 2):
+            assert reproduce._fit_plan(g0.scale_batch(b), solver, strategy, budget) is None
+        assert r["largest_batch_size_dp_formula"] <= big  # the formula over-counts
+        assert big > van, method  # recomputation makes room on this net
+
+
+def test_simulated_curve_agrees_with_the_largest_batch(recorded):
+    path, b0, budget = recorded
+    for method in ("vanilla", "approx-tc"):
+        big = reproduce.largest_batch(path, method, budget)["largest_batch"]
+        rows = reproduce.simulate_method(path, method, budget, list(range(1, big + 3)))["rows"]
+        fits = {r["batch"]: r["fits"] for r in rows}
+        assert fits[big] and not fits[big + 1], (method, fits)
+        if method == "vanilla":
+            assert all(r["recompute_share"] == 0 for r in rows)
+        else:  # past vanilla's largest batch the plan recomputes something
+            assert all(r["recompute_share"] > 0 for r in rows if r["batch"] > b0 and r["fits"])

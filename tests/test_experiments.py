@@ -20,8 +20,9 @@ from chainer_recompute.runtime.capture import capture  # noqa: E402
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
-    """A convnet recorded at batch 4 (as ``--sweep`` records its network),
-    and the budget B at which plain backprop's largest batch is 4."""
+    """A convnet recorded at its batch b0 (as ``--sweep`` records its
+    network at ``vanilla_batch``), and the budget B at which plain
+    backprop's largest batch is b0 (halfway to b0 + 1, as ``--sweep``)."""
     from chainer_recompute.models.small import SMALL_MODELS
     link, args = SMALL_MODELS["convnet"](0)
     g = capture(link, *args, backward=True, cost_model="flops")

@@ -546,9 +546,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = ap.parse_args(argv)
     args.repeat_at = {int(k): int(v) for k, v in (s.split(":") for s in args.repeat_at)}
     if args.worker:
-        # chain.policy_cost('revolve', t, m) recurses once per snapshot (depth ~ min(t, m)):
-        # at t = 1000 and m ~ 1000 it passes Python's default limit of 1000
-        sys.setrecursionlimit(100_000)
         if args.worker == "chain":
             rows = worker_chain(args)
         elif args.worker == "graph":

@@ -801,8 +801,8 @@ def sweep(cfg: Dict[str, Any], net: str, resume: bool) -> int:
         print(f"{net}: recording the graph at batch {b0} and measuring vanilla ...", flush=True)
         v = run_cell(net, "vanilla", b0, cfg, out=SWEEP / f"{net}_b{b0}__vanilla__least.json")
         gpath = SWEEP / "graphs" / f"{net}_b{b0}.json"
-        a = run_cell(net, "approx-tc", b0, cfg, out=SWEEP / f"{net}_b{b0}__approx-tc__least.json",
-                     graph_out=gpath)
+        run_cell(net, "approx-tc", b0, cfg, out=SWEEP / f"{net}_b{b0}__approx-tc__least.json",
+                 graph_out=gpath)
         from chainer_recompute.core.io import load_graph
         from chainer_recompute.core.replay import replay
         g0 = load_graph(gpath)

@@ -527,35 +527,6 @@ def revolve_split(length: int, snapshots: int) -> int:
     return int(min(max(y, 1), l - 1))
 
 
-def _revolve_cost(length: int, snapshots: int, memo: Dict[Tuple[int, int], int]) -> int:
-    """Forward steps of revolve: ``y`` steps to the split, then the right
-    part with one snapshot less, then the left part; an explicit stack, as
-    the recursion is as deep as ``length`` when snapshots are plenty."""
-    def base(l: int, c: int) -> Optional[int]:
-        if l <= 1:
-            return l
-        if c <= 1:
-            return l * (l + 1) // 2
-        return memo.get((l, c))
-
-    stack = [(length, snapshots)]
-    while stack:
-        l, c = stack[-1]
-        if base(l, c) is not None:
-            stack.pop()
-            continue
-        y = revolve_split(l, c)
-        right, left = base(l - y, c - 1), base(y, c)
-        if right is None:
-            stack.append((l - y, c - 1))
-        elif left is None:
-            stack.append((y, c))
-        else:
-            memo[(l, c)] = y + right + left
-            stack.pop()
-    return int(base(length, snapshots))  # type: ignore[arg-type]
-
-
 def policy_cost(policy: str, t: int, m: int, alpha: int = 1) -> int:
     """Forward steps of ``policy`` on ``t`` steps with ``m`` slots
     (plain BPTT: ``t``).
@@ -564,8 +535,8 @@ def policy_cost(policy: str, t: int, m: int, alpha: int = 1) -> int:
     (4636, 4636)
     """
     check_chain(policy, t, m, alpha, top_level=False)
-    if policy == "revolve":
-        return _revolve_cost(int(t), int(m), {})
+    if policy == "revolve":  # Griewank's schedule is optimal: the closed form
+        return int(t) + revolve_min_forward_steps(int(t), int(m))
     return int(chain_table(policy, t, m, alpha).cost[t, min(m, max_useful_slots(policy, t, alpha))])
 
 

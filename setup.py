@@ -28,9 +28,10 @@ setup(
         # memory.png and schedule.png of `chainer-recompute --out DIR` and
         # `chainer-recompute plot` (chainer_recompute/plotting.py).
         "plot": ["matplotlib>=3.5"],
-        # Compiled DP kernels (chainer_recompute/core/solvers/_dp_numba.py);
-        # without them the solvers run on NumPy alone, with the same answers.
-        "fast": ["numba>=0.59"],
+        # Compiled DP kernels (chainer_recompute/core/solvers/_dp_numba.py) and
+        # orjson for reading the authors' graph files; without them the solvers
+        # run on NumPy alone and the files are read by json, with the same answers.
+        "fast": ["numba>=0.59", "orjson>=3.9"],
         # ChainerMN (shipped with Chainer) over MPI (runtime/distributed.py): needs
         # a system MPI to build mpi4py (Debian: openmpi-bin, libopenmpi-dev).
         "mn": ["mpi4py>=3"],

@@ -160,6 +160,93 @@ def test_authors_format_errors_name_the_line(tmp_path, text, line, message):
     assert f"cg.txt:{line}:" in str(info.value)
 
 
+def _careful(path):
+    """The careful (line-checking) reader alone, without the fast path."""
+    from chainer_recompute.core import io
+    text = Path(path).read_text()
+    lines = io._Lines(str(path), text)
+    return io._authors_graph(str(path), *io._parse_authors(lines), lines.error)
+
+
+def _same_graph(a, b):
+    return (a.arrays == b.arrays and a.nodes == b.nodes and a.meta == b.meta
+            and a.cost_model == b.cost_model)
+
+
+@pytest.mark.parametrize("name", ["vgg19", "resnet50", "unet", "densenet"])
+def test_fast_authors_reader_equals_the_careful_one(name):
+    path = GRAPHS / f"cg_{name}.txt"
+    if not path.exists():
+        pytest.skip("../shared/graphs not present")
+    from chainer_recompute.core import io
+    fast = io._authors_graph(str(path), *io._parse_authors_fast(path.read_text()), io._retry)
+    assert _same_graph(fast, _careful(path))
+
+
+def _mutations(text, rng, count):
+    """Small edits of a good file: a line dropped, doubled, swapped, a
+    token changed, spaces or blank lines added, a long integer in the
+    attributes, retained indexes that are not a list of integers."""
+    lines = text.splitlines()
+    edits = [
+        lambda ls, i: ls[:i] + ls[i + 1:],
+        lambda ls, i: ls[:i] + [ls[i]] + ls[i:],
+        lambda ls, i: ls[:i] + [ls[(i + 1) % len(ls)], ls[i]] + ls[i + 2:],
+        lambda ls, i: ls[:i] + [ls[i].replace("1", "7", 1)] + ls[i + 1:],
+        lambda ls, i: ls[:i] + [" " + ls[i] + "\t"] + ls[i + 1:],
+        lambda ls, i: ls[:i] + [""] + ls[i:],
+        lambda ls, i: ls[:i] + [ls[i].replace("_", "x 1", 1)] + ls[i + 1:],
+        lambda ls, i: ls[:i] + [ls[i].replace("{", '{"n": 12345678901234567890123, ', 1)]
+        + ls[i + 1:],
+        lambda ls, i: ls[:i] + [ls[i].replace("null", "3", 1).replace("[0]", '["0"]', 1)]
+        + ls[i + 1:],
+        lambda ls, i: ls[:i] + [ls[i].replace("{", "[", 1)] + ls[i + 1:],
+        lambda ls, i: ls[:i] + [ls[i].replace(" ", "  ", 1)] + ls[i + 1:],
+    ]
+    for _ in range(count):
+        k = int(rng.integers(len(edits)))
+        i = int(rng.integers(len(lines)))
+        yield "\n".join(edits[k](list(lines), i)) + "\n"
+
+
+@pytest.mark.parametrize("orjson", [True, False], ids=["orjson", "json"])
+def test_fast_authors_reader_agrees_on_edited_files(tmp_path, monkeypatch, orjson):
+    """Every edited file reads to the same graph, or fails with the same
+    error (naming the same line), as with the careful reader alone; with
+    orjson (the ``fast`` extra) and without."""
+    import numpy as np
+    from chainer_recompute.core import io
+    if not orjson:
+        monkeypatch.setattr(io, "_orjson_loads", None)
+    elif io._orjson_loads is None:
+        pytest.skip("orjson is not installed")
+    rng = np.random.default_rng(0)
+    big = GOOD.replace("3 1\n", "4 3\n").replace(
+        "2 8 /predictor/W\n", "2 8 /predictor/W\n3 4 _\n") + (
+        "backward\n1 1\n1 _\n0\nLinearFunction\n{}\n"
+        "forward\n1 1\n1 _\n3\nReLU\n"
+        '{"_input_indexes_to_retain": null, "_output_indexes_to_retain": [0]}\n')
+    texts = [big] + list(_mutations(big, rng, 300))
+    sources = [GRAPHS / "cg_vgg19.txt"]
+    if sources[0].exists():
+        texts += list(_mutations(sources[0].read_text(), rng, 40))
+    outcomes = set()
+    for k, text in enumerate(texts):
+        p = tmp_path / f"cg_{k}.txt"
+        p.write_text(text)
+        try:
+            want = _careful(p)
+        except Exception as e:
+            with pytest.raises(type(e)) as info:
+                load_authors_graph(p)
+            assert str(info.value) == str(e)
+            outcomes.add("error")
+        else:
+            assert _same_graph(load_authors_graph(p), want), text
+            outcomes.add("graph")
+    assert outcomes == {"graph", "error"}
+
+
 def test_summary_mentions_the_figures():
     g = Graph.from_edges([2 ** 20, 2 ** 20], [(0, 1)])
     s = g.summary()

@@ -141,6 +141,10 @@ class _catching:
         self.saved: List[Tuple[logging.Logger, int]] = []
 
     def __enter__(self) -> logging.Handler:
+        # The runner sets the report logger up when first imported, unless
+        # it has a handler already: import it before adding ours, or a
+        # later test in this process would find that logger propagating.
+        import chainer_recompute.runtime.runner  # noqa: F401
         for name in LOGGERS:
             log = logging.getLogger(name)
             self.saved.append((log, log.level))

@@ -305,8 +305,8 @@ ENGINES = ("auto", "numba", "numpy")
 #: repay importing numba and loading the kernels), or when this process
 #: has loaded them already.
 COMPILED_MIN_WORK = 20_000_000
-#: The compiled DP keeps a dense table of K·(T+1) entries (16 bytes each)
-#: up to this many; larger problems use the NumPy frontiers.
+#: The compiled DP keeps a dense table of at most K·(T+1) entries (12 bytes
+#: each) up to this many; larger problems use the NumPy frontiers.
 COMPILED_DENSE_LIMIT = 40_000_000
 
 
@@ -556,20 +556,42 @@ def _run_compiled(family: LowerSetFamily, pairs: _Pairs, budget: Optional[int],
     if (tc and inc >= bound[0]) or (not tc and inc <= 0):
         return DPResult(_chain_from(gsrc, K), float(inc), int(bm[K - 1]), 0, K)
     pushes = 0
-    opt = np.full((K, T + 1), inf, dtype=np.int64)
-    src_r = np.full((K, T + 1), -1, dtype=np.int32)
-    src_t = np.full((K, T + 1), -1, dtype=np.int32)
+    # The table holds, for each row L, only the retained times that can
+    # occur there and survive the pruning: at most T of the non-sinks in L
+    # (only they are ever kept), at least incumbent - bound(L) (tc; any
+    # guess is above the incumbent), at most the incumbent (mc); none for
+    # rows that cannot reach V. It is left uninitialised: the kernel fills
+    # a row when it first writes it and reads only rows written (touched),
+    # so rows never reached cost no memory. Fresh memory costs ~0.5 ms per
+    # MB here (page faults): on ResNet50 at its least budget the full
+    # K x (T + 1) table took more time than the DP.
+    t_top = pairs.r0[0] - pairs.r0  # T of the non-sinks in L
+    if tc:
+        t_low = np.maximum(inc - pairs.r0, 0)
+    else:
+        t_low = np.zeros(K, dtype=np.int64)
+        t_top = np.minimum(t_top, inc)
+    width = np.where(cap >= 0, np.maximum(t_top - t_low + 1, 0), 0)
+    off = np.zeros(K + 1, dtype=np.int64)
+    np.cumsum(width, out=off[1:])
+    opt = np.empty(int(off[K]), dtype=np.int64)
+    src = np.empty(int(off[K]), dtype=np.int32)  # < COMPILED_DENSE_LIMIT entries
     touched = np.zeros(K, dtype=np.bool_)
     found_opt = False
 
     def reset() -> None:
-        opt[touched] = inf  # the rows written
-        touched[:] = False
+        touched[:] = False  # rows are filled again when first written
+
+    def found() -> np.ndarray:
+        """The retained times reached at V."""
+        if not touched[K - 1]:
+            return np.zeros(0, dtype=np.int64)
+        return t_low[K - 1] + np.flatnonzero(opt[off[K - 1]:off[K]] != inf)
 
     def incumbent_run(limit: int) -> int:
         """The run with the incumbent, stopped after ``limit`` pushes: its
         pushes, or -1 when stopped (the table then reset)."""
-        n_f = kn.dense(P, B, has_budget, tc, cap, T, bound, inc, opt, src_r, src_t, touched,
+        n_f = kn.dense(P, B, has_budget, tc, cap, T, bound, inc, off, t_low, opt, src, touched,
                        limit)
         logger.debug("incumbent run (at most %d pushes): %d (%.2f s)", limit, n_f,
                      time.perf_counter() - t0)
@@ -601,14 +623,14 @@ def _run_compiled(family: LowerSetFamily, pairs: _Pairs, budget: Optional[int],
         while not found_opt and hi - lo > 1:
             guess = hi - min(first, max(1, (hi - lo) // GUESS_STEPS))
             first *= 2
-            n_g = kn.dense(P, B, has_budget, tc, cap, T, bound, guess, opt, src_r, src_t,
+            n_g = kn.dense(P, B, has_budget, tc, cap, T, bound, guess, off, t_low, opt, src,
                            touched, 0)
             pushes += n_g
             spent += n_g
-            found = opt[K - 1] != inf
+            reached = found()
             logger.debug("guess %d: %d pushes, %s (%.2f s)", guess, n_g,
-                         "found" if found.any() else "none", time.perf_counter() - t0)
-            if found[guess:].any():
+                         "found" if len(reached) else "none", time.perf_counter() - t0)
+            if len(reached) and reached[-1] >= guess:
                 found_opt = True
                 break
             hi = guess
@@ -619,18 +641,23 @@ def _run_compiled(family: LowerSetFamily, pairs: _Pairs, budget: Optional[int],
                 pushes += limit if n_f < 0 else n_f
                 found_opt = n_f >= 0
     if not found_opt:  # (tc: nothing above the incumbent, which is optimal)
-        n_f = kn.dense(P, B, has_budget, tc, cap, T, bound, inc, opt, src_r, src_t, touched,
+        n_f = kn.dense(P, B, has_budget, tc, cap, T, bound, inc, off, t_low, opt, src, touched,
                        0)
         pushes += n_f
         logger.debug("dense: %d pushes (%.2f s)", n_f, time.perf_counter() - t0)
-    last = opt[K - 1]
-    reached = np.flatnonzero(last != inf)
-    n_states = int(np.count_nonzero(opt != inf))
+    reached = found()
+    n_states = int(kn.count_states(opt, off, touched))
     if len(reached) == 0:  # cannot happen: the incumbent's chain survives
         return DPResult(_chain_from(gsrc, K), float(inc), int(bm[K - 1]), int(pushes), n_states)
     t_end = int(reached[-1] if tc else reached[0])
-    return DPResult(_backtrack(src_r, src_t, K, t_end), float(t_end), int(last[t_end]),
-                    int(pushes), n_states)
+    e = int(off[K - 1] - t_low[K - 1]) + t_end
+    retained_m = int(opt[e])
+    chain = [K - 1]
+    while chain[-1] != 0:
+        e = int(src[e])
+        chain.append(int(np.searchsorted(off, e, "right")) - 1)
+    chain.reverse()
+    return DPResult(chain, float(t_end), retained_m, int(pushes), n_states)
 
 
 #: The compiled tc DP guesses the optimum (see :func:`_run_compiled`) when
@@ -646,16 +673,6 @@ GUESS_STEPS = 32
 #: GUESS_RACE times its last limit.
 GUESS_FIRST_PUSHES = 200_000
 GUESS_RACE = 16
-
-
-def _backtrack(src_r: np.ndarray, src_t: np.ndarray, K: int, t_end: int) -> List[int]:
-    chain = [K - 1]
-    r, t = K - 1, t_end
-    while r != 0:
-        r, t = int(src_r[r, t]), int(src_t[r, t])
-        chain.append(r)
-    chain.reverse()
-    return chain
 
 
 def _dense(pairs: _Pairs, budget: Optional[int], objective: str, least: np.ndarray,

@@ -287,21 +287,29 @@ def greedy(P, budget, has_budget, tc, cap, lam):
 
 
 @njit(cache=True)
-def dense(P, budget, has_budget, tc, cap, T, bound, incumbent, opt, src_r, src_t, touched,
+def dense(P, budget, has_budget, tc, cap, T, bound, incumbent, off, t0, opt, src, touched,
           max_pushes):
-    """The DP over a dense table: ``opt[L, t]`` is the least retained
-    memory of a chain ending at row L with retained time t (INF when
-    none); ``src_r``/``src_t`` point back. Rows are expanded in order; each
-    row's Pareto-optimal entries are pushed to every allowed superset.
+    """The DP over a dense table: ``opt[off[L] + t - t0[L]]`` is the least
+    retained memory of a chain ending at row L with retained time t, for
+    ``t0[L] <= t < t0[L] + off[L + 1] - off[L]`` (INF when none; the
+    caller sizes each row to the retained times that can occur there and
+    survive the pruning below); ``src`` holds the entry each one came
+    from. Rows are
+    expanded in order; each row's Pareto-optimal entries are pushed to
+    every allowed superset.
 
     Pruning that keeps the optimum: a push to row L' with retained time t'
     is dropped when even ``t' + bound[L']`` (tc: the most retained time any
     continuation can add) falls short of ``incumbent`` (the retained time
     of a known feasible chain), or for mc when ``t' + bound[L']`` (the
     least it can add) exceeds it; and when its memory exceeds cap[L'].
-    ``touched[L]`` is set for every row written (so that the caller can
-    reset just those). Returns the number of pushes, or -1 when the run
-    stopped after ``max_pushes`` (> 0) pushes (the table is then partial)."""
+    ``touched[L]`` is set for every row written: a row is filled with INF
+    when first written, and rows not touched are never read (so the table
+    may come from ``np.empty``: its untouched pages are never faulted in,
+    and a reset is ``touched[:] = False``). A push outside its row's range
+    is dropped (none is, with the caller's ranges). Returns the number of pushes,
+    or -1 when the run stopped after ``max_pushes`` (> 0) pushes (the
+    table is then partial)."""
     R, lay, all_rows, all_blk, vptr, vrows, vblk, mptr, mnodes, node_t, node_k, trans_vals = P
     nw, nwt = lay
     c_size = 2 * nw + nwt
@@ -312,7 +320,8 @@ def dense(P, budget, has_budget, tc, cap, T, bound, incumbent, opt, src_r, src_t
     K = R.shape[0]
     ts = np.empty(T + 1, dtype=np.int64)
     ms = np.empty(T + 1, dtype=np.int64)
-    opt[0, 0] = 0
+    opt[off[0]:off[1]] = INF
+    opt[off[0] - t0[0]] = 0
     touched[0] = True
     pushes = 0
     for i in range(K - 1):
@@ -323,17 +332,20 @@ def dense(P, budget, has_budget, tc, cap, T, bound, incumbent, opt, src_r, src_t
         # The row's Pareto-optimal entries, by increasing memory.
         n = 0
         run = INF
+        base = off[i] - t0[i]
+        src_base = base
+        t_top = t0[i] + off[i + 1] - off[i] - 1
         if tc:
-            for t in range(T, -1, -1):
-                m = opt[i, t]
+            for t in range(t_top, t0[i] - 1, -1):
+                m = opt[base + t]
                 if m < run:
                     run = m
                     ts[n] = t
                     ms[n] = m
                     n += 1
         else:
-            for t in range(T + 1):
-                m = opt[i, t]
+            for t in range(t0[i], t_top + 1):
+                m = opt[base + t]
                 if m < run:
                     run = m
                     ts[n] = t
@@ -416,22 +428,36 @@ def dense(P, budget, has_budget, tc, cap, T, bound, incumbent, opt, src_r, src_t
                     else:
                         hi_ = mid
             s = lo_
-            row = opt[j]
-            if s < n and ms[s] <= lim:
+            if s < n and ms[s] <= lim and not touched[j]:
+                opt[off[j]:off[j + 1]] = INF  # rows are initialised when first written
                 touched[j] = True
+            base = off[j] - t0[j]
+            r_lo = t0[j]
+            r_hi = t0[j] + off[j + 1] - off[j] - 1
             while s < n:
                 m = ms[s]
                 if m > lim:
                     break
                 nt = ts[s] + d_t
                 nm = m + d_m
-                if nm < row[nt]:
-                    row[nt] = nm
-                    src_r[j, nt] = i
-                    src_t[j, nt] = ts[s]
+                if r_lo <= nt <= r_hi and nm < opt[base + nt]:
+                    opt[base + nt] = nm
+                    src[base + nt] = src_base + ts[s]
                 pushes += 1
                 s += 1
     return pushes
+
+
+@njit(cache=True)
+def count_states(opt, off, touched):
+    """The entries of :func:`dense`'s table that hold a state."""
+    n = 0
+    for r in range(len(touched)):
+        if touched[r]:
+            for e in range(off[r], off[r + 1]):
+                if opt[e] != INF:
+                    n += 1
+    return n
 
 
 # ------------------------------------------------------------ the family

@@ -348,15 +348,16 @@ def _authors_graph(source: str, var_bytes: Dict[int, int], var_name: Dict[int, s
                                   nbytes=var_bytes[vid], kind=kind,
                                   producer=None if r is None else node_of[r], name=name))
     nodes = []
+    array_id = array_of.__getitem__
     for v, r in enumerate(order):
         lineno, ins, outs, op, attrs = records[r]
+        ins, outs = tuple(map(array_id, ins)), tuple(map(array_id, outs))
         keep_in = _indexes(attrs, "_input_indexes_to_retain", lineno, error)
         keep_out = _indexes(attrs, "_output_indexes_to_retain", lineno, error)
         nodes.append(_new_frozen(
-            Node, id=v, op=op, inputs=tuple(array_of[x] for x in ins),
-            outputs=tuple(array_of[x] for x in outs),
-            retained_inputs=tuple(array_of[ins[i]] for i in keep_in if i < len(ins)),
-            retained_outputs=tuple(array_of[outs[i]] for i in keep_out if i < len(outs)),
+            Node, id=v, op=op, inputs=ins, outputs=outs,
+            retained_inputs=tuple([ins[i] for i in keep_in if i < len(ins)]),
+            retained_outputs=tuple([outs[i] for i in keep_out if i < len(outs)]),
             label=f"record {r} (line {lineno})", attrs=attrs))
     return Graph(arrays, nodes, cost_model="paper",
                  meta={"model": os.path.basename(source), "source": source})
@@ -364,7 +365,9 @@ def _authors_graph(source: str, var_bytes: Dict[int, int], var_name: Dict[int, s
 
 def _indexes(attrs: Dict[str, Any], key: str, lineno: int, error) -> Any:
     """A record's list of retained input or output indexes (``null``: none)."""
-    got = attrs.get(key) or []
+    got = attrs.get(key)
+    if not got:
+        return ()
     if type(got) is not list or not all(type(i) is int and i >= 0 for i in got):
         raise error(lineno, f"the record's {key} must be a list of indexes or null, found "
                             f"{got!r}")

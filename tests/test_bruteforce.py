@@ -262,3 +262,69 @@ def test_compiled_guesses_match_numpy(seed: int, monkeypatch: pytest.MonkeyPatch
             got = solve_exact(g, b, strategy="tc", model=model, engine="numba")
             assert got.feasible and got.predicted_peak_bytes <= b
             assert got.overhead == pytest.approx(refs[b].overhead)
+
+
+def unet_like(levels: int, rng: Optional[random.Random]) -> Graph:
+    """A U-Net's shape: per level conv, relu, conv, relu (the skip), pool;
+    a bottom; per level up, concat with the skip through a crop, conv,
+    relu, conv, relu. Its greedy incumbent is far below the optimum (as on
+    the authors' U-Net), and the crops make more lower sets than
+    ancestor closures."""
+    sizes: List[int] = []
+    costs: List[float] = []
+    edges: List[Tuple[int, int]] = []
+
+    def add(size: int, cost: float, preds: List[int]) -> int:
+        sizes.append(size)
+        costs.append(cost)
+        edges.extend((p, len(sizes) - 1) for p in preds)
+        return len(sizes) - 1
+
+    prev: List[int] = []
+    skips = []
+    s = 64
+    for _ in range(levels):
+        a = add(s, 10, prev)
+        c = add(s, 10, [add(s, 1, [a])])
+        skips.append(add(s, 1, [c]))
+        prev = [add(s // 4, 1, [skips[-1]])]
+        s //= 2
+    crops = [add(sizes[k], 1, [k]) for k in skips]
+    prev = [add(s, 1, [add(s, 10, prev)])]
+    for level in reversed(range(levels)):
+        s *= 2
+        cat = add(2 * s, 1, [add(s, 10, prev), crops[level]])
+        c = add(s, 10, [add(s, 1, [add(s, 10, [cat])])])
+        prev = [add(s, 1, [c])]
+    if rng is not None:
+        sizes = [max(1, int(x * rng.uniform(0.5, 2))) for x in sizes]
+    return Graph.from_edges(sizes, edges, costs=costs)
+
+
+@pytest.mark.skipif(len(ENGINES) < 2, reason="numba is not installed (the 'fast' extra)")
+def test_compiled_closure_incumbent_matches_numpy(caplog: pytest.LogCaptureFixture) -> None:
+    """On U-Net-like graphs the compiled tc DP raises its incumbent with
+    the DP on the ancestor-closure rows; it still finds the NumPy DP's
+    optimum, both where that incumbent is below the optimum and where it
+    is the optimum (a tie, which must not be pruned)."""
+    import logging
+    import re
+    caplog.set_level(logging.DEBUG, logger="chainer_recompute.core.solvers._dp")
+    seen = {"below": 0, "optimal": 0}
+    for levels in (3, 4):
+        for seed in range(6):
+            g = unet_like(levels, random.Random(seed) if seed else None)
+            total = float(g.node_cost.sum())
+            lo = least_feasible_budget(g, "exact", engine="numpy")
+            hi = solve(g, None, "none").predicted_peak_bytes
+            for b in sorted({lo, int(lo * 1.1), int(lo * 1.25), int(lo * 1.5), (lo + hi) // 2}):
+                ref = solve_exact(g, b, strategy="tc", engine="numpy")
+                caplog.clear()
+                got = solve_exact(g, b, strategy="tc", engine="numba")
+                assert got.feasible and got.predicted_peak_bytes <= b
+                assert got.overhead == ref.overhead
+                for m in caplog.messages:
+                    if m.startswith("ancestor closures"):
+                        inc = int(re.search(r"incumbent (\d+)", m).group(1))
+                        seen["optimal" if inc == total - ref.overhead else "below"] += 1
+    assert seen["below"] >= 5 and seen["optimal"] >= 2, seen

@@ -558,11 +558,13 @@ def _run_compiled(family: LowerSetFamily, pairs: _Pairs, budget: Optional[int],
         return DPResult(_chain_from(gsrc, K), float(inc), int(bm[K - 1]), 0, K)
     if tc and has_budget and K * (T + 1) <= GUESS_MIN_TABLE:
         # A better incumbent, cheaply: the same DP on the rows that are
-        # ancestor closures (the approximate DP's lower sets) alone. On
-        # U-Net at 1.25 x its least budget it raises the incumbent from 104
-        # to 176 (optimum 197) in ~0.1 ms, and the DP below then pushes
-        # ~4x less.
-        rows = _closure_rows(family)
+        # ancestor closures (the approximate DP's lower sets) alone, where
+        # they are a small part of the family. On U-Net at 1.25 x its least
+        # budget (62 of 331 rows) it raises the incumbent from 104 to 176
+        # (optimum 197) in ~0.1 ms, and the DP below then pushes ~4x less;
+        # on ResNet50 (178 of 241 rows) it would cost about as much as the
+        # DP itself.
+        rows = _closure_rows(family) if family.graph.n * CLOSURE_SHARE <= K else None
         if rows is not None:
             capr = np.full(K, -1, dtype=np.int64)
             capr[rows] = cap[rows]
@@ -726,6 +728,11 @@ def _closure_rows(family: LowerSetFamily) -> Optional[np.ndarray]:
     family.cache["closure_rows"] = rows
     return rows
 
+
+#: The compiled tc DP on a small table first raises its incumbent with the
+#: DP on the ancestor-closure rows (one per node) when they are at most
+#: 1/CLOSURE_SHARE of the family (see :func:`_run_compiled`).
+CLOSURE_SHARE = 4
 
 #: The compiled tc DP guesses the optimum (see :func:`_run_compiled`) when
 #: its table has more than this many entries (below it, one run with the

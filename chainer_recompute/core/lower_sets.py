@@ -78,6 +78,22 @@ def full_mask(graph: Graph) -> int:
     return (1 << graph.n) - 1
 
 
+def ancestor_masks(graph: Graph) -> List[int]:
+    """The ancestor closure of each node (the node and every node it
+    depends on) as a bitset.
+
+    >>> ancestor_masks(Graph.from_edges([1, 1, 1], [(0, 2), (1, 2)]))
+    [1, 2, 7]
+    """
+    anc: List[int] = []
+    for v in range(graph.n):
+        m = 1 << v
+        for p in graph.preds[v]:
+            m |= anc[p]
+        anc.append(m)
+    return anc
+
+
 _MASKS: "weakref.WeakKeyDictionary[Graph, Tuple[List[int], List[int]]]" = \
     weakref.WeakKeyDictionary()
 
@@ -465,14 +481,8 @@ class LowerSetFamily:
     def ancestor_closures(cls, graph: Graph,
                           model: Optional["MemoryModel"] = None) -> "LowerSetFamily":
         """∅, V and the ancestor closure of each node."""
-        anc: List[int] = []
-        for v in range(graph.n):
-            m = 1 << v
-            for p in graph.preds[v]:
-                m |= anc[p]
-            anc.append(m)
         nw = _n_words(graph.n)
-        masks = [0, full_mask(graph)] + anc
+        masks = [0, full_mask(graph)] + ancestor_masks(graph)
         words = np.stack([_words_of_mask(m, nw) for m in masks])
         return cls.from_words(graph, words, model)
 

@@ -706,16 +706,10 @@ def _closure_rows(family: LowerSetFamily) -> Optional[np.ndarray]:
     rows = family.cache.get("closure_rows", False)
     if rows is not False:
         return rows
-    from ..lower_sets import _n_words
-    g = family.graph
-    nw = _n_words(g.n)
-    anc: List[int] = []
-    for v in range(g.n):
-        m = 1 << v
-        for p in g.preds[v]:
-            m |= anc[p]
-        anc.append(m)
-    want = np.frombuffer(b"".join(m.to_bytes(8 * nw, "little") for m in anc),
+    from ..lower_sets import _n_words, ancestor_masks
+    nw = _n_words(family.graph.n)
+    want = np.frombuffer(b"".join(m.to_bytes(8 * nw, "little")
+                                  for m in ancestor_masks(family.graph)),
                          dtype="<u8").astype(np.uint64).reshape(-1, nw)
     hit = np.ones((len(want), len(family)), dtype=bool)
     for w in range(nw):

@@ -503,9 +503,10 @@ def _run_compiled(family: LowerSetFamily, pairs: _Pairs, budget: Optional[int],
        fits it), the most retained memory with which V is still reachable
        from each row (one backward pass; ∅ with 0 says whether anything
        fits).
-    2. A feasible chain from a one-state-per-row heuristic (greedy on the
-       objective), whose retained time is an incumbent; for tc on small
-       tables, improved by the DP on the ancestor-closure rows alone.
+    2. A feasible chain, whose retained time is an incumbent: for tc on
+       small tables where the ancestor closures are few, the DP on those
+       rows alone; else a one-state-per-row heuristic (greedy on the
+       objective).
     3. If the incumbent meets the bound at ∅ (tc: every non-sink kept; mc:
        nothing kept) it is optimal; else the dense DP, where a push that
        cannot reach the incumbent even with the bound of its row (tc: the
@@ -550,32 +551,36 @@ def _run_compiled(family: LowerSetFamily, pairs: _Pairs, budget: Optional[int],
         cap = kn.capacity(P, B)
         if cap[0] < 0:
             return DPResult(None, 0.0, 0, 0, 0)
-    bt, bm, gsrc = kn.greedy(P, B, has_budget, tc, cap, 0.0)
-    inc = int(bt[K - 1])
     bound = pairs.r0 if tc else np.zeros(K, dtype=np.int64)
-    logger.debug("capacity and greedy: incumbent %d (%.2f s)", inc, time.perf_counter() - t0)
-    if (tc and inc >= bound[0]) or (not tc and inc <= 0):
-        return DPResult(_chain_from(gsrc, K), float(inc), int(bm[K - 1]), 0, K)
-    if tc and has_budget and K * (T + 1) <= GUESS_MIN_TABLE:
-        # A better incumbent, cheaply: the same DP on the rows that are
-        # ancestor closures (the approximate DP's lower sets) alone, where
-        # they are a small part of the family. On U-Net at 1.25 x its least
-        # budget (62 of 331 rows) it raises the incumbent from 104 to 176
-        # (optimum 197) in ~0.1 ms, and the DP below then pushes ~4x less;
-        # on ResNet50 (178 of 241 rows) it would cost about as much as the
+    inc = None
+    if (tc and has_budget and K * (T + 1) <= GUESS_MIN_TABLE
+            and family.graph.n * CLOSURE_SHARE <= K):
+        # An incumbent from the same DP on the rows that are ancestor
+        # closures (the approximate DP's lower sets) alone, where they are
+        # a small part of the family: on U-Net at 1.25 x its least budget
+        # (62 of 331 rows) 176 in ~0.1 ms (optimum 197; the greedy run
+        # below finds 104), and the DP below then pushes ~4x less. On
+        # ResNet50 (176 nodes, 241 rows) it would cost about as much as the
         # DP itself.
-        rows = _closure_rows(family) if family.graph.n * CLOSURE_SHARE <= K else None
+        rows = _closure_rows(family)
         if rows is not None:
             capr = np.full(K, -1, dtype=np.int64)
             capr[rows] = cap[rows]
-            sub = _Table(pairs, capr, inc, tc)
-            kn.dense(P, B, has_budget, tc, capr, T, bound, inc, sub.off, sub.t_low, sub.opt,
+            sub = _Table(pairs, capr, 0, tc)
+            kn.dense(P, B, has_budget, tc, capr, T, bound, 0, sub.off, sub.t_low, sub.opt,
                      sub.src, sub.touched, 0)
             reached = sub.reached()
-            if len(reached) and reached[-1] > inc:
+            if len(reached):
                 inc = int(reached[-1])
                 logger.debug("ancestor closures: incumbent %d (%.2f s)", inc,
                              time.perf_counter() - t0)
+    if inc is None:
+        bt, bm, gsrc = kn.greedy(P, B, has_budget, tc, cap, 0.0)
+        inc = int(bt[K - 1])
+        logger.debug("capacity and greedy: incumbent %d (%.2f s)", inc,
+                     time.perf_counter() - t0)
+        if (tc and inc >= bound[0]) or (not tc and inc <= 0):
+            return DPResult(_chain_from(gsrc, K), float(inc), int(bm[K - 1]), 0, K)
     pushes = 0
     tab = _Table(pairs, cap, inc, tc)
 

@@ -253,7 +253,7 @@ def _configure_logging(verbose: bool) -> Callable[[], None]:
 
 # ------------------------------------------------------------------ run
 def _run(args: argparse.Namespace) -> int:
-    from .bench import Progress
+    from .progress import Progress
     if args.graph and (args.iterations or args.check_gradients):
         raise UsageError("--iterations and --check-gradients need --model (a saved graph "
                          "cannot be run)")
@@ -408,7 +408,7 @@ def plan_report(graph: Any, budget: str, *, solver: str = "approx", strategy: st
         InfeasibleBudgetError: the budget is below the least feasible one
             (the message states it, in binary units).
     """
-    from .bench import Progress
+    from .progress import Progress
     from .core.errors import InfeasibleBudgetError
     from .core.execution import ExecutionPlan
     from .core.replay import replay

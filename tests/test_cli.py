@@ -170,6 +170,20 @@ def test_authors_graph(capsys):
     assert "the paper's model" in out  # their format records activations only
 
 
+def test_planning_a_saved_graph_does_not_import_chainer(tmp_path):
+    """The CLI plans a saved graph with the pure core only (importing
+    Chainer alone takes about half a second)."""
+    from chainer_recompute.core.graph import Graph
+    from chainer_recompute.core.io import save_graph
+    path = tmp_path / "g.json"
+    save_graph(Graph.from_edges([4, 8, 4, 2], [(0, 1), (1, 2), (2, 3)]), path)
+    code = ("import sys; from chainer_recompute.cli import main; "
+            f"rc = main(['--graph', {str(path)!r}, '--budget', 'least', '-q']); "
+            "assert rc == 0, rc; "
+            "assert 'chainer' not in sys.modules, 'chainer was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
 def test_every_model_name_is_accepted():
     from chainer_recompute.models import MODELS
     parser = build_parser()

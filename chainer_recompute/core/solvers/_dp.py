@@ -728,8 +728,8 @@ def _closure_rows(family: LowerSetFamily) -> Optional[np.ndarray]:
     return rows
 
 
-#: The compiled tc DP on a small table first raises its incumbent with the
-#: DP on the ancestor-closure rows (one per node) when they are at most
+#: The compiled tc DP on a small table takes its incumbent from the DP on
+#: the ancestor-closure rows (one per node) when they are at most
 #: 1/CLOSURE_SHARE of the family (see :func:`_run_compiled`).
 CLOSURE_SHARE = 4
 

@@ -294,9 +294,8 @@ def dense(P, budget, has_budget, tc, cap, T, bound, incumbent, off, t0, opt, src
     ``t0[L] <= t < t0[L] + off[L + 1] - off[L]`` (INF when none; the
     caller sizes each row to the retained times that can occur there and
     survive the pruning below); ``src`` holds the entry each one came
-    from. Rows are
-    expanded in order; each row's Pareto-optimal entries are pushed to
-    every allowed superset.
+    from. Rows are expanded in order; each row's Pareto-optimal entries
+    are pushed to every allowed superset.
 
     Pruning that keeps the optimum: a push to row L' with retained time t'
     is dropped when even ``t' + bound[L']`` (tc: the most retained time any
@@ -307,9 +306,9 @@ def dense(P, budget, has_budget, tc, cap, T, bound, incumbent, off, t0, opt, src
     when first written, and rows not touched are never read (so the table
     may come from ``np.empty``: its untouched pages are never faulted in,
     and a reset is ``touched[:] = False``). A push outside its row's range
-    is dropped (none is, with the caller's ranges). Returns the number of pushes,
-    or -1 when the run stopped after ``max_pushes`` (> 0) pushes (the
-    table is then partial)."""
+    is dropped (none is, with the caller's ranges). Returns the number of
+    pushes, or -1 when the run stopped after ``max_pushes`` (> 0) pushes
+    (the table is then partial)."""
     R, lay, all_rows, all_blk, vptr, vrows, vblk, mptr, mnodes, node_t, node_k, trans_vals = P
     nw, nwt = lay
     c_size = 2 * nw + nwt
@@ -332,7 +331,7 @@ def dense(P, budget, has_budget, tc, cap, T, bound, incumbent, off, t0, opt, src
         # The row's Pareto-optimal entries, by increasing memory.
         n = 0
         run = INF
-        base = off[i] - t0[i]
+        base = off[i] - t0[i]  # row i's entry of time t is base + t
         src_base = base
         t_top = t0[i] + off[i + 1] - off[i] - 1
         if tc:

@@ -711,11 +711,9 @@ def _closure_rows(family: LowerSetFamily) -> Optional[np.ndarray]:
     rows = family.cache.get("closure_rows", False)
     if rows is not False:
         return rows
-    from ..lower_sets import _n_words, ancestor_masks
+    from ..lower_sets import _n_words, _words_of_mask, ancestor_masks
     nw = _n_words(family.graph.n)
-    want = np.frombuffer(b"".join(m.to_bytes(8 * nw, "little")
-                                  for m in ancestor_masks(family.graph)),
-                         dtype="<u8").astype(np.uint64).reshape(-1, nw)
+    want = np.stack([_words_of_mask(m, nw) for m in ancestor_masks(family.graph)])
     hit = np.ones((len(want), len(family)), dtype=bool)
     for w in range(nw):
         hit &= want[:, w, None] == family.words[None, :, w]

@@ -284,3 +284,26 @@ def test_chain_cost_equals_strategy_cost(seed: int) -> None:
         got = chain_cost(fam, rows)
         ref = strategy_cost(g, [masks[r] for r in rows], model)
         assert got == ref
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_prefix_chain_finds_the_topological_prefixes(seed: int) -> None:
+    """The rows of ∅, {0}, {0, 1}, ..., V in a family of every lower set
+    (the tc DP's answer when the budget never binds), in chunks of any
+    size; None where a prefix is not a row (ancestor closures of a graph
+    with two sources)."""
+    import random
+
+    from chainer_recompute.core.lower_sets import LowerSetFamily, set_to_mask
+    from chainer_recompute.core.solvers._dp import _prefix_chain
+    rng = random.Random(seed)
+    head = rng.randint(2, 12)  # a random DAG, then a chain to 70 nodes (two words)
+    edges = {(rng.randrange(v), v) for v in range(1, head) for _ in range(rng.randint(0, 2))}
+    edges |= {(v - 1, v) for v in range(head, 70)}
+    n = 70
+    fam = LowerSetFamily.all(Graph.from_edges([1] * n, sorted(edges)))
+    want = [fam.masks().index(set_to_mask(range(k))) for k in range(n + 1)]
+    assert _prefix_chain(fam) == want
+    assert _prefix_chain(fam, chunk=3) == want
+    two_sources = Graph.from_edges([1, 1, 1], [(0, 2), (1, 2)])
+    assert _prefix_chain(LowerSetFamily.ancestor_closures(two_sources)) is None

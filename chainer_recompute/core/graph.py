@@ -14,6 +14,7 @@ in memory.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
@@ -327,6 +328,17 @@ class Graph:
         of an optimizer update) and ``persistents`` (BatchNorm statistics);
         empty for graphs that do not record them (the authors' files)."""
         return {k: int(v) for k, v in self.meta.get("state_bytes", {}).items()}
+
+    @functools.cached_property
+    def integral_costs(self) -> bool:
+        """Whether every node cost is an integer, with an absolute sum
+        below 2**52: float64 sums of them are then exact in any order.
+
+        >>> Graph.from_edges([1, 1], [(0, 1)]).integral_costs
+        True
+        """
+        nc = self.node_cost
+        return bool(np.all(nc == np.round(nc))) and float(np.abs(nc).sum()) < 2.0 ** 52
 
     @property
     def activation_bytes(self) -> int:

@@ -112,9 +112,9 @@ def _pred_masks(graph: Graph) -> List[int]:
 
 def _adjacency_words(graph: Graph) -> Tuple[np.ndarray, np.ndarray]:
     """The predecessors and the successors of each node as ``(n, W)``
-    uint64 words. Not cached: arrays kept alive with the graph would count
-    in the array bytes a runtime meter sees, and they take tens of
-    microseconds."""
+    uint64 words. Not cached with the graph (arrays kept alive with it
+    would count in the array bytes a runtime meter sees): a family keeps
+    its own (:meth:`LowerSetFamily.adjacency`)."""
     n = graph.n
     nw = _n_words(n)
     counts = np.fromiter(map(len, graph.preds), dtype=np.int64, count=n)
@@ -220,14 +220,23 @@ def _words_of_mask(mask: int, n_words: int) -> np.ndarray:
     return np.frombuffer(mask.to_bytes(8 * n_words, "little"), dtype="<u8").astype(np.uint64)
 
 
-def _mask_of_words(row: np.ndarray) -> int:
-    return int.from_bytes(np.ascontiguousarray(row, dtype="<u8").tobytes(), "little")
+def _masks_of_rows(words: np.ndarray) -> List[int]:
+    """Each row of ``(k, W)`` words as a bitset (one conversion to bytes
+    for all rows).
+
+    >>> _masks_of_rows(np.array([[5, 0], [0, 1]], dtype=np.uint64)) == [5, 1 << 64]
+    True
+    """
+    step = 8 * words.shape[1]
+    raw = np.ascontiguousarray(words, dtype="<u8").tobytes()
+    return [int.from_bytes(raw[i:i + step], "little") for i in range(0, len(raw), step)]
 
 
-def _enumerate_words(graph: Graph, max_lower_sets: Optional[int]) -> np.ndarray:
+def _enumerate_words(graph: Graph, max_lower_sets: Optional[int],
+                     adjacency: Optional[Tuple[np.ndarray, np.ndarray]] = None) -> np.ndarray:
     n = graph.n
     nw = _n_words(n)
-    pw, _ = _adjacency_words(graph)
+    pw, _ = _adjacency_words(graph) if adjacency is None else adjacency
     kn = _kernels()
     if kn is not None:
         states, v = kn.enum_lower_sets(pw, -1 if max_lower_sets is None else max_lower_sets)
@@ -350,11 +359,12 @@ def _group_any(x: np.ndarray, keys: np.ndarray, n: int) -> np.ndarray:
     return out
 
 
-def _derived_words(graph: Graph, words: np.ndarray, chunk: int = 1 << 14):
+def _derived_words(graph: Graph, words: np.ndarray, chunk: int = 1 << 14,
+                   adjacency: Optional[Tuple[np.ndarray, np.ndarray]] = None):
     """∂(L), A(L) and B(L) of every row, as words (vectorised over edges)."""
     kn = _kernels()
     if kn is not None:
-        pw, sw = _adjacency_words(graph)
+        pw, sw = _adjacency_words(graph) if adjacency is None else adjacency
         return kn.derive(np.ascontiguousarray(words), sw, pw)
     n = graph.n
     nw = words.shape[1]
@@ -420,9 +430,15 @@ class LowerSetFamily:
 
     @classmethod
     def from_words(cls, graph: Graph, words: np.ndarray,
-                   model: Optional["MemoryModel"] = None) -> "LowerSetFamily":
-        """Builds the family from raw rows (deduplicated and sorted here)."""
+                   model: Optional["MemoryModel"] = None,
+                   adjacency: Optional[Tuple[np.ndarray, np.ndarray]] = None
+                   ) -> "LowerSetFamily":
+        """Builds the family from raw rows (deduplicated and sorted here);
+        ``adjacency``: the graph's :meth:`adjacency` where the caller has
+        it."""
         n = graph.n
+        if adjacency is None:
+            adjacency = _adjacency_words(graph)
         nw = _n_words(n)
         words = np.ascontiguousarray(words, dtype=np.uint64).reshape(-1, nw)
         mem = _weighted_sum(words, graph.node_bytes.astype(np.int64), n)
@@ -439,15 +455,16 @@ class LowerSetFamily:
             order, words = order[~dup], words[~dup]
         words = np.ascontiguousarray(words)
         mem, size = mem[order], size[order]
-        bnd, a, b = _derived_words(graph, words)
+        bnd, a, b = _derived_words(graph, words, adjacency=adjacency)
         nc = graph.node_cost
-        if kn is not None and np.all(nc == np.round(nc)) and np.abs(nc).sum() < 2.0 ** 52:
+        if kn is not None and graph.integral_costs:
             btime = kn.wsum(bnd, nc.astype(np.int64)).astype(np.float64)  # exact
         else:
             btime = _weighted_sum(bnd, nc.astype(np.float64), n)
         fam = cls(graph=graph, words=words, size=size, mem_bytes=mem, boundary_words=bnd,
                   boundary_time=btime, boundary_bytes=mem, back_bytes=mem, above_words=a,
                   beside_words=b)
+        fam.cache["adjacency"] = adjacency
         return fam.with_model(model)
 
     def with_model(self, model: Optional["MemoryModel"]) -> "LowerSetFamily":
@@ -462,7 +479,7 @@ class LowerSetFamily:
         if self.model is model:
             return self
         n = g.n
-        return LowerSetFamily(
+        fam = LowerSetFamily(
             graph=g, words=self.words, size=self.size, mem_bytes=self.mem_bytes,
             boundary_words=self.boundary_words, boundary_time=self.boundary_time,
             boundary_bytes=_weighted_sum(self.boundary_words, model.keep_bytes, n),
@@ -470,12 +487,24 @@ class LowerSetFamily:
                         + _weighted_sum(self.beside_words, model.beside_bytes, n)),
             above_words=self.above_words, beside_words=self.beside_words,
             block_bytes=_weighted_sum(self.words, model.block_bytes, n), model=model)
+        if "adjacency" in self.cache:  # the graph's, whatever the model
+            fam.cache["adjacency"] = self.cache["adjacency"]
+        return fam
+
+    def adjacency(self) -> Tuple[np.ndarray, np.ndarray]:
+        """The graph's predecessor and successor words (``(n, W)`` uint64),
+        made once per family."""
+        adj = self.cache.get("adjacency")
+        if adj is None:
+            adj = self.cache["adjacency"] = _adjacency_words(self.graph)
+        return adj
 
     @classmethod
     def all(cls, graph: Graph, max_lower_sets: Optional[int] = DEFAULT_MAX_LOWER_SETS,
             model: Optional["MemoryModel"] = None) -> "LowerSetFamily":
         """Every lower set (see :func:`enumerate_lower_sets`)."""
-        return cls.from_words(graph, _enumerate_words(graph, max_lower_sets), model)
+        adj = _adjacency_words(graph)
+        return cls.from_words(graph, _enumerate_words(graph, max_lower_sets, adj), model, adj)
 
     @classmethod
     def ancestor_closures(cls, graph: Graph,
@@ -496,11 +525,12 @@ class LowerSetFamily:
 
     def mask(self, i: int) -> int:
         """Row ``i`` as a bitset."""
-        return _mask_of_words(self.words[i])
+        return self.masks([i])[0]
 
-    def masks(self) -> List[int]:
-        """Every row as a bitset."""
-        return [_mask_of_words(r) for r in self.words]
+    def masks(self, rows: Optional[Sequence[int]] = None) -> List[int]:
+        """The rows ``rows`` (default: every row) as bitsets."""
+        words = self.words if rows is None else self.words[np.asarray(rows, dtype=np.intp)]
+        return _masks_of_rows(words)
 
     def sets(self) -> List[FrozenSet[int]]:
         """Every row as a frozenset of node ids."""

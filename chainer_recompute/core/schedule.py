@@ -127,7 +127,7 @@ def strategy_cost(graph: Graph, lower_sets: Sequence,
     >>> c.peak_bytes, c.overhead
     (7, 2.0)
     """
-    from .lower_sets import _derived_words, _n_words, _words_of_mask, _bits, _mask_of_words
+    from .lower_sets import _derived_words, _n_words, _words_of_mask, _bits, _masks_of_rows
     from .memory_model import MemoryModel
     if model is None:
         model = MemoryModel.paper(graph)
@@ -159,7 +159,7 @@ def strategy_cost(graph: Graph, lower_sets: Sequence,
     overhead = 0.0
     for row in block & ~u:  # block by block, nodes in order (the sum's rounding as before)
         overhead += float(sum(float(nc[v]) for v in np.flatnonzero(row)))
-    ups = tuple(_mask_of_words(r) for r in _pack_rows(u, nw))
+    ups = tuple(_masks_of_rows(_pack_rows(u, nw)))
     return StrategyCost(peak_bytes=int(peaks.max()), overhead=overhead,
                         block_peaks_bytes=tuple(int(p) for p in peaks), checkpoints=ups)
 

@@ -157,7 +157,7 @@ class _Pairs:
     """
 
     def __init__(self, family: LowerSetFamily) -> None:
-        from ..lower_sets import _adjacency_words, _bits, _n_words, _pack
+        from ..lower_sets import _bits, _n_words, _pack
         model = family.model
         g = family.graph
         # The family's arrays, not the family: the family caches this object
@@ -180,7 +180,7 @@ class _Pairs:
         self.constant = int(model.constant_bytes)
         # The most retained time any continuation from L can add: T of the
         # nodes outside L that have a successor (each kept at most once).
-        _, sw = _adjacency_words(g)
+        _, sw = family.adjacency()
         nonsink = np.where(sw.any(axis=1), self.node_t, 0).astype(np.int64)
         self.r0 = int(nonsink.sum()) - _weighted_sum(family.words, nonsink, g.n).astype(np.int64)
         tr = model.transient_bytes.astype(np.int64)
@@ -444,7 +444,7 @@ def _kernel_args(family: LowerSetFamily, pairs: _Pairs) -> tuple:
     args = family.cache.get("kernel_args")
     if args is not None:
         return args
-    from ..lower_sets import _adjacency_words, _n_words
+    from ..lower_sets import _n_words
     kn = _load_kernels()
     g = family.graph
     n, K = g.n, pairs.K
@@ -452,7 +452,7 @@ def _kernel_args(family: LowerSetFamily, pairs: _Pairs) -> tuple:
     all_blk = pairs.blk_s
     # Rows containing each node, sorted by block(L); maximal elements of
     # each row.
-    _, sw = _adjacency_words(g)
+    _, sw = family.adjacency()
     vptr, ps, mptr, ms = kn.node_lists(family.words, all_rows, sw, n)
     nw = _n_words(n)
     tw = pairs.twords if pairs.has_trans else np.zeros((K, 0), dtype=np.uint64)
@@ -475,24 +475,18 @@ def _chain_from(src: np.ndarray, K: int) -> List[int]:
     return chain
 
 
-def _prefix_chain(family: LowerSetFamily) -> Optional[List[int]]:
-    """Rows of the topological prefixes {0}, {0, 1}, ..., V, when the family
-    holds them all (every lower set does), else None."""
-    from ..lower_sets import _n_words
+def _prefix_chain(family: LowerSetFamily, chunk: int = 1 << 16) -> Optional[List[int]]:
+    """Rows of the topological prefixes ∅, {0}, {0, 1}, ..., V, when the
+    family holds them all (every lower set does), else None."""
+    from ..lower_sets import _n_words, _pack
     n = family.graph.n
-    nw = _n_words(n)
-    chain = [0]
-    for k in range(1, n + 1):
-        want = np.zeros(nw, dtype=np.uint64)
-        want[:k >> 6] = np.uint64(0xFFFFFFFFFFFFFFFF)
-        if k & 63:
-            want[k >> 6] = np.uint64((1 << (k & 63)) - 1)
-        rows = np.flatnonzero(family.size == k)
-        hit = rows[np.all(family.words[rows] == want, axis=1)]
-        if len(hit) == 0:
-            return None
-        chain.append(int(hit[0]))
-    return chain
+    prefixes = _pack(np.tri(n + 1, n, -1, dtype=np.uint8), _n_words(n))  # row k: 0..k-1
+    rows: List[int] = []
+    for s in range(0, len(family), chunk):  # (chunks: a lattice may have millions of rows)
+        w = family.words[s:s + chunk]
+        hit = np.all(w == prefixes[family.size[s:s + chunk]], axis=1)
+        rows += (s + np.flatnonzero(hit)).tolist()
+    return rows if len(rows) == n + 1 else None
 
 
 def _run_compiled(family: LowerSetFamily, pairs: _Pairs, budget: Optional[int],
@@ -649,11 +643,12 @@ def _run_compiled(family: LowerSetFamily, pairs: _Pairs, budget: Optional[int],
     t_end = int(reached[-1] if tc else reached[0])
     e = tab.entry(K - 1, t_end)
     retained_m = int(tab.opt[e])
-    chain = [K - 1]
-    while chain[-1] != 0:
+    entries = [e]
+    first = int(tab.off[1])  # entries below it are row 0's (∅)
+    while e >= first:
         e = int(tab.src[e])
-        chain.append(int(np.searchsorted(tab.off, e, "right")) - 1)
-    chain.reverse()
+        entries.append(e)
+    chain = (np.searchsorted(tab.off, entries[::-1], "right") - 1).tolist()
     return DPResult(chain, float(t_end), retained_m, int(pushes),
                     int(kn.count_states(tab.opt, tab.off, tab.touched)))
 
@@ -952,7 +947,7 @@ def chain_cost(family: LowerSetFamily, rows: List[int]):
     >>> (c.peak_bytes, c.overhead) == (strategy_cost(g, [3, 7]).peak_bytes, 2.0)
     True
     """
-    from ..lower_sets import _bits, _mask_of_words
+    from ..lower_sets import _bits, _masks_of_rows
     from ..schedule import StrategyCost
     model = family.model
     g = family.graph
@@ -975,7 +970,7 @@ def chain_cost(family: LowerSetFamily, rows: List[int]):
         bb = _bits(block, n).astype(bool)
         peaks = peaks + np.where(bb, model.transient_bytes[None, :], 0).max(axis=1)
     nc = g.node_cost
-    if _integral_costs(g):
+    if g.integral_costs:
         # Sums of integers below 2**53 are exact in any order.
         overhead = float(int(dropped.sum(axis=0) @ nc.astype(np.int64)))
     else:  # block by block, nodes in order (strategy_cost's rounding)
@@ -988,12 +983,7 @@ def chain_cost(family: LowerSetFamily, rows: List[int]):
             overhead += float(sum(ncl[v] for v in vl[a:b]))
     return StrategyCost(peak_bytes=int(peaks.max()), overhead=overhead,
                         block_peaks_bytes=tuple(peaks.tolist()),
-                        checkpoints=tuple(_mask_of_words(w) for w in u))
-
-
-def _integral_costs(graph: "Graph") -> bool:
-    nc = graph.node_cost
-    return bool(np.all(nc == np.round(nc))) and float(np.abs(nc).sum()) < 2.0 ** 52
+                        checkpoints=tuple(_masks_of_rows(u)))
 
 
 def plan_from_dp(graph: "Graph", family: LowerSetFamily, budget_bytes: Optional[int],
@@ -1015,7 +1005,7 @@ def plan_from_dp(graph: "Graph", family: LowerSetFamily, budget_bytes: Optional[
         return infeasible_plan(graph, solver=solver, strategy=strategy,
                                budget_bytes=budget_bytes, solve_time_s=dt, info=info,
                                model=family.model)
-    masks = [family.mask(r) for r in res.chain[1:]]
+    masks = family.masks(res.chain[1:])
     cost = chain_cost(family, res.chain[1:])
     return make_plan(graph, masks, solver=solver, strategy=strategy,
                      budget_bytes=budget_bytes, solve_time_s=dt, info=info, model=family.model,

@@ -57,7 +57,7 @@ def chen_candidates(graph: Graph,
     bsize = np.unpackbits(fam.boundary_words.view(np.uint8), axis=1).sum(axis=1)
     rows = [i for i in range(len(fam)) if bsize[i] == 1 or i == 0 or i == len(fam) - 1]
     rows.sort(key=lambda r: (int(fam.mem_bytes[r]), int(fam.size[r])))
-    return [fam.mask(r) for r in rows]
+    return fam.masks(rows)
 
 
 def solve_chen(graph: Graph, budget_bytes: Optional[int], *, strategy: str = "tc",

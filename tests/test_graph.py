@@ -185,7 +185,7 @@ def test_fast_authors_reader_equals_the_careful_one(name):
 
 def _mutations(text, rng, count):
     """Small edits of a good file: a line dropped, doubled, swapped, a
-    token changed, spaces or blank lines added, a long integer in the
+    token changed, spaces, tabs or blank lines added, a long integer in the
     attributes, retained indexes that are not a list of integers."""
     lines = text.splitlines()
     edits = [
@@ -202,6 +202,9 @@ def _mutations(text, rng, count):
         + ls[i + 1:],
         lambda ls, i: ls[:i] + [ls[i].replace("{", "[", 1)] + ls[i + 1:],
         lambda ls, i: ls[:i] + [ls[i].replace(" ", "  ", 1)] + ls[i + 1:],
+        lambda ls, i: ls[:i] + [ls[i] + " "] + ls[i + 1:],
+        lambda ls, i: ls[:i] + [ls[i].replace(" ", "\t", 1)] + ls[i + 1:],
+        lambda ls, i: ls[:i] + [" " + ls[i]] + ls[i + 1:],
     ]
     for _ in range(count):
         k = int(rng.integers(len(edits)))
@@ -226,25 +229,39 @@ def test_fast_authors_reader_agrees_on_edited_files(tmp_path, monkeypatch, orjso
         "backward\n1 1\n1 _\n0\nLinearFunction\n{}\n"
         "forward\n1 1\n1 _\n3\nReLU\n"
         '{"_input_indexes_to_retain": null, "_output_indexes_to_retain": [0]}\n')
-    texts = [big] + list(_mutations(big, rng, 300))
+    # Whitespace other than spaces and newlines, which str.split() and
+    # splitlines() (the careful reader's) treat as separators.
+    odd = [big.replace("\n", "\r\n"), big.replace("2 8 /predictor/W", "2 8 /pre\tdictor/W"),
+           big.replace("3 4 _\n", "3 4 _\x0c\n"), big.replace("LinearFunction", "Linear\x1fFunction"),
+           big.replace("/predictor/W", "/predictor/W\u2028")]
+    texts = [big] + odd + list(_mutations(big, rng, 300))
     sources = [GRAPHS / "cg_vgg19.txt"]
     if sources[0].exists():
         texts += list(_mutations(sources[0].read_text(), rng, 40))
     outcomes = set()
+    fast_read = 0  # edited files the fast reader took itself
     for k, text in enumerate(texts):
         p = tmp_path / f"cg_{k}.txt"
         p.write_text(text)
         try:
+            fast = io._authors_graph(str(p), *io._parse_authors_fast(text), io._retry)
+        except Exception:
+            fast = None
+        try:
             want = _careful(p)
         except Exception as e:
+            assert fast is None, text
             with pytest.raises(type(e)) as info:
                 load_authors_graph(p)
             assert str(info.value) == str(e)
             outcomes.add("error")
         else:
             assert _same_graph(load_authors_graph(p), want), text
+            assert fast is None or _same_graph(fast, want), text
+            fast_read += fast is not None and k > len(odd)
             outcomes.add("graph")
     assert outcomes == {"graph", "error"}
+    assert fast_read >= 50  # the fast reader is tested, not only its fallback
 
 
 def test_summary_mentions_the_figures():

@@ -138,31 +138,6 @@ class Node:
         return sum(h.nbytes for h in self.held if h.role != "written")
 
 
-def _new_frozen(cls, **values: Any):
-    """An instance of the frozen dataclass ``cls`` (``ArrayInfo``,
-    ``Node``) from some of its fields, the others at their defaults,
-    without the generated ``__init__`` (which sets each field through
-    ``object.__setattr__``, 3-4x slower): for loaders that make thousands.
-    Fields without a plain default (``Node.attrs``) must be given. The
-    values are not checked here; :class:`Graph` checks them.
-
-    >>> _new_frozen(ArrayInfo, id=0, shape=None, dtype='', nbytes=4, kind='input') == \\
-    ...     ArrayInfo(0, None, '', 4, 'input')
-    True
-    """
-    obj = object.__new__(cls)
-    d = obj.__dict__
-    d.update(_DEFAULTS[cls])
-    d.update(values)
-    return obj
-
-
-_DEFAULTS: Dict[type, Dict[str, Any]] = {
-    cls: {f.name: f.default for f in dataclasses.fields(cls)
-          if f.default is not dataclasses.MISSING}
-    for cls in (ArrayInfo, Node)}
-
-
 class Graph:
     """Arrays and function nodes of one forward pass, plus a cost model.
 

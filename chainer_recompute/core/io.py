@@ -4,13 +4,13 @@ Pure core: no chainer import.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-import re
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 from .errors import GraphError, GraphFormatError, SchemaVersionError
-from .graph import ArrayInfo, Graph, HeldArray, Node, _new_frozen, _topological_order
+from .graph import ArrayInfo, Graph, HeldArray, Node, _topological_order
 
 try:  # optional (the ``fast`` extra): reads the authors' attribute lines 4-5x faster
     from orjson import loads as _orjson_loads
@@ -193,60 +193,62 @@ def _retry(lineno: int, msg: str) -> Exception:
 
 
 def _parse_authors_fast(text: str):
-    """:func:`_parse_authors` for well-formed files: raises on anything
-    else (which the careful parser then reports)."""
-    st = list(map(str.strip, text.splitlines()))
-    if all(st):
-        lineno_of = None
-    else:  # blank lines: skipped, line numbers kept
-        keep = [i for i, x in enumerate(st) if x]
-        st = [st[i] for i in keep]
-        lineno_of = keep
-    head = st[0].split()
-    n_vars, n_recs = int(head[0]), int(head[1])
-    block = "\n".join(st[1:n_vars + 1]) + "\n"
-    if n_vars < 0 or not _VAR_LINES.fullmatch(block):
+    """:func:`_parse_authors` for files laid out as the authors' tools write
+    them (ASCII, tokens one space apart): raises on anything else, which
+    the careful parser then reads or reports."""
+    if not text.isascii() or any(c in text for c in _ODD_SPACE):
+        raise _Retry()  # where str.split() or splitlines() would differ
+    lines = text.split("\n")
+    n_vars, n_recs = map(int, lines[0].split(" "))
+    var_lines = lines[1:n_vars + 1]
+    if n_vars < 0 or len(var_lines) != n_vars or any(x.count(" ") != 2 for x in var_lines):
         raise _Retry()
-    tokens = block.split()
+    tokens = " ".join(var_lines).split(" ")
     ids = list(map(int, tokens[0::3]))
     var_bytes: Dict[int, int] = dict(zip(ids, map(int, tokens[1::3])))
     var_name: Dict[int, str] = dict(zip(ids, tokens[2::3]))
-    if len(var_bytes) != n_vars:
-        raise _Retry()  # a variable defined twice
+    if len(var_bytes) != n_vars or not all(tokens[2::3]):
+        raise _Retry()  # a variable defined twice, or a name missing
     texts: Dict[str, None] = {}  # every attribute line, once
     records = []
     refs: List[int] = []
     i = n_vars + 1
     for _ in range(n_recs):
-        direction = st[i]
-        n_in, n_out = st[i + 1].split()[:2]
+        n_in, n_out = lines[i + 1].split(" ")
         a = i + 2
         b = a + int(n_in)
         j = b + int(n_out)
         if not a <= b <= j:
             raise _Retry()
-        ins = [int(x.split(None, 1)[0]) for x in st[a:b]]
-        outs = list(map(int, st[b:j]))
+        ins = [int(x.partition(" ")[0]) for x in lines[a:b]]
+        outs = list(map(int, lines[b:j]))
         refs += ins
         refs += outs
-        attr_text = st[j + 1]
-        texts[attr_text] = None
-        if direction == "forward":
-            records.append([i + 1 if lineno_of is None else lineno_of[i] + 1, ins, outs,
-                            st[j], attr_text])
-        elif direction != "backward":
+        if not lines[j].strip() == lines[j] != "":
+            raise _Retry()  # a blank or padded class name
+        texts[lines[j + 1]] = None
+        if lines[i] == "forward":
+            records.append([i + 1, ins, outs, lines[j], lines[j + 1]])
+        elif lines[i] != "backward":
             raise _Retry()
         i = j + 2
     if not var_bytes.keys() >= set(refs):
         raise _Retry()
     decoded = dict(zip(texts, _json_lines(list(texts))))
+    if not all(type(d) is dict for d in decoded.values()):
+        raise _Retry()
     for r in records:
         r[4] = decoded[r[4]]
     return var_bytes, var_name, None, records
 
 
-#: Well-formed variable lines: 'id bytes name'.
-_VAR_LINES = re.compile(r"(?:-?\d+ -?\d+ \S+\n)*")
+#: Whitespace that the careful reader's ``str.split()`` and
+#: ``splitlines()`` treat as a separator and the fast reader does not.
+#: Blank or padded lines make the fast reader's int() or JSON or its
+#: class-name check fail, or read to the same value.
+_ODD_SPACE = "\r\t\x0b\x0c\x1c\x1d\x1e\x1f"
+
+
 #: Digits to '0', to find integers that orjson would read as floats (it
 #: keeps 64 bits) faster than a regular expression does.
 _ZERO_DIGITS = str.maketrans("123456789", "000000000")
@@ -314,27 +316,30 @@ def _authors_graph(source: str, var_bytes: Dict[int, int], var_name: Dict[int, s
     the exception for an inconsistent file)."""
     # Arrays: variables in id order.
     order_ids = sorted(var_bytes)
-    array_of = {vid: i for i, vid in enumerate(order_ids)}
-    producer_rec: Dict[int, int] = {}
-    for r, (lineno, _, outs, _, _) in enumerate(records):
-        for v in outs:
-            if v in producer_rec:
-                raise error(lineno, f"variable {v} is the output of two forward records")
-            producer_rec[v] = r
+    array_of = dict(zip(order_ids, range(len(order_ids))))
+    producer_rec = {v: r for r, rec in enumerate(records) for v in rec[2]}
+    if len(producer_rec) != sum(len(rec[2]) for rec in records):
+        seen: set = set()
+        for lineno, _, outs, _, _ in records:
+            for v in outs:
+                if v in seen:
+                    raise error(lineno, f"variable {v} is the output of two forward records")
+                seen.add(v)
     rec_edges = {(producer_rec[v], r) for r, rec in enumerate(records) for v in rec[1]
                  if v in producer_rec}
     try:
-        order = _topological_order(len(records), sorted(rec_edges))
+        order = _topological_order(len(records), rec_edges)
     except GraphError as e:
         raise GraphFormatError(source, None, str(e)) from None
-    node_of = {r: v for v, r in enumerate(order)}
+    node_of = dict(zip(order, range(len(order))))
     read = {v for rec in records for v in rec[1]}
 
     arrays = []
-    for vid in order_ids:
+    new = object.__new__
+    for i, vid in enumerate(order_ids):
         name = var_name[vid]
         r = producer_rec.get(vid)
-        if name.startswith("/"):
+        if name[0] == "/":
             kind = "param"
         elif name == "_":
             if r is None:
@@ -344,23 +349,43 @@ def _authors_graph(source: str, var_bytes: Dict[int, int], var_name: Dict[int, s
             name = ""
         else:
             kind = "input"
-        arrays.append(_new_frozen(ArrayInfo, id=array_of[vid], shape=None, dtype="",
-                                  nbytes=var_bytes[vid], kind=kind,
-                                  producer=None if r is None else node_of[r], name=name))
+        a = new(ArrayInfo)
+        a.__dict__.update(_ARRAY_DEFAULTS, id=i, nbytes=var_bytes[vid], kind=kind,
+                          producer=None if r is None else node_of[r], name=name)
+        arrays.append(a)
     nodes = []
-    array_id = array_of.__getitem__
     for v, r in enumerate(order):
         lineno, ins, outs, op, attrs = records[r]
-        ins, outs = tuple(map(array_id, ins)), tuple(map(array_id, outs))
+        ins = tuple([array_of[x] for x in ins])
+        outs = tuple([array_of[x] for x in outs])
         keep_in = _indexes(attrs, "_input_indexes_to_retain", lineno, error)
         keep_out = _indexes(attrs, "_output_indexes_to_retain", lineno, error)
-        nodes.append(_new_frozen(
-            Node, id=v, op=op, inputs=ins, outputs=outs,
+        node = new(Node)
+        node.__dict__.update(
+            _NODE_DEFAULTS, id=v, op=op, inputs=ins, outputs=outs,
             retained_inputs=tuple([ins[i] for i in keep_in if i < len(ins)]),
             retained_outputs=tuple([outs[i] for i in keep_out if i < len(outs)]),
-            label=f"record {r} (line {lineno})", attrs=attrs))
+            label=f"record {r} (line {lineno})", attrs=attrs)
+        nodes.append(node)
     return Graph(arrays, nodes, cost_model="paper",
                  meta={"model": os.path.basename(source), "source": source})
+
+
+def _defaults(cls, **given: Any) -> Dict[str, Any]:
+    """The plain defaults of the frozen dataclass ``cls``'s fields, and
+    ``given``. The reader above fills each object's ``__dict__`` from these
+    and its values (the class's ``__init__`` sets each field through
+    ``object.__setattr__``: 3x slower, for thousands of objects in a large
+    file); :class:`Graph` checks the values."""
+    out = {f.name: f.default for f in dataclasses.fields(cls)
+           if f.default is not dataclasses.MISSING}
+    out.update(given)
+    return out
+
+
+#: An authors' file gives no shapes or dtypes.
+_ARRAY_DEFAULTS = _defaults(ArrayInfo, shape=None, dtype="")
+_NODE_DEFAULTS = _defaults(Node)
 
 
 def _indexes(attrs: Dict[str, Any], key: str, lineno: int, error) -> Any:

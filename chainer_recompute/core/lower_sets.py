@@ -216,8 +216,15 @@ def _n_words(n: int) -> int:
     return max(1, (n + 63) // 64)
 
 
-def _words_of_mask(mask: int, n_words: int) -> np.ndarray:
-    return np.frombuffer(mask.to_bytes(8 * n_words, "little"), dtype="<u8").astype(np.uint64)
+def _rows_of_masks(masks: Sequence[int], n_words: int) -> np.ndarray:
+    """Bitsets as the rows of a ``(len(masks), n_words)`` uint64 matrix
+    (inverse of :func:`_masks_of_rows`).
+
+    >>> _rows_of_masks([5, 1 << 64], 2).tolist()
+    [[5, 0], [0, 1]]
+    """
+    raw = b"".join([m.to_bytes(8 * n_words, "little") for m in masks])
+    return np.frombuffer(raw, dtype="<u8").astype(np.uint64).reshape(len(masks), n_words)
 
 
 def _masks_of_rows(words: np.ndarray) -> List[int]:
@@ -512,7 +519,7 @@ class LowerSetFamily:
         """∅, V and the ancestor closure of each node."""
         nw = _n_words(graph.n)
         masks = [0, full_mask(graph)] + ancestor_masks(graph)
-        words = np.stack([_words_of_mask(m, nw) for m in masks])
+        words = _rows_of_masks(masks, nw)
         return cls.from_words(graph, words, model)
 
     @classmethod
@@ -521,7 +528,7 @@ class LowerSetFamily:
         """A family of given lower sets (∅ and V are added)."""
         nw = _n_words(graph.n)
         masks = [0, full_mask(graph)] + [int(m) for m in masks]
-        return cls.from_words(graph, np.stack([_words_of_mask(m, nw) for m in masks]), model)
+        return cls.from_words(graph, _rows_of_masks(masks, nw), model)
 
     def mask(self, i: int) -> int:
         """Row ``i`` as a bitset."""

@@ -127,7 +127,7 @@ def strategy_cost(graph: Graph, lower_sets: Sequence,
     >>> c.peak_bytes, c.overhead
     (7, 2.0)
     """
-    from .lower_sets import _derived_words, _n_words, _words_of_mask, _bits, _masks_of_rows
+    from .lower_sets import _derived_words, _n_words, _rows_of_masks, _bits, _masks_of_rows
     from .memory_model import MemoryModel
     if model is None:
         model = MemoryModel.paper(graph)
@@ -141,7 +141,7 @@ def strategy_cost(graph: Graph, lower_sets: Sequence,
         return StrategyCost(peak_bytes=0, overhead=0.0, block_peaks_bytes=(), checkpoints=())
     n = graph.n
     nw = _n_words(n)
-    words = np.stack([_words_of_mask(m, nw) for m in masks])
+    words = _rows_of_masks(masks, nw)
     bnd, a, b = _derived_words(graph, words)
     x = _bits(words, n).astype(bool)
     xp = np.zeros_like(x)

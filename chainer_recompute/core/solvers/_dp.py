@@ -706,9 +706,9 @@ def _closure_rows(family: LowerSetFamily) -> Optional[np.ndarray]:
     rows = family.cache.get("closure_rows", False)
     if rows is not False:
         return rows
-    from ..lower_sets import _n_words, _words_of_mask, ancestor_masks
+    from ..lower_sets import _n_words, _rows_of_masks, ancestor_masks
     nw = _n_words(family.graph.n)
-    want = np.stack([_words_of_mask(m, nw) for m in ancestor_masks(family.graph)])
+    want = _rows_of_masks(ancestor_masks(family.graph), nw)
     hit = np.ones((len(want), len(family)), dtype=bool)
     for w in range(nw):
         hit &= want[:, w, None] == family.words[None, :, w]

@@ -232,7 +232,8 @@ def test_fast_authors_reader_agrees_on_edited_files(tmp_path, monkeypatch, orjso
     # Whitespace other than spaces and newlines, which str.split() and
     # splitlines() (the careful reader's) treat as separators.
     odd = [big.replace("\n", "\r\n"), big.replace("2 8 /predictor/W", "2 8 /pre\tdictor/W"),
-           big.replace("3 4 _\n", "3 4 _\x0c\n"), big.replace("LinearFunction", "Linear\x1fFunction"),
+           big.replace("3 4 _\n", "3 4 _\x0c\n"),
+           big.replace("LinearFunction", "Linear\x1fFunction"),
            big.replace("/predictor/W", "/predictor/W\u2028")]
     texts = [big] + odd + list(_mutations(big, rng, 300))
     sources = [GRAPHS / "cg_vgg19.txt"]

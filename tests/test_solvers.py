@@ -297,10 +297,10 @@ def test_prefix_chain_finds_the_topological_prefixes(seed: int) -> None:
     from chainer_recompute.core.lower_sets import LowerSetFamily, set_to_mask
     from chainer_recompute.core.solvers._dp import _prefix_chain
     rng = random.Random(seed)
-    head = rng.randint(2, 12)  # a random DAG, then a chain to 70 nodes (two words)
+    n = 70  # two words
+    head = rng.randint(2, 12)  # a random DAG, then a chain
     edges = {(rng.randrange(v), v) for v in range(1, head) for _ in range(rng.randint(0, 2))}
-    edges |= {(v - 1, v) for v in range(head, 70)}
-    n = 70
+    edges |= {(v - 1, v) for v in range(head, n)}
     fam = LowerSetFamily.all(Graph.from_edges([1] * n, sorted(edges)))
     want = [fam.masks().index(set_to_mask(range(k))) for k in range(n + 1)]
     assert _prefix_chain(fam) == want

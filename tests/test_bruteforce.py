@@ -120,8 +120,10 @@ def test_exact_dp_matches_brute_force(seed: int) -> None:
         # Infeasible just below the least feasible budget.
         assert not solve_exact(g, least - 1, engine=engine).feasible
         assert not solve_approx(g, least - 1, engine=engine).feasible
+    # 10**15: a budget that can never bind (the DPs drop it: tc keeps every
+    # non-sink, mc takes the single block, on every engine).
     budgets = sorted({least, max(p for p, _ in chains), rng.choice(chains)[0],
-                      (least + max(p for p, _ in chains)) // 2})
+                      (least + max(p for p, _ in chains)) // 2, 10 ** 15})
     for b in budgets:
         ok = [t for p, t in chains if p <= b]
         best_tc, best_mc = max(ok), min(ok)
@@ -189,7 +191,7 @@ def test_dps_match_brute_force_under_random_models(seed: int) -> None:
             assert not solve_exact(g, model.constant_bytes - 1, model=model,
                                    engine=engine).feasible
     worst = max(p for p, _ in chains)
-    for b in sorted({least, worst, rng.choice(chains)[0], (least + worst) // 2}):
+    for b in sorted({least, worst, rng.choice(chains)[0], (least + worst) // 2, 10 ** 15}):
         ok = [t for p, t in chains if p <= b]
         for strategy, best in (("tc", max(ok)), ("mc", min(ok))):
             runs = [dict(method="dense"), dict(method="sparse")] + [

@@ -385,7 +385,10 @@ def run_dp(family: LowerSetFamily, budget_bytes: Optional[int], objective: str,
     reaching each row (forward) and the most with which V is still
     reachable (backward); states outside that interval are never stored,
     which keeps the frontiers small near the least feasible budget without
-    changing the optimum.
+    changing the optimum. A budget that no transition from any state can
+    exceed is dropped; without a budget tc keeps every non-sink (the
+    topological prefixes, when the family holds them) and mc takes the
+    single block V, on either engine.
 
     ``engine``: ``numba`` (compiled kernels, :mod:`._dp_numba`: a feasible
     chain found first by a one-state-per-row heuristic bounds the optimum,
@@ -418,6 +421,14 @@ def run_dp(family: LowerSetFamily, budget_bytes: Optional[int], objective: str,
         raise ValueError(f"method must be 'auto', 'dense' or 'sparse', got {method!r}")
     if engine is None and method != "auto":
         engine = "numpy"  # a NumPy table was asked for
+    if budget is not None and budget >= _never_binds(family, pairs):
+        budget = None  # every transition from every state fits: the same answers
+    if budget is None and objective != "feasible":
+        if objective == "mc":  # one block: nothing retained
+            return DPResult([0, K - 1], 0.0, 0, 1, 2)
+        chain = _prefix_chain(family)
+        if chain is not None:  # every non-sink kept
+            return DPResult(chain, float(pairs.r0[0]), 0, len(chain) - 1, len(chain))
     if (_pick_engine(engine, family, pairs.total_t) == "numba"
             and (objective == "feasible" or K * (pairs.total_t + 1) <= COMPILED_DENSE_LIMIT)):
         return _run_compiled(family, pairs, budget, objective)
@@ -467,6 +478,19 @@ def _kernel_args(family: LowerSetFamily, pairs: _Pairs) -> tuple:
     return args
 
 
+def _never_binds(family: LowerSetFamily, pairs: _Pairs) -> int:
+    """A budget (less the model's constant) that no transition from any
+    state exceeds: a block's peak is at most max(block, keep) summed over
+    its lower set, plus back(L) and the largest transient (cached)."""
+    ub = family.cache.get("never_binds")
+    if ub is None:
+        w = np.maximum(family.model.block_bytes, family.model.keep_bytes)
+        ub = family.cache["never_binds"] = int(
+            (_weighted_sum(family.words, w, family.graph.n) + pairs.back).max()
+            + (pairs.trans_vals.max() if pairs.has_trans else 0))
+    return ub
+
+
 def _chain_from(src: np.ndarray, K: int) -> List[int]:
     chain = [K - 1]
     while chain[-1] != 0:
@@ -493,10 +517,9 @@ def _run_compiled(family: LowerSetFamily, pairs: _Pairs, budget: Optional[int],
                   objective: str) -> DPResult:
     """The DP on the compiled kernels (:mod:`._dp_numba`).
 
-    1. Unless the budget can never bind (every transition from every state
-       fits it), the most retained memory with which V is still reachable
-       from each row (one backward pass; ∅ with 0 says whether anything
-       fits).
+    1. With a budget (:func:`run_dp` drops one that can never bind), the
+       most retained memory with which V is still reachable from each row
+       (one backward pass; ∅ with 0 says whether anything fits).
     2. A feasible chain, whose retained time is an incumbent: for tc on
        small tables where the ancestor closures are few, the DP on those
        rows alone; else a one-state-per-row heuristic (greedy on the
@@ -518,15 +541,6 @@ def _run_compiled(family: LowerSetFamily, pairs: _Pairs, budget: Optional[int],
     K, T = pairs.K, pairs.total_t
     inf = kn.INF
     has_budget = budget is not None
-    if has_budget:
-        ub = family.cache.get("never_binds")
-        if ub is None:
-            w = np.maximum(family.model.block_bytes, family.model.keep_bytes)
-            ub = family.cache["never_binds"] = int(
-                (_weighted_sum(family.words, w, family.graph.n) + pairs.back).max()
-                + (pairs.trans_vals.max() if pairs.has_trans else 0))
-        if budget >= ub:
-            has_budget = False
     B = int(budget) if has_budget else 0
     if objective == "feasible":
         least, src, n = kn.feasibility(P, B, has_budget)
@@ -535,11 +549,6 @@ def _run_compiled(family: LowerSetFamily, pairs: _Pairs, budget: Optional[int],
         return DPResult(_chain_from(src, K), float("nan"), int(least[K - 1]), int(n), K)
     tc = objective == "tc"
     if not has_budget:
-        if not tc:  # one block: nothing retained
-            return DPResult([0, K - 1], 0.0, 0, 1, 2)
-        chain = _prefix_chain(family)
-        if chain is not None:  # every non-sink kept
-            return DPResult(chain, float(pairs.r0[0]), 0, len(chain) - 1, len(chain))
         cap = np.full(K, inf, dtype=np.int64)
     else:
         cap = kn.capacity(P, B)

@@ -230,11 +230,13 @@ def test_fast_authors_reader_agrees_on_edited_files(tmp_path, monkeypatch, orjso
         "forward\n1 1\n1 _\n3\nReLU\n"
         '{"_input_indexes_to_retain": null, "_output_indexes_to_retain": [0]}\n')
     # Whitespace other than spaces and newlines, which str.split() and
-    # splitlines() (the careful reader's) treat as separators.
+    # splitlines() (the careful reader's) treat as separators; a backward
+    # record's attributes valid JSON but not an object.
     odd = [big.replace("\n", "\r\n"), big.replace("2 8 /predictor/W", "2 8 /pre\tdictor/W"),
            big.replace("3 4 _\n", "3 4 _\x0c\n"),
            big.replace("LinearFunction", "Linear\x1fFunction"),
-           big.replace("/predictor/W", "/predictor/W\u2028")]
+           big.replace("/predictor/W", "/predictor/W\u2028"),
+           big.replace("LinearFunction\n{}\n", "LinearFunction\n[]\n")]
     texts = [big] + odd + list(_mutations(big, rng, 300))
     sources = [GRAPHS / "cg_vgg19.txt"]
     if sources[0].exists():

@@ -17,7 +17,6 @@ count never goes down and an explosion is detected as soon as it happens.
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import weakref
 from dataclasses import dataclass, field
@@ -112,22 +111,12 @@ def _pred_masks(graph: Graph) -> List[int]:
 
 def _adjacency_words(graph: Graph) -> Tuple[np.ndarray, np.ndarray]:
     """The predecessors and the successors of each node as ``(n, W)``
-    uint64 words. Not cached with the graph (arrays kept alive with it
-    would count in the array bytes a runtime meter sees): a family keeps
-    its own (:meth:`LowerSetFamily.adjacency`)."""
-    n = graph.n
-    nw = _n_words(n)
-    counts = np.fromiter(map(len, graph.preds), dtype=np.int64, count=n)
-    u = np.fromiter(itertools.chain.from_iterable(graph.preds), dtype=np.int64,
-                    count=int(counts.sum()))
-    v = np.repeat(np.arange(n, dtype=np.int64), counts)
-    out = []
-    for a, b in ((v, u), (u, v)):  # predecessors of v; successors of u
-        w = np.zeros((n, nw), dtype=np.uint64)
-        # (a, b) pairs are distinct, so adding the bits is or-ing them.
-        np.add.at(w, (a, b >> 6), np.left_shift(np.uint64(1), (b & 63).astype(np.uint64)))
-        out.append(w)
-    return tuple(out)
+    uint64 words, from the graph's cached bitsets. Not cached with the graph
+    (arrays kept alive with it would count in the array bytes a runtime
+    meter sees): a family keeps its own (:meth:`LowerSetFamily.adjacency`)."""
+    nw = _n_words(graph.n)
+    pm, sm = _masks_of(graph)
+    return _rows_of_masks(pm, nw), _rows_of_masks(sm, nw)
 
 
 #: The compiled kernels' module (:mod:`.solvers._dp_numba`) once the DP's

@@ -307,3 +307,30 @@ def test_prefix_chain_finds_the_topological_prefixes(seed: int) -> None:
     assert _prefix_chain(fam, chunk=3) == want
     two_sources = Graph.from_edges([1, 1, 1], [(0, 2), (1, 2)])
     assert _prefix_chain(LowerSetFamily.ancestor_closures(two_sources)) is None
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_closure_rows_finds_the_ancestor_closures(seed: int) -> None:
+    """The rows of ∅, V and every node's ancestor closure in a family of
+    every lower set (the tc incumbent's rows), over one to three words;
+    None where the closures are the whole family or one is not a row."""
+    import random
+
+    from chainer_recompute.core.lower_sets import LowerSetFamily, ancestor_masks
+    from chainer_recompute.core.solvers._dp import _closure_rows
+    rng = random.Random(seed)
+    n = rng.choice([9, 70, 150])
+    head = rng.randint(1, 9)  # a random DAG, then a chain
+    edges = {(rng.randrange(v), v) for v in range(1, head) for _ in range(rng.randint(0, 2))}
+    edges |= {(v - 1, v) for v in range(head, n)}
+    g = Graph.from_edges([1] * n, sorted(edges))
+    fam = LowerSetFamily.all(g)
+    masks = fam.masks()
+    want = sorted({0, len(fam) - 1} | {masks.index(m) for m in ancestor_masks(g)})
+    got = _closure_rows(fam)
+    assert (got is None) if len(want) == len(fam) else got.tolist() == want
+    closures = LowerSetFamily.ancestor_closures(g)
+    assert _closure_rows(closures) is None
+    some = LowerSetFamily.of_masks(g, masks[:-1:2] + [masks[-1]])
+    if not set(ancestor_masks(g)) <= set(some.masks()):
+        assert _closure_rows(some) is None

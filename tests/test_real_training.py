@@ -1581,6 +1581,65 @@ def _assert_second_backward_cheaper(pair, name, first, second):
     assert checked >= 2, pair.stats_report()
 
 
+class SkipEncoder(chainer.Chain):
+    """Returns every hidden state (a U-Net encoder, as pix2pix's)."""
+
+    def __init__(self, width: int = 32, hidden: int = 48, depth: int = 5) -> None:
+        super().__init__()
+        with self.init_scope():
+            self.layers = chainer.ChainList(*[L.Linear(width if i == 0 else hidden, hidden)
+                                              for i in range(depth)])
+
+    def forward(self, x):
+        hs = []
+        for layer in self.layers:
+            x = F.relu(layer(x))  # relu keeps its output: the hs are retained
+            hs.append(x)
+        return hs
+
+
+class SkipDecoder(chainer.Chain):
+    def __init__(self, hidden: int = 48, depth: int = 5, out: int = 10) -> None:
+        super().__init__()
+        with self.init_scope():
+            self.layers = chainer.ChainList(*[L.Linear(hidden * (1 if i == 0 else 2), hidden)
+                                              for i in range(depth)])
+            self.out = L.Linear(hidden, out)
+
+    def forward(self, hs):
+        h = F.tanh(self.layers[0](hs[-1]))  # linear keeps its input: hs[-1]
+        for layer, skip in zip(self.layers[1:], hs[-2::-1]):
+            h = F.tanh(layer(F.concat([h, skip])))
+        return self.out(h)
+
+
+def test_outputs_backpropagated_again_by_their_consumer():
+    """pix2pix's updater: an applied encoder's outputs feed a plain
+    decoder; the encoder is updated from the first backward, its outputs
+    are unchained, and the decoder's loss is backpropagated again through
+    the decoder alone, which reads the encoder's outputs once more (they
+    used to be released by the encoder's plan after the first backward)."""
+    data = batches(4)
+
+    def scenario(env):
+        enc = env.apply("enc", SkipEncoder())
+        dec = SkipDecoder()
+        env.links["dec"] = dec
+        opt_enc = env.optimizer("enc", chainer.optimizers.Adam(), enc)
+        opt_dec = env.optimizer("dec", chainer.optimizers.Adam(), dec)
+        for i, (x, t) in enumerate(data):
+            hs = enc(x)
+            y = dec(hs)
+            opt_enc.update(lambda: F.softmax_cross_entropy(y, t))
+            env.snap(f"{i} enc update")
+            for h in hs:
+                h.unchain_backward()
+            opt_dec.update(lambda: F.softmax_cross_entropy(y, t) + 0.1 * F.mean(y * y))
+            env.snap(f"{i} dec update")
+
+    compare(scenario, **LEAST_ACT).assert_recomputed(["enc"], at_least=3)
+
+
 @pytest.mark.parametrize("capture_batch", [None, 4])
 def test_gan_graphs_backpropagated_twice(capture_batch):
     """The DCGAN update backpropagates the generator's graph and the

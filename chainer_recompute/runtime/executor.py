@@ -372,9 +372,16 @@ class IterationHook(Recorder):
         for a in self.program.graph.nodes[u].outputs:
             self.kept.pop(a, None)
         outs = []
+        # Arrays the forward returned keep their node's data: functions
+        # outside the link (their consumers) may read it again in another
+        # backward pass that never reaches this link's functions (pix2pix's
+        # updater unchains the encoder's outputs and backpropagates through
+        # the decoder again), and the caller's Variable holds them anyway.
+        out_ids = self.calls[u].out_ids or ()
         for k, ref in enumerate(f.outputs or ()):
             vnode = ref()
-            if vnode is not None and vnode._data is not None:
+            if (vnode is not None and vnode._data is not None
+                    and not (k < len(out_ids) and out_ids[k] in self.returned)):
                 vnode._data = None  # keep shape and dtype (CHAINER_NOTES 2)
                 outs.append(k)
         had_retained = f._retained_output_data is not None and bool(f._output_indexes_to_retain)

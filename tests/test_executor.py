@@ -4,6 +4,7 @@ peak memory below vanilla's at a tight budget."""
 import copy
 import gc
 import logging
+import re
 
 import numpy as np
 import pytest
@@ -531,12 +532,22 @@ class NoisyNet(MLP):
         return F.softmax_cross_entropy(self.out(h), t)
 
 
-def test_unsafe_functions_are_kept_and_gradients_stay_identical():
+def test_unsafe_functions_are_kept_and_gradients_stay_identical(caplog):
     x, t = mlp_inputs()
     g, least = _least(NoisyNet, (x, t))
     unsafe = [n.id for n in g.nodes if not n.recomputable]
     assert [g.nodes[v].op for v in unsafe] == ["AddNoise"] * 6
-    plain, ours = _train_both(NoisyNet, (x, t), budget=least, steps=2)
+    report = logging.getLogger("chainer_recompute.report")
+    report.addHandler(caplog.handler)  # the report logger does not propagate
+    try:
+        plain, ours = _train_both(NoisyNet, (x, t), budget=least, steps=2)
+    finally:
+        report.removeHandler(caplog.handler)
+    said = [r.getMessage() for r in caplog.records if "cannot be recomputed" in r.getMessage()]
+    # each kind of function once, with its count
+    assert said and all(re.fullmatch(r"(\d+) functions cannot be recomputed safely and are kept: "
+                                     r"AddNoise \(it draws fresh randomness .*\) x\1", m)
+                        for m in said), said
     (entry,) = cr.runner_of(ours)._entries.values()
     assert not set(unsafe) & entry.structures[0].program.dropped
     assert cr.runner_of(ours).last_stats.recomputed_nodes > 0

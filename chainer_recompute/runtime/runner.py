@@ -278,11 +278,14 @@ class Recompute:
         self._reported_plan = True
         report.log(level, "%s", describe_plan(graph, plan, s.planning_time_s))
         if program.unsafe:
+            kinds = collections.Counter(
+                f"{graph.nodes[v].op} ({graph.nodes[v].attrs.get('unsafe_reason')})"
+                for v in program.unsafe)
             report.warning(
-                "%d functions cannot be recomputed safely and are kept: %s",
+                "%d functions cannot be recomputed safely and are kept: %s%s",
                 len(program.unsafe), ", ".join(
-                    f"{graph.nodes[v].op} ({graph.nodes[v].attrs.get('unsafe_reason')})"
-                    for v in program.unsafe[:5]))
+                    kind + (f" x{n}" if n > 1 else "") for kind, n in list(kinds.items())[:5]),
+                ", ..." if len(kinds) > 5 else "")
         return s
 
     def _plan_pending(self, entry: _Entry, args: Tuple[Any, ...],

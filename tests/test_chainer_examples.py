@@ -129,3 +129,69 @@ def test_harness_reports_a_crash(tmp_path):
     result = harness.compare_variant("mnist", str(tmp_path), apply_fn=crashing_apply)
     assert result.crashed and not result.identical
     assert "RuntimeError: boom" in result.report()
+
+
+# ------------------------------------------------------------- pix2pix
+def _pix2pix_records(select, workdir, steps=3):
+    """Chainer's pix2pix networks and ``FacadeUpdater`` (vendored,
+    unmodified; the script itself needs the facade images) at the script's
+    sizes (batch 1, 256 x 256, 12 input channels) for ``steps`` iterations
+    on seeded random data, with ``apply(budget=BUDGET)`` on the links named
+    in ``select``: the records of :func:`harness.snapshot_state` after each
+    iteration, and the runners."""
+    import random
+
+    import chainer_recompute as cr
+    folder = os.path.join(HERE, "chainer_examples", "pix2pix")
+    with harness._isolated_import(folder, ["net", "updater"]):
+        import net
+        import updater
+    np.random.seed(0)
+    random.seed(0)
+    links = {"enc": net.Encoder(in_ch=12), "dec": net.Decoder(out_ch=3),
+             "dis": net.Discriminator(in_ch=12, out_ch=3)}
+    runners = []
+    for name in select:
+        cr.apply(links[name], budget=BUDGET, verbose=False)
+        runners.append(cr.runner_of(links[name]))
+    optimizers = {}
+    for name, link in links.items():  # the script's make_optimizer
+        opt = chainer.optimizers.Adam(alpha=0.0002, beta1=0.5)
+        opt.setup(link)
+        opt.add_hook(chainer.optimizer.WeightDecay(0.00001), "hook_dec")
+        optimizers[name] = opt
+    rs = np.random.RandomState(7)
+    data = [(rs.rand(12, 256, 256).astype("f"), rs.rand(3, 256, 256).astype("f"))
+            for _ in range(steps)]
+    up = updater.FacadeUpdater(models=(links["enc"], links["dec"], links["dis"]),
+                               iterator=chainer.iterators.SerialIterator(data, 1),
+                               optimizer=optimizers, device=-1)
+    trainer = chainer.training.Trainer(up, (steps, "iteration"), out=workdir)
+    records = []
+
+    @chainer.training.make_extension(trigger=(1, "iteration"), priority=-10 ** 9)
+    def record(trainer):
+        records.append(harness.snapshot_state(trainer, trainer.observation))
+
+    trainer.extend(record)
+    trainer.run()
+    return records, runners
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("select", [("enc",), ("enc", "dec", "dis")])
+def test_pix2pix_updater_bit_identical(select, tmp_path):
+    """pix2pix's updater backpropagates through the decoder a second time
+    after unchaining the encoder's outputs, which the decoder reads again
+    (it crashed with the encoder applied): every iteration identical to
+    plain Chainer, and each applied link recomputed."""
+    plain, _ = _pix2pix_records((), str(tmp_path / "plain"))
+    ours, runners = _pix2pix_records(select, str(tmp_path / "applied"))
+    assert len(plain) == len(ours) == 3
+    for step, (a, b) in enumerate(zip(plain, ours), 1):
+        diffs = harness.diff_records(a, b)
+        assert not diffs, f"iteration {step}: {diffs[:5]}"
+    for name, runner in zip(select, runners):
+        stats = runner.last_stats
+        assert stats.path == "planned" and stats.n_dropped > 0, (name, stats)
+        assert stats.recomputed_nodes > 0, (name, stats)

@@ -509,6 +509,8 @@ def pattern_specs() -> List[Dict[str, Any]]:
         "test_gan_graphs_backpropagated_twice", capture_batch=None)
     add(g, "one graph backpropagated twice (two losses)", "test_graph_backpropagated_twice_simple",
         capture_batch=None)
+    add(g, "an applied encoder's outputs backpropagated again by their consumer, after "
+           "unchain_backward (pix2pix updater)", "test_outputs_backpropagated_again_by_their_consumer")
 
     g = "API"
     add(g, "Link with only __call__", "test_link_with_only_call")

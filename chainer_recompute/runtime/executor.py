@@ -33,8 +33,10 @@ recomputed from the kept ones by running the recorded function nodes'
 ``forward`` again under ``chainer.using_config('in_recomputing', True)``,
 with written arrays (BatchNorm statistics) detached, and the results are
 put back where Chainer's backward reads them; after the last backward
-reader of an array has run, it is released again. Functions no backward
-will reach (outputs kept for logging) are never regenerated.
+reader of an array has run, it is released again, except the arrays the
+forward returned (their consumers outside the link may read them in
+another backward pass). Functions no backward will reach (outputs kept for
+logging) are never regenerated.
 
 An optimizer update of a parameter that a released block was computed
 from (Chainer's DCGAN updater updates the discriminator between the two

@@ -1640,6 +1640,23 @@ def test_outputs_backpropagated_again_by_their_consumer():
     compare(scenario, **LEAST_ACT).assert_recomputed(["enc"], at_least=3)
 
 
+def test_regenerated_outputs_are_the_callers_arrays():
+    """A returned array that its block regenerates for backward is put
+    back as the caller's own array, not a second copy of it (which would
+    stay until the graph dies: returned arrays are not released again)."""
+    x, t = batches(1)[0]
+    np.random.seed(0)
+    enc, dec = SkipEncoder(), SkipDecoder()
+    cr.apply(enc, **LEAST_ACT, verbose=False)
+    for _ in range(3):
+        hs = enc(x)
+        F.softmax_cross_entropy(dec(hs), t).backward()
+    stats = cr.runner_of(enc).last_stats
+    assert stats.path == "planned" and stats.recomputed_nodes > 0, stats
+    back = [h.node._data is h.array for h in hs if h.node._data is not None]
+    assert back and all(back), back
+
+
 @pytest.mark.parametrize("capture_batch", [None, 4])
 def test_gan_graphs_backpropagated_twice(capture_batch):
     """The DCGAN update backpropagates the generator's graph and the

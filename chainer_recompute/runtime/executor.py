@@ -599,7 +599,11 @@ class IterationHook(Recorder):
                 for k in out_idx:
                     vnode = f.outputs[k]()
                     if vnode is not None:
-                        vnode._data = outs[k]
+                        # a live Variable (one the forward returned) holds
+                        # the same values already: no second copy
+                        var = vnode.get_variable_or_none()
+                        held = None if var is None else var.raw_array
+                        vnode._data = outs[k] if held is None else held
                 if had_retained:
                     f._retained_output_data = tuple(outs[k] for k in f._output_indexes_to_retain)
                 self.regenerated.add(u)

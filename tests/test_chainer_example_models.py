@@ -16,8 +16,10 @@ The examples cover: negative sampling (it draws from the global RNG in its
 forward), hierarchical softmax, NStepLSTM encoders and a seq2seq model,
 a CRF, a memory network that keeps Variables on plain Python objects,
 functions that write their inputs in place (the thin-stack recursive net),
-lazily initialised 1-D (de)convolutions (WaveNet), and reinforcement
-learning updates with target networks (DQN, DDPG).
+lazily initialised 1-D (de)convolutions (WaveNet), reinforcement
+learning updates with target networks (DQN, DDPG), and a feature
+extractor run under ``train=False`` and ``no_backprop_mode`` inside the
+forward (image captioning, slow).
 """
 from __future__ import annotations
 
@@ -387,3 +389,26 @@ def test_reinforcement_learning_updates(algo):
     for runner in runners:
         assert runner.last_stats.path == "planned" and runner.last_stats.n_dropped > 0, \
             runner.last_stats
+
+
+# ---------------------------------------------------- image captioning
+@pytest.mark.slow
+@pytest.mark.parametrize("rnn", ["lstm", "nsteplstm"])
+def test_image_captioning(rnn, monkeypatch):
+    """examples/image_captioning: VGG16 features taken inside the forward
+    under ``train=False`` and ``no_backprop_mode`` (its weights random here:
+    the pretrained ones are a download), then an LSTM (a step per word) or
+    NStepLSTM language model with dropout; 224 x 224 images, batch 2."""
+    init = L.VGG16Layers.__init__
+    monkeypatch.setattr(L.VGG16Layers, "__init__",
+                        lambda self, pretrained_model=None, **kw: init(self, None, **kw))
+    model = load("image_captioning", "model")
+    n_vocab = 60
+
+    def batch(rs):
+        images = rs.rand(2, 3, 224, 224).astype(np.float32)
+        captions = [rs.randint(0, n_vocab, size=7).astype(np.int32) for _ in range(2)]
+        return images, (np.stack(captions) if rnn == "lstm" else captions)
+
+    compare(lambda: model.ImageCaptionModel(n_vocab, 32, rnn=rnn, dropout_ratio=0.3),
+            cached(batch, 3), steps=4, loss_of=reported, budget_scope="activations")

@@ -603,7 +603,9 @@ class IterationHook(Recorder):
                         # the same values already: no second copy
                         var = vnode.get_variable_or_none()
                         held = None if var is None else var.raw_array
-                        vnode._data = outs[k] if held is None else held
+                        same = (held is not None and held.shape == outs[k].shape
+                                and held.dtype == outs[k].dtype)
+                        vnode._data = held if same else outs[k]
                 if had_retained:
                     f._retained_output_data = tuple(outs[k] for k in f._output_indexes_to_retain)
                 self.regenerated.add(u)

@@ -17,9 +17,11 @@ forward), hierarchical softmax, NStepLSTM encoders and a seq2seq model,
 a CRF, a memory network that keeps Variables on plain Python objects,
 functions that write their inputs in place (the thin-stack recursive net),
 lazily initialised 1-D (de)convolutions (WaveNet), reinforcement
-learning updates with target networks (DQN, DDPG), and a feature
-extractor run under ``train=False`` and ``no_backprop_mode`` inside the
-forward (image captioning, slow).
+learning updates with target networks (DQN, DDPG), pix2pix's updater
+under a Trainer (it backpropagates through the decoder again after
+unchaining the encoder's outputs; slow), and a feature extractor run
+under ``train=False`` and ``no_backprop_mode`` inside the forward (image
+captioning, slow).
 """
 from __future__ import annotations
 
@@ -389,6 +391,62 @@ def test_reinforcement_learning_updates(algo):
     for runner in runners:
         assert runner.last_stats.path == "planned" and runner.last_stats.n_dropped > 0, \
             runner.last_stats
+
+
+# ------------------------------------------------------------- pix2pix
+def _pix2pix_records(select, workdir, steps=3):
+    """pix2pix's networks and ``FacadeUpdater`` at the script's sizes
+    (batch 1, 256 x 256, 12 input channels) for ``steps`` iterations on
+    seeded random data, with ``apply(budget='least')`` on the links named
+    in ``select``: the records of :func:`harness.snapshot_state` after each
+    iteration (under a Trainer, as the script runs it), and the runners."""
+    net = load("pix2pix", "net")
+    updater = load("pix2pix", "updater")
+    np.random.seed(0)
+    random.seed(0)
+    links = {"enc": net.Encoder(in_ch=12), "dec": net.Decoder(out_ch=3),
+             "dis": net.Discriminator(in_ch=12, out_ch=3)}
+    runners = []
+    for name in select:
+        cr.apply(links[name], budget="least", verbose=False)
+        runners.append(cr.runner_of(links[name]))
+    optimizers = {}
+    for name, link in links.items():  # the script's make_optimizer
+        opt = chainer.optimizers.Adam(alpha=0.0002, beta1=0.5)
+        opt.setup(link)
+        opt.add_hook(chainer.optimizer.WeightDecay(0.00001), "hook_dec")
+        optimizers[name] = opt
+    rs = np.random.RandomState(7)
+    data = [(rs.rand(12, 256, 256).astype("f"), rs.rand(3, 256, 256).astype("f"))
+            for _ in range(steps)]
+    up = updater.FacadeUpdater(models=(links["enc"], links["dec"], links["dis"]),
+                               iterator=chainer.iterators.SerialIterator(data, 1),
+                               optimizer=optimizers, device=-1)
+    trainer = chainer.training.Trainer(up, (steps, "iteration"), out=workdir)
+    out = []
+
+    @chainer.training.make_extension(trigger=(1, "iteration"), priority=-10 ** 9)
+    def record(trainer):
+        out.append(harness.snapshot_state(trainer, trainer.observation))
+
+    trainer.extend(record)
+    trainer.run()
+    return out, runners
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("select", [("enc",), ("enc", "dec", "dis")])
+def test_pix2pix_updater_bit_identical(select, tmp_path):
+    """examples/pix2pix: its updater backpropagates through the decoder a
+    second time after unchaining the encoder's outputs, which the decoder
+    reads again (it crashed with the encoder applied): every iteration
+    identical to plain Chainer, and each applied link recomputed."""
+    plain, _ = _pix2pix_records((), str(tmp_path / "plain"))
+    ours, runners = _pix2pix_records(select, str(tmp_path / "applied"))
+    assert len(plain) == 3
+    assert_identical(plain, ours)
+    for runner in runners:
+        assert_recomputed(runner)
 
 
 # ---------------------------------------------------- image captioning

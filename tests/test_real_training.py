@@ -720,6 +720,37 @@ def test_batchnorm_finetune():
     compare(scenario).assert_recomputed(at_least=3)
 
 
+class RenormNet(BNNet):
+    """BNNet with its middle BatchNorm a ``BatchRenormalization``, whose
+    forward reads the running averages it updates (r and d)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.bn2
+        with self.init_scope():
+            self.bn2 = L.BatchRenormalization(8, rmax=1.5, dmax=0.5)
+
+
+def test_batch_renormalization_is_kept_and_identical():
+    """The one BatchRenormalization is found unsafe (a second forward gives
+    other outputs), said so in the singular with that reason, and kept;
+    the rest of the net is recomputed, bit for bit as plain Chainer."""
+    data = image_batches(4)
+
+    def scenario(env):
+        model = env.apply("model", RenormNet())
+        opt = env.optimizer("main", chainer.optimizers.MomentumSGD(0.05), model)
+        train_steps(env, model, opt, data)
+
+    pair = compare(scenario).assert_recomputed(at_least=3)
+    said = [r.getMessage() for r in pair.ours.logs if "recomputed safely" in r.getMessage()]
+    assert said == ["1 function cannot be recomputed safely and is kept: "
+                    "BatchRenormalizationFunction (a second forward on the same inputs gives "
+                    "other outputs (its forward changes state it reads, as "
+                    "BatchRenormalization's running averages, or draws randomness it does "
+                    "not keep))"], said
+
+
 @pytest.mark.parametrize("capture_batch", [None, 2])
 def test_recompute_callable_over_batchnorm(capture_batch):
     """``cr.Recompute(fn)`` over a function that calls a net with

@@ -335,7 +335,9 @@ def analyse_function(f: chainer.FunctionNode, in_data: Tuple[Any, ...],
                                  "on every forward (it does not keep its draw)", roles)
     elif not same(out):
         result = Analysis(False, "a second forward on the same inputs gives other outputs "
-                                 "(randomness not held in the function object?)", roles)
+                                 "(its forward changes state it reads, as "
+                                 "BatchRenormalization's running averages, or draws "
+                                 "randomness it does not keep)", roles)
     else:
         for owner, name, _ in held:
             if name in roles:

@@ -214,6 +214,7 @@ class Recompute:
         self._warned_over = False
         self._reported_plan = False
         self._reported_infeasible = False
+        self._said_unsafe: set = set()  # unsafe-function warnings given (one each)
         self._entries: "collections.OrderedDict[Hashable, _Entry]" = collections.OrderedDict()
         self.last_stats: Optional[IterationStats] = None
 
@@ -281,11 +282,14 @@ class Recompute:
             kinds = collections.Counter(
                 f"{graph.nodes[v].op} ({graph.nodes[v].attrs.get('unsafe_reason')})"
                 for v in program.unsafe)
-            report.warning(
-                "%d functions cannot be recomputed safely and are kept: %s%s",
-                len(program.unsafe), ", ".join(
+            n = len(program.unsafe)
+            said = "%d function%s cannot be recomputed safely and %s kept: %s%s" % (
+                n, "" if n == 1 else "s", "is" if n == 1 else "are", ", ".join(
                     kind + (f" x{n}" if n > 1 else "") for kind, n in list(kinds.items())[:5]),
                 ", ..." if len(kinds) > 5 else "")
+            if said not in self._said_unsafe:  # not again for each plan of the same graph
+                self._said_unsafe.add(said)
+                report.warning("%s", said)
         return s
 
     def _plan_pending(self, entry: _Entry, args: Tuple[Any, ...],

@@ -56,7 +56,7 @@ class ExecutionPlan:
 
     Attributes:
         dropped: nodes whose arrays are released in the forward pass and
-            regenerated in the backward (not kept, recomputable).
+            regenerated in the backward (not kept, releasable).
         unsafe: nodes the plan would drop but that cannot be recomputed
             (kept instead).
         release_at: ``release_at[i]``: dropped nodes released just before
@@ -65,7 +65,9 @@ class ExecutionPlan:
         sources: ``sources[u]``: input positions of dropped node ``u`` whose
             arrays are not made by a dropped node: what regeneration starts
             from (held until then); ``source_arrays``: those made by nodes.
-        releasable: recomputable nodes (the only ones ever released).
+        releasable: recomputable nodes, except those whose outputs are all
+            returned by the forward (``graph.meta['returned']``) and that
+            hold no derived attribute: the only ones ever released.
         needs, done: see :func:`backward_readers`.
         block_of, block_nodes: each node's block; the dropped nodes of
             each block (regenerated together).
@@ -90,15 +92,24 @@ class ExecutionPlan:
         if len(prev) != n:
             raise RecomputeError(f"the plan covers {len(prev)} of the graph's {n} nodes; "
                                  f"the last lower set must be V")
-        self.dropped: FrozenSet[int] = frozenset(
-            v for v in range(n) if v not in kept and graph.nodes[v].recomputable)
-        self.unsafe = [v for v in range(n) if v not in kept and not graph.nodes[v].recomputable]
-        arrays = graph.arrays
         self.derived: Dict[int, Tuple[str, ...]] = {}
         self.written: Dict[int, Tuple[str, ...]] = {}
         for node in graph.nodes:
             self.derived[node.id] = tuple(h.name for h in node.held if h.role == "derived")
             self.written[node.id] = tuple(h.name for h in node.held if h.role == "written")
+        # Nodes whose every output the forward returns and that hold no
+        # derived attribute: releasing them frees nothing (the caller's
+        # Variables hold the arrays, and that is all they retain), and
+        # regenerating them would recompute for nothing. Never released.
+        returned = set(graph.meta.get("returned", ()))
+        held = {node.id for node in graph.nodes if node.outputs and not self.derived[node.id]
+                and returned.issuperset(node.outputs)}
+        self.releasable: FrozenSet[int] = frozenset(
+            v for v in range(n) if graph.nodes[v].recomputable and v not in held)
+        self.dropped: FrozenSet[int] = frozenset(
+            v for v in self.releasable if v not in kept)
+        self.unsafe = [v for v in range(n) if v not in kept and not graph.nodes[v].recomputable]
+        arrays = graph.arrays
         self.release_at: Dict[int, List[int]] = {}
         for u in sorted(self.dropped):
             last = max(graph.succs[u], default=u)
@@ -115,8 +126,6 @@ class ExecutionPlan:
         self.source_arrays: FrozenSet[int] = frozenset(
             graph.nodes[u].inputs[j] for u, pos in self.sources.items() for j in pos
             if arrays[graph.nodes[u].inputs[j]].producer is not None)
-        self.releasable: FrozenSet[int] = frozenset(
-            v for v in range(n) if graph.nodes[v].recomputable)
         self.needs, self.done = backward_readers(graph, self.releasable, self.derived)
         self.block_nodes: Dict[int, List[int]] = {}
         for u in sorted(self.dropped):

@@ -35,7 +35,9 @@ with written arrays (BatchNorm statistics) detached, and the results are
 put back where Chainer's backward reads them; after the last backward
 reader of an array has run, it is released again, except the arrays the
 forward returned (their consumers outside the link may read them in
-another backward pass). Functions no backward will reach (outputs kept for
+another backward pass). A function whose every output the forward returns
+and that holds nothing else is never released at all (the caller holds
+its arrays; :class:`~chainer_recompute.core.execution.ExecutionPlan`). Functions no backward will reach (outputs kept for
 logging) are never regenerated.
 
 An optimizer update of a parameter that a released block was computed

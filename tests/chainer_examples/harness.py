@@ -23,13 +23,25 @@ What one run does (:func:`run_example`)
      10000 (the real vocabulary size; the train split contains 9999 so the
      script's ``n_vocab = max(train) + 1`` is the real 10000).
 
+   - ``chainer.datasets.image_dataset._read_image_as_array``: a uint8
+     256 x 256 RGB image per file name, for ImageNet's
+     ``LabeledImageDataset``; the harness writes the two image-label lists
+     the script reads (labels below 1000) and a mean image
+     (``compute_mean.py``'s 3 x 256 x 256 float32) into the run's
+     directory. ImageNet's ``MultiprocessIterator`` is replaced by a
+     ``SerialIterator`` with the same batch, repeat and shuffle: its worker
+     processes would crop with their own copies of Python's RNG, in an
+     order set by the scheduler.
+
    The data come from their own ``numpy.random.RandomState(data_seed)``,
    so making them draws nothing from the global RNG, and both runs get the
    same arrays. ``chainer.dataset.download.cached_download`` raises, so a
    run never touches the network.
 2. **Arguments.** ``sys.argv`` is set to a small configuration (batch size,
    ``--epoch 1``, ``--device @numpy``, ``--out`` in the run's directory,
-   small widths where the script has a flag for them); with ``--epoch 1``
+   small widths where the script has a flag for them; ImageNet: the
+   architecture, ``--test`` so that the Evaluator and the snapshots run
+   every iteration); with ``--epoch 1``
    the dataset size fixes the number of optimizer steps
    (``n_train = steps * batch``; PTB: ``steps * batch * bproplen`` words).
    The working directory is the run's directory during the run.
@@ -43,7 +55,9 @@ What one run does (:func:`run_example`)
    reseed the global RNG from OS entropy). The VAE script's final
    ``save_images`` (matplotlib figures) is replaced by a no-op on the
    loaded module. Snapshots are written with ``numpy.savez`` instead of
-   ``numpy.savez_compressed`` (zlib on VGG's 120 MB took seconds).
+   ``numpy.savez_compressed`` (zlib on VGG's 120 MB took seconds); ImageNet's
+   (``--test`` takes a trainer and a model snapshot every iteration, up to
+   0.7 GB each) are serialized in memory and not written.
    Everything else the scripts set up runs for real:
    Evaluator, LogReport, PrintReport, ProgressBar, DumpGraph, snapshots
    (when their triggers fire), PTB's final test evaluation and
@@ -151,6 +165,7 @@ if ROOT not in sys.path:  # when run as a script
 import chainer_recompute  # noqa: E402  (before chainer: NumPy 2 compat)
 import chainer  # noqa: E402
 import chainer.datasets.cifar  # noqa: E402
+import chainer.datasets.image_dataset  # noqa: E402
 import chainer.datasets.mnist  # noqa: E402
 import chainer.datasets.ptb  # noqa: E402
 from chainer import training  # noqa: E402
@@ -181,10 +196,20 @@ class Example:
     n_train: Callable[[Size], int]
     local_modules: Tuple[str, ...] = ()
     post_load: Optional[Callable[[types.ModuleType], None]] = None
+    #: writes the files the arguments name (the ImageNet lists), given the
+    #: size, the run's directory and the data seed
+    prepare: Optional[Callable[[Size, str, int], None]] = None
+    #: False: snapshots are serialized in memory and not written (ImageNet's
+    #: ``--test`` takes two per iteration, 0.3-0.7 GB each)
+    write_snapshots: bool = True
 
 
 def _noop_save_images(*args: Any, **kwargs: Any) -> None:
     return None
+
+
+def _savez_in_memory(file: Any, *args: Any, **kwargs: Any) -> None:
+    np.savez(io.BytesIO(), *args, **kwargs)
 
 
 EXAMPLES: Dict[str, Example] = {
@@ -219,6 +244,40 @@ EXAMPLES: Dict[str, Example] = {
 }
 
 
+#: examples/imagenet's architectures (``--arch``; not the NHWC ResNet50,
+#: which needs cuDNN)
+IMAGENET_ARCHS = ("alex", "googlenet", "googlenetbn", "nin", "resnet50", "resnext50")
+IMAGENET_MODULES = ("dali_util", "dataset_util") + IMAGENET_ARCHS
+
+
+def _imagenet_files(size: Size, out: str, data_seed: int) -> None:
+    """The two image-label lists (image names only: the images themselves
+    are made by the patched reader) and a mean image, as the script's
+    ``compute_mean.py`` would write it (3 x 256 x 256 float32)."""
+    r = np.random.RandomState([data_seed, 7])
+    for tag, n in (("train", size.steps * size.batch), ("val", size.n_test)):
+        with open(os.path.join(out, f"{tag}.txt"), "w") as f:
+            for i in range(n):
+                f.write(f"{tag}{i}.png {r.randint(0, 1000)}\n")
+    np.save(os.path.join(out, "mean.npy"), r.uniform(0, 255, (3, 256, 256)).astype(np.float32))
+
+
+def _imagenet_argv(arch: str) -> Callable[[Size, str], List[str]]:
+    def argv(s: Size, out: str) -> List[str]:
+        return [os.path.join(out, "train.txt"), os.path.join(out, "val.txt"), "--arch", arch,
+                "--batchsize", str(s.batch), "--val_batchsize", str(s.n_test), "--epoch", "1",
+                "--device", "@numpy", "--mean", os.path.join(out, "mean.npy"), "--root", out,
+                "--out", out, "--test"]
+    return argv
+
+
+for _arch in IMAGENET_ARCHS:
+    EXAMPLES[f"imagenet-{_arch}"] = Example(
+        f"imagenet-{_arch}", "imagenet/train_imagenet.py", _imagenet_argv(_arch),
+        lambda s: s.steps * s.batch, local_modules=IMAGENET_MODULES, prepare=_imagenet_files,
+        write_snapshots=False)
+
+
 def _all(link: Any) -> bool:
     return True
 
@@ -240,6 +299,7 @@ VARIANTS: Dict[str, Tuple[str, Callable[[Any], bool]]] = {
     "dcgan-dis": ("dcgan", _by_class("Discriminator")),
     "dcgan-both": ("dcgan", _by_class("Generator", "Discriminator")),
     "vae": ("vae", _all),
+    **{f"imagenet-{arch}": (f"imagenet-{arch}", _all) for arch in IMAGENET_ARCHS},
 }
 
 # Sizes: 'light' for the default test run, 'full' for the slow ones.
@@ -250,6 +310,7 @@ SIZES: Dict[str, Dict[str, Size]] = {
         "ptb": Size(steps=3, batch=4, n_test=6, unit=16, bproplen=3),
         "dcgan": Size(steps=3, batch=2, n_test=2),
         "vae": Size(steps=3, batch=20, n_test=20, dim_h=100, dim_z=8),
+        **{f"imagenet-{arch}": Size(steps=3, batch=2, n_test=2) for arch in IMAGENET_ARCHS},
     },
     "full": {
         "mnist": Size(steps=3, batch=100, n_test=100, unit=1000),
@@ -257,6 +318,7 @@ SIZES: Dict[str, Dict[str, Size]] = {
         "ptb": Size(steps=4, batch=20, n_test=20, unit=200, bproplen=10),
         "dcgan": Size(steps=4, batch=16, n_test=16),
         "vae": Size(steps=4, batch=100, n_test=100, dim_h=500, dim_z=20),
+        **{f"imagenet-{arch}": Size(steps=4, batch=4, n_test=4) for arch in IMAGENET_ARCHS},
     },
 }
 
@@ -319,10 +381,30 @@ def _fake_data_patches(patches: _Patches, n_train: int, n_test: int, data_seed: 
 
     patches.set(chainer.datasets.ptb, "_retrieve_ptb_words", fake_ptb_words)
 
+    def fake_image(path: str, dtype: Any) -> np.ndarray:
+        # ImageNet: a 256 x 256 RGB image per file name, as PIL would read it
+        r = rs("image" + os.path.basename(path))
+        return r.randint(0, 256, size=(256, 256, 3)).astype(dtype)
+
+    patches.set(chainer.datasets.image_dataset, "_read_image_as_array", fake_image)
+
+    # ImageNet's MultiprocessIterator: its workers would crop with their
+    # own copies of Python's RNG, in an order set by scheduling
+    patches.set(chainer.iterators, "MultiprocessIterator", _SerialForMultiprocess)
+
     def no_network(url: str, *a: Any, **k: Any) -> Any:
         raise RuntimeError(f"chainer_examples harness: no download in tests ({url})")
 
     patches.set(chainer.dataset.download, "cached_download", no_network)
+
+
+class _SerialForMultiprocess(chainer.iterators.SerialIterator):
+    """``MultiprocessIterator``'s arguments, ``SerialIterator``'s iteration."""
+
+    def __init__(self, dataset: Any, batch_size: int, repeat: bool = True,
+                 shuffle: Optional[bool] = None, n_processes: Optional[int] = None,
+                 **kwargs: Any) -> None:
+        super().__init__(dataset, batch_size, repeat=repeat, shuffle=shuffle)
 
 
 class _NoopExtension(training.Extension):
@@ -633,7 +715,8 @@ def run_example(name: str, workdir: str, *, select: Optional[Callable[[Any], boo
         _fake_data_patches(patches, example.n_train(size), size.n_test, data_seed)
         # Snapshots (MNIST, CIFAR, PTB write one at the end of the epoch) are
         # written uncompressed: zlib on VGG's 120 MB took seconds.
-        patches.set(np, "savez_compressed", np.savez)
+        patches.set(np, "savez_compressed", np.savez if example.write_snapshots
+                    else _savez_in_memory)
         if budget == "least-shim" and select is not None:
             budget = least_shim(patches)
 
@@ -667,6 +750,8 @@ def run_example(name: str, workdir: str, *, select: Optional[Callable[[Any], boo
         example_dir = os.path.dirname(os.path.join(HERE, example.script))
         with _missing_packages(patches), _isolated_import(example_dir, example.local_modules):
             module = _load_script(example)
+            if example.prepare is not None:
+                example.prepare(size, out, data_seed)
             sys.argv = [os.path.join(HERE, example.script)] + example.argv(size, out)
             os.chdir(out)
             np.random.seed(seed)

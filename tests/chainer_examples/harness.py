@@ -25,7 +25,7 @@ What one run does (:func:`run_example`)
 
    - ``chainer.datasets.image_dataset._read_image_as_array``: a uint8
      256 x 256 RGB image per file name, for ImageNet's
-     ``LabeledImageDataset``; the harness writes the two image-label lists
+     ``LabeledImageDataset`` (which then does not need Pillow); the harness writes the two image-label lists
      the script reads (labels below 1000) and a mean image
      (``compute_mean.py``'s 3 x 256 x 256 float32) into the run's
      directory. ImageNet's ``MultiprocessIterator`` is replaced by a
@@ -387,6 +387,7 @@ def _fake_data_patches(patches: _Patches, n_train: int, n_test: int, data_seed: 
         return r.randint(0, 256, size=(256, 256, 3)).astype(dtype)
 
     patches.set(chainer.datasets.image_dataset, "_read_image_as_array", fake_image)
+    patches.set(chainer.datasets.image_dataset, "available", True)  # Pillow: not needed
 
     # ImageNet's MultiprocessIterator: its workers would crop with their
     # own copies of Python's RNG, in an order set by scheduling

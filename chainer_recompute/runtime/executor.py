@@ -37,8 +37,9 @@ reader of an array has run, it is released again, except the arrays the
 forward returned (their consumers outside the link may read them in
 another backward pass). A function whose every output the forward returns
 and that holds nothing else is never released at all (the caller holds
-its arrays; :class:`~chainer_recompute.core.execution.ExecutionPlan`). Functions no backward will reach (outputs kept for
-logging) are never regenerated.
+its arrays; :class:`~chainer_recompute.core.execution.ExecutionPlan`).
+Functions no backward will reach (outputs kept for logging) are never
+regenerated.
 
 An optimizer update of a parameter that a released block was computed
 from (Chainer's DCGAN updater updates the discriminator between the two

@@ -285,7 +285,8 @@ class Recompute:
             n = len(program.unsafe)
             said = "%d function%s cannot be recomputed safely and %s kept: %s%s" % (
                 n, "" if n == 1 else "s", "is" if n == 1 else "are", ", ".join(
-                    kind + (f" x{n}" if n > 1 else "") for kind, n in list(kinds.items())[:5]),
+                    kind + (f" x{count}" if count > 1 else "")
+                    for kind, count in list(kinds.items())[:5]),
                 ", ..." if len(kinds) > 5 else "")
             if said not in self._said_unsafe:  # not again for each plan of the same graph
                 self._said_unsafe.add(said)

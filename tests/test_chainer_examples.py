@@ -135,4 +135,3 @@ def test_harness_reports_a_crash(tmp_path):
     result = harness.compare_variant("mnist", str(tmp_path), apply_fn=crashing_apply)
     assert result.crashed and not result.identical
     assert "RuntimeError: boom" in result.report()
-

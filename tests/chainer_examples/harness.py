@@ -25,10 +25,10 @@ What one run does (:func:`run_example`)
 
    - ``chainer.datasets.image_dataset._read_image_as_array``: a uint8
      256 x 256 RGB image per file name, for ImageNet's
-     ``LabeledImageDataset`` (which then does not need Pillow); the harness writes the two image-label lists
-     the script reads (labels below 1000) and a mean image
-     (``compute_mean.py``'s 3 x 256 x 256 float32) into the run's
-     directory. ImageNet's ``MultiprocessIterator`` is replaced by a
+     ``LabeledImageDataset`` (which then does not need Pillow); the
+     harness writes the two image-label lists the script reads (labels
+     below 1000) and a mean image (``compute_mean.py``'s 3 x 256 x 256
+     float32) into the run's directory. ImageNet's ``MultiprocessIterator`` is replaced by a
      ``SerialIterator`` with the same batch, repeat and shuffle: its worker
      processes would crop with their own copies of Python's RNG, in an
      order set by the scheduler.

@@ -34,7 +34,8 @@ from .core.errors import CaptureError
 from .core.graph import ArrayInfo, Graph
 from .core.units import format_bytes
 from .progress import Progress
-from .runtime.memory import MemoryMeter, model_state_bytes
+from .runtime.device import device_of, seed_all
+from .runtime.memory import model_state_bytes
 from .runtime.runner import apply, runner_of
 
 logger = logging.getLogger(__name__)
@@ -156,7 +157,7 @@ def _record(link: chainer.Link, x: Any, t: Any, *, cost_model: str, name: str,
             loss = link(x, t)
         rec.finish()
     n = len(rec.calls)
-    sb = state_bytes(link, optimizer)
+    sb = state_bytes(link)
     link.cleargrads()  # as an updater does between the forward and the backward
     with progress.step(f"{label}: backward", total=n, unit="functions") as step:
         counter.on_forward, counter.on_backward = None, step.update
@@ -405,11 +406,6 @@ def _same_structure(g1: Graph, g: Graph, s1: int, s: int) -> None:
         fail("the backward order")
 
 
-def _sync(xp: Any) -> None:
-    if xp is not None and xp.__name__ == "cupy":
-        xp.cuda.Device().synchronize()
-
-
 class _Runner:
     """One configuration under measurement: a model and its optimizer."""
 
@@ -424,22 +420,22 @@ class _Runner:
         self.loss = float("nan")
 
     def step(self, x: Any, t: Any) -> None:
-        xp = backend.get_array_module(x)
+        dev = device_of([x])
         if not self.as_updater:
             self.link.cleargrads()
         gc.collect()
-        _sync(xp)
+        dev.synchronize()
         state = model_state_bytes(self.link, self.optimizer)
-        start = (state["params"] + state["grads"] + state["optimizer_state"] + int(x.nbytes)
-                 + int(t.nbytes))
-        with MemoryMeter(xp) as meter:
+        start = (state["params"] + state["grads"] + state["optimizer_state"]
+                 + dev.allocation_bytes(x.nbytes) + dev.allocation_bytes(t.nbytes))
+        with dev.meter() as meter:
             t0 = time.perf_counter()
             loss = self.link(x, t)
             if self.as_updater:
                 self.link.cleargrads()
             loss.backward()
             self.optimizer.update()
-            _sync(xp)
+            dev.synchronize()
             elapsed = time.perf_counter() - t0
             self.loss = float(loss.array)
             del loss
@@ -464,9 +460,9 @@ class _Runner:
 def gradients_match(make_link: Any, x: Any, t: Any, budget: Any, **options: Any) -> bool:
     """Two steps of plain backprop and two with recomputation (the first
     call records the graph, the second runs the plan), from the same
-    parameters and random state: are the losses and all gradients of both
-    steps bit-for-bit equal, and did the second step follow its plan?"""
-    import numpy
+    parameters and random states (NumPy's and CuPy's seeded alike): are the
+    losses and all gradients of both steps bit-for-bit equal, and did the
+    second step follow its plan?"""
     plain = make_link()
     plain(x, t)
     ours = copy.deepcopy(plain)
@@ -475,7 +471,7 @@ def gradients_match(make_link: Any, x: Any, t: Any, budget: Any, **options: Any)
     for step in range(2):
         results = []
         for model in (plain, ours):
-            numpy.random.seed(step)
+            seed_all(step)
             model.cleargrads()
             loss = model(x, t)
             loss.backward()
@@ -515,7 +511,7 @@ def compare(make_link: Any, x: Any, t: Any, configs: List[Dict[str, Any]],
         runners.append(_Runner(apply(copy.deepcopy(base), **cfg), label, as_updater))
     # One meter over all the iterations (as_updater): the frees of the
     # gradients an earlier iteration made are seen.
-    outer = MemoryMeter(backend.get_array_module(x)) if as_updater else None
+    outer = device_of([x]).meter() if as_updater else None
     if outer is not None:
         outer.start()
     try:

@@ -13,6 +13,8 @@ from chainer_recompute.runtime.memory import (SCOPE_CUPY, SCOPE_NUMPY, SCOPE_TRA
                                       MemoryMeter, format_memory_report, make_pool_peak_hook,
                                       measure_memory, model_state_bytes)
 
+from fake_cupy import FakeCupy, real_cupy_or_skip
+
 KB = 1024
 MB = 10 ** 6
 
@@ -235,63 +237,38 @@ def test_model_state_bytes_shared_array_counted_once() -> None:
 # --------------------------------------------------------------------------
 # GPU path, with a fake CuPy and with the real one.
 
-class _FakePool:
-    def __init__(self) -> None:
-        self.used = 0
-
-    def used_bytes(self) -> int:
-        return self.used
-
-
-def _fake_cupy() -> Any:
-    hooks: List[Any] = []
-
-    class MemoryHook:
-        name = "MemoryHook"
-
-        def __enter__(self) -> Any:
-            if any(h.name == self.name for h in hooks):
-                raise KeyError(f"hook {self.name} already exists")
-            hooks.append(self)
-            return self
-
-        def __exit__(self, *exc: Any) -> None:
-            hooks.remove(self)
-
-        def malloc_postprocess(self, **kwargs: Any) -> None:
-            pass
-
-    pool = _FakePool()
-
-    def malloc(size: int) -> None:
-        pool.used += size
-        for h in list(hooks):
-            h.malloc_postprocess(device_id=0, size=size, mem_size=size, mem_ptr=0, pmem_id=0)
-
-    def free(size: int) -> None:
-        pool.used -= size
-
-    return types.SimpleNamespace(__name__="cupy", cuda=types.SimpleNamespace(MemoryHook=MemoryHook),
-                                 get_default_memory_pool=lambda: pool,
-                                 malloc=malloc, free=free, hooks=hooks)
-
-
 def test_gpu_meter_with_fake_cupy() -> None:
-    cp = _fake_cupy()
-    cp.malloc(1000)  # live at entry
+    cp = FakeCupy()
+    pool = cp.get_default_memory_pool()
+    a = pool.malloc(1000)  # live at entry: 1024 bytes (512-byte units)
     with measure_memory(cp, cupy_module=cp) as m:
-        cp.malloc(5000)
-        cp.free(5000)
-        cp.malloc(3000)
+        b = pool.malloc(5000)  # 5120
+        pool.free(b)  # cached: the pool's total stays
+        c = pool.malloc(3000)  # 3072, split from the cached block
         with measure_memory("gpu", cupy_module=cp) as inner:  # nested: its own hook name
             assert len(cp.hooks) == 2
-            cp.malloc(2000)
-            cp.free(2000)
+            d = pool.malloc(2000)  # 2048: the rest of the split block
+            pool.free(d)
     assert cp.hooks == []
     r = m.result
-    assert r == MemoryMeasurement(peak_bytes=5000, absolute_peak_bytes=6000, start_bytes=1000,
-                                  end_bytes=4000, device="gpu", scope=SCOPE_CUPY)
-    assert inner.result.start_bytes == 4000 and inner.result.peak_bytes == 2000
+    assert r == MemoryMeasurement(peak_bytes=5120, absolute_peak_bytes=6144, start_bytes=1024,
+                                  end_bytes=4096, device="gpu", scope=SCOPE_CUPY,
+                                  total_peak_bytes=6144, start_total_bytes=1024)
+    assert inner.result.start_bytes == 4096 and inner.result.peak_bytes == 2048
+    assert inner.result.total_peak_bytes == 6144
+    del a, c
+
+
+def test_fake_pool_limit_frees_cached_blocks_then_raises() -> None:
+    pool = FakeCupy().get_default_memory_pool()
+    pool.set_limit(size=4096)
+    b = pool.malloc(3000)
+    pool.free(b)
+    c = pool.malloc(4000)  # the cached 3072 block is not enough: freed, then a new one
+    assert pool.total_bytes() == 4096 and pool.used_bytes() == 4096
+    with pytest.raises(FakeCupy.OutOfMemoryError):
+        pool.malloc(1)
+    del c
 
 
 def test_make_pool_peak_hook_without_cupy(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -303,18 +280,21 @@ def test_make_pool_peak_hook_without_cupy(monkeypatch: pytest.MonkeyPatch) -> No
 
 @pytest.mark.gpu
 def test_gpu_meter_with_cupy() -> None:
-    cp = pytest.importorskip("cupy")
+    cp = real_cupy_or_skip()
     pool = cp.get_default_memory_pool()
+    unit = 512  # the pool rounds every allocation up to it
     keep = cp.ones(10 ** 6, cp.uint8)
     with measure_memory(cp) as m:
         a = cp.ones(10 ** 8, cp.uint8)
         del a
         b = cp.ones(3 * 10 ** 7, cp.uint8)
     r = m.result
-    assert r.device == "gpu" and r.start_bytes == pool.used_bytes() - b.nbytes
+    rounded = -(-b.nbytes // unit) * unit
+    assert r.device == "gpu" and r.start_bytes == pool.used_bytes() - rounded
     assert r.start_bytes >= keep.nbytes
-    assert r.peak_bytes == pytest.approx(10 ** 8, abs=4 * KB)
-    assert r.end_bytes - r.start_bytes == pytest.approx(3 * 10 ** 7, abs=4 * KB)
+    assert r.peak_bytes == -(-10 ** 8 // unit) * unit
+    assert r.end_bytes - r.start_bytes == rounded
+    assert r.total_peak_bytes >= r.absolute_peak_bytes
 
 
 # --------------------------------------------------------------------------

@@ -57,7 +57,7 @@ from chainer import backend
 
 from ..core.errors import CaptureError, GraphChangedError
 from ..core.graph import ArrayInfo, Graph, HeldArray, Node
-from .memory import MemoryMeter
+from .device import Device, RandomStates, device_of
 
 logger = logging.getLogger(__name__)
 
@@ -124,30 +124,12 @@ def root_of(a: Any) -> Any:
 
 def same_array(a: Any, b: Any) -> bool:
     """Bitwise equality of two arrays (NaN equal to NaN)."""
-    if a is None or b is None:
-        return a is b
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    xp = backend.get_array_module(a)
-    a8 = xp.ascontiguousarray(a).reshape(-1).view(numpy.uint8)
-    b8 = xp.ascontiguousarray(b).reshape(-1).view(numpy.uint8)
-    return bool(xp.array_equal(a8, b8))
+    return device_of([a, b]).same(a, b)
 
 
 def fingerprint(a: Any) -> Tuple[Any, ...]:
-    """A cheap content checksum: any in-place change of ``a`` changes it
-    (one changed element always changes the first sum; compensating changes
-    across elements would have to cancel in three sums at once)."""
-    xp = backend.get_array_module(a)
-    flat = xp.ascontiguousarray(a).reshape(-1).view(numpy.uint8)
-    n4 = (flat.size // 4) * 4
-    w = flat[:n4].view(numpy.uint32)
-    tail = flat[n4:]
-    if xp is not numpy:
-        tail = backend.CpuDevice().send(tail)
-    return (tuple(a.shape), str(a.dtype), int(w.sum(dtype=numpy.uint64)),
-            int(w[1::2].sum(dtype=numpy.uint64)), int(w[::3].sum(dtype=numpy.uint64)),
-            bytes(tail.tobytes()))
+    """A content checksum of ``a`` (:meth:`~chainer_recompute.runtime.device.Device.checksum`)."""
+    return device_of([a]).checksum(a)
 
 
 def buffer_print(a: Any) -> Tuple[Any, ...]:
@@ -159,63 +141,8 @@ def buffer_print(a: Any) -> Tuple[Any, ...]:
     return fingerprint(a)
 
 
-def synchronize(arrays: Sequence[Any]) -> None:
-    for a in arrays:
-        if is_array(a) and not isinstance(a, numpy.ndarray):
-            backend.get_device_from_array(a).device.synchronize()
-            return
-
-
-def _xp_of(arrays: Sequence[Any]) -> Any:
-    for a in arrays:
-        if is_array(a):
-            return backend.get_array_module(a)
-    return numpy
-
-
-# ----------------------------------------------------------- random state
-class GlobalRNG:
-    """The global random generators Chainer's functions draw from: NumPy's
-    and, where CuPy is imported, CuPy's (one per device)."""
-
-    @staticmethod
-    def _cupy_states() -> Optional[Dict[Any, Any]]:
-        mod = sys.modules.get("cupy.random._generator")
-        return None if mod is None else getattr(mod, "_random_states", None)
-
-    @classmethod
-    def save(cls) -> Tuple[Any, Optional[Dict[Any, Any]]]:
-        """NumPy's state and CuPy's generator objects."""
-        states = cls._cupy_states()
-        return numpy.random.get_state(), None if states is None else dict(states)
-
-    @classmethod
-    def restore(cls, saved: Tuple[Any, Optional[Dict[Any, Any]]]) -> None:
-        numpy.random.set_state(saved[0])
-        states = cls._cupy_states()
-        if states is not None and saved[1] is not None:
-            states.clear()
-            states.update(saved[1])
-
-    @staticmethod
-    def numpy_changed(before: Any) -> bool:
-        after = numpy.random.get_state()
-        return not (before[2:] == after[2:] and numpy.array_equal(before[1], after[1]))
-
-    @classmethod
-    @contextlib.contextmanager
-    def isolated(cls, seed: int = 0x5EED) -> Iterator[None]:
-        """Run a block on other random states (NumPy seeded with ``seed``,
-        fresh CuPy generators); the original states are put back after."""
-        saved = cls.save()
-        try:
-            numpy.random.seed(seed)
-            states = cls._cupy_states()
-            if states is not None:
-                states.clear()  # CuPy makes new generators on demand
-            yield
-        finally:
-            cls.restore(saved)
+#: The global random states (NumPy's, CuPy's generators): see :mod:`.device`.
+GlobalRNG = RandomStates
 
 
 # --------------------------------------------------------------- analysis
@@ -314,13 +241,13 @@ def analyse_function(f: chainer.FunctionNode, in_data: Tuple[Any, ...],
 
     def run(clear: Sequence[Tuple[Any, str]] = ()) -> Tuple[Optional[Tuple[Any, ...]], bool]:
         """(outputs or None on failure, whether the run drew randomness)."""
-        with GlobalRNG.isolated():
+        with RandomStates.isolated():
             before = numpy.random.get_state()
             try:
                 out = _rerun(f, in_data, clear=clear, detach=written)
             except Exception:  # noqa: BLE001 - any failure means "not reproducible"
                 return None, False
-            return out, GlobalRNG.numpy_changed(before)
+            return out, RandomStates.numpy_changed(before)
 
     def same(out: Optional[Tuple[Any, ...]]) -> bool:
         return out is not None and len(out) == len(out_data) and all(
@@ -446,7 +373,7 @@ class Recorder(chainer.FunctionHook):
         self._top: List[Optional[Call]] = []
         self._pending: Optional[Call] = None
         self._watch: List[Any] = []  # weakrefs to output Variables (their lifetime)
-        self._bwd: Dict[int, Tuple[float, Optional[MemoryMeter]]] = {}
+        self._bwd: Dict[int, Tuple[float, Any, Device]] = {}
         self._param_names: Dict[int, str] = {}
         self._external_ids: set = set()
         if link is not None:
@@ -537,16 +464,17 @@ class Recorder(chainer.FunctionHook):
             key = _config_key(function)
             inputs_before = ([buffer_print(x) if is_array(x) else None for x in in_data]
                              if _WRITES_INPUTS.get(key, True) else [None] * len(in_data))
-            meter = MemoryMeter(_xp_of(in_data)) if measure else None
+            dev = device_of(in_data)
+            meter = dev.meter() if measure else None
             call._pre = (attrs_before, inputs_before, numpy.random.get_state(), meter)
 
         def wrapped(inputs: Tuple[Any, ...], _f: Any = function, _call: Call = call) -> Any:
             if measure:
-                synchronize(inputs)
+                dev.synchronize()
             t0 = time.perf_counter()
             out = original(_f, inputs)
             if measure:
-                synchronize(out)
+                dev.synchronize()
                 _call.time_s = time.perf_counter() - t0
             _call._out = tuple(out)
             return out
@@ -578,7 +506,7 @@ class Recorder(chainer.FunctionHook):
         key = _config_key(function)
         if any(b is not None for b in inputs_before):
             _WRITES_INPUTS[key] = modified
-        drew = GlobalRNG.numpy_changed(rng_before)
+        drew = RandomStates.numpy_changed(rng_before)
         if modified:
             call.recomputable, call.reason = False, "its forward modifies its inputs in place"
             roles = {n: "written" for _, n in written}
@@ -601,12 +529,14 @@ class Recorder(chainer.FunctionHook):
         call.keep_in = tuple(function._input_indexes_to_retain or ())
         call.keep_out = tuple(function._output_indexes_to_retain or ())
         io = {id(x) for x in tuple(in_data) + out if is_array(x)}
+        # what each array takes from its allocator (CuPy's pool rounds up)
+        nb_of = device_of(tuple(out) + tuple(in_data)).allocation_bytes
         held = []
         for owner, name, a in attribute_arrays(function):
             role = roles.get(name, "state")
             if id(a) in io or (id(a) in self._external_ids and role != "written"):
                 continue
-            held.append(HeldArray(name, tuple(a.shape), str(a.dtype), int(a.nbytes), role))
+            held.append(HeldArray(name, tuple(a.shape), str(a.dtype), nb_of(a.nbytes), role))
         call.held = tuple(held)
         roots = [root_of(x) if is_array(x) else None for x in in_data]
         views: List[Optional[int]] = []
@@ -617,14 +547,18 @@ class Recorder(chainer.FunctionHook):
             # a strided view of a larger private buffer (Deconvolution2D's
             # output): the buffer is what it costs
             nb = getattr(r, "nbytes", None)
-            buffers.append(int(nb) if views[-1] is None and r is not y and nb and nb > y.nbytes
+            buffers.append(nb_of(nb) if views[-1] is None and r is not y and nb and nb > y.nbytes
                            else None)
         call.out_view = tuple(views)
-        call.out_meta = tuple((tuple(y.shape), str(y.dtype), int(y.nbytes), b)
+        call.out_meta = tuple((tuple(y.shape), str(y.dtype), nb_of(y.nbytes), b)
                               for y, b in zip(out, buffers))
         call.label = getattr(function, "label", "") or ""
 
     # ---------------------------------------------------- mapping to ids
+    def _node_bytes(self, xnode: Any) -> int:
+        var = xnode.get_variable_or_none()
+        return device_of([var] if var is not None else []).allocation_bytes(_node_nbytes(xnode))
+
     def _new_array(self, rec: _ArrayRecord) -> int:
         self.arrays.append(rec)
         return len(self.arrays) - 1
@@ -645,7 +579,8 @@ class Recorder(chainer.FunctionHook):
                 if isinstance(var, chainer.Parameter):
                     name = self._param_names.get(id(var), var.name or "")
                     aid = self._new_array(_ArrayRecord(tuple(xnode.shape), str(xnode.dtype),
-                                                       _node_nbytes(xnode), "param", None, name))
+                                                       self._node_bytes(xnode), "param", None,
+                                                       name))
                     self.param_refs[aid] = weakref.ref(var)
                 else:
                     name = call.in_args[j] if j < len(call.in_args) else None
@@ -654,7 +589,7 @@ class Recorder(chainer.FunctionHook):
                     aid = self._arg_ids.get(name) if name else None
                     if aid is None:
                         aid = self._new_array(_ArrayRecord(
-                            tuple(xnode.shape), str(xnode.dtype), _node_nbytes(xnode),
+                            tuple(xnode.shape), str(xnode.dtype), self._node_bytes(xnode),
                             "input", None, name or ""))
                         if name:
                             self._arg_ids[name] = aid
@@ -707,11 +642,12 @@ class Recorder(chainer.FunctionHook):
         self.before_backward(i, function)
         if self.recording:
             self.backward_order.append(i)
-            meter = MemoryMeter(_xp_of(tuple(in_data) + tuple(out_grad))) if self.measure else None
+            dev = device_of(tuple(in_data) + tuple(out_grad))
+            meter = dev.meter() if self.measure else None
             if meter is not None:
-                synchronize(tuple(in_data))
+                dev.synchronize()
                 meter.start()
-            self._bwd[i] = (time.perf_counter(), meter)
+            self._bwd[i] = (time.perf_counter(), meter, dev)
 
     def backward_postprocess(self, function: Any, in_data: Any, out_grad: Any) -> None:
         i = self.index_of.get(id(function))
@@ -719,9 +655,9 @@ class Recorder(chainer.FunctionHook):
             return
         started = self._bwd.pop(i, None)
         if started is not None:
-            t0, meter = started
+            t0, meter, dev = started
             if meter is not None:
-                synchronize(tuple(in_data))
+                dev.synchronize()
                 m = meter.stop()
                 call = self.calls[i]
                 # The net allocation may be negative (accumulated gradients
@@ -927,7 +863,7 @@ def leave_no_trace(model: Any) -> Iterator[None]:
     BatchNorm's statistics and counters) of every Link called in the block
     and of every Link under ``model``, lazily created parameters, and the
     gradients of the parameters."""
-    rng = GlobalRNG.save()
+    rng = RandomStates.save_generators()
     snapshots: Dict[int, _LinkSnapshot] = {}
     link = model if isinstance(model, chainer.Link) else getattr(model, "__self__", None)
     if isinstance(link, chainer.Link):
@@ -940,7 +876,7 @@ def leave_no_trace(model: Any) -> Iterator[None]:
     finally:
         for snap in snapshots.values():
             snap.restore()
-        GlobalRNG.restore(rng)
+        RandomStates.restore_generators(rng)
 
 
 # ------------------------------------------------------------- capture
@@ -1022,27 +958,29 @@ def capture(model: Callable[..., Any], *args: Any, backward: bool = False,
     return graph
 
 
-def state_bytes(link: chainer.Link, optimizer: Any = None) -> Dict[str, int]:
+def state_bytes(link: chainer.Link) -> Dict[str, int]:
     """Bytes that do not depend on the plan: ``params``, ``param_grads``
     (as many as the parameters: every training iteration makes them),
     ``optimizer_state`` (measured when the optimizer has run, otherwise
     estimated from its update rules), ``update_transient`` (the largest
     temporary of an update: one parameter's size) and ``persistents``
-    (BatchNorm statistics and other persistent arrays)."""
+    (BatchNorm statistics and other persistent arrays). Each array counts
+    what its device allocates for it (CuPy rounds up to 512 bytes)."""
     params = [p for p in link.params() if p.array is not None]
-    pbytes = sum(int(p.array.nbytes) for p in params)
+    nb = device_of([p.array for p in params]).allocation_bytes
+    pbytes = sum(nb(p.array.nbytes) for p in params)
     state = 0
     largest = 0
     for p in params:
-        largest = max(largest, int(p.array.nbytes))
+        largest = max(largest, nb(p.array.nbytes))
         rule = getattr(p, "update_rule", None)
         if rule is None:
             continue
         st = getattr(rule, "state", None)
         if st:
-            state += sum(int(v.nbytes) for v in st.values() if is_array(v))
+            state += sum(nb(v.nbytes) for v in st.values() if is_array(v))
         else:
-            state += _STATE_COPIES.get(type(rule).__name__, 2) * int(p.array.nbytes)
+            state += _STATE_COPIES.get(type(rule).__name__, 2) * nb(p.array.nbytes)
     persistents = 0
     seen: set = set()
     for sub in link.links():
@@ -1050,7 +988,7 @@ def state_bytes(link: chainer.Link, optimizer: Any = None) -> Dict[str, int]:
             v = getattr(sub, name, None)
             if is_array(v) and id(v) not in seen:
                 seen.add(id(v))
-                persistents += int(v.nbytes)
+                persistents += nb(v.nbytes)
     return {"params": pbytes, "param_grads": pbytes, "optimizer_state": state,
             "update_transient": largest, "persistents": persistents}
 

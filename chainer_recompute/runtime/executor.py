@@ -119,11 +119,14 @@ class IterationStats:
         mismatch: why the iteration stopped matching its plan.
         measured_peak_bytes / predicted_peak_bytes / budget_bytes: set by
             the runner when it measures the iteration (see ``apply``).
+        measured_pool_total_bytes: on CuPy, the same with the blocks the
+            memory pool added for the iteration (its cached and split
+            blocks included); None on NumPy.
     """
 
     __slots__ = ("path", "n_dropped", "n_released", "recomputed_nodes", "mismatch",
                  "measured_peak_bytes", "predicted_peak_bytes", "budget_bytes", "n_nodes",
-                 "release_mode")
+                 "release_mode", "measured_pool_total_bytes")
 
     def __init__(self, n_dropped: int = 0, path: str = "planned") -> None:
         self.path = path
@@ -132,6 +135,7 @@ class IterationStats:
         self.recomputed_nodes = 0
         self.mismatch: Optional[str] = None
         self.measured_peak_bytes: Optional[int] = None
+        self.measured_pool_total_bytes: Optional[int] = None
         self.predicted_peak_bytes: Optional[int] = None
         self.budget_bytes: Optional[int] = None
         self.n_nodes = 0

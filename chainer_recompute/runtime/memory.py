@@ -15,7 +15,9 @@ result's ``scope`` says so.
 
 On CuPy, a ``cupy.cuda.MemoryHook`` records the largest ``used_bytes()`` of
 the memory pool after every allocation, as Kusumoto et al. measured one
-training iteration. CuPy is imported only when a GPU meter is made.
+training iteration, and the largest ``total_bytes()`` (what the pool holds
+from the device: used blocks, cached free blocks and the free parts of split
+ones). CuPy is imported only when a GPU meter is made.
 
 Arrays allocated before tracing began are invisible to ``tracemalloc``; to
 count them in ``start_bytes``, start an outer :class:`MemoryMeter` before
@@ -63,6 +65,9 @@ class MemoryMeasurement:
         device: ``'cpu'`` or ``'gpu'``.
         scope: what was counted: ``'numpy arrays'``, ``'numpy arrays +
             python objects'`` or ``'cupy memory pool'``.
+        total_peak_bytes: on CuPy, the highest ``total_bytes()`` of the pool
+            (None on CPU).
+        start_total_bytes: on CuPy, the pool's ``total_bytes()`` at entry.
     """
 
     peak_bytes: int
@@ -71,6 +76,8 @@ class MemoryMeasurement:
     end_bytes: int
     device: str
     scope: str
+    total_peak_bytes: Optional[int] = None
+    start_total_bytes: Optional[int] = None
 
     @property
     def retained_bytes(self) -> int:
@@ -170,6 +177,7 @@ class MemoryMeter:
         self._max_seen = 0
         self._start = 0
         self._hook: Any = None
+        self.scope = SCOPE_CUPY if self.device == "gpu" else None
         self.result: Optional[MemoryMeasurement] = None
 
     # -- public ---------------------------------------------------------
@@ -200,7 +208,8 @@ class MemoryMeter:
             self.result = MemoryMeasurement(
                 peak_bytes=hook.max_used_bytes - hook.start_bytes,
                 absolute_peak_bytes=hook.max_used_bytes, start_bytes=hook.start_bytes,
-                end_bytes=hook.end_bytes, device="gpu", scope=SCOPE_CUPY)
+                end_bytes=hook.end_bytes, device="gpu", scope=SCOPE_CUPY,
+                total_peak_bytes=hook.max_total_bytes, start_total_bytes=hook.start_total_bytes)
         else:
             self.result = self._stop_cpu()
         logger.debug("measured %s", self.result)
@@ -311,24 +320,31 @@ def _device_of(xp: Any) -> str:
 # GPU: a memory hook on CuPy's pool.
 
 class _PoolPeak:
-    """Largest ``pool.used_bytes()`` seen after each allocation (no CuPy needed)."""
+    """Largest ``pool.used_bytes()`` and ``pool.total_bytes()`` seen after
+    each allocation (no CuPy needed)."""
 
     name = "PoolPeakHook"
 
     def __init__(self, pool: Any) -> None:
         self.pool = pool
         self.start_bytes = int(pool.used_bytes())
+        self.start_total_bytes = int(pool.total_bytes())
         self.max_used_bytes = self.start_bytes
+        self.max_total_bytes = self.start_total_bytes
         self.end_bytes = self.start_bytes
 
     def malloc_postprocess(self, **kwargs: Any) -> None:
         used = int(self.pool.used_bytes())
         if used > self.max_used_bytes:
             self.max_used_bytes = used
+        total = int(self.pool.total_bytes())
+        if total > self.max_total_bytes:
+            self.max_total_bytes = total
 
     def finish(self) -> None:
         self.end_bytes = int(self.pool.used_bytes())
         self.max_used_bytes = max(self.max_used_bytes, self.end_bytes)
+        self.max_total_bytes = max(self.max_total_bytes, int(self.pool.total_bytes()))
 
 
 _HOOK_CLASSES: Dict[int, type] = {}

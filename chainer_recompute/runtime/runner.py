@@ -27,6 +27,7 @@ plain forward.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
 import time
@@ -120,6 +121,19 @@ class _Entry:
         self.calls = 0
         self.recorded = 0
         self.plain = False
+
+
+@dataclasses.dataclass
+class _OpenMeter:
+    """The measurement of one planned iteration, from the call to the end
+    of its backward."""
+
+    meter: Any  # a running MemoryMeter
+    entry: "_Entry"
+    start: int  # the model's state and inputs at the call, counted by hand
+    refs: List[Tuple[Any, int]]  # gradients made before tracing, freed unseen
+    stats: Any  # the iteration's IterationStats
+    hook: Any  # a weak reference to the iteration's IterationHook (it holds arrays)
 
 
 class Recompute:
@@ -441,7 +455,7 @@ class Recompute:
         s.program.release_mode_decided = s.program.multi_backward
         if s.program.release_mode != "none" and self.budget_scope == "total":
             # what the plan will really hold: its prediction in that mode
-            import dataclasses
+
             peak = replay(s.graph, s.program, release_mode=s.program.release_mode).peak_bytes
             s.plan = dataclasses.replace(s.plan, predicted_peak_bytes=peak)
         if s.program.multi_backward:
@@ -453,60 +467,73 @@ class Recompute:
                                     "budget)"}[s.program.release_mode])
 
     # ------------------------------------------------- measured memory
-    _meter: Any = None
+    _meter: Optional["_OpenMeter"] = None
 
     def _start_meter(self, entry: _Entry, hook: IterationHook, link: Optional[chainer.Link],
                      args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         """Measure this iteration's peak, from the call to the end of its
-        backward, when the plan it starts on still needs checking."""
-        from .capture import _xp_of, is_array
-        from .memory import MemoryMeter
-        s = entry.structures[0]
-        arrays = [a for a in list(args) + list(kwargs.values())]
-        xp = _xp_of([x.raw_array if isinstance(x, chainer.Variable) else x for x in arrays])
-        gpu = xp is not numpy
-        if not gpu and s.checked >= self.check_iterations:
+        backward, while the plans of its signature still need checking (on
+        CuPy always: the pool's hook costs nothing).
+
+        What is counted is this model's own iteration: its state and inputs,
+        counted by hand at the call (on NumPy they were made before tracing
+        began; on CuPy the pool also holds other models' arrays), plus what
+        the allocator holds above its level at the call."""
+        from .capture import is_array
+        from .device import device_of
+        arrays = list(args) + list(kwargs.values())
+        dev = device_of(arrays)
+        if not dev.is_gpu and all(s.checked >= self.check_iterations
+                                  for s in entry.structures):
             return
         start = 0
         old_grads: List[Any] = []
-        if not gpu:  # arrays made before tracing starts: counted by hand
-            if link is not None:
-                sb = state_bytes(link)
-                start += sb["params"] + sb["optimizer_state"] + sb["persistents"]
-                old_grads = [p.grad for p in link.params() if p.grad is not None]
-                start += sum(int(g.nbytes) for g in old_grads)
-            for path_arr in arrays:
-                arr = path_arr.raw_array if isinstance(path_arr, chainer.Variable) else path_arr
-                if is_array(arr):
-                    start += int(arr.nbytes)
-        meter = MemoryMeter(xp)
+        if link is not None:
+            sb = state_bytes(link)
+            start += sb["params"] + sb["optimizer_state"] + sb["persistents"]
+            old_grads = [p.grad for p in link.params() if p.grad is not None]
+            start += sum(dev.allocation_bytes(g.nbytes) for g in old_grads)
+        for x in arrays:
+            arr = x.raw_array if isinstance(x, chainer.Variable) else x
+            if is_array(arr):
+                start += dev.allocation_bytes(arr.nbytes)
+        meter = dev.meter()
         meter.start()
-        # If tracing already ran (an outer meter), the gradients' frees are
-        # seen by tracemalloc and must not be taken off again.
-        refs = [] if meter.scope != "numpy arrays" or not getattr(meter, "_owns", False) \
-            else [(weakref.ref(g), int(g.nbytes)) for g in old_grads]
-        self._meter = (meter, s, entry, start, refs, hook.stats, gpu)
+        # Gradients made before tracemalloc started: their frees are not
+        # seen and are taken off by hand (not when an outer meter traces,
+        # nor on CuPy, whose pool sees every free).
+        refs = ([(weakref.ref(g), int(g.nbytes)) for g in old_grads]
+                if meter.scope == "numpy arrays" and getattr(meter, "_owns", False) else [])
+        self._meter = _OpenMeter(meter, entry, start, refs, hook.stats, weakref.ref(hook))
         hook.on_backward_done = lambda _hook: self._stop_meter(done=True)
 
     def _stop_meter(self, done: bool = False) -> None:
         if self._meter is None:
             return
-        meter, s, entry, start, refs, stats, absolute = self._meter
-        self._meter = None
-        m = meter.stop()
+        open_, self._meter = self._meter, None
+        m = open_.meter.stop()
+        stats = open_.stats
         if not done or stats.path != "planned":
             return  # no backward, or the iteration left its plan: nothing to check
-        if absolute:
-            measured = m.absolute_peak_bytes
-        else:
-            # Gradients alive at the start and cleared before the backward
-            # were made before tracing began: tracemalloc does not see them
-            # go, so they are taken off by hand.
-            measured = start + m.peak_bytes - sum(nb for ref, nb in refs if ref() is None)
+        # the plan this iteration ran on
+        hook = open_.hook()
+        s = next((s for s in open_.entry.structures
+                  if hook is not None and s.program is hook.program), None)
+        if s is None:
+            return
+        measured = open_.start + m.peak_bytes - sum(nb for ref, nb in open_.refs
+                                                    if ref() is None)
+        if m.total_peak_bytes is not None:
+            # the pool's blocks it had to add for this iteration (fragments
+            # of split blocks included)
+            stats.measured_pool_total_bytes = int(
+                max(measured, open_.start + m.total_peak_bytes - m.start_total_bytes))
         s.checked += 1
         stats.measured_peak_bytes = int(measured)
         stats.predicted_peak_bytes = s.plan.predicted_peak_bytes
         stats.budget_bytes = s.plan.budget_bytes
+        measured = max(measured, stats.measured_pool_total_bytes or 0)
+        entry = open_.entry
         budget = s.plan.budget_bytes
         if self.budget_scope != "total" or budget is None or measured <= budget:
             return

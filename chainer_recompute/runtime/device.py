@@ -1,0 +1,345 @@
+"""Everything that differs between NumPy and CuPy, behind one small interface.
+
+The runner, the executor, the recorder, BPTT and the benchmarks ask a
+:class:`Device` (found from the arrays with :func:`device_of`) for:
+
+- the iteration's peak and each function's transient memory: :meth:`Device.meter`
+  (tracemalloc on NumPy; the memory pool's used and total bytes on CuPy);
+- the bytes an array really takes: :meth:`Device.allocation_bytes` (CuPy's
+  pool rounds every allocation up to 512 bytes);
+- array identity and checksums: :meth:`Device.same` and :meth:`Device.checksum`
+  (on CuPy the three sums of a checksum come back in one transfer, one sync);
+- synchronisation before and after a timed call: :meth:`Device.synchronize`;
+- the random states Chainer's functions draw from: :class:`RandomStates`.
+
+CuPy's generators cannot be read or set: a cuRAND generator's position is
+not exposed. :func:`recording_random` therefore puts a :class:`RandomTape`
+in place of the current device's global ``cupy.random.RandomState``: every
+draw still comes from the real generator the first time, so the stream is
+the one plain Chainer sees, and is kept on the tape; :meth:`RandomStates.save`
+notes the tape's position and :meth:`RandomStates.restore` rewinds it, so a
+step run again draws the same numbers, bit for bit. The tape holds every
+draw until the recording ends (the cost is the bytes drawn, on the device).
+
+Tests drive every CuPy branch on a CPU with a test double of the ``cupy``
+module (``tests/fake_cupy.py``) through :func:`simulate`.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy
+
+from ..core.errors import RecomputeError
+from .memory import MemoryMeter
+
+__all__ = ["Device", "CupyDevice", "CPU", "device_of", "simulate", "RandomStates",
+           "RandomTape", "recording_random", "seed_all"]
+
+
+class Device:
+    """NumPy on the host (the default device)."""
+
+    name = "cpu"
+    is_gpu = False
+
+    def __init__(self) -> None:
+        self.xp: Any = numpy
+
+    def meter(self) -> MemoryMeter:
+        """A new, stopped meter of this device's array memory."""
+        return MemoryMeter(numpy)
+
+    def allocation_bytes(self, nbytes: int) -> int:
+        """What an array of ``nbytes`` takes from the allocator.
+
+        >>> CPU.allocation_bytes(3)
+        3
+        """
+        return int(nbytes)
+
+    def synchronize(self) -> None:
+        """Wait for the device's queued work (nothing to wait for on the host)."""
+
+    def to_host(self, a: Any) -> numpy.ndarray:
+        return numpy.asarray(a)
+
+    def checksum(self, a: Any) -> Tuple[Any, ...]:
+        """A content checksum of ``a``: shape, dtype, three sums of its 32-bit
+        words (all, odd, every third) and its trailing bytes. One changed
+        element always changes the first sum.
+
+        >>> x = numpy.arange(6, dtype=numpy.float32)
+        >>> y = x.copy(); y[2] = 7
+        >>> CPU.checksum(x) == CPU.checksum(x.copy()), CPU.checksum(x) == CPU.checksum(y)
+        (True, False)
+        """
+        xp = self.xp
+        flat = xp.ascontiguousarray(a).reshape(-1).view(numpy.uint8)
+        n4 = (flat.size // 4) * 4
+        w = flat[:n4].view(numpy.uint32)
+        sums = xp.stack([w.sum(dtype=numpy.uint64), w[1::2].sum(dtype=numpy.uint64),
+                         w[::3].sum(dtype=numpy.uint64)])
+        host = self.to_host(sums)  # one transfer
+        tail = self.to_host(flat[n4:])
+        return (tuple(a.shape), str(a.dtype), int(host[0]), int(host[1]), int(host[2]),
+                bytes(tail.tobytes()))
+
+    def same(self, a: Any, b: Any) -> bool:
+        """Bitwise equality of two arrays (NaN equal to NaN)."""
+        if a is None or b is None:
+            return a is b
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return False
+        xp = self.xp
+        a8 = xp.ascontiguousarray(a).reshape(-1).view(numpy.uint8)
+        b8 = xp.ascontiguousarray(b).reshape(-1).view(numpy.uint8)
+        return bool(xp.array_equal(a8, b8))
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name}>"
+
+
+class CupyDevice(Device):
+    """A CUDA device through CuPy (or a test double of the ``cupy`` module)."""
+
+    name = "gpu"
+    is_gpu = True
+    #: CuPy's memory pool rounds every allocation up to a multiple of this.
+    ALLOCATION_UNIT = 512
+
+    def __init__(self, cupy_module: Any) -> None:
+        self.xp = cupy_module
+
+    def meter(self) -> MemoryMeter:
+        return MemoryMeter("gpu", cupy_module=self.xp)
+
+    def allocation_bytes(self, nbytes: int) -> int:
+        """
+        >>> CupyDevice(None).allocation_bytes(1), CupyDevice(None).allocation_bytes(1024)
+        (512, 1024)
+        """
+        unit = self.ALLOCATION_UNIT
+        return -(-int(nbytes) // unit) * unit
+
+    def synchronize(self) -> None:
+        self.xp.cuda.get_current_stream().synchronize()
+
+    def to_host(self, a: Any) -> numpy.ndarray:
+        return self.xp.asnumpy(a)
+
+    def pool(self) -> Any:
+        return self.xp.get_default_memory_pool()
+
+
+CPU = Device()
+_CUPY_DEVICES: Dict[int, CupyDevice] = {}
+_SIMULATED: List[Device] = []
+
+
+def _cupy_device(module: Any) -> CupyDevice:
+    dev = _CUPY_DEVICES.get(id(module))
+    if dev is None:
+        dev = _CUPY_DEVICES[id(module)] = CupyDevice(module)
+    return dev
+
+
+def device_of(arrays: Sequence[Any]) -> Device:
+    """The device of the first array among ``arrays`` (Variables are looked
+    through); :data:`CPU` when there is none.
+
+    >>> device_of([numpy.zeros(2)]).name
+    'cpu'
+    """
+    for a in arrays:
+        a = getattr(a, "raw_array", a)
+        if isinstance(a, numpy.ndarray):
+            return _SIMULATED[-1] if _SIMULATED else CPU
+        cupy = sys.modules.get("cupy")
+        if cupy is not None and isinstance(a, cupy.ndarray):
+            return _cupy_device(cupy)
+    return _SIMULATED[-1] if _SIMULATED else CPU
+
+
+@contextlib.contextmanager
+def simulate(device: Device) -> Iterator[Device]:
+    """Treat NumPy arrays as living on ``device`` (tests: a :class:`CupyDevice`
+    over a test double of CuPy runs every GPU branch on the host)."""
+    _SIMULATED.append(device)
+    try:
+        yield device
+    finally:
+        _SIMULATED.remove(device)
+
+
+# --------------------------------------------------------------- random state
+def _cupy_generators(cupy: Any) -> Optional[Dict[Any, Any]]:
+    """CuPy's global generators by device id (``cupy.random._generator._random_states``)."""
+    gen = getattr(getattr(cupy, "random", None), "_generator", None)
+    return None if gen is None else getattr(gen, "_random_states", None)
+
+
+def _cupy_modules() -> List[Any]:
+    mods = [d.xp for d in _SIMULATED if d.is_gpu]
+    real = sys.modules.get("cupy")
+    if real is not None and sys.modules.get("cupy.random._generator") is not None:
+        mods.append(real)
+    return mods
+
+
+class RandomTape:
+    """Stands in for one device's global ``cupy.random.RandomState``: the
+    first time, each draw comes from the real generator and is kept; after
+    :meth:`rewind`, draws are served from the tape, in order, until it runs
+    out, then come from the real generator again.
+
+    Args:
+        state: the real ``RandomState``.
+        copy: how to copy a drawn array (``cupy.copy``).
+    """
+
+    _PASS = frozenset({"seed"})
+
+    def __init__(self, state: Any, copy: Any) -> None:
+        self._state = state
+        self._copy = copy
+        self._draws: List[Tuple[Tuple[str, str, str], Any]] = []
+        self.position = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the tape."""
+        return sum(int(getattr(r, "nbytes", 0)) for _, r in self._draws)
+
+    def rewind(self, position: int) -> None:
+        if not 0 <= position <= len(self._draws):
+            raise RecomputeError(f"internal error: random tape position {position} outside "
+                                 f"0..{len(self._draws)}")  # pragma: no cover
+        self.position = position
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._state, name)
+        if name.startswith("_") or name in self._PASS or not callable(attr):
+            return attr
+
+        def draw(*args: Any, **kwargs: Any) -> Any:
+            key = (name, repr(args), repr(sorted(kwargs.items())))
+            if self.position < len(self._draws):
+                was, value = self._draws[self.position]
+                if was != key:
+                    raise RecomputeError(
+                        f"a step run again drew other random numbers than the first time "
+                        f"({key[0]}{key[1]} against {was[0]}{was[1]}): its random draws must "
+                        f"not depend on anything but its inputs; make the step deterministic "
+                        f"given its inputs, or do not recompute it")
+                self.position += 1
+                return self._copy(value) if hasattr(value, "shape") else value
+            value = attr(*args, **kwargs)
+            self._draws.append((key, self._copy(value) if hasattr(value, "shape") else value))
+            self.position += 1
+            return value
+
+        return draw
+
+
+class _Recording:
+    """The tapes of one :func:`recording_random` block, by CuPy module."""
+
+    def __init__(self) -> None:
+        self.tapes: List[Tuple[Any, Any, Any, RandomTape]] = []  # (module, states, key, tape)
+
+    def close(self) -> None:
+        for _, states, key, tape in reversed(self.tapes):
+            if states.get(key) is tape:
+                states[key] = tape._state
+        self.tapes.clear()
+        if self in _RECORDINGS:
+            _RECORDINGS.remove(self)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for *_, t in self.tapes)
+
+
+_RECORDINGS: List[_Recording] = []
+
+
+def recording_random(device: Device) -> _Recording:
+    """Start taping the draws of ``device``'s global CuPy generator (nothing
+    on the host: NumPy's state can be saved); :meth:`_Recording.close` puts
+    the generator back. While open, :meth:`RandomStates.save` and
+    :meth:`RandomStates.restore` cover CuPy's draws too."""
+    rec = _Recording()
+    if device.is_gpu:
+        cupy = device.xp
+        state = cupy.random.get_random_state()  # creates it if needed
+        states = _cupy_generators(cupy)
+        key = next((k for k, v in states.items() if v is state), None)
+        if key is not None:
+            tape = RandomTape(state, cupy.copy)
+            states[key] = tape
+            rec.tapes.append((cupy, states, key, tape))
+    _RECORDINGS.append(rec)
+    return rec
+
+
+class RandomStates:
+    """Save and restore the global random states Chainer's functions draw
+    from: NumPy's, and CuPy's where a :func:`recording_random` block tapes them."""
+
+    @staticmethod
+    def save() -> Tuple[Any, Tuple[Tuple[RandomTape, int], ...]]:
+        tapes = tuple((t, t.position) for rec in _RECORDINGS for *_, t in rec.tapes)
+        return numpy.random.get_state(), tapes
+
+    @staticmethod
+    def restore(saved: Tuple[Any, Tuple[Tuple[RandomTape, int], ...]]) -> None:
+        numpy.random.set_state(saved[0])
+        for tape, position in saved[1]:
+            tape.rewind(position)
+
+    @staticmethod
+    def save_generators() -> Tuple[Any, List[Tuple[Dict[Any, Any], Dict[Any, Any]]]]:
+        """NumPy's state and CuPy's generator objects (for :meth:`isolated`)."""
+        gens = []
+        for mod in _cupy_modules():
+            states = _cupy_generators(mod)
+            if states is not None:
+                gens.append((states, dict(states)))
+        return numpy.random.get_state(), gens
+
+    @staticmethod
+    def restore_generators(saved: Tuple[Any, List[Tuple[Dict[Any, Any], Dict[Any, Any]]]]) -> None:
+        numpy.random.set_state(saved[0])
+        for states, kept in saved[1]:
+            states.clear()
+            states.update(kept)
+
+    @staticmethod
+    def numpy_changed(before: Any) -> bool:
+        after = numpy.random.get_state()
+        return not (before[2:] == after[2:] and numpy.array_equal(before[1], after[1]))
+
+    @classmethod
+    @contextlib.contextmanager
+    def isolated(cls, seed: int = 0x5EED) -> Iterator[None]:
+        """Run a block on other random states (NumPy seeded with ``seed``,
+        fresh CuPy generators); the original states and generators, untouched,
+        are put back after."""
+        saved = cls.save_generators()
+        try:
+            numpy.random.seed(seed)
+            for states, _ in saved[1]:
+                states.clear()  # CuPy makes new generators on demand
+            yield
+        finally:
+            cls.restore_generators(saved)
+
+
+def seed_all(seed: int) -> None:
+    """Seed NumPy's global generator and, where CuPy is in use, CuPy's."""
+    numpy.random.seed(seed)
+    for mod in _cupy_modules():
+        mod.random.seed(seed)

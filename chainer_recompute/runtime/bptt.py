@@ -83,6 +83,7 @@ from ..core.solvers import chain as chain_solver
 from ..core.solvers.chain import ByteSizes
 from ..core.units import format_bytes, parse_bytes
 from .capture import state_bytes
+from .device import RandomStates, device_of, recording_random
 from .memory import MemoryMeasurement, MemoryMeter
 
 #: Accepted ``budget_scope`` values of :class:`ChainRecompute`.
@@ -258,6 +259,7 @@ class _Cell:
         self.model = model
         self.seqs = seqs
         self.explicit = explicit
+        self.device = device_of(list(_iter_arrays(seqs)))
         self.keys: List[Tuple[chainer.Link, str]] = []
         self.out_keys: List[Tuple[chainer.Link, str]] = []
         self.structure: Any = tuple
@@ -331,7 +333,8 @@ class _Run:
         self.running_pos: Optional[int] = 0
         self.running: Tuple[Any, ...] = _arrays(state0)
         self.state0_arrays = self.running
-        self.rng0 = np.random.get_state()
+        self.rng0 = RandomStates.save()
+        runner._recording_claimed = True  # closed when this run's backward ends
         self.next_first = 0  # next step whose loss is added to the total
         self.total: Any = None
         self.ops: Any = None
@@ -399,12 +402,12 @@ class _Run:
             return False
         if name == "store":
             assert self.running_pos == op[1]
-            self.ckpts[op[1]] = (self.running, np.random.get_state())
+            self.ckpts[op[1]] = (self.running, RandomStates.save())
             return restored
         if name == "restore":
             arrays, rng = self.ckpts[op[1]]
             self.running, self.running_pos = arrays, op[1]
-            np.random.set_state(rng)
+            RandomStates.restore(rng)
             return True
         if name == "free":
             del self.ckpts[op[1]]
@@ -441,7 +444,7 @@ class _Run:
                 # it must build its graph: run step 0 again from the start
                 self.skip_first = False
                 self.running, self.running_pos = self.state0_arrays, 0
-                np.random.set_state(self.rng0)
+                RandomStates.restore(self.rng0)
                 restored = True
             if op[0] in ("leaf", "backward"):
                 if op[0] == "leaf":
@@ -472,8 +475,8 @@ class _Run:
             # PTB example does); learnt for the next plans
             if self.grads_before:
                 runner._grads_cleared = not any(p.grad is not None for p in runner._params())
-        meter = MemoryMeter() if self.meter is not None else None
-        rng_before = np.random.get_state()
+        meter = self.cell.device.meter() if self.meter is not None else None
+        rng_before = RandomStates.save()
         ok = False
         try:
             if meter is not None:
@@ -493,7 +496,8 @@ class _Run:
                 meter.stop()
                 runner._finish_check(self, meter.result if ok else None)
             self.done = True
-            np.random.set_state(rng_before)
+            RandomStates.restore(rng_before)
+            runner._close_tape()
             if not self.cell.explicit:
                 self.cell.set_state(self.final_state)
                 for link, name, value in self.final_outputs:
@@ -516,6 +520,7 @@ class _Check:
     outputs: List[Tuple[Any, int]] = dataclasses.field(default_factory=list)
     plan_key: Hashable = None
     stats: Optional["BPTTStats"] = None
+    host_tables: bool = True
 
 
 class _LossNode(chainer.FunctionNode):
@@ -540,14 +545,14 @@ class _LossNode(chainer.FunctionNode):
 # --------------------------------------------------------------------------
 # Measuring a cell.
 
-def _meter() -> MemoryMeter:
-    return MemoryMeter()
+def _meter(cell: "_Cell") -> MemoryMeter:
+    return cell.device.meter()
 
 
 def recurrent_mask(cell: _Cell, k: int, state_arrays: Tuple[Any, ...]) -> Tuple[bool, ...]:
     """Which entries of the state step ``k`` reads (an attribute it only
     writes, such as ``L.Classifier``'s ``y``, is an output, not state)."""
-    rng = np.random.get_state()
+    rng = RandomStates.save()
     implicit_state = None if cell.explicit else cell.get_state()
     try:
         inputs = _leaves(state_arrays)
@@ -564,7 +569,7 @@ def recurrent_mask(cell: _Cell, k: int, state_arrays: Tuple[Any, ...]) -> Tuple[
                 stack.extend(node.creator_node.inputs)
         return tuple(v is not None and id(v.node) in seen for v in inputs)
     finally:
-        np.random.set_state(rng)
+        RandomStates.restore(rng)
         if implicit_state is not None:
             cell.set_state(implicit_state)
 
@@ -588,7 +593,7 @@ class _Measured:
 
 
 def _measure(cell: _Cell, k: int, state_arrays: Tuple[Any, ...]) -> _Measured:
-    with _meter():  # one tracing session for the measurements below
+    with _meter(cell):  # one tracing session for the measurements below
         return _measure_step(cell, k, state_arrays)
 
 
@@ -604,7 +609,8 @@ class _BackpropRecorder:
     wrapping Chainer's ``_backprop_utils.backprop_step`` for the length of
     a ``with`` block."""
 
-    def __init__(self) -> None:
+    def __init__(self, cell: "_Cell") -> None:
+        self.cell = cell
         self.records: Dict[int, Tuple[Tuple[int, ...], Tuple[int, ...], int]] = {}
 
     def __enter__(self) -> "_BackpropRecorder":
@@ -612,10 +618,11 @@ class _BackpropRecorder:
         self._module = _backprop_utils
         self._orig = orig = _backprop_utils.backprop_step
         records = self.records
+        cell = self.cell
 
         def step(func: Any, target_input_indexes: Any, grad_outputs: Any, grad_inputs: Any,
                  is_debug: Any) -> Any:
-            with _meter() as m:
+            with _meter(cell) as m:
                 out = orig(func, target_input_indexes, grad_outputs, grad_inputs, is_debug)
             gys = [None if g is None else _base(g.raw_array) for g in grad_outputs]
             n = len(func.inputs)
@@ -719,23 +726,23 @@ def _never_written(a: Any) -> bool:
 
 
 def _measure_step(cell: _Cell, k: int, state_arrays: Tuple[Any, ...]) -> _Measured:
-    rng = np.random.get_state()
+    rng = RandomStates.save()
     implicit_state = None if cell.explicit else cell.get_state()
     implicit_outputs = [(link, name, getattr(link, name)) for link, name in cell.out_keys]
     saved_grads: List[Tuple[chainer.Parameter, Any]] = []
     try:
-        with _meter() as m_rng:
-            snap = np.random.get_state()
+        with _meter(cell) as m_rng:
+            snap = RandomStates.save()
         rng_bytes = max(m_rng.result.end_bytes - m_rng.result.start_bytes, 0)
         del snap
         state_bytes = _nbytes(state_arrays)
         # a step without a graph
         with chainer.no_backprop_mode():
-            with _meter() as m_adv:
+            with _meter(cell) as m_adv:
                 loss, out = cell.run(k, _leaves(state_arrays))
             advance_peak = m_adv.result.peak_bytes
             del loss, out
-        np.random.set_state(rng)
+        RandomStates.restore(rng)
         # a step with its graph, from copies of the state (to see what it keeps of
         # them); the model's outputs and state of the step before are let go first,
         # so that their release does not hide what the step keeps
@@ -743,11 +750,11 @@ def _measure_step(cell: _Cell, k: int, state_arrays: Tuple[Any, ...]) -> _Measur
             setattr(link, name, None)
         if not cell.explicit:
             cell.set_state(_leaves(state_arrays))
-        with _meter() as m_copy:
+        with _meter(cell) as m_copy:
             copies = tuple(None if a is None else a.copy() for a in state_arrays)
             inputs = _leaves(copies)
         with chainer.using_config("enable_backprop", True):
-            with _meter() as m_keep:
+            with _meter(cell) as m_keep:
                 loss, outputs = cell.run(k, inputs)
         out_bytes = _nbytes([v for v in outputs if v is not None])
         keep_peak = m_keep.result.peak_bytes
@@ -756,7 +763,7 @@ def _measure_step(cell: _Cell, k: int, state_arrays: Tuple[Any, ...]) -> _Measur
         if not cell.explicit and cell.out_keys:
             held = [(link, name, getattr(link, name)) for link, name in cell.out_keys]
             outputs_bytes = _nbytes([v for _, _, v in held if isinstance(v, chainer.Variable)])
-            with _meter() as m_out:
+            with _meter(cell) as m_out:
                 for link, name, _ in held:
                     setattr(link, name, None)
                 del held
@@ -777,7 +784,7 @@ def _measure_step(cell: _Cell, k: int, state_arrays: Tuple[Any, ...]) -> _Measur
             p.grad_var = None
         outs = [loss] + [v for v in outputs if isinstance(v, chainer.Variable)]
         grads = [chainer.Variable(v.xp.ones_like(v.array)) for v in outs]
-        with _meter() as m_b1:
+        with _meter(cell) as m_b1:
             chainer.backward(outs, grads)
         param_bytes = _nbytes([p.grad for p in params if p.grad is not None])
         grad_bytes = _nbytes([v.grad for v in inputs if v is not None and v.grad is not None])
@@ -787,8 +794,8 @@ def _measure_step(cell: _Cell, k: int, state_arrays: Tuple[Any, ...]) -> _Measur
         # again, with the parameter gradients accumulating (as in every
         # backward but the first), recording each function's gradients
         graph = None
-        with _BackpropRecorder() as rec:
-            with _meter() as m_b2:
+        with _BackpropRecorder(cell) as rec:
+            with _meter(cell) as m_b2:
                 chainer.backward(outs, grads)
         try:
             graph = _step_graph(loss, inputs, tuple(outputs), rec.records)
@@ -803,7 +810,7 @@ def _measure_step(cell: _Cell, k: int, state_arrays: Tuple[Any, ...]) -> _Measur
             if v is not None:
                 v.grad_var = None
         del inputs, copies
-        with _meter() as m_now:
+        with _meter(cell) as m_now:
             pass
         retained_input = max(m_now.result.start_bytes - m_copy.result.start_bytes - internal
                              - out_bytes, 0)
@@ -818,7 +825,7 @@ def _measure_step(cell: _Cell, k: int, state_arrays: Tuple[Any, ...]) -> _Measur
     finally:
         for p, g in saved_grads:
             p.grad_var = g.make() if isinstance(g, _NaNGrad) else g
-        np.random.set_state(rng)
+        RandomStates.restore(rng)
         if implicit_state is not None:
             cell.set_state(implicit_state)
         for link, name, value in implicit_outputs:
@@ -950,14 +957,19 @@ class ChainRecompute:
         cell = _Cell(self.step, self.model, seqs, explicit)
         if not chainer.config.enable_backprop or not chainer.config.train:
             return self._plain(cell, t, state)
+        self._tape(cell)
         meter = self._start_check(seqs)
         try:
-            return self._run(cell, seqs, t, state, explicit, meter)
+            out = self._run(cell, seqs, t, state, explicit, meter)
         except BaseException:
             if meter is not None:
                 meter.meter.stop()
                 self._open_meter = None
+            self._close_tape()
             raise
+        if self._recording is not None and not self._recording_claimed:
+            self._close_tape()  # no backward of ours follows (one step: plain backprop)
+        return out
 
     run = __call__
 
@@ -977,12 +989,14 @@ class ChainRecompute:
         if not explicit and self.model is None:
             raise RecomputeError("the recurrent state lives in the model's links: pass model=")
         cell = _Cell(self.step, self.model, seqs, explicit)
-        rng = np.random.get_state()
+        self._tape(cell)
+        rng = RandomStates.save()
         restore = None if explicit else list(cell.candidates().values())
         try:
             return self._run(cell, seqs, len(seqs[0]), state, explicit, None, predict_only=True)
         finally:
-            np.random.set_state(rng)
+            RandomStates.restore(rng)
+            self._close_tape()
             for link, name, value in restore or ():
                 setattr(link, name, value)
 
@@ -995,7 +1009,7 @@ class ChainRecompute:
             state0 = None
         grads_before = self._grad_bytes()
         # step 0, as plain Chainer runs it (lazy parameters, RNG draws)
-        run_rng0 = np.random.get_state()
+        run_rng0 = RandomStates.save()
         with chainer.no_backprop_mode():
             loss0, state1 = cell.run(0, None if not explicit else state0)
         outputs_before = 0
@@ -1069,7 +1083,7 @@ class ChainRecompute:
         if meter is not None:
             meter.plan_key, meter.stats = plan_key, stats
             run.meter = meter
-            with MemoryMeter() as fwd:
+            with cell.device.meter() as fwd:
                 run.forward(ops)
             run.forward_peak = fwd.result.absolute_peak_bytes - meter.start_bytes
         else:
@@ -1222,23 +1236,40 @@ class ChainRecompute:
                          correction_bytes=correction)
 
     # ------------------------------------------------------------------ checks
+    _recording: Any = None
+    _recording_claimed = False
+
+    def _tape(self, cell: _Cell) -> None:
+        """Tape CuPy's draws from now until this call's backward is done
+        (:func:`~chainer_recompute.runtime.device.recording_random`): a step
+        run again from a checkpoint draws what it drew the first time."""
+        self._close_tape()  # the last call's loss was never backpropagated
+        self._recording = recording_random(cell.device)
+        self._recording_claimed = False
+
+    def _close_tape(self) -> None:
+        if self._recording is not None:
+            self._recording.close()
+            self._recording = None
+
     def _start_check(self, seqs: Sequence[Sequence[Any]]) -> Optional["_Check"]:
         """A meter from the call to the end of its backward, while the
         plan of the call still needs checking (NumPy only)."""
         if self.check_calls <= 0 or not self._need_check:
             return None
-        if not all(_is_numpy(a) for a in _iter_arrays(seqs)):
-            return None
+        dev = device_of(list(_iter_arrays(seqs)))
         if self._open_meter is not None:  # the last call's loss was never backpropagated
             self._open_meter.stop()
-        check = _Check(MemoryMeter())
+        check = _Check(dev.meter())
         check.meter.start()
         self._open_meter = check.meter
         check.owns = bool(getattr(check.meter, "_owns", False))
-        with MemoryMeter() as here:
+        with dev.meter() as here:
             pass
         check.start_bytes = here.result.start_bytes
-        check.tables = chain_solver.table_cache_bytes()
+        # planning tables: host memory, in tracemalloc's count on NumPy only
+        check.host_tables = not dev.is_gpu
+        check.tables = chain_solver.table_cache_bytes() if check.host_tables else 0
         if check.owns:  # arrays made before tracing began: their release is not seen
             check.grads = [(weakref.ref(p.grad), int(p.grad.nbytes)) for p in self._params()
                            if p.grad is not None]
@@ -1255,8 +1286,8 @@ class ChainRecompute:
         if backward is None:
             return
         # and the planning tables built in this call (host memory, outside budgets)
-        early = sum(nb for ref, nb in check.outputs if ref() is None) + max(
-            chain_solver.table_cache_bytes() - check.tables, 0)
+        early = sum(nb for ref, nb in check.outputs if ref() is None) + (max(
+            chain_solver.table_cache_bytes() - check.tables, 0) if check.host_tables else 0)
         cleared = sum(nb for ref, nb in check.grads if ref() is None)
         forward_peak = (run.forward_peak or 0) - early
         backward_peak = backward.absolute_peak_bytes - check.start_bytes - early - cleared
@@ -1301,7 +1332,7 @@ class ChainRecompute:
         """One step: plain backprop (nothing to recompute)."""
         if not explicit:
             cell.set_state(state0)
-        np.random.set_state(rng0)
+        RandomStates.restore(rng0)
         loss, new = cell.run(0, state0 if explicit else None)
         total = loss + 0
         if explicit:

@@ -1,10 +1,12 @@
 """chainer-recompute: memory-efficient backpropagation for Chainer.
 
-Every version pin of the project lives here. Chainer 7.8.1 ships only as a
-source archive whose setup.py imports ``pkg_resources``: build it with
-``PIP_CONSTRAINT=$PWD/constraints.txt`` (``setuptools<81``), as the README's
-set-up command does. Chainer also imports ``pkg_resources`` at run time,
-hence the run-time pin of setuptools.
+Every version requirement of the project lives here. Chainer 7.8.1 ships
+only as a source archive whose setup.py imports ``pkg_resources``: build it
+with ``PIP_CONSTRAINT`` naming a file with ``setuptools<81``, as the README's
+set-up commands do (``constraints.txt`` for the CPU set-up, which also keeps
+NumPy 1 there; ``constraints-gpu.txt``, which leaves NumPy alone, for a CUDA
+machine whose CuPy needs NumPy 2). Chainer also imports ``pkg_resources`` at
+run time, hence the run-time requirement on setuptools.
 """
 from setuptools import find_packages, setup
 
@@ -16,9 +18,9 @@ setup(
     python_requires=">=3.9",
     install_requires=[
         "chainer==7.8.1",
-        # Chainer 7.8.1 breaks on NumPy 2 (np.sctypes); chainer_recompute._compat
-        # patches that for GPU machines that have NumPy 2, but CPU installs pin 1.x.
-        "numpy>=1.21,<2",
+        # NumPy 1 or 2: chainer_recompute._compat makes Chainer 7.8.1 run on
+        # NumPy 2 (np.sctypes), which CuPy 14 needs.
+        "numpy>=1.21",
         "networkx>=2.6",
         "setuptools<81",
     ],

@@ -18,7 +18,7 @@ How it runs:
 
 - the forward pass runs every step once without building a graph
   (``no_backprop_mode``), keeping only the checkpoints the policy stores:
-  the recurrent state with the NumPy RNG state (so dropout draws the same
+  the recurrent state with the random states (so dropout draws the same
   masks when a step runs again), or a step's whole graph (ISM/MSM);
 - the returned loss is the sum of the step losses, added in the order the
   loop adds them; its ``backward()`` walks the policy's schedule
@@ -28,7 +28,7 @@ How it runs:
   parameter gradients accumulate step by step, last step first, as in
   plain backprop;
 - afterwards the model's state is the final state of the forward pass and
-  NumPy's RNG is where it was before ``backward()``.
+  the random states are where they were before ``backward()``.
 
 The recurrent state is either held by the model's links (``L.LSTM``'s
 ``h``/``c``, any non-parameter Variable attribute a step replaces: the
@@ -47,7 +47,8 @@ fits with 1% of headroom. By default (``budget_scope='total'``, as
 ``apply()``) the budget covers the whole iteration: parameters, their
 gradients, optimizer state, the inputs, the recurrent state and everything
 the call adds up to the optimizer update; ``'call'`` covers only what the
-call adds. The first calls of a plan are measured (tracemalloc, NumPy); a
+call adds. The first calls of a plan are measured (NumPy: tracemalloc; CuPy:
+the memory pool); a
 peak over the budget corrects the prediction for the next call. Plain
 BPTT's peak is predicted by replaying Chainer's backward order over the
 whole unroll (:func:`chainer_recompute.core.solvers.chain.plain_peak_bytes`):
@@ -60,8 +61,10 @@ step in Chainer's order, which is the plain graph's whenever a state feeds
 at most two functions (true of ``L.LSTM``, ``L.NStepLSTM``); a parameter
 used at two different depths of one step (tied input and output
 embeddings) accumulates its gradient in another order than plain
-backprop's (equal to rounding). CuPy's RNG is not saved: on GPU use
-deterministic cells or no dropout.
+backprop's (equal to rounding). On CuPy, whose generators cannot be read
+or set, a call tapes CuPy's draws (:func:`~chainer_recompute.runtime.device.recording_random`)
+and serves them again to a step run from a checkpoint: the tape holds the
+call's draws on the device until its backward ends.
 """
 from __future__ import annotations
 
@@ -978,7 +981,7 @@ class ChainRecompute:
         slots, forward steps, predicted peaks (the policy's and plain
         BPTT's). The first time a shape is seen, the cell is measured (one
         step run with and without its graph); the model's state, outputs,
-        gradients and NumPy's RNG are left as they were.
+        gradients and the random states are left as they were.
 
         Raises:
             as a call does (bad input, an infeasible budget).
@@ -1254,7 +1257,7 @@ class ChainRecompute:
 
     def _start_check(self, seqs: Sequence[Sequence[Any]]) -> Optional["_Check"]:
         """A meter from the call to the end of its backward, while the
-        plan of the call still needs checking (NumPy only)."""
+        plan of the call still needs checking."""
         if self.check_calls <= 0 or not self._need_check:
             return None
         dev = device_of(list(_iter_arrays(seqs)))

@@ -279,3 +279,17 @@ def test_resnet50_at_a_small_input():
     assert g.param_bytes == sum(p.array.nbytes for p in model.params())
     assert g.retained_bytes < g.activation_bytes
     assert "nodes" in g.summary()
+
+
+def test_where_condition_is_state_even_when_all_false():
+    """F.where keeps its condition as an attribute set in __init__, not made
+    by forward: a rerun without it gives the same outputs when the condition
+    is all False (a shifted softplus), yet it is state, not derived."""
+    def f(x):
+        a = x * 2
+        return F.sum(F.where(a.array > 20, a, F.softplus(a)))
+
+    g = capture(f, chainer.Variable(np.ones((3, 8), np.float32)))
+    where = next(n for n in g.nodes if n.op == "Where")
+    held = {h.name: h.role for h in where.held}
+    assert held.get("condition", "state") == "state"

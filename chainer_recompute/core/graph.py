@@ -154,7 +154,7 @@ class Graph:
             recorded iteration (``None`` where not recorded).
 
     >>> g = Graph.from_edges([4, 8, 4], [(0, 1), (1, 2)])
-    >>> g.n, list(g.node_bytes), g.preds[2]
+    >>> g.n, g.node_bytes.tolist(), g.preds[2]
     (3, [4, 8, 4], (1,))
     """
 

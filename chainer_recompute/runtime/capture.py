@@ -193,10 +193,12 @@ def _analysis_key(f: Any, in_data: Tuple[Any, ...], held_names: Tuple[str, ...],
 
 def _rerun(f: chainer.FunctionNode, in_data: Tuple[Any, ...],
            clear: Sequence[Tuple[Any, str]] = (),
-           detach: Sequence[Tuple[Any, str]] = ()) -> Tuple[Any, ...]:
+           detach: Sequence[Tuple[Any, str]] = (),
+           remade: Optional[List[Any]] = None) -> Tuple[Any, ...]:
     """Run ``f.forward`` again; attributes in ``clear`` set to None and
-    those in ``detach`` replaced by copies for the run. ``f``'s attributes
-    are put back as they were afterwards."""
+    those in ``detach`` replaced by copies for the run; ``remade`` gets the
+    values the run left in the ``clear`` attributes. ``f``'s attributes are
+    put back as they were afterwards."""
     saved = [dict(vars(o)) for o in _attr_owners(f)]
     try:
         for owner, name in clear:
@@ -205,7 +207,10 @@ def _rerun(f: chainer.FunctionNode, in_data: Tuple[Any, ...],
             setattr(owner, name, getattr(owner, name).copy())
         with chainer.using_config("in_recomputing", True), \
                 chainer.using_device(backend.get_device_from_array(*in_data)):
-            return tuple(type(f).forward(f, in_data))
+            out = tuple(type(f).forward(f, in_data))
+        if remade is not None:
+            remade.extend(getattr(owner, name, None) for owner, name in clear)
+        return out
     finally:
         for o, d in zip(_attr_owners(f), saved):
             vars(o).clear()
@@ -239,12 +244,13 @@ def analyse_function(f: chainer.FunctionNode, in_data: Tuple[Any, ...],
     if cached is not None:
         return Analysis(cached.recomputable, cached.reason, dict(cached.roles))
 
-    def run(clear: Sequence[Tuple[Any, str]] = ()) -> Tuple[Optional[Tuple[Any, ...]], bool]:
+    def run(clear: Sequence[Tuple[Any, str]] = (),
+            remade: Optional[List[Any]] = None) -> Tuple[Optional[Tuple[Any, ...]], bool]:
         """(outputs or None on failure, whether the run drew randomness)."""
         with RandomStates.isolated():
             before = numpy.random.get_state()
             try:
-                out = _rerun(f, in_data, clear=clear, detach=written)
+                out = _rerun(f, in_data, clear=clear, detach=written, remade=remade)
             except Exception:  # noqa: BLE001 - any failure means "not reproducible"
                 return None, False
             return out, RandomStates.numpy_changed(before)
@@ -266,11 +272,17 @@ def analyse_function(f: chainer.FunctionNode, in_data: Tuple[Any, ...],
                                  "BatchRenormalization's running averages, or draws "
                                  "randomness it does not keep)", roles)
     else:
-        for owner, name, _ in held:
+        for owner, name, value in held:
             if name in roles:
                 continue
-            out2, drew2 = run(clear=[(owner, name)])
-            roles[name] = "derived" if (same(out2) and not drew2) else "state"
+            # Derived: the forward makes the attribute again, bit for bit,
+            # from the inputs alone. Outputs that merely match without it
+            # (F.where's condition when it is all False) do not make it so.
+            remade: List[Any] = []
+            out2, drew2 = run(clear=[(owner, name)], remade=remade)
+            again = remade[0] if remade else None
+            roles[name] = ("derived" if same(out2) and not drew2 and is_array(again)
+                           and same_array(again, value) else "state")
         result = Analysis(True, "", roles)
     if len(_ANALYSIS_CACHE) < _ANALYSIS_CACHE_LIMIT:
         _ANALYSIS_CACHE[key] = Analysis(result.recomputable, result.reason, dict(result.roles))

@@ -6,7 +6,8 @@ Its arrays are NumPy arrays, put on the "device" by
 
 - the memory pool (``get_default_memory_pool()``): every allocation is
   rounded up to 512 bytes; a freed block stays cached in the pool (its
-  ``total_bytes()``) and is reused, best fit, split when larger; a limit
+  ``total_bytes()``), merged with its free neighbours, and is reused, best
+  fit, split when larger; a limit
   (``set_limit(size=...)``) frees the cached whole blocks first and then
   raises ``OutOfMemoryError``, as CuPy's does;
 - ``cuda.MemoryHook``: hooks see ``malloc_postprocess`` after each
@@ -43,10 +44,10 @@ class OutOfMemoryError(MemoryError):
 
 
 class _Block:
-    __slots__ = ("size", "segment", "free")
+    __slots__ = ("size", "segment", "offset", "free")
 
-    def __init__(self, size: int, segment: int) -> None:
-        self.size, self.segment, self.free = size, segment, False
+    def __init__(self, size: int, segment: int, offset: int = 0) -> None:
+        self.size, self.segment, self.offset, self.free = size, segment, offset, False
 
 
 class FakePool:
@@ -90,9 +91,9 @@ class FakePool:
         size = -(-int(nbytes) // UNIT) * UNIT
         fits = [b for b in self.blocks if b.free and b.size >= size]
         if fits:
-            best = min(fits, key=lambda b: b.size)
+            best = min(fits, key=lambda b: (b.size, b.segment, b.offset))
             if best.size > size:  # split: the rest stays cached
-                rest = _Block(best.size - size, best.segment)
+                rest = _Block(best.size - size, best.segment, best.offset + size)
                 rest.free = True
                 self.blocks.append(rest)
                 best.size = size
@@ -113,7 +114,16 @@ class FakePool:
         return block
 
     def free(self, block: _Block) -> None:
+        """Cache the block, merged with its free neighbours in its segment."""
         block.free = True
+        for other in [b for b in self.blocks if b.free and b is not block
+                      and b.segment == block.segment]:
+            if other.offset + other.size == block.offset:
+                block.offset, block.size = other.offset, block.size + other.size
+                self.blocks.remove(other)
+            elif block.offset + block.size == other.offset:
+                block.size += other.size
+                self.blocks.remove(other)
 
 
 class _Hook:

@@ -253,3 +253,41 @@ def test_seed_all_seeds_both():
         seed_all(5)
         b = (np.random.rand(), fake.random.rand(2))
     assert a[0] == b[0] and np.array_equal(a[1], b[1])
+
+
+def test_pool_model_follows_the_pool():
+    """core.pool.PoolModel (the replay's model of CuPy's pool) and the test
+    double's pool, written apart, agree at every step of random traffic."""
+    from chainer_recompute.core.pool import PoolModel
+    rng = np.random.RandomState(0)
+    model, pool = PoolModel(), FakeCupy().get_default_memory_pool()
+    live = []
+    for _ in range(2000):
+        if live and rng.rand() < 0.45:
+            h, b = live.pop(rng.randint(len(live)))
+            model.free(h)
+            pool.free(b)
+        else:
+            n = int(rng.choice([100, 512, 1000, 4096, 5000, 20000]))
+            live.append((model.alloc(n), pool.malloc(n)))
+        assert (model.used_bytes, model.total_bytes) == (pool.used_bytes(), pool.total_bytes())
+    assert model.peak_total_bytes > model.peak_used_bytes  # fragments and cached blocks
+
+
+def test_replay_models_the_pool_on_graphs_recorded_on_cupy():
+    from chainer_recompute.core.budget import plan_for_budget
+    from chainer_recompute.core.replay import replay
+    from chainer_recompute.runtime.capture import capture
+    fake = FakeCupy()
+    x, t = _inputs()
+    model = Net()
+    model(x, t)
+    with fake.active():
+        g = capture(model, x, t, backward=True)
+    assert g.meta["allocator"] == "cupy"
+    r = replay(g)
+    assert r.pool_total_peak_bytes is not None and r.peak_bytes == max(
+        r.pool_total_peak_bytes, r.used_peak_bytes)
+    assert replay(capture(model, x, t, backward=True)).pool_total_peak_bytes is None
+    plan = plan_for_budget(g, "least")  # the pool's total is what the budget bounds
+    assert plan.predicted_peak_bytes <= plan.budget_bytes

@@ -43,6 +43,7 @@ import numpy as np
 
 from .execution import ExecutionPlan
 from .graph import Graph
+from .pool import PoolModel
 
 __all__ = ["RELEASE_MODES", "ReplayResult", "replay", "state_constant_bytes"]
 
@@ -70,6 +71,11 @@ class ReplayResult:
         memory_bytes: the total at each event (int64), peaks of calls
             included.
         recomputed: nodes re-run in the backward (with repeats).
+        used_peak_bytes: the largest total of live arrays (what CuPy's
+            ``used_bytes()`` reads); equal to ``peak_bytes`` but on CuPy.
+        pool_total_peak_bytes: on a graph recorded on CuPy, the largest
+            ``total_bytes()`` of its memory pool (cached and split blocks
+            included), which ``peak_bytes`` then is; None elsewhere.
     """
 
     peak_bytes: int
@@ -78,6 +84,8 @@ class ReplayResult:
     events: Tuple[str, ...] = field(repr=False)
     memory_bytes: np.ndarray = field(repr=False)
     recomputed: int = 0
+    used_peak_bytes: Optional[int] = None
+    pool_total_peak_bytes: Optional[int] = None
 
 
 def state_constant_bytes(graph: Graph) -> int:
@@ -101,7 +109,9 @@ def param_grad_bytes(graph: Graph) -> int:
 
 class _Memory:
     """Buffers with the reasons they are alive, attribute arrays and
-    gradients; the running total."""
+    gradients; the running total, and on a graph recorded on CuPy
+    (``meta['allocator'] == 'cupy'``) the pool's total bytes too
+    (:class:`~chainer_recompute.core.pool.PoolModel`)."""
 
     def __init__(self, graph: Graph, base: int) -> None:
         self.graph = graph
@@ -112,13 +122,35 @@ class _Memory:
                          if a.kind == "param" or _caller_input(a)}
         self.holders: Dict[int, Set[Tuple[int, str]]] = {}  # buffer -> {(array, reason)}
         self.attrs: Dict[Tuple[int, str], int] = {}
-        self.level = base
+        self.level = 0
+        self.pool: Optional[PoolModel] = PoolModel() if graph.meta.get("allocator") == "cupy" \
+            else None
+        self._handles: Dict[Any, int] = {}
         self.events: List[str] = []
         self.trace: List[int] = []
+        self.used_trace: List[int] = []
+        self.alloc("base", base)
+
+    def alloc(self, key: Any, nbytes: int) -> None:
+        self.level += nbytes
+        if self.pool is not None:
+            self._handles[key] = self.pool.alloc(nbytes)
+
+    def free(self, key: Any, nbytes: int) -> None:
+        self.level -= nbytes
+        if self.pool is not None:
+            self.pool.free(self._handles.pop(key, -1))
 
     def record(self, label: str, extra: int = 0) -> None:
+        """One event; ``extra``: the call's transient, allocated and freed in it."""
         self.events.append(label)
-        self.trace.append(self.level + extra)
+        used = self.level + extra
+        self.used_trace.append(used)
+        if self.pool is not None:
+            h = self.pool.alloc(extra)
+            used = max(used, self.pool.total_bytes)
+            self.pool.free(h)
+        self.trace.append(used)
 
     def hold(self, a: int, why: str) -> None:
         buf = self.owner[a]
@@ -127,7 +159,7 @@ class _Memory:
         held = self.holders.get(buf)
         if held is None:
             held = self.holders[buf] = set()
-            self.level += self.graph.arrays[buf].owned_bytes
+            self.alloc(("buf", buf), self.graph.arrays[buf].owned_bytes)
         held.add((a, why))
 
     def drop(self, a: int, why: str) -> None:
@@ -138,7 +170,7 @@ class _Memory:
         held.discard((a, why))
         if not held:
             del self.holders[buf]
-            self.level -= self.graph.arrays[buf].owned_bytes
+            self.free(("buf", buf), self.graph.arrays[buf].owned_bytes)
 
     def held_by(self, a: int, *whys: str) -> bool:
         return any((a, w) in self.holders.get(self.owner[a], ()) for w in whys)
@@ -151,10 +183,11 @@ class _Memory:
     def set_attr(self, key: Tuple[int, str], nbytes: int) -> None:
         if key not in self.attrs:
             self.attrs[key] = nbytes
-            self.level += nbytes
+            self.alloc(("attr", key), nbytes)
 
     def clear_attr(self, key: Tuple[int, str]) -> None:
-        self.level -= self.attrs.pop(key, 0)
+        if key in self.attrs:
+            self.free(("attr", key), self.attrs.pop(key))
 
 
 class _Gradients:
@@ -177,7 +210,7 @@ class _Gradients:
         b = self._next
         self._next += 1
         self.size[b], self.refs[b] = nbytes, 0
-        self.mem.level += nbytes
+        self.mem.alloc(("grad", b), nbytes)
         self._ref(a, {b})
 
     def share(self, a: int, bufs: Set[int]) -> None:
@@ -202,7 +235,7 @@ class _Gradients:
             for b in self.of.pop(a, ()):
                 self.refs[b] -= 1
                 if self.refs[b] == 0:
-                    self.mem.level -= self.size.pop(b)
+                    self.mem.free(("grad", b), self.size.pop(b))
                     del self.refs[b]
 
 
@@ -234,7 +267,8 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
     nodes = graph.nodes
     constant = state_constant_bytes(graph)
     old_grads = param_grad_bytes(graph) if graph.meta.get("grads_in_forward", True) else 0
-    mem = _Memory(graph, constant + old_grads)
+    mem = _Memory(graph, constant)
+    mem.alloc("old grads", old_grads)
     dropped: FrozenSet[int] = plan.dropped if plan is not None else frozenset()
     # Which outputs have their data held in their node (a consumer retains
     # them): those come back on regeneration.
@@ -304,7 +338,7 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
         for u in plan.release_at.get(n, ()):
             release(u)
     mem.record("end of forward")
-    mem.level -= old_grads  # cleared before the backward
+    mem.free("old grads", old_grads)  # cleared before the backward
     grads_made: Set[int] = set()
     grads = _Gradients(mem)
 
@@ -425,7 +459,7 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
                 grads.share(a, out_bufs)
         if left > 0 and fresh:  # more than the gradients' sizes: keep it on the first
             grads.new(fresh[0], left)
-        mem.level += param_new
+        mem.alloc(("param grads", w), param_new)
         mem.record(f"backward {w} {node.op}", extra)
         grads.drop(node.outputs)
         if plan is not None:
@@ -444,7 +478,7 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
     if returned and not any(a.producer is not None and a.dies_at is None and a.id not in returned
                             for a in arrays):
         for buf in list(mem.holders):
-            mem.level -= arrays[buf].nbytes
+            mem.free(("buf", buf), arrays[buf].nbytes)
         mem.holders.clear()
         for key in list(mem.attrs):
             mem.clear_attr(key)
@@ -455,7 +489,10 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
     return ReplayResult(peak_bytes=int(trace[k]) if len(trace) else constant,
                         peak_event=mem.events[k] if mem.events else "",
                         constant_bytes=constant, events=tuple(mem.events),
-                        memory_bytes=trace, recomputed=recomputed)
+                        memory_bytes=trace, recomputed=recomputed,
+                        used_peak_bytes=max(mem.used_trace, default=constant),
+                        pool_total_peak_bytes=(None if mem.pool is None
+                                               else int(mem.pool.peak_total_bytes)))
 
 
 def plan_of(graph: Graph, lower_sets: Sequence[FrozenSet[int]],

@@ -372,6 +372,7 @@ class Recorder(chainer.FunctionHook):
         self.name = f"chainer_recompute-{id(self):x}"
         self.measure, self.analyse = measure, analyse
         self.recording = True
+        self.on_cupy = False  # a recorded call ran on CuPy: the graph's allocator is its pool
         self.calls: List[Call] = []
         self.arrays: List[_ArrayRecord] = []
         self.array_of: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
@@ -477,6 +478,7 @@ class Recorder(chainer.FunctionHook):
             inputs_before = ([buffer_print(x) if is_array(x) else None for x in in_data]
                              if _WRITES_INPUTS.get(key, True) else [None] * len(in_data))
             dev = device_of(in_data)
+            self.on_cupy = self.on_cupy or dev.is_gpu
             meter = dev.meter() if measure else None
             call._pre = (attrs_before, inputs_before, numpy.random.get_state(), meter)
 
@@ -754,6 +756,8 @@ class Recorder(chainer.FunctionHook):
                 forward_transient_bytes=fwd_t, backward_transient_bytes=bwd_t,
                 backward_alloc_bytes=bwd_a, has_backward=c.has_backward))
         m: Dict[str, Any] = {"model": name, "returned": list(self.returned)}
+        if self.on_cupy:
+            m["allocator"] = "cupy"  # the replay models its pool (core.pool)
         m.update(meta or {})
         order = self.backward_order or None
         return Graph(arrays, nodes, batch_size=batch_size, cost_model=cost_model, meta=m,

@@ -588,3 +588,23 @@ def test_two_live_graphs_share_one_saved_copy_of_a_parameter():
     for g_plain, g_ours in zip(grads[id(plain)], grads[id(ours)]):
         for u, v in zip(g_plain, g_ours):
             np.testing.assert_array_equal(u, v)
+
+
+def test_numpy_scalar_argument_is_part_of_the_signature_by_value():
+    """A forward that takes a schedule value as an np.float32 (a new object
+    every call) is planned, not recorded on every call."""
+    class Scaled(MLP):
+        def forward(self, x, t, scale):
+            return super().forward(x * scale, t)
+
+    x, t = mlp_inputs()
+    model = Scaled(width=256, depth=4)
+    cr.apply(model, budget="least", verbose=False)
+    paths = []
+    for k in range(4):
+        model.cleargrads()
+        model(x, t, np.float32(0.5) + np.float32(0)).backward()
+        paths.append(cr.runner_of(model).last_stats.path)
+    assert paths == ["recorded", "planned", "planned", "planned"]
+    model(x, t, np.float32(0.25)).backward()  # another value: another signature
+    assert cr.runner_of(model).last_stats.path == "recorded"

@@ -15,7 +15,6 @@ import chainer  # noqa: E402
 import chainer.functions as F  # noqa: E402
 import chainer.links as L  # noqa: E402
 
-from chainer_recompute.runtime.capture import capture  # noqa: E402
 from chainer_recompute.runtime.memory import MemoryMeter  # noqa: E402
 
 

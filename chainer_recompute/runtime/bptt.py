@@ -189,10 +189,6 @@ def _iter_arrays(x: Any) -> Any:
             yield from _iter_arrays(y)
 
 
-def _is_numpy(a: Any) -> bool:
-    return isinstance(a, np.ndarray) or isinstance(a, np.generic)
-
-
 def _input_bytes(seqs: Sequence[Any]) -> int:
     """Bytes of the per-step inputs, each buffer once (views of one array
     count their base)."""

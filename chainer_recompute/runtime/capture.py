@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import sys
 import time
 import weakref
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple

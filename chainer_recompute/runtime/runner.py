@@ -90,6 +90,14 @@ def _signature(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Hashable:
             return ("dict",) + tuple((k, one(v)) for k, v in sorted(x.items(), key=repr))
         if isinstance(x, (int, float, str, bool, type(None))):
             return ("value", x)
+        if isinstance(x, numpy.generic):  # np.float32(lr): by value, not by id
+            return ("value", str(x.dtype), x.item())
+        if type(x).__hash__ not in (None, object.__hash__):
+            try:  # hashable by value (a frozen config, an enum, a tuple-like)
+                hash(x)
+                return ("value", type(x).__qualname__, x)
+            except TypeError:
+                pass
         return ("object", type(x).__name__, id(x))
 
     return (tuple(one(a) for a in args),
@@ -455,7 +463,6 @@ class Recompute:
         s.program.release_mode_decided = s.program.multi_backward
         if s.program.release_mode != "none" and self.budget_scope == "total":
             # what the plan will really hold: its prediction in that mode
-
             peak = replay(s.graph, s.program, release_mode=s.program.release_mode).peak_bytes
             s.plan = dataclasses.replace(s.plan, predicted_peak_bytes=peak)
         if s.program.multi_backward:

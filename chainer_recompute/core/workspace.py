@@ -168,9 +168,12 @@ class ConvCall:
                 None if self.input_grad is None else self.input_grad.chunk(limit_bytes, exact),
                 None if self.weight_grad is None else self.weight_grad.chunk(limit_bytes, exact))
 
-    def chunked(self, limit_bytes: Optional[int]) -> bool:
-        """Whether the call runs chunked (all three kernels share one
-        column size, so it is all or nothing)."""
+    def chunked(self, limit_bytes: Optional[int], exact: bool = True) -> bool:
+        """Whether the call runs this module's kernels (all three share one
+        column size, so it is all or nothing; ``exact`` at batch 1: never,
+        Chainer's kernel holds one column buffer there already)."""
+        if exact and self.forward.units == 1:
+            return False
         return limit_bytes is not None and self.forward.column_bytes > limit_bytes
 
     def transients(self, limit_bytes: Optional[int], exact: bool = True) -> Tuple[int, int]:
@@ -260,7 +263,7 @@ def bounded_graph(graph: Graph, limit_bytes: Optional[int], exact: bool = True) 
         if plain is None:
             plain = [node.forward_transient_bytes, node.backward_transient_bytes]
         attrs.pop("workspace_chunks", None)
-        if call.chunked(limit_bytes):
+        if call.chunked(limit_bytes, exact):
             fwd, bwd = call.transients(limit_bytes, exact)
             attrs["plain_transient_bytes"] = list(plain)
             attrs["workspace_chunks"] = list(call.chunks(limit_bytes, exact))
@@ -296,6 +299,9 @@ def candidate_limits(graph: Graph, max_candidates: int = 48,
     if not calls:
         return [None]
     if exact:  # every call over the bound runs one-copy: the least bound does it for all
+        calls = [c for c in calls if c.forward.units > 1]
+        if not calls:
+            return [None]
         least = min(c.forward.column_bytes for c in calls) - 1
         return [None, max(1, least)]
     points = {1}

@@ -160,7 +160,9 @@ def _conv_forward(f: Any, x: Any, W: Any, b: Any, limit: int, exact: bool) -> Op
     oh = _out_size(h, kh, f.sy, f.ph, f.cover_all, f.dy)
     ow = _out_size(w, kw, f.sx, f.pw, f.cover_all, f.dx)
     k = conv_kernel(x.shape, W.shape, (n_all, o, oh, ow), x.dtype.itemsize)
-    if k.column_bytes <= limit:
+    if k.column_bytes <= limit or (exact and n_all == 1):
+        # one sample: Chainer's transposed columns are a view already (one
+        # buffer), and its GEMM reads them transposed: its own kernel
         return None
     n = k.chunk(limit, exact)
     xp = backend.get_array_module(x)
@@ -186,7 +188,7 @@ def _deconv_forward(f: Any, x: Any, W: Any, b: Any, limit: int, exact: bool) -> 
     n_all = x.shape[0]
     _, co, kh, kw = W.shape
     k = deconv_kernel(x.shape, W.shape, x.dtype.itemsize)
-    if k.column_bytes <= limit:
+    if k.column_bytes <= limit or (exact and n_all == 1):
         return None
     n = k.chunk(limit, exact)
     xp = backend.get_array_module(x)
@@ -221,7 +223,7 @@ def _grad_w(f: Any, x: Any, gy: Any, limit: int, exact: bool) -> Optional[Tuple[
     _, o, oh, ow = gy.shape
     kh, kw = f.kh, f.kw
     k = gradw_kernel(x.shape, gy.shape, (o, c_all, kh, kw), x.dtype.itemsize)
-    if k.column_bytes <= limit:
+    if k.column_bytes <= limit or (exact and n_all == 1):
         return None
     cc = k.chunk(limit, exact)
     xp = backend.get_array_module(x)

@@ -16,7 +16,6 @@ from chainer_recompute.core.workspace import (bounded_graph, candidate_limits, c
                                               parse_workspace, plan_with_workspace)
 from chainer_recompute.runtime import workspace as ws
 from chainer_recompute.runtime.capture import capture
-from chainer_recompute.runtime.memory import MemoryMeter
 
 # (N, C, H, W, O, k, stride, pad, dilate, cover_all): padding, stride 2, a
 # batch that no chunk divides, 1x1 and 7x7 kernels, dilation, cover_all

@@ -141,6 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tc: least recomputation; mc: least memory")
     p.add_argument("--cost", default="measured", choices=("measured", "flops", "paper"),
                    help="cost model T_v for the solver")
+    p.add_argument("--workspace", default=None, metavar="SIZE|auto",
+                   help="bound one convolution call's column buffer: a size ('64M') or "
+                        "auto (chosen with the plan); calls over it build it in one copy, "
+                        "bit-identical (default: Chainer's kernels)")
     p.add_argument("--dry-run", action="store_true",
                    help="plan only (the default without --iterations), and say so: the graph "
                         "is recorded at --capture-batch and scaled; nothing runs at the full "
@@ -172,7 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-_VALUE_OPTIONS = ("--budget", "--batch-size", "--capture-batch", "--iterations", "--seed")
+_VALUE_OPTIONS = ("--budget", "--batch-size", "--capture-batch", "--iterations", "--seed",
+                  "--workspace")
 
 
 def _join_negative_values(argv: Sequence[str]) -> List[str]:
@@ -277,6 +282,7 @@ def _run(args: argparse.Namespace) -> int:
     subject = (f"{args.model} at batch {source['batch_size']}" if not args.graph
                else os.path.basename(args.graph))
     report = plan_report(graph, args.budget, solver=args.solver, strategy=args.strategy,
+                         workspace=_workspace(args),
                          scope=scope, progress=progress, subject=subject)
     report["source"] = source
     report["command"] = " ".join([PROG] + [shlex.quote(a) for a in _argv_of(args)])
@@ -399,7 +405,7 @@ def _record_model(args: argparse.Namespace, progress: Any) -> Tuple[Any, Dict[st
 # ------------------------------------------------------------- planning
 def plan_report(graph: Any, budget: str, *, solver: str = "approx", strategy: str = "tc",
                 scope: str = "total", progress: Any = None,
-                subject: str = "this graph") -> Dict[str, Any]:
+                subject: str = "this graph", workspace: Any = None) -> Dict[str, Any]:
     """Plan ``graph`` for ``budget`` (as typed, or ``'least'``) and gather
     what the report shows: plain backprop, the plan, the least feasible
     budget, and the memory timelines of both.
@@ -418,6 +424,11 @@ def plan_report(graph: Any, budget: str, *, solver: str = "approx", strategy: st
     with progress.step("replaying plain backprop"):
         plain = replay(graph, None)
     if scope == "total":
+        if workspace is not None:  # the convolutions' bound (--workspace)
+            from .core.workspace import bounded_graph, plan_with_workspace
+            graph = (plan_with_workspace(graph, budget, "auto", solver=solver,
+                                         strategy=strategy)[1] if workspace == "auto"
+                     else bounded_graph(graph, workspace))
         plan, least_plan, least_bytes, plain_peak, times = _plan_total(
             graph, budget_bytes, solver, strategy, progress)
     else:
@@ -592,7 +603,17 @@ def _apply_options(args: argparse.Namespace, report: Dict[str, Any]) -> Dict[str
     budget = report["budget"]["text"]
     return dict(budget=budget, solver=args.solver, strategy=args.strategy, cost=args.cost,
                 budget_scope=report["budget"]["scope"],
-                check_iterations=max(3, args.iterations), verbose=args.verbose)
+                check_iterations=max(3, args.iterations), verbose=args.verbose,
+                workspace=_workspace(args))
+
+
+def _workspace(args: argparse.Namespace) -> Any:
+    """--workspace as apply() takes it (None, 'auto' or bytes)."""
+    from .core.workspace import parse_workspace
+    try:
+        return parse_workspace(getattr(args, "workspace", None))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 class _NoErrors(logging.Filter):

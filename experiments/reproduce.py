@@ -62,6 +62,14 @@ APPLY = {
     "exact-tc": dict(solver="exact", strategy="tc", budget_scope="total"),
     "exact-mc": dict(solver="exact", strategy="mc", budget_scope="total"),
     "chen": dict(solver="chen", strategy="tc", budget_scope="activations"),
+    # issue 25: the convolutions' column buffers built in one copy where the
+    # planner finds it pays (bit-identical; runtime/workspace.py)
+    "approx-tc-ws": dict(solver="approx", strategy="tc", budget_scope="total",
+                         workspace="auto"),
+    # the same, planned from a separate capture at batch 1, scaled: no plain
+    # iteration at the full batch (U-Net's is 20.7 GB)
+    "approx-tc-ws-cb1": dict(solver="approx", strategy="tc", budget_scope="total",
+                             workspace="auto", capture_batch=1),
 }
 
 
@@ -226,7 +234,9 @@ def worker(net: str, method: str, batch: int, *, measured: int, optimizer: str, 
                     **peak_parts(g, rp)},
             vanilla_replay={"peak_bytes": van.peak_bytes, **peak_parts(g, van)},
             predicted_peak_bytes=rp.peak_bytes,
-            structures=len(entry.structures))
+            structures=len(entry.structures),
+            workspace_bytes=g.meta.get("workspace_bytes"),
+            workspace_calls=sum(1 for n in g.nodes if n.attrs.get("workspace_chunks")))
         if save_graph:
             Path(save_graph).parent.mkdir(parents=True, exist_ok=True)
             cr.save_graph(g, save_graph)

@@ -45,6 +45,7 @@ from ..core.graph import Graph
 from ..core.units import format_bytes, parse_bytes
 from .capture import batch_size_of, capture, leave_no_trace, state_bytes
 from .executor import IterationHook, IterationStats, Program
+from .workspace import bounded
 
 logger = logging.getLogger(__name__)
 
@@ -184,6 +185,14 @@ class Recompute:
         verbose: print one line when the first plan is made (through the
             ``chainer_recompute.report`` logger, visible by default);
             warnings and errors are printed either way.
+        workspace: a bound on one convolution call's temporary memory
+            (``'64M'``, bytes), ``'auto'`` (the planner chooses it with the
+            plan), or ``None`` (default: Chainer's own kernels). Calls over
+            it run :mod:`~chainer_recompute.runtime.workspace`'s kernels and
+            the planner sees their transients. ``workspace_exact`` (default
+            True): bit-identical one-call kernels only (a column buffer
+            built in one copy instead of Chainer's two); False: chunked to
+            fit the bound, not bit-identical on OpenBLAS (README).
         check_iterations: how many planned iterations per plan have their
             peak measured by the allocator (NumPy: tracemalloc, slower
             while on) and checked against the budget; on CuPy every
@@ -204,12 +213,18 @@ class Recompute:
                  strategy: str = "tc", cost: str = "measured", max_plans: int = 8,
                  max_structures: int = 4, capture_batch: Optional[int] = None,
                  verify: bool = True, budget_scope: str = "total", check_iterations: int = 3,
-                 verbose: bool = True, coordinator: Any = None,
-                 **solver_options: Any) -> None:
+                 verbose: bool = True, coordinator: Any = None, workspace: Any = None,
+                 workspace_exact: bool = True, **solver_options: Any) -> None:
         from ..core.budget import check_scope
         from ..core.costs import COST_MODELS
         from ..core.solvers import check_solver
         check_scope(budget_scope)
+        from ..core.workspace import parse_workspace
+        try:
+            self.workspace = parse_workspace(workspace)
+        except ValueError as e:
+            raise RecomputeError(str(e)) from None
+        self.workspace_exact = bool(workspace_exact)
         self.budget_least = isinstance(budget, str) and budget.strip().lower() == "least"
         self.budget_bytes: Optional[int] = None if self.budget_least else parse_bytes(budget)
         check_solver(solver, strategy)
@@ -230,7 +245,8 @@ class Recompute:
             budget=budget, solver=solver, strategy=strategy, cost=cost, max_plans=max_plans,
             max_structures=max_structures, capture_batch=capture_batch, verify=verify,
             budget_scope=budget_scope, check_iterations=check_iterations, verbose=verbose,
-            coordinator=coordinator, **solver_options)
+            coordinator=coordinator, workspace=workspace, workspace_exact=workspace_exact,
+            **solver_options)
         self.verbose = verbose
         self.coordinator = coordinator
         self._warned_over = False
@@ -286,8 +302,25 @@ class Recompute:
                 report.error("%s", e)
             raise
 
+    def _bound(self, graph: Graph) -> Graph:
+        """``graph`` with its convolutions' transients under the workspace
+        bound (for ``'auto'``, the bound whose plan fits best)."""
+        from ..core.workspace import bounded_graph, plan_with_workspace
+        if self.workspace != "auto" or self.budget_scope != "total":
+            limit = None if self.workspace == "auto" else self.workspace
+            return bounded_graph(graph, limit, self.workspace_exact)
+        budget: Any = "least" if self.budget_least else self.budget_bytes
+        try:
+            return plan_with_workspace(graph, budget, "auto", solver=self.solver,
+                                       strategy=self.strategy, scope=self.budget_scope,
+                                       exact=self.workspace_exact, **self.solver_options)[1]
+        except InfeasibleBudgetError:
+            return bounded_graph(graph, None)  # _solve reports it
+
     def _add(self, entry: _Entry, graph: Graph, param_refs: Dict[int, Any],
              multi_backward: bool, t0: float) -> _Structure:
+        if self.workspace is not None:  # the convolutions' bound, chosen with the plan
+            graph = self._bound(graph)
         plan = (self._solve(graph) if self.coordinator is None
                 else self.coordinator.plan(graph, self._solve))
         program = Program(graph, plan.lower_sets, frozenset(plan.kept), param_refs=param_refs)
@@ -405,7 +438,9 @@ class Recompute:
                              args=list(args) + list(kwargs.values()), verify=self.verify)
         if entry.structures:
             self._start_meter(entry, hook, link, args, kwargs)
-        with _Active(), hook:
+        limit = entry.structures[0].graph.meta.get("workspace_bytes") \
+            if entry.structures else None
+        with _Active(), hook, bounded(limit, self.workspace_exact):
             out = self.fn(*args, **kwargs)
         hook.finish(out)
         self.last_stats = hook.stats

@@ -422,14 +422,15 @@ def _chain_dp(prob: HierProblem, bc: int, strategy: str,
     g = prob.graph
     nonsink = float(sum(g.node_cost[v] for v in range(g.n) if g.succs[v]))
     scale = U / nonsink if nonsink > 0 else 0.0
-    dt = np.minimum(np.round(prob.dt * scale), U).astype(np.int64)
+    dt = np.round(prob.dt * scale).astype(np.int64)
     ptr = np.zeros(P + 1, dtype=np.int64)
     for j, o in enumerate(prob.piece_options):
         ptr[j + 1] = ptr[j] + len(o.peak)
     o_peak = np.concatenate([o.peak for o in prob.piece_options]).astype(np.int64)
     o_keep = np.concatenate([o.keep for o in prob.piece_options]).astype(np.int64)
-    o_dt = np.minimum(np.round(np.concatenate(prob.piece_times) * scale),
-                      U).astype(np.int64)
+    o_dt = np.round(np.concatenate(prob.piece_times) * scale).astype(np.int64)
+    # a chain has at most P steps, each rounded by at most half a unit
+    U = U + P // 2 + 1
     inf = np.iinfo(np.int64).max // 4
     best = np.full((P + 1, U + 1), inf, dtype=np.int64)
     src = np.full((P + 1, U + 1), -1, dtype=np.int32)

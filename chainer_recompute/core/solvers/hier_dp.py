@@ -437,7 +437,8 @@ def _chain_dp(prob: HierProblem, bc: int, strategy: str,
     how = np.full((P + 1, U + 1), -2, dtype=np.int32)
     best[0, 0] = 0
     kern = _kernel(engine)
-    kern(P, U, prob.step, prob.dm, dt, ptr, o_peak, o_keep, o_dt, bc, best, src, how)
+    kern(P, U, prob.step, prob.dm, dt, ptr, o_peak, o_keep, o_dt, bc, best, src, how,
+         strategy == "tc")
     fin = np.flatnonzero(best[P] < inf)
     if len(fin) == 0:
         return None
@@ -452,7 +453,7 @@ def _chain_dp(prob: HierProblem, bc: int, strategy: str,
     return steps[::-1]
 
 
-def _dp_numpy(P, U, step, dm, dt, ptr, o_peak, o_keep, o_dt, bc, best, src, how):
+def _dp_numpy(P, U, step, dm, dt, ptr, o_peak, o_keep, o_dt, bc, best, src, how, tc):
     """The chain DP's table (see module doc), vectorised over the time
     units."""
     inf = np.iinfo(np.int64).max // 4
@@ -509,11 +510,18 @@ def _kernel(engine: Optional[str]):
     return k
 
 
-def _dp_loops(P, U, step, dm, dt, ptr, o_peak, o_keep, o_dt, bc, best, src, how):
-    """The chain DP's table, as loops (compiled by numba)."""
+def _dp_loops(P, U, step, dm, dt, ptr, o_peak, o_keep, o_dt, bc, best, src, how, tc):
+    """The chain DP's table, as loops (compiled by numba). Each finished
+    row keeps only its non-dominated states as sources: for tc a state
+    with less time and more memory than another can only lead to worse
+    plans, for mc one with more time and more memory."""
     inf = 2305843009213693951  # np.iinfo(np.int64).max // 4
-    lo = np.zeros(P + 1, dtype=np.int64)
-    hi = np.zeros(P + 1, dtype=np.int64)
+    ft = np.empty((P + 1) * (U + 1), dtype=np.int64)
+    fm = np.empty((P + 1) * (U + 1), dtype=np.int64)
+    fp = np.zeros(P + 2, dtype=np.int64)
+    ft[0] = 0
+    fm[0] = 0
+    fp[1] = 1
     least = np.full(P + 1, inf, dtype=np.int64)
     least[0] = 0
     for q in range(1, P + 1):
@@ -525,9 +533,10 @@ def _dp_loops(P, U, step, dm, dt, ptr, o_peak, o_keep, o_dt, bc, best, src, how)
                 continue
             d = dt[j, q]
             add = dm[j, q]
-            for t in range(lo[j], min(hi[j], U - d) + 1):
-                v = best[j, t]
-                if v < inf and v + st <= bc:
+            for k in range(fp[j], fp[j + 1]):
+                v = fm[k]
+                t = ft[k]
+                if v + st <= bc and t + d <= U:
                     c = v + add
                     if c < best[q, t + d]:
                         best[q, t + d] = c
@@ -541,24 +550,36 @@ def _dp_loops(P, U, step, dm, dt, ptr, o_peak, o_keep, o_dt, bc, best, src, how)
                 if least[j] + pk > bc:
                     continue
                 add = o_keep[h]
-                for t in range(lo[j], min(hi[j], U - d) + 1):
-                    v = best[j, t]
-                    if v < inf and v + pk <= bc:
+                for k in range(fp[j], fp[j + 1]):
+                    v = fm[k]
+                    t = ft[k]
+                    if v + pk <= bc and t + d <= U:
                         c = v + add
                         if c < best[q, t + d]:
                             best[q, t + d] = c
                             src[q, t + d] = j
                             how[q, t + d] = h
-        first = -1
-        for t in range(U + 1):
-            v = best[q, t]
-            if v < inf:
-                if first < 0:
-                    first = t
-                hi[q] = t
-                if v < least[q]:
-                    least[q] = v
-        lo[q] = max(first, 0)
+        # the row's frontier
+        n = fp[q]
+        run = inf
+        if tc:
+            for t in range(U, -1, -1):
+                v = best[q, t]
+                if v < run:
+                    run = v
+                    ft[n] = t
+                    fm[n] = v
+                    n += 1
+        else:
+            for t in range(U + 1):
+                v = best[q, t]
+                if v < run:
+                    run = v
+                    ft[n] = t
+                    fm[n] = v
+                    n += 1
+        fp[q + 1] = n
+        least[q] = run
 
 
 def _plan_piece(wg: Graph, wm: MemoryModel, L: int) -> _Options:

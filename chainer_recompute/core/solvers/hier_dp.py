@@ -71,7 +71,7 @@ __all__ = ["HierProblem", "hier_problem", "solve_hier", "solve_auto", "AUTO_MIN_
 AUTO_MIN_NODES = 1000
 #: At most this many positions (the chain DP is quadratic in them): with
 #: more, only segment boundaries are positions, then every g-th one.
-MAX_POSITIONS = 640
+MAX_POSITIONS = 1000
 #: Cuts inside a segment kept as positions, the segment's start included.
 MENU_LIMIT = 4
 #: A cut is a position when its boundary is at most this many times the
@@ -137,6 +137,8 @@ class HierProblem:
         keep = np.asarray(m.keep_bytes, dtype=np.int64)
         bnd = prefix_boundary_bytes(g, keep)
         menu = menu_offsets(g, seg, keep, MENU_FACTOR, MENU_LIMIT)
+        # inner cuts, cheapest boundary first
+        self._menu_rank = sorted(menu[1:], key=lambda r: (bnd[seg.start + r + seg.period], r))
         small = MENU_FACTOR * max(seg.interface_bytes, 1)
         outside = [c for c in range(1, n) if (c < seg.start or c > seg.end) and bnd[c] <= small]
         cuts = self._cuts(seg, menu, outside, max_positions)
@@ -152,9 +154,13 @@ class HierProblem:
         if len(outside) > max_positions // 4:
             step = math.ceil(len(outside) / (max_positions // 4))
             outside = outside[::step]
-        inside = [seg.start + i * seg.period + r for i in range(seg.count) for r in menu]
-        if len(inside) + len(outside) > max_positions:
-            inside = [seg.start + i * seg.period for i in range(seg.count)]
+        # fewer cuts inside a segment (the cheapest first), then only the
+        # segments' boundaries, then every g-th boundary
+        for keep in range(len(menu), 0, -1):
+            sub = [0] + [r for r in menu[1:] if r in self._menu_rank[:keep - 1]]
+            inside = [seg.start + i * seg.period + r for i in range(seg.count) for r in sub]
+            if len(inside) + len(outside) <= max_positions:
+                break
         if len(inside) + len(outside) > max_positions:
             gsz = math.ceil(seg.count / max(1, max_positions - len(outside)))
             inside = [seg.start + i * seg.period for i in range(0, seg.count, gsz)]
@@ -410,9 +416,9 @@ class HierProblem:
 
 
 def _units(P: int) -> int:
-    """Time units of the chain DP's table for ``P`` positions (about 2e8
-    table updates at most)."""
-    return int(min(TIME_UNITS, max(512, 4e8 // max(1, P * P // 2))))
+    """Time units of the chain DP's table for ``P`` positions (its rows
+    keep only non-dominated states, so the units cost memory, not time)."""
+    return TIME_UNITS
 
 
 def _chain_dp(prob: HierProblem, bc: int, strategy: str,

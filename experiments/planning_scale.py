@@ -128,6 +128,8 @@ def worker(spec: str, solver: str, mid: Optional[int]) -> Dict[str, Any]:
     t_load = time.perf_counter() - t0
     out: Dict[str, Any] = {"n": g.n, "load_s": t_load}
     t0 = time.perf_counter()
+    # held for both calls, as plan_for_budget's BudgetSearch holds it
+    prob = hier_problem(g) if solver == "hier" else None
     try:
         least = least_feasible_budget(g, solver)
     except cr.LowerSetExplosionError as e:
@@ -141,8 +143,7 @@ def worker(spec: str, solver: str, mid: Optional[int]) -> Dict[str, Any]:
                mid_s=t2 - t1, total_s=t2 - t0, feasible=bool(plan.feasible),
                overhead=plan.overhead_fraction, blocks=plan.n_blocks,
                peak=plan.predicted_peak_bytes)
-    if solver == "hier":
-        prob = hier_problem(g)
+    if prob is not None:
         out.update(hier=bool(prob.ok), positions=len(prob.cuts) - 1,
                    pieces=getattr(prob, "n_distinct_pieces", None),
                    segments=None if prob.segments is None else

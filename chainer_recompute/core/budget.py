@@ -101,6 +101,12 @@ class BudgetSearch:
         self._vanilla: Optional[Tuple[Plan, int]] = None
         self._least: Optional[Tuple[Plan, int]] = None
         self._candidates: Optional[List[Tuple[Plan, int]]] = None
+        # the hierarchical DP's positions and options, made once (the
+        # solver finds them through hier_problem while this holds them)
+        self.problem = None
+        if solver == "hier":
+            from .solvers.hier_dp import hier_problem
+            self.problem = hier_problem(graph, self.model)
         self.dp_least = least_feasible_budget(graph, solver=solver if solver in
                                               ("approx", "exact", "hier") else "approx",
                                               strategy=strategy,

@@ -123,10 +123,10 @@ class _SimulatedPeak:
     __slots__ = ("graph", "masks", "recompute")
 
     def __init__(self, graph: Graph, masks: Sequence[int], recompute: bool) -> None:
-        self.graph, self.masks, self.recompute = graph, tuple(masks), recompute
+        self.graph, self.masks, self.recompute = graph, masks, recompute
 
     def __call__(self) -> int:
-        sched = build_schedule(self.graph, self.masks, recompute=self.recompute)
+        sched = build_schedule(self.graph, list(self.masks), recompute=self.recompute)
         return int(simulate(self.graph, sched).peak_bytes)
 
 
@@ -254,7 +254,7 @@ class Plan:
         return state
 
 
-def make_plan(graph: Graph, lower_sets: Sequence, *, solver: str, strategy: str,
+def make_plan(graph: Graph, lower_sets: Optional[Sequence], *, solver: str, strategy: str,
               budget_bytes: Optional[int], solve_time_s: float = 0.0,
               recompute: bool = True, info: Optional[Dict[str, Any]] = None,
               model: Optional["MemoryModel"] = None,
@@ -271,14 +271,18 @@ def make_plan(graph: Graph, lower_sets: Sequence, *, solver: str, strategy: str,
     The liveness simulation (``simulated_peak_bytes``) runs when that field
     is first read. ``blocks``: the chain's blocks, when the caller has them;
     the plan then holds its lower sets as a :class:`BlockChain` (memory
-    linear in the nodes, for chains of thousands of blocks).
+    linear in the nodes, for chains of thousands of blocks), and with
+    ``cost`` given ``lower_sets`` may be ``None``.
 
     >>> from chainer_recompute.core.graph import Graph
     >>> g = Graph.from_edges([1, 1, 1], [(0, 1), (1, 2)])
     >>> make_plan(g, [{0}, {0, 1, 2}], solver='chen', strategy='tc', budget_bytes=10).feasible
     True
     """
-    masks = [m if isinstance(m, int) else set_to_mask(m) for m in lower_sets]
+    if blocks is not None and cost is not None:
+        masks: Any = _MasksOf(blocks)  # made only if the simulation runs
+    else:
+        masks = [m if isinstance(m, int) else set_to_mask(m) for m in lower_sets]
     if cost is None:
         cost = strategy_cost(graph, masks, model)
     total = float(graph.node_cost.sum())
@@ -294,6 +298,24 @@ def make_plan(graph: Graph, lower_sets: Sequence, *, solver: str, strategy: str,
                 checkpoint_sets=tuple(frozenset(_bits_of(u)) for u in cost.checkpoints)
                 if recompute else chain[:1],
                 recompute=recompute, info=_info(info, model))
+
+
+class _MasksOf:
+    """The bitsets of the chain of lower sets of ``blocks``, made when
+    first iterated (for the liveness simulation, which most plans never
+    run: thousands of n-bit integers otherwise)."""
+
+    def __init__(self, blocks: Sequence[Sequence[int]]) -> None:
+        self.blocks = [tuple(b) for b in blocks]
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __iter__(self):
+        acc = 0
+        for b in self.blocks:
+            acc |= set_to_mask(b)
+            yield acc
 
 
 def _bits_of(mask: int) -> list:

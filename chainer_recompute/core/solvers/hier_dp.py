@@ -120,9 +120,7 @@ class HierProblem:
         self.graph = graph
         self.model = MemoryModel.paper(graph) if model is None else model
         self.segments: Optional[Segments] = detect_segments(graph, self.model)
-        self.ok = (self.segments is not None
-                   and self.segments.covered >= MIN_COVERAGE * graph.n
-                   and self.segments.count >= 4)
+        self.ok = _usable(self.segments, graph.n)
         self.cuts: np.ndarray = np.array([0, graph.n], dtype=np.int64)
         self.setup_time_s = 0.0
         if self.ok:
@@ -415,6 +413,12 @@ class HierProblem:
         return _chain_dp(self, bc, strategy, engine)
 
 
+def _usable(seg: Optional[Segments], n: int) -> bool:
+    """Whether segments are worth planning hierarchically: at least 4, over
+    :data:`MIN_COVERAGE` of the nodes."""
+    return seg is not None and seg.covered >= MIN_COVERAGE * n and seg.count >= 4
+
+
 def _units(P: int) -> int:
     """Time units of the chain DP's table for ``P`` positions (its rows
     keep only non-dominated states, so the units cost memory, not time)."""
@@ -644,19 +648,24 @@ def _plan_piece(wg: Graph, wm: MemoryModel, L: int) -> _Options:
 
 
 # ------------------------------------------------------------------ cache
-_LAST: List[Tuple[Any, Any, HierProblem]] = []
+_LAST: List[Tuple[Any, Any, Any]] = []
 
 
 def hier_problem(graph: Graph, model: Optional[MemoryModel] = None) -> HierProblem:
-    """The :class:`HierProblem` of ``graph`` under ``model``, kept for the
-    last two (graph, model) pairs asked for (held weakly)."""
-    for gref, mref, prob in _LAST:
-        if gref() is graph and (mref is None and model is None
-                                or mref is not None and mref() is model):
+    """The :class:`HierProblem` of ``graph`` under ``model``: the one made
+    last for them while something still holds it (a
+    :class:`~chainer_recompute.core.budget.BudgetSearch` does, for all its
+    budgets), else a new one. Held weakly here, so that its tables never
+    outlive their users (they would count in a runtime meter's arrays)."""
+    for gref, mref, pref in _LAST:
+        prob = pref()
+        if prob is not None and gref() is graph and (
+                mref is None and model is None or mref is not None and mref() is model):
             return prob
     prob = HierProblem(graph, model)
-    _LAST.insert(0, (weakref.ref(graph), None if model is None else weakref.ref(model), prob))
-    del _LAST[2:]
+    _LAST[:] = [e for e in _LAST if e[2]() is not None][:3]
+    _LAST.insert(0, (weakref.ref(graph), None if model is None else weakref.ref(model),
+                     weakref.ref(prob)))
     return prob
 
 
@@ -727,12 +736,7 @@ def solve_hier(graph: Graph, budget_bytes: Optional[int], *, strategy: str = "tc
     if steps is None:
         return infeasible_plan(graph, solver="hier", strategy=strategy, budget_bytes=budget_bytes,
                                solve_time_s=dt, info=info, model=model)
-    masks, acc = [], 0
-    for nodes in blocks:
-        for v in nodes.tolist():
-            acc |= 1 << v
-        masks.append(acc)
-    return make_plan(graph, masks, solver="hier", strategy=strategy, budget_bytes=budget_bytes,
+    return make_plan(graph, None, solver="hier", strategy=strategy, budget_bytes=budget_bytes,
                      solve_time_s=time.perf_counter() - t0, info=info, model=model, cost=cost,
                      blocks=[frozenset(b.tolist()) for b in blocks])
 
@@ -740,7 +744,15 @@ def solve_hier(graph: Graph, budget_bytes: Optional[int], *, strategy: str = "tc
 def use_hier(graph: Graph, model: Optional[MemoryModel] = None) -> bool:
     """Whether ``solver='auto'`` plans ``graph`` with the hierarchical DP:
     at least :data:`AUTO_MIN_NODES` nodes and repeated segments."""
-    return graph.n >= AUTO_MIN_NODES and hier_problem(graph, model).ok
+    if graph.n < AUTO_MIN_NODES:
+        return False
+    for gref, mref, pref in _LAST:  # a problem made already
+        prob = pref()
+        if prob is not None and gref() is graph and (
+                mref is None and model is None or mref is not None and mref() is model):
+            return prob.ok
+    m = MemoryModel.paper(graph) if model is None else model
+    return _usable(detect_segments(graph, m), graph.n)
 
 
 def solve_auto(graph: Graph, budget_bytes: Optional[int], *, strategy: str = "tc",

@@ -300,7 +300,8 @@ def report(results: Dict[str, Any], cmd: str) -> str:
             lines.append("")
     lines += ["Hierarchical DP details (segments found: period x count; positions of the chain "
               "DP; distinct pieces planned):", "",
-              "| graph | segments | positions | distinct pieces | hier used |", "|---|---|---|---|---|"]
+              "| graph | segments | positions | distinct pieces | hier used |",
+              "|---|---|---|---|---|"]
     for r in results["rows"]:
         h = r["hier"]
         if "positions" in h:

@@ -71,9 +71,9 @@ __all__ = ["HierProblem", "hier_problem", "solve_hier", "solve_auto", "AUTO_MIN_
 AUTO_MIN_NODES = 1000
 #: At most this many positions (the chain DP is quadratic in them): with
 #: more, only segment boundaries are positions, then every g-th one.
-MAX_POSITIONS = 1000
+MAX_POSITIONS = 800
 #: Cuts inside a segment kept as positions, the segment's start included.
-MENU_LIMIT = 4
+MENU_LIMIT = 8
 #: A cut is a position when its boundary is at most this many times the
 #: segments' interface.
 MENU_FACTOR = 2.0
@@ -84,7 +84,6 @@ OPTION_BUDGETS = 12
 TIME_UNITS = 4096
 #: The segments must cover at least this share of the nodes.
 MIN_COVERAGE = 0.5
-STRICT_OPTIONS = False
 
 
 # ----------------------------------------------------------------- problem
@@ -123,6 +122,7 @@ class HierProblem:
         self.ok = _usable(self.segments, graph.n)
         self.cuts: np.ndarray = np.array([0, graph.n], dtype=np.int64)
         self.setup_time_s = 0.0
+        self.n_distinct_pieces = 0
         if self.ok:
             self._build(max_positions)
         self.setup_time_s = time.perf_counter() - t0
@@ -138,7 +138,10 @@ class HierProblem:
         # inner cuts, cheapest boundary first
         self._menu_rank = sorted(menu[1:], key=lambda r: (bnd[seg.start + r + seg.period], r))
         small = MENU_FACTOR * max(seg.interface_bytes, 1)
-        outside = [c for c in range(1, n) if (c < seg.start or c > seg.end) and bnd[c] <= small]
+        # outside the segments: the cheap cuts, and the local minima of the
+        # boundary (a block's output: a residual stage, a pooling)
+        outside = [c for c in range(1, n) if (c < seg.start or c > seg.end)
+                   and (bnd[c] <= small or bnd[c] <= bnd[c - 1] and bnd[c] <= bnd[c + 1])]
         cuts = self._cuts(seg, menu, outside, max_positions)
         self.cuts = np.array(sorted(set(cuts)), dtype=np.int64)
         self._pairs()
@@ -595,7 +598,7 @@ def _dp_loops(P, U, step, dm, dt, ptr, o_peak, o_keep, o_dt, bc, best, src, how,
 def _plan_piece(wg: Graph, wm: MemoryModel, L: int) -> _Options:
     """The options of a piece: the approximate DP on its window graph (rows
     ``{S} ∪ ancestors-in-piece(v)``) at :data:`OPTION_BUDGETS` budgets, most
-    retained time and least retained memory at each, Pareto-filtered."""
+    retained time and least retained memory at each."""
     from ..lower_sets import ancestor_masks
     anc = ancestor_masks(wg)
     piece = ((1 << (L + 1)) - 1)
@@ -627,12 +630,9 @@ def _plan_piece(wg: Graph, wm: MemoryModel, L: int) -> _Options:
             kept_of[rows] = np.array([i - 1 for i in bits if 1 <= i <= L], dtype=np.int64)
             found[rows] = (int(cc.peak_bytes), int(sum(int(keepw[i]) for i in bits)),
                            float(sum(float(cost[i]) for i in bits)))
-    items = sorted(found.items(), key=lambda kv: (kv[1][0], kv[1][1], -kv[1][2]))
-    keep_items = []
-    for rows, (pk, km, tm) in items:
-        if any(p2 <= pk and k2 <= km and t2 >= tm and STRICT_OPTIONS for _, (p2, k2, t2) in keep_items):
-            continue
-        keep_items.append((rows, (pk, km, tm)))
+    # every distinct chain is kept: their times differ from one repeat of
+    # the piece to the next (measured costs), so none is dominated for all
+    keep_items = sorted(found.items(), key=lambda kv: (kv[1][0], kv[1][1], -kv[1][2]))
     chains, kept_idx = [], []
     for rows, _ in keep_items:
         kept_idx.append(kept_of[rows])

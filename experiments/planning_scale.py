@@ -338,6 +338,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--cap-s", type=float, default=600.0)
     ap.add_argument("--quick", action="store_true", help="small sizes only (a smoke run)")
     ap.add_argument("--skip-apply", action="store_true")
+    ap.add_argument("--rows-from", default=None, metavar="FILE",
+                    help="take the solver rows from FILE (the JSON lines an earlier run wrote "
+                    "to stderr) instead of running them; run only the apply() checks")
     ap.add_argument("--json", default=None)
     ap.add_argument("--graphs", default=str(ROOT.parent / "shared" / "graphs"))
     args = ap.parse_args(argv)
@@ -347,13 +350,24 @@ def main(argv: Optional[List[str]] = None) -> int:
     import chainer_recompute as cr  # noqa: F401
     from chainer_recompute.core.io import save_graph
     from chainer_recompute.runtime.capture import capture
+    enc = [6] if args.quick else [6, 24, 48]
+    rows = []
+    if args.rows_from:
+        for line in Path(args.rows_from).read_text().splitlines():
+            try:
+                r = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(r, dict) and "group" in r:
+                rows.append(r)
     cases = []
     layers = [6, 12, 24] if args.quick else [6, 12, 24, 48, 96, 192, 384, 4166]
     for n in layers:
         cases.append(("transformer-like", f"{n} layers", f"tl:{n}"))
     tmp = tempfile.mkdtemp(prefix="planning_scale_")
-    enc = [6] if args.quick else [6, 24, 48]
     ts = [100] if args.quick else [100, 1000, 3000]
+    if args.rows_from:
+        enc, ts, layers, cases = [], [], [], []
     for n in enc:
         model, (xs, tt) = _encoder(n)
         path = os.path.join(tmp, f"enc{n}.json")
@@ -364,14 +378,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         path = os.path.join(tmp, f"lstm{t}.json")
         save_graph(capture(model, xs, tt, backward=True), path)
         cases.append(("captured", f"lstm, t = {t}", f"file:{path}"))
-    for name in ([] if args.quick else PAPER):
+    for name in ([] if args.quick or args.rows_from else PAPER):
         a = Path(args.graphs) / f"cg_{name}.txt"
         j = ROOT / "experiments" / "graphs" / f"{name}.json"
         if a.exists():
             cases.append(("paper", name, f"authors:{a}"))
         elif j.exists():
             cases.append(("paper", name, f"file:{j}"))
-    rows = []
     for group, name, spec in cases:
         h = run_worker(spec, "hier", None, args.cap_s)
         mid = h.get("mid")
@@ -385,9 +398,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(json.dumps(row), file=sys.stderr, flush=True)
     results: Dict[str, Any] = {"cap_s": args.cap_s, "rows": rows, "apply": []}
     if not args.skip_apply:
-        for name, make in ((f"encoder, {enc[-1]} layers", lambda: _encoder(enc[-1])),
-                           (f"lstm, t = {1000 if not args.quick else 100}",
-                            lambda: _lstm(1000 if not args.quick else 100))):
+        ne = 6 if args.quick else 48
+        nt = 100 if args.quick else 1000
+        for name, make in ((f"encoder, {ne} layers", lambda: _encoder(ne)),
+                           (f"lstm, t = {nt}", lambda: _lstm(nt))):
             a = apply_check(name, make)
             results["apply"].append(a)
             print(json.dumps(a), file=sys.stderr, flush=True)
@@ -396,6 +410,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     cmd = "PYTHONPATH=. .venv/bin/python experiments/planning_scale.py " + " ".join(
         a for a in (argv if argv is not None else sys.argv[1:]))
     print(report(results, cmd.strip()))
+    import shutil
+    shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 

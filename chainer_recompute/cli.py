@@ -34,7 +34,7 @@ from .core.units import ACCEPTED_FORMS, format_bytes, format_bytes_up, parse_byt
 logger = logging.getLogger(__name__)
 
 PROG = "chainer-recompute"
-SOLVERS = ("approx", "exact", "chen", "chen-greedy", "none")
+SOLVERS = ("auto", "hier", "approx", "exact", "chen", "chen-greedy", "none")
 SCOPES = ("total", "activations")
 #: Exit status of every bad input.
 EXIT_USAGE = 2
@@ -133,8 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="batch size (default: the paper's for the network)")
     p.add_argument("--small", action="store_true",
                    help="the reduced variant of the network (quick CPU runs)")
-    p.add_argument("--solver", default="approx", choices=SOLVERS,
-                   help="approx: approximate DP; exact: exhaustive exact DP; chen: Chen et "
+    p.add_argument("--solver", default="auto", choices=SOLVERS,
+                   help="auto (default): hier on graphs of 1,000+ nodes with repeated layers or "
+                   "steps, approx otherwise; hier: hierarchical DP (each distinct layer planned "
+                   "once, then chained); approx: approximate DP; exact: exhaustive exact DP; "
+                   "chen: Chen et "
                    "al.'s sqrt(n) (budget ignored); chen-greedy: Chen's budgeted greedy; "
                    "none: plain backprop")
     p.add_argument("--strategy", default="tc", choices=("tc", "mc"),
@@ -318,7 +321,7 @@ def _argv_of(args: argparse.Namespace) -> List[str]:
             out.append("--small")
     out += ["--budget", args.budget]
     for flag, value, default in (("--budget-scope", args.budget_scope, None),
-                                 ("--solver", args.solver, "approx"),
+                                 ("--solver", args.solver, "auto"),
                                  ("--strategy", args.strategy, "tc"),
                                  ("--cost", args.cost, "measured"),
                                  ("--device", args.device, "@numpy")):
@@ -403,7 +406,7 @@ def _record_model(args: argparse.Namespace, progress: Any) -> Tuple[Any, Dict[st
 
 
 # ------------------------------------------------------------- planning
-def plan_report(graph: Any, budget: str, *, solver: str = "approx", strategy: str = "tc",
+def plan_report(graph: Any, budget: str, *, solver: str = "auto", strategy: str = "tc",
                 scope: str = "total", progress: Any = None,
                 subject: str = "this graph", workspace: Any = None) -> Dict[str, Any]:
     """Plan ``graph`` for ``budget`` (as typed, or ``'least'``) and gather

@@ -30,11 +30,11 @@ def test_plan_run_and_check_gradients(capsys, tmp_path):
     out = capsys.readouterr().out
     assert rc == 0
     assert "identical to plain backprop: True" in out
-    assert "plain backprop" in out and "as run (approx-tc)" in out and "peak (measured)" in out
+    assert "plain backprop" in out and "as run (auto-tc)" in out and "peak (measured)" in out
     assert "time/iter" in out
     data = json.loads((tmp_path / "out.json").read_text())
     assert data["plan"]["feasible"] and data["gradients_identical"]
-    assert [r["label"] for r in data["runs"]] == ["vanilla", "approx-tc"]
+    assert [r["label"] for r in data["runs"]] == ["vanilla", "auto-tc"]
     assert all(r["measured_peak_bytes"] > 0 and r["time_s"] > 0 for r in data["runs"])
     assert (tmp_path / "g.json").exists()
 

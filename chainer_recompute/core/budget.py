@@ -37,7 +37,7 @@ from .plan import Plan
 from .planner import solve
 from .replay import replay
 from .search import least_feasible_budget
-from .solvers import check_solver, solve_none
+from .solvers import check_solver, resolve_solver, solve_none
 from .units import format_bytes, format_bytes_up, parse_bytes
 
 logger = logging.getLogger(__name__)
@@ -56,6 +56,10 @@ MARGIN = 0.01
 #: one's neighbours (see :meth:`BudgetSearch.candidates`).
 GRID_STEPS = 24
 REFINE_STEPS = 4
+#: The same for the hierarchical DP, whose graphs are large (each
+#: candidate is replayed, linear in the graph).
+HIER_GRID_STEPS = 8
+HIER_REFINE_STEPS = 2
 
 
 def check_scope(scope: str) -> None:
@@ -78,12 +82,13 @@ class BudgetSearch:
     least feasible one) share the work.
     """
 
-    def __init__(self, graph: Graph, solver: str = "approx", strategy: str = "tc",
+    def __init__(self, graph: Graph, solver: str = "auto", strategy: str = "tc",
                  **solver_options: Any) -> None:
         check_solver(solver, strategy)
+        self.model: MemoryModel = measured_model(graph)
+        solver = resolve_solver(solver, graph, self.model)
         self.graph, self.solver, self.strategy = graph, solver, strategy
         self.options = solver_options
-        self.model: MemoryModel = measured_model(graph)
         # The lower sets with the model's quantities, built once for every
         # budget tried (the DPs accept a prepared family).
         self.family: Optional[LowerSetFamily] = None
@@ -96,8 +101,15 @@ class BudgetSearch:
         self._vanilla: Optional[Tuple[Plan, int]] = None
         self._least: Optional[Tuple[Plan, int]] = None
         self._candidates: Optional[List[Tuple[Plan, int]]] = None
-        self.dp_least = least_feasible_budget(graph, solver=solver if solver in ("approx", "exact")
-                                              else "approx", strategy=strategy,
+        # the hierarchical DP's positions and options, made once (the
+        # solver finds them through hier_problem while this holds them)
+        self.problem = None
+        if solver == "hier":
+            from .solvers.hier_dp import hier_problem
+            self.problem = hier_problem(graph, self.model)
+        self.dp_least = least_feasible_budget(graph, solver=solver if solver in
+                                              ("approx", "exact", "hier") else "approx",
+                                              strategy=strategy,
                                               model=self.model)
         self.options = {k: v for k, v in solver_options.items() if k != "max_lower_sets"} \
             if self.family is not None else solver_options
@@ -158,8 +170,9 @@ class BudgetSearch:
         out = [self.vanilla()]
         for b in self._grid():
             out.append(self.at(b))
-        if self.family is not None:
-            grid = self._grid(GRID_STEPS)
+        if self.family is not None or self.solver == "hier":
+            hier = self.solver == "hier"
+            grid = self._grid(HIER_GRID_STEPS if hier else GRID_STEPS)
             peaks = []
             for b in grid:
                 plan, peak = self.at(b, "mc")
@@ -167,8 +180,9 @@ class BudgetSearch:
                 peaks.append(math.inf if peak is None else peak)
             i = min(range(len(grid)), key=peaks.__getitem__)
             lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
-            for j in range(1, REFINE_STEPS + 1):
-                out.append(self.at(lo + (hi - lo) * j // (REFINE_STEPS + 1), "mc"))
+            refine = HIER_REFINE_STEPS if hier else REFINE_STEPS
+            for j in range(1, refine + 1):
+                out.append(self.at(lo + (hi - lo) * j // (refine + 1), "mc"))
         self._candidates = [(plan, peak) for plan, peak in out
                             if plan is not None and peak is not None]
         return self._candidates
@@ -275,7 +289,7 @@ class BudgetSearch:
         return self._annotate(plan, peak, budget, None, t0)
 
 
-def plan_for_budget(graph: Graph, budget: Union[str, int, float], *, solver: str = "approx",
+def plan_for_budget(graph: Graph, budget: Union[str, int, float], *, solver: str = "auto",
                     strategy: str = "tc", scope: str = "total",
                     **solver_options: Any) -> Plan:
     """The plan for ``budget`` (bytes, ``'8G'``, or ``'least'``) in a scope.

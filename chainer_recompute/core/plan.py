@@ -5,6 +5,7 @@ Pure core: numpy only.
 from __future__ import annotations
 
 import logging
+from collections.abc import Set as _AbstractSet
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, FrozenSet, Optional, Sequence, Tuple
 
@@ -18,9 +19,101 @@ if TYPE_CHECKING:  # pragma: no cover
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Plan", "make_plan", "infeasible_plan"]
+__all__ = ["BlockChain", "Plan", "make_plan", "infeasible_plan"]
 
 NodeSet = FrozenSet[int]
+
+
+class _ChainSet(_AbstractSet):
+    """Lower set ``i`` of a :class:`BlockChain`: a read-only set of node ids
+    held as its chain's blocks and index (blocks ``0..i``), not as its elements.
+    ``L_i - L_j`` of the same chain (``j < i``) is the union of blocks
+    ``j+1..i``; other set operations give frozensets."""
+
+    __slots__ = ("chain", "index")
+
+    def __init__(self, chain: "_ChainData", index: int) -> None:
+        self.chain, self.index = chain, index
+
+    def __contains__(self, v: object) -> bool:
+        b = self.chain.block_of.get(v) if isinstance(v, int) else None  # type: ignore
+        return b is not None and b <= self.index
+
+    def __len__(self) -> int:
+        return self.chain.sizes[self.index]
+
+    def __iter__(self):
+        for b in range(self.index + 1):
+            yield from self.chain.blocks[b]
+
+    @classmethod
+    def _from_iterable(cls, it):
+        return frozenset(it)
+
+    def __sub__(self, other):
+        if isinstance(other, _ChainSet) and other.chain is self.chain:
+            if other.index >= self.index:
+                return frozenset()
+            return frozenset().union(*self.chain.blocks[other.index + 1:self.index + 1])
+        return frozenset(self) - (other if isinstance(other, (set, frozenset))
+                                  else frozenset(other))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, _ChainSet) and other.chain is self.chain:
+            return other.index == self.index
+        return _AbstractSet.__eq__(self, other)
+
+    __hash__ = _AbstractSet._hash
+
+    def __reduce__(self):
+        return (frozenset, (tuple(self),))
+
+    def __repr__(self) -> str:
+        return f"<lower set {self.index} of {len(self.chain.blocks)}: {len(self)} nodes>"
+
+
+class _ChainData:
+    """The blocks of a :class:`BlockChain`, each node's block, and the size
+    of each lower set."""
+
+    __slots__ = ("blocks", "block_of", "sizes")
+
+    def __init__(self, blocks: Tuple[NodeSet, ...]) -> None:
+        self.blocks = blocks
+        self.block_of = {v: i for i, b in enumerate(blocks) for v in b}
+        sizes, tot = [], 0
+        for b in blocks:
+            tot += len(b)
+            sizes.append(tot)
+        self.sizes = sizes
+
+
+class BlockChain(tuple):
+    """A chain of lower sets L_1 ⊊ ... ⊊ L_k held as its blocks (memory
+    linear in the nodes; a tuple of frozensets is nodes times blocks). Its
+    items are read-only sets (:class:`_ChainSet`) that compare equal to the
+    frozensets of the same nodes.
+
+    >>> c = BlockChain([frozenset({0}), frozenset({1, 2})])
+    >>> sorted(c[1]), c[1] == frozenset({0, 1, 2}), sorted(c[1] - c[0])
+    ([0, 1, 2], True, [1, 2])
+    """
+
+    def __new__(cls, blocks):
+        data = _ChainData(tuple(frozenset(b) for b in blocks))
+        self = super().__new__(cls, [_ChainSet(data, i) for i in range(len(data.blocks))])
+        self.data = data
+        return self
+
+    @property
+    def blocks(self) -> Tuple[NodeSet, ...]:
+        return self.data.blocks
+
+    def __reduce__(self):
+        return (BlockChain, (self.data.blocks,))
+
+    def __repr__(self) -> str:
+        return f"BlockChain({len(self)} lower sets, {len(self[-1]) if len(self) else 0} nodes)"
 
 
 class _SimulatedPeak:
@@ -30,10 +123,10 @@ class _SimulatedPeak:
     __slots__ = ("graph", "masks", "recompute")
 
     def __init__(self, graph: Graph, masks: Sequence[int], recompute: bool) -> None:
-        self.graph, self.masks, self.recompute = graph, tuple(masks), recompute
+        self.graph, self.masks, self.recompute = graph, masks, recompute
 
     def __call__(self) -> int:
-        sched = build_schedule(self.graph, self.masks, recompute=self.recompute)
+        sched = build_schedule(self.graph, list(self.masks), recompute=self.recompute)
         return int(simulate(self.graph, sched).peak_bytes)
 
 
@@ -161,11 +254,12 @@ class Plan:
         return state
 
 
-def make_plan(graph: Graph, lower_sets: Sequence, *, solver: str, strategy: str,
+def make_plan(graph: Graph, lower_sets: Optional[Sequence], *, solver: str, strategy: str,
               budget_bytes: Optional[int], solve_time_s: float = 0.0,
               recompute: bool = True, info: Optional[Dict[str, Any]] = None,
               model: Optional["MemoryModel"] = None,
-              cost: Optional[StrategyCost] = None) -> Plan:
+              cost: Optional[StrategyCost] = None,
+              blocks: Optional[Sequence[Sequence[int]]] = None) -> Plan:
     """Evaluate a strategy (memory model and simulator) and wrap it in a Plan.
 
     ``predicted_peak_bytes`` is the peak under ``model`` (the paper's when
@@ -175,20 +269,26 @@ def make_plan(graph: Graph, lower_sets: Sequence, *, solver: str, strategy: str,
     :func:`~chainer_recompute.core.schedule.strategy_cost` under ``model``
     when the caller has it already (the DPs compute it from their family).
     The liveness simulation (``simulated_peak_bytes``) runs when that field
-    is first read.
+    is first read. ``blocks``: the chain's blocks, when the caller has them;
+    the plan then holds its lower sets as a :class:`BlockChain` (memory
+    linear in the nodes, for chains of thousands of blocks), and with
+    ``cost`` given ``lower_sets`` may be ``None``.
 
     >>> from chainer_recompute.core.graph import Graph
     >>> g = Graph.from_edges([1, 1, 1], [(0, 1), (1, 2)])
     >>> make_plan(g, [{0}, {0, 1, 2}], solver='chen', strategy='tc', budget_bytes=10).feasible
     True
     """
-    masks = [m if isinstance(m, int) else set_to_mask(m) for m in lower_sets]
+    if blocks is not None and cost is not None:
+        masks: Any = _MasksOf(blocks)  # made only if the simulation runs
+    else:
+        masks = [m if isinstance(m, int) else set_to_mask(m) for m in lower_sets]
     if cost is None:
         cost = strategy_cost(graph, masks, model)
     total = float(graph.node_cost.sum())
     overhead = cost.overhead if recompute else 0.0
     feasible = budget_bytes is None or cost.peak_bytes <= budget_bytes
-    chain = chain_sets(masks)
+    chain = chain_sets(masks) if blocks is None else BlockChain(blocks)
     return Plan(solver=solver, strategy=strategy, budget_bytes=budget_bytes, feasible=feasible,
                 lower_sets=chain, predicted_peak_bytes=int(cost.peak_bytes),
                 simulated_peak_bytes=_SimulatedPeak(graph, masks, recompute),  # type: ignore
@@ -198,6 +298,24 @@ def make_plan(graph: Graph, lower_sets: Sequence, *, solver: str, strategy: str,
                 checkpoint_sets=tuple(frozenset(_bits_of(u)) for u in cost.checkpoints)
                 if recompute else chain[:1],
                 recompute=recompute, info=_info(info, model))
+
+
+class _MasksOf:
+    """The bitsets of the chain of lower sets of ``blocks``, made when
+    first iterated (for the liveness simulation, which most plans never
+    run: thousands of n-bit integers otherwise)."""
+
+    def __init__(self, blocks: Sequence[Sequence[int]]) -> None:
+        self.blocks = [tuple(b) for b in blocks]
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __iter__(self):
+        acc = 0
+        for b in self.blocks:
+            acc |= set_to_mask(b)
+            yield acc
 
 
 def _bits_of(mask: int) -> list:

@@ -23,7 +23,7 @@ def _gb(nbytes: Optional[float], up: bool = False) -> str:
     return format_bytes_up(nbytes, binary=False) if up else format_bytes(nbytes, binary=False)
 
 
-def solve(graph: Graph, budget: Union[str, int, float, None] = None, solver: str = "approx",
+def solve(graph: Graph, budget: Union[str, int, float, None] = None, solver: str = "auto",
           strategy: str = "tc", *, raise_infeasible: bool = True,
           model: Optional[MemoryModel] = None, **kw: Any) -> Plan:
     """Find a recomputation plan for ``graph`` within ``budget``.
@@ -32,7 +32,9 @@ def solve(graph: Graph, budget: Union[str, int, float, None] = None, solver: str
         graph: the computational graph.
         budget: ``'2G'``, ``'1.5GB'``, a number of bytes, or ``None`` (no
             limit; tc then minimises overhead outright).
-        solver: one of ``sorted(REGISTRY)``.
+        solver: one of ``sorted(REGISTRY)``; ``'auto'`` (the default): the
+            hierarchical DP on graphs of at least 1,000 nodes with repeated
+            segments, the approximate DP on the others.
         strategy: ``'tc'`` (time-centric: least overhead) or ``'mc'``
             (memory-centric: most overhead, coarsest blocks).
         raise_infeasible: when False an infeasible budget gives a Plan with

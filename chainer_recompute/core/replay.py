@@ -401,20 +401,40 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
     regen_ok: Dict[int, bool] = {}  # as the executor, decided once per node
 
     def regenerable(u: int) -> bool:
+        # Depth first over the producers of released inputs, with an explicit
+        # stack: a chain of thousands of released nodes (a long unrolled RNN
+        # in one block) is deeper than Python's recursion limit.
         known = regen_ok.get(u)
         if known is not None:
             return known
         regen_ok[u] = True  # provisional, against cycles
-        ok = True
-        for a in nodes[u].inputs:
-            info = arrays[a]
-            if info.kind == "param" or _caller_input(info) or mem.alive(a):
+        stack = [[u, 0]]
+        while stack:
+            top = stack[-1]
+            v, ins = top[0], nodes[top[0]].inputs
+            ok, pushed = True, False
+            while top[1] < len(ins):
+                a = ins[top[1]]
+                info = arrays[a]
+                if info.kind == "param" or _caller_input(info) or mem.alive(a):
+                    top[1] += 1
+                    continue
+                p = info.producer
+                k = None if p is None else regen_ok.get(p)
+                if p is not None and k is None:
+                    regen_ok[p] = True  # provisional
+                    stack.append([p, 0])
+                    pushed = True
+                    break
+                if not k:
+                    ok = False
+                    break
+                top[1] += 1
+            if pushed:
                 continue
-            if info.producer is None or not regenerable(info.producer):
-                ok = False
-                break
-        regen_ok[u] = ok
-        return ok
+            regen_ok[v] = ok
+            stack.pop()
+        return regen_ok[u]
 
     for w in order:
         node = nodes[w]

@@ -164,6 +164,73 @@ def strategy_cost(graph: Graph, lower_sets: Sequence,
                         block_peaks_bytes=tuple(int(p) for p in peaks), checkpoints=ups)
 
 
+def entry_cost(graph: Graph, entry: np.ndarray,
+               model: Optional["MemoryModel"] = None) -> StrategyCost:
+    """:func:`strategy_cost` of the chain given by each node's block: node
+    ``v`` enters at ``L_{entry[v]}`` (blocks numbered from 0, each block
+    non-empty, ``entry`` non-decreasing along every edge). Linear in the
+    nodes, edges and blocks (:func:`strategy_cost` is nodes times blocks):
+    ``v ∈ ∂(L_i)`` for ``entry[v] <= i < max entry of its successors``,
+    ``v ∈ A_i`` for ``min entry of its predecessors <= i < entry[v]`` and
+    ``u ∈ B_i`` for ``min over successors w of min entry of w's
+    predecessors <= i < entry[u]``, each an interval of blocks.
+
+    >>> g = Graph.from_edges([1, 2, 1], [(0, 1), (1, 2)])
+    >>> c = entry_cost(g, np.array([0, 0, 1]))
+    >>> (c.peak_bytes, c.overhead) == (strategy_cost(g, [3, 7]).peak_bytes, 2.0)
+    True
+    """
+    from .memory_model import MemoryModel
+    if model is None:
+        model = MemoryModel.paper(graph)
+    ent = np.asarray(entry, dtype=np.int64)
+    n = graph.n
+    J = int(ent.max()) + 1
+    ed = np.array(graph.edges, dtype=np.int64).reshape(-1, 2)
+    eu, ev = ed[:, 0], ed[:, 1]
+    if len(ed) and (ent[ev] < ent[eu]).any():
+        raise ValueError("entry must not decrease along an edge (the sets are not lower sets)")
+    if np.any(np.bincount(ent, minlength=J) == 0):
+        raise ValueError("lower sets must form a strictly increasing chain")
+    i64 = np.int64
+    ms = ent.copy()
+    np.maximum.at(ms, eu, ent[ev])
+    in_u = ms > ent
+    keep = np.bincount(ent[in_u], weights=model.keep_bytes[in_u], minlength=J).astype(i64)
+    acc = np.concatenate([[0], np.cumsum(keep)[:-1]])
+    blk = np.bincount(ent, weights=model.block_bytes, minlength=J).astype(i64)
+
+    def intervals(lo: np.ndarray, hi: np.ndarray, w: np.ndarray) -> np.ndarray:
+        ok = lo < hi
+        d = np.zeros(J + 1, dtype=i64)
+        np.add.at(d, lo[ok], w[ok])
+        np.add.at(d, hi[ok], -w[ok])
+        return np.cumsum(d)[:J]
+
+    mp = ent.copy()
+    np.minimum.at(mp, ev, ent[eu])
+    above = intervals(mp, ent, np.asarray(model.above_bytes, dtype=i64))
+    mmw = ent.copy()
+    np.minimum.at(mmw, eu, mp[ev])
+    beside = intervals(mmw, ent, np.asarray(model.beside_bytes, dtype=i64))
+    trans = np.zeros(J, dtype=i64)
+    np.maximum.at(trans, ent, np.asarray(model.transient_bytes, dtype=i64))
+    peaks = model.constant_bytes + acc + blk + above + beside + trans
+    nc = graph.node_cost.astype(np.float64)
+    dropped = np.flatnonzero(~in_u)
+    per_block = np.zeros(J, dtype=np.float64)
+    for b, v in zip(ent[dropped].tolist(), dropped.tolist()):
+        per_block[b] += float(nc[v])
+    overhead = 0.0
+    for x in per_block.tolist():
+        overhead += x
+    ups = [0] * J
+    for v in np.flatnonzero(in_u).tolist():
+        ups[int(ent[v])] |= 1 << v
+    return StrategyCost(peak_bytes=int(peaks.max()), overhead=overhead,
+                        block_peaks_bytes=tuple(int(p) for p in peaks), checkpoints=tuple(ups))
+
+
 def _pack_rows(bits: np.ndarray, nw: int) -> np.ndarray:
     from .lower_sets import _pack
     return _pack(bits, nw)

@@ -14,7 +14,7 @@ from .errors import GraphError
 from .graph import Graph
 from .lower_sets import DEFAULT_MAX_LOWER_SETS, LowerSetFamily
 from .memory_model import MemoryModel
-from .solvers import REGISTRY, check_solver, solve_chen, solve_chen_greedy
+from .solvers import REGISTRY, check_solver, resolve_solver, solve_chen, solve_chen_greedy
 from .solvers._dp import run_dp
 from .units import parse_bytes
 
@@ -41,7 +41,7 @@ def bisect_least(feasible: Callable[[int], bool], lo: int, hi: int, rel_tol: flo
     return hi
 
 
-def least_feasible_budget(graph: Graph, solver: str = "approx", strategy: str = "tc", *,
+def least_feasible_budget(graph: Graph, solver: str = "auto", strategy: str = "tc", *,
                           rel_tol: float = 0.0,
                           max_lower_sets: Optional[int] = DEFAULT_MAX_LOWER_SETS,
                           model: Optional[MemoryModel] = None,
@@ -58,7 +58,9 @@ def least_feasible_budget(graph: Graph, solver: str = "approx", strategy: str = 
     Feasibility does not depend on the strategy. Chen's sqrt(n) ignores the
     budget, so its figure is its plan's predicted peak; for Chen's greedy
     it is the least predicted peak over the ``b`` it tries; for ``none`` it
-    is the single block's (the paper's: 2·M(V)). ``engine`` selects the
+    is the single block's (the paper's: 2·M(V)); for ``hier`` a bisection
+    over its chain DP; ``auto`` is the solver it stands for
+    (:func:`~chainer_recompute.core.solvers.resolve_solver`). ``engine`` selects the
     DP's kernels (see :func:`~chainer_recompute.core.solvers._dp.run_dp`).
 
     >>> g = Graph.from_edges([1, 1, 1, 1], [(0, 1), (1, 2), (2, 3)])
@@ -66,6 +68,13 @@ def least_feasible_budget(graph: Graph, solver: str = "approx", strategy: str = 
     5
     """
     check_solver(solver, strategy)
+    solver = resolve_solver(solver, graph, model)
+    if solver == "hier":
+        from .solvers.hier_dp import hier_problem
+        prob = hier_problem(graph, model)
+        if prob.ok:
+            return prob.least_budget()
+        solver = "approx"  # solve_hier falls back to the approximate DP
     if model is None:
         model = MemoryModel.paper(graph)
     if solver == "none":
@@ -135,7 +144,7 @@ def scale_model(model: MemoryModel, factor: float) -> MemoryModel:
                                transient_bytes=s(model.transient_bytes))
 
 
-def largest_batch_size(graph: Graph, budget: Union[str, int, float], solver: str = "approx",
+def largest_batch_size(graph: Graph, budget: Union[str, int, float], solver: str = "auto",
                        strategy: str = "tc", *, batch_size: Optional[int] = None,
                        max_batch_size: int = 1 << 20,
                        model: Union[MemoryModel, Callable[[Graph], MemoryModel], None] = None

@@ -155,8 +155,10 @@ class Recompute:
         budget: memory budget (``'8G'``, bytes, ...; see :func:`parse_bytes`),
             or ``'least'``: the solver's least feasible budget, found when
             planning.
-        solver: ``approx`` (default), ``exact``, ``chen``, ``chen-greedy``
-            or ``none`` (plain Chainer).
+        solver: ``auto`` (default: ``hier`` on graphs of 1,000+ functions
+            with repeated layers or steps, else ``approx``), ``hier``,
+            ``approx``, ``exact``, ``chen``, ``chen-greedy`` or ``none``
+            (plain Chainer).
         strategy: ``tc`` (least recomputation) or ``mc`` (least memory).
         cost: cost model for the solver: ``measured`` (profiled times),
             ``flops`` or ``paper``.
@@ -209,7 +211,7 @@ class Recompute:
     #: than half of its calls, runs plain Chainer from then on.
     PLAIN_AFTER = 6
 
-    def __init__(self, fn: Callable[..., Any], budget: Any, *, solver: str = "approx",
+    def __init__(self, fn: Callable[..., Any], budget: Any, *, solver: str = "auto",
                  strategy: str = "tc", cost: str = "measured", max_plans: int = 8,
                  max_structures: int = 4, capture_batch: Optional[int] = None,
                  verify: bool = True, budget_scope: str = "total", check_iterations: int = 3,
@@ -666,7 +668,7 @@ def _install(model: chainer.Link, base: type, runner: Recompute) -> None:
     model.__class__ = _subclass_for(base)
 
 
-def apply(model: chainer.Link, budget: Any, *, solver: str = "approx", strategy: str = "tc",
+def apply(model: chainer.Link, budget: Any, *, solver: str = "auto", strategy: str = "tc",
           cost: str = "measured", **options: Any) -> chainer.Link:
     """Make ``model`` recompute, in place, and return it.
 

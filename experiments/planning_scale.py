@@ -1,4 +1,4 @@
-"""Planning at scale (issue 24): planning time against graph size for the
+"""Planning at scale: planning time against graph size for the
 hierarchical DP (``solver='hier'``, what ``solver='auto'`` picks on graphs
 of 1,000+ functions with repeated segments) beside the flat approximate
 and exact DPs, and ``apply()`` on a 48-layer Transformer encoder and a
@@ -251,7 +251,7 @@ def _cell(r: Dict[str, Any], ref: Optional[Dict[str, Any]] = None) -> List[str]:
 
 
 def report(results: Dict[str, Any], cmd: str) -> str:
-    lines = ["# Planning at scale (issue 24)", "",
+    lines = ["# Planning at scale", "",
              "Produced by", "", f"    {cmd}", "",
              "on this machine (2 CPU cores, shared with other work while it ran), "
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. Each cell: one process, warm "

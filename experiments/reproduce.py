@@ -62,7 +62,7 @@ APPLY = {
     "exact-tc": dict(solver="exact", strategy="tc", budget_scope="total"),
     "exact-mc": dict(solver="exact", strategy="mc", budget_scope="total"),
     "chen": dict(solver="chen", strategy="tc", budget_scope="activations"),
-    # issue 25: the convolutions' column buffers built in one copy where the
+    # the convolutions' column buffers built in one copy where the
     # planner finds it pays (bit-identical; runtime/workspace.py)
     "approx-tc-ws": dict(solver="approx", strategy="tc", budget_scope="total",
                          workspace="auto"),

@@ -48,8 +48,8 @@ class _BeforeChainer:
 
 def register(compat_path: str = _COMPAT) -> None:
     """Put the finder on ``sys.meta_path`` (what the ``.pth`` file runs)."""
-    if "chainer" in sys.modules or any(isinstance(f, _BeforeChainer) or
-                                       type(f).__name__ == "_BeforeChainer"
+    # by name: the .pth file defines the class anew in a namespace of its own
+    if "chainer" in sys.modules or any(type(f).__name__ == "_BeforeChainer"
                                        for f in sys.meta_path):
         return
     sys.meta_path.insert(0, _BeforeChainer(compat_path))

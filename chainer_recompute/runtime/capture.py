@@ -140,10 +140,6 @@ def buffer_print(a: Any) -> Tuple[Any, ...]:
     return fingerprint(a)
 
 
-#: The global random states (NumPy's, CuPy's generators): see :mod:`.device`.
-GlobalRNG = RandomStates
-
-
 # --------------------------------------------------------------- analysis
 class Analysis:
     """Whether a function can be recomputed, and what its attributes are."""
@@ -1059,7 +1055,7 @@ def first_variable(result: Any) -> Optional[chainer.Variable]:
     return None
 
 
-__all__ = ["Analysis", "Call", "GlobalRNG", "Recorder", "analyse_function", "attribute_arrays",
+__all__ = ["Analysis", "Call", "Recorder", "analyse_function", "attribute_arrays",
            "batch_size_of", "capture", "fingerprint", "first_variable", "function_op",
            "leave_no_trace", "owner_of", "persistent_array_ids", "root_of", "same_array",
            "state_bytes", "GraphChangedError"]

@@ -130,9 +130,6 @@ class CupyDevice(Device):
     def to_host(self, a: Any) -> numpy.ndarray:
         return self.xp.asnumpy(a)
 
-    def pool(self) -> Any:
-        return self.xp.get_default_memory_pool()
-
 
 CPU = Device()
 _CUPY_DEVICES: Dict[int, CupyDevice] = {}

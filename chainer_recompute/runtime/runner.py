@@ -567,16 +567,15 @@ class Recompute:
             return
         measured = open_.start + m.peak_bytes - sum(nb for ref, nb in open_.refs
                                                     if ref() is None)
-        if m.total_peak_bytes is not None:
-            # the pool's blocks it had to add for this iteration (fragments
-            # of split blocks included)
-            stats.measured_pool_total_bytes = int(
-                max(measured, open_.start + m.total_peak_bytes - m.start_total_bytes))
         s.checked += 1
         stats.measured_peak_bytes = int(measured)
         stats.predicted_peak_bytes = s.plan.predicted_peak_bytes
         stats.budget_bytes = s.plan.budget_bytes
-        measured = max(measured, stats.measured_pool_total_bytes or 0)
+        if m.total_peak_bytes is not None:
+            # what the budget bounds on CuPy: the pool's blocks added for this
+            # iteration too (cached and split ones)
+            measured = max(measured, open_.start + m.total_peak_bytes - m.start_total_bytes)
+            stats.measured_pool_total_bytes = int(measured)
         entry = open_.entry
         budget = s.plan.budget_bytes
         if self.budget_scope != "total" or budget is None or measured <= budget:

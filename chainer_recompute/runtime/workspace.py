@@ -151,6 +151,16 @@ def _columns(xp: Any, x: Any, kh: int, kw: int, sy: int, sx: int, ph: int, pw: i
     return col
 
 
+def _chunk(kind: str, kernel: Any, limit: int, exact: bool, n_all: int) -> Optional[int]:
+    """The chunk a call over the bound runs in (counted in :data:`chunked_calls`),
+    or None for Chainer's own kernel: within the bound, or one sample in exact
+    mode (Chainer's transposed columns are a view then: one buffer already)."""
+    if kernel.column_bytes <= limit or (exact and n_all == 1):
+        return None
+    chunked_calls[kind] += 1
+    return kernel.chunk(limit, exact)
+
+
 def _conv_forward(f: Any, x: Any, W: Any, b: Any, limit: int, exact: bool) -> Optional[Tuple[Any]]:
     """Convolution2DFunction's forward over batch chunks (None: one call)."""
     if x.dtype != W.dtype or (b is not None and b.dtype != x.dtype) or f.groups != 1:
@@ -159,14 +169,11 @@ def _conv_forward(f: Any, x: Any, W: Any, b: Any, limit: int, exact: bool) -> Op
     o, _, kh, kw = W.shape
     oh = _out_size(h, kh, f.sy, f.ph, f.cover_all, f.dy)
     ow = _out_size(w, kw, f.sx, f.pw, f.cover_all, f.dx)
-    k = conv_kernel(x.shape, W.shape, (n_all, o, oh, ow), x.dtype.itemsize)
-    if k.column_bytes <= limit or (exact and n_all == 1):
-        # one sample: Chainer's transposed columns are a view already (one
-        # buffer), and its GEMM reads them transposed: its own kernel
+    n = _chunk("conv", conv_kernel(x.shape, W.shape, (n_all, o, oh, ow), x.dtype.itemsize),
+               limit, exact, n_all)
+    if n is None:
         return None
-    n = k.chunk(limit, exact)
     xp = backend.get_array_module(x)
-    chunked_calls["conv"] += 1
     y = xp.empty((n_all, oh, ow, o), dtype=x.dtype)
     wt = W.transpose(1, 2, 3, 0).reshape(-1, o)  # numpy.tensordot's right operand
     for n0 in range(0, n_all, n):
@@ -187,12 +194,10 @@ def _deconv_forward(f: Any, x: Any, W: Any, b: Any, limit: int, exact: bool) -> 
         return None
     n_all = x.shape[0]
     _, co, kh, kw = W.shape
-    k = deconv_kernel(x.shape, W.shape, x.dtype.itemsize)
-    if k.column_bytes <= limit or (exact and n_all == 1):
+    n = _chunk("deconv", deconv_kernel(x.shape, W.shape, x.dtype.itemsize), limit, exact, n_all)
+    if n is None:
         return None
-    n = k.chunk(limit, exact)
     xp = backend.get_array_module(x)
-    chunked_calls["deconv"] += 1
     sy, sx, ph, pw, dy, dx = f.sy, f.sx, f.ph, f.pw, f.dy, f.dx
     oh, ow = f.outh, f.outw
     h, w = x.shape[2:]
@@ -222,12 +227,11 @@ def _grad_w(f: Any, x: Any, gy: Any, limit: int, exact: bool) -> Optional[Tuple[
     n_all, c_all = x.shape[:2]
     _, o, oh, ow = gy.shape
     kh, kw = f.kh, f.kw
-    k = gradw_kernel(x.shape, gy.shape, (o, c_all, kh, kw), x.dtype.itemsize)
-    if k.column_bytes <= limit or (exact and n_all == 1):
+    cc = _chunk("gradw", gradw_kernel(x.shape, gy.shape, (o, c_all, kh, kw), x.dtype.itemsize),
+                limit, exact, n_all)
+    if cc is None:
         return None
-    cc = k.chunk(limit, exact)
     xp = backend.get_array_module(x)
-    chunked_calls["gradw"] += 1
     gyt = gy.transpose(1, 0, 2, 3).reshape(o, -1)  # numpy.tensordot's left operand
     gW = xp.empty((o, c_all, kh, kw), dtype=f.W_dtype) if cc < c_all else None
     m = n_all * oh * ow

@@ -22,7 +22,6 @@ Two scopes:
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
@@ -33,7 +32,7 @@ from .execution import ExecutionPlan
 from .graph import Graph
 from .lower_sets import DEFAULT_MAX_LOWER_SETS, LowerSetFamily
 from .memory_model import SCOPES, MemoryModel, measured_model
-from .plan import Plan
+from .plan import Plan, replace_plan
 from .planner import solve
 from .replay import replay
 from .search import least_feasible_budget
@@ -268,7 +267,7 @@ class BudgetSearch:
         info.update(memory_scope="total", dp_budget_bytes=dp_budget,
                     dp_peak_bytes=plan.predicted_peak_bytes,
                     vanilla_peak_bytes=self.vanilla()[1], search_time_s=time.perf_counter() - t0)
-        return dataclasses.replace(plan, predicted_peak_bytes=int(peak),
+        return replace_plan(plan, predicted_peak_bytes=int(peak),
                                    budget_bytes=budget_bytes, feasible=True, info=info)
 
     def least_budget(self) -> int:

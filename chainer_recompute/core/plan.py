@@ -4,6 +4,7 @@ Pure core: numpy only.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Set as _AbstractSet
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BlockChain", "Plan", "make_plan", "infeasible_plan"]
+__all__ = ["BlockChain", "Plan", "make_plan", "infeasible_plan", "replace_plan"]
 
 NodeSet = FrozenSet[int]
 
@@ -252,6 +253,31 @@ class Plan:
         state = dict(self.__dict__)
         state["_simulated_peak_bytes"] = self.simulated_peak_bytes  # not the graph
         return state
+
+
+def replace_plan(plan: Plan, **changes: Any) -> Plan:
+    """``dataclasses.replace(plan, **changes)`` that leaves a simulated peak
+    not read yet unread (``replace`` reads every field, and the liveness
+    simulation of a plan of thousands of blocks takes seconds).
+
+    >>> from chainer_recompute.core.graph import Graph
+    >>> p = make_plan(Graph.from_edges([1, 1], [(0, 1)]), [{0, 1}], solver='exact',
+    ...               strategy='tc', budget_bytes=None)
+    >>> q = replace_plan(p, budget_bytes=8)
+    >>> isinstance(q.__dict__['_simulated_peak_bytes'], _SimulatedPeak), q.budget_bytes
+    (True, 8)
+    """
+    kw = {}
+    for f in dataclasses.fields(plan):
+        if f.name in changes:
+            kw[f.name] = changes.pop(f.name)
+        elif f.name == "simulated_peak_bytes":  # as stored: maybe not simulated yet
+            kw[f.name] = plan.__dict__["_simulated_peak_bytes"]
+        else:
+            kw[f.name] = getattr(plan, f.name)
+    if changes:
+        raise TypeError(f"Plan has no field {sorted(changes)[0]!r}")
+    return Plan(**kw)
 
 
 def make_plan(graph: Graph, lower_sets: Optional[Sequence], *, solver: str, strategy: str,

@@ -273,14 +273,28 @@ def build_schedule(graph: Graph, lower_sets: Sequence, *,
     prev = 0
     blocks: List[List[int]] = []
     keep = [False] * n
+    nested = True
     for i, cur in enumerate(masks):
+        nested = nested and prev & ~cur == 0
         nodes = sorted(mask_to_set(cur & ~prev))
         blocks.append(nodes)
         for v in nodes:
             block_of[v] = i
-        for v in mask_to_set(boundary(graph, cur) & (cur & ~prev)):
-            keep[v] = True
         prev = cur
+    if nested:
+        # U_i = ∂(L_i) ∩ V_i: a node of V_i with a successor outside L_i,
+        # that is in a later block or in none (linear, where the bitsets'
+        # boundary is nodes times blocks)
+        for i, nodes in enumerate(blocks):
+            for v in nodes:
+                if any(block_of[s] > i or block_of[s] < 0 for s in succs[v]):
+                    keep[v] = True
+    else:  # not a chain: from the bitsets
+        prev = 0
+        for cur in masks:
+            for v in mask_to_set(boundary(graph, cur) & (cur & ~prev)):
+                keep[v] = True
+            prev = cur
     if not recompute:
         keep = [True] * n
     ops: List[Op] = []

@@ -25,16 +25,19 @@ from __future__ import annotations
 import logging
 import math
 import time
+import weakref
 from typing import Any, Dict, List, Optional, Tuple, Union
 
+import numpy as np
+
 from .errors import BudgetError, InfeasibleBudgetError
-from .execution import ExecutionPlan
+from .execution import ExecutionPlan, releasable_nodes
 from .graph import Graph
 from .lower_sets import DEFAULT_MAX_LOWER_SETS, LowerSetFamily
 from .memory_model import SCOPES, MemoryModel, measured_model
 from .plan import Plan, replace_plan
 from .planner import solve
-from .replay import replay
+from .replay import replay_peak
 from .search import least_feasible_budget
 from .solvers import check_solver, resolve_solver, solve_none
 from .units import format_bytes, format_bytes_up, parse_bytes
@@ -115,17 +118,18 @@ class BudgetSearch:
 
     # ----------------------------------------------------------- pieces
     def peak_of(self, plan: Plan) -> int:
-        """The replayed total peak of a plan."""
+        """The replayed total peak of a plan (:func:`~.replay.replay_peak`:
+        what :func:`~.replay.replay` of its :class:`ExecutionPlan` gives)."""
         if not plan.recompute:
-            return replay(self.graph, None).peak_bytes
-        ep = ExecutionPlan(self.graph, plan.lower_sets, frozenset(plan.kept))
-        return replay(self.graph, ep).peak_bytes
+            return replay_peak(self.graph)
+        dropped, block_of = plan_arrays(self.graph, plan)
+        return replay_peak(self.graph, dropped, block_of)
 
     def vanilla(self) -> Tuple[Plan, int]:
         """Plain backpropagation and its replayed peak."""
         if self._vanilla is None:
             plan = solve_none(self.graph, None, model=self.model)
-            self._vanilla = (plan, replay(self.graph, None).peak_bytes)
+            self._vanilla = (plan, replay_peak(self.graph))
         return self._vanilla
 
     def at(self, dp_budget: int, strategy: Optional[str] = None
@@ -286,6 +290,48 @@ class BudgetSearch:
             plan, peak = min((c for c in self.candidates() if c[1] <= limit),
                              key=lambda c: (c[0].overhead, c[1]))
         return self._annotate(plan, peak, budget, None, t0)
+
+
+def plan_arrays(graph: Graph, plan: Plan) -> Tuple[np.ndarray, np.ndarray]:
+    """A plan's dropped nodes (bool per node) and each node's block, as
+    :class:`ExecutionPlan` finds them (in time linear in the graph)."""
+    n = graph.n
+    block_of = np.full(n, -1, dtype=np.int64)
+    blocks = getattr(plan.lower_sets, "blocks", None)
+    if blocks is None:
+        blocks, prev = [], frozenset()
+        for cur in plan.lower_sets:
+            blocks.append(cur - prev)
+            prev = cur
+    for b, nodes in enumerate(blocks):
+        block_of[list(nodes)] = b
+    if (block_of < 0).any():  # as ExecutionPlan
+        return _ep_arrays(graph, plan)
+    keep = np.zeros(n, dtype=bool)
+    keep[list(plan.kept)] = True
+    dropped = _releasable(graph) & ~keep
+    return dropped, block_of
+
+
+def _ep_arrays(graph: Graph, plan: Plan) -> Tuple[np.ndarray, np.ndarray]:
+    ep = ExecutionPlan(graph, plan.lower_sets, frozenset(plan.kept))
+    dropped = np.zeros(graph.n, dtype=bool)
+    dropped[list(ep.dropped)] = True
+    return dropped, np.asarray(ep.block_of, dtype=np.int64)
+
+
+def _releasable(graph: Graph) -> np.ndarray:
+    got = _RELEASABLE.get(id(graph))
+    if got is not None and got[0]() is graph:
+        return got[1]
+    mask = np.zeros(graph.n, dtype=bool)
+    mask[list(releasable_nodes(graph))] = True
+    _RELEASABLE.clear()  # the last graph's only
+    _RELEASABLE[id(graph)] = (weakref.ref(graph), mask)
+    return mask
+
+
+_RELEASABLE: Dict[int, Tuple[Any, np.ndarray]] = {}
 
 
 def plan_for_budget(graph: Graph, budget: Union[str, int, float], *, solver: str = "auto",

@@ -13,7 +13,7 @@ from typing import Dict, FrozenSet, List, Sequence, Tuple
 from .errors import RecomputeError
 from .graph import Graph
 
-__all__ = ["ExecutionPlan", "backward_readers"]
+__all__ = ["ExecutionPlan", "backward_readers", "releasable_nodes"]
 
 
 def backward_readers(graph: Graph, releasable: FrozenSet[int],
@@ -43,6 +43,23 @@ def backward_readers(graph: Graph, releasable: FrozenSet[int],
         needs[node.id] = tuple(sorted(need))
         done[node.id] = tuple(sorted(need | ({node.id} & releasable)))
     return needs, done
+
+
+def releasable_nodes(graph: Graph) -> FrozenSet[int]:
+    """The nodes a plan may release: recomputable, except those whose
+    outputs are all returned by the forward (``graph.meta['returned']``)
+    and that hold no derived attribute (releasing them frees nothing: the
+    caller's Variables hold the arrays, and that is all they retain; and
+    regenerating them would recompute for nothing).
+
+    >>> sorted(releasable_nodes(Graph.from_edges([4, 4], [(0, 1)])))
+    [0, 1]
+    """
+    returned = set(graph.meta.get("returned", ()))
+    held = {node.id for node in graph.nodes
+            if node.outputs and not any(h.role == "derived" for h in node.held)
+            and returned.issuperset(node.outputs)}
+    return frozenset(v for v in range(graph.n) if graph.nodes[v].recomputable and v not in held)
 
 
 class ExecutionPlan:
@@ -97,15 +114,7 @@ class ExecutionPlan:
         for node in graph.nodes:
             self.derived[node.id] = tuple(h.name for h in node.held if h.role == "derived")
             self.written[node.id] = tuple(h.name for h in node.held if h.role == "written")
-        # Nodes whose every output the forward returns and that hold no
-        # derived attribute: releasing them frees nothing (the caller's
-        # Variables hold the arrays, and that is all they retain), and
-        # regenerating them would recompute for nothing. Never released.
-        returned = set(graph.meta.get("returned", ()))
-        held = {node.id for node in graph.nodes if node.outputs and not self.derived[node.id]
-                and returned.issuperset(node.outputs)}
-        self.releasable: FrozenSet[int] = frozenset(
-            v for v in range(n) if graph.nodes[v].recomputable and v not in held)
+        self.releasable: FrozenSet[int] = releasable_nodes(graph)
         self.dropped: FrozenSet[int] = frozenset(
             v for v in self.releasable if v not in kept)
         self.unsafe = [v for v in range(n) if v not in kept and not graph.nodes[v].recomputable]

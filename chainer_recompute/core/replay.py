@@ -45,7 +45,8 @@ from .execution import ExecutionPlan
 from .graph import Graph
 from .pool import PoolModel
 
-__all__ = ["RELEASE_MODES", "ReplayResult", "replay", "state_constant_bytes"]
+__all__ = ["RELEASE_MODES", "REPLAY_ENGINES", "ReplayResult", "replay", "replay_peak",
+           "state_constant_bytes"]
 
 #: What is released after a node's last backward reader has run: ``none``
 #: held back (everything recomputable is released; a second backward pass
@@ -54,6 +55,15 @@ __all__ = ["RELEASE_MODES", "ReplayResult", "replay", "state_constant_bytes"]
 #: pass costs what the first did), or ``all`` kept (a second pass
 #: regenerates nothing).
 RELEASE_MODES = ("none", "checkpoints", "all")
+#: ``python``: the replay below, event by event in Python (the reference);
+#: ``numba``: the same replay compiled
+#: (:mod:`~chainer_recompute.core._replay_kernel`; the same total at every
+#: event, not for graphs recorded on CuPy); ``auto``: compiled on graphs of
+#: at least :data:`KERNEL_MIN_NODES` nodes when numba is installed.
+REPLAY_ENGINES = ("auto", "python", "numba")
+#: Graphs smaller than this are replayed in Python by ``engine='auto'``
+#: (a few milliseconds; loading the compiled loop costs more).
+KERNEL_MIN_NODES = 1000
 
 
 @dataclass(frozen=True)
@@ -172,9 +182,6 @@ class _Memory:
             del self.holders[buf]
             self.free(("buf", buf), self.graph.arrays[buf].owned_bytes)
 
-    def held_by(self, a: int, *whys: str) -> bool:
-        return any((a, w) in self.holders.get(self.owner[a], ()) for w in whys)
-
     def alive(self, a: int) -> bool:
         if self.owner[a] in self.constant:
             return True
@@ -244,8 +251,55 @@ def _caller_input(info: Any) -> bool:
     return info.kind == "input" and bool(info.name)
 
 
+def _engine(graph: Graph, engine: Optional[str]) -> str:
+    engine = "auto" if engine is None else engine
+    if engine not in REPLAY_ENGINES:
+        raise ValueError(f"unknown replay engine {engine!r}; accepted: {list(REPLAY_ENGINES)}")
+    if engine == "python" or graph.meta.get("allocator") == "cupy":
+        return "python"
+    from ._replay_kernel import kernel_available
+    if not kernel_available():
+        if engine == "numba":
+            raise ValueError("replay engine 'numba' needs numba (the 'fast' extra)")
+        return "python"
+    return "numba" if engine == "numba" or graph.n >= KERNEL_MIN_NODES else "python"
+
+
+def replay_peak(graph: Graph, dropped: Optional[np.ndarray] = None,
+                block_of: Optional[np.ndarray] = None, *, release_mode: str = "none",
+                engine: Optional[str] = None) -> int:
+    """The peak of :func:`replay` for a plan given as arrays: ``dropped``
+    (bool per node: :attr:`ExecutionPlan.dropped`) and ``block_of`` (each
+    node's block); both ``None``: plain Chainer. What the budget search
+    replays each candidate with (no :class:`ExecutionPlan` to build)."""
+    if _engine(graph, engine) == "python":
+        if dropped is None:
+            return replay(graph, None, release_mode=release_mode, engine="python").peak_bytes
+        return replay(graph, _ArrayPlan(graph, dropped, block_of), release_mode=release_mode,
+                      engine="python").peak_bytes
+    from ._replay_kernel import context_of, run_kernel
+    trace = run_kernel(context_of(graph), dropped, block_of, release_mode)[0]
+    return int(trace.max())
+
+
+class _ArrayPlan(ExecutionPlan):
+    """The :class:`ExecutionPlan` of a plan given as ``dropped`` and
+    ``block_of`` arrays (see :func:`replay_peak`)."""
+
+    def __init__(self, graph: Graph, dropped: np.ndarray, block_of: np.ndarray) -> None:
+        blocks: Dict[int, List[int]] = {}
+        for v, b in enumerate(np.asarray(block_of).tolist()):
+            blocks.setdefault(b, []).append(v)
+        lower, acc = [], set()
+        for b in sorted(blocks):
+            acc |= set(blocks[b])
+            lower.append(frozenset(acc))
+        kept = frozenset(int(v) for v in np.flatnonzero(~np.asarray(dropped, dtype=bool)))
+        super().__init__(graph, lower, kept)
+
+
 def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
-           release_mode: str = "none") -> ReplayResult:
+           release_mode: str = "none", engine: Optional[str] = None) -> ReplayResult:
     """Replay one iteration of ``graph`` under ``plan`` (``None``: plain
     Chainer) and return its memory.
 
@@ -256,12 +310,17 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
         plan: the execution plan.
         release_mode: what the executor releases after the last backward
             reader of a node (see :data:`RELEASE_MODES`).
+        engine: see :data:`REPLAY_ENGINES` (the same result from each).
 
     >>> from chainer_recompute.core.execution import ExecutionPlan
     >>> g = Graph.from_edges([4, 4, 4], [(0, 1), (1, 2)])
     >>> replay(g).peak_bytes > 0
     True
     """
+    if release_mode not in RELEASE_MODES:
+        raise ValueError(f"unknown release mode {release_mode!r}; accepted: {list(RELEASE_MODES)}")
+    if _engine(graph, engine) == "numba":
+        return _replay_compiled(graph, plan, release_mode)
     n = graph.n
     arrays = graph.arrays
     nodes = graph.nodes
@@ -515,8 +574,20 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
                                                else int(mem.pool.peak_total_bytes)))
 
 
-def plan_of(graph: Graph, lower_sets: Sequence[FrozenSet[int]],
-            kept: FrozenSet[int]) -> ExecutionPlan:
-    """The execution plan of a strategy (a convenience for callers that
-    have a Plan's lower sets and kept nodes)."""
-    return ExecutionPlan(graph, lower_sets, kept)
+def _replay_compiled(graph: Graph, plan: Optional[ExecutionPlan],
+                     release_mode: str) -> ReplayResult:
+    from ._replay_kernel import context_of, run_kernel
+    ctx = context_of(graph)
+    if plan is None:
+        dropped = block_of = None
+    else:
+        dropped = np.zeros(graph.n, dtype=bool)
+        dropped[list(plan.dropped)] = True
+        block_of = np.asarray(plan.block_of, dtype=np.int64)
+    trace, kinds, us, ws, recomputed = run_kernel(ctx, dropped, block_of, release_mode)
+    events = ctx.labels(kinds, us, ws)
+    k = int(np.argmax(trace))
+    return ReplayResult(peak_bytes=int(trace[k]), peak_event=events[k],
+                        constant_bytes=ctx.constant, events=events, memory_bytes=trace,
+                        recomputed=int(recomputed), used_peak_bytes=int(trace.max()),
+                        pool_total_peak_bytes=None)

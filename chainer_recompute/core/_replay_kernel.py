@@ -1,0 +1,609 @@
+"""The replay of :mod:`~chainer_recompute.core.replay` as one compiled loop
+over flat arrays (numba), for large graphs.
+
+Pure core: numpy only (numba compiles the loop when it is installed).
+
+It follows the reference replay (``replay(..., engine='python')``) event
+by event and gives the same total at every event (the tests compare the
+two timelines): the holders of a buffer are kept as one bit per (array,
+reason) and a count per buffer, attribute arrays as one flag per
+(node, name), and the gradients, which do not depend on the plan, as three
+levels per backward step computed once per graph (:class:`ReplayContext`).
+Graphs recorded on CuPy (whose pool model depends on the order of every
+allocation) are replayed by the reference replay only.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .execution import backward_readers, releasable_nodes
+from .graph import Graph
+
+__all__ = ["ReplayContext", "context_of", "kernel_available", "run_kernel"]
+
+#: event kinds of the kernel's timeline
+FORWARD, END, REGENERATE, BACKWARD, UPDATE = 0, 1, 2, 3, 4
+#: release modes, as :data:`~chainer_recompute.core.replay.RELEASE_MODES`
+MODES = {"none": 0, "checkpoints": 1, "all": 2}
+
+
+def _csr(lists: Sequence[Sequence[int]]) -> Tuple[np.ndarray, np.ndarray]:
+    ptr = np.zeros(len(lists) + 1, dtype=np.int64)
+    ptr[1:] = np.cumsum([len(x) for x in lists])
+    flat = np.fromiter((v for x in lists for v in x), dtype=np.int64, count=int(ptr[-1]))
+    return ptr, flat
+
+
+class _Level:
+    """A running total, for the gradients' pass (the reference replay's
+    ``_Memory`` without buffers)."""
+
+    def __init__(self) -> None:
+        self.level = 0
+
+    def alloc(self, key: Any, nbytes: int) -> None:
+        self.level += nbytes
+
+    def free(self, key: Any, nbytes: int) -> None:
+        self.level -= nbytes
+
+
+class ReplayContext:
+    """What the replay of one graph needs that no plan changes, as flat
+    arrays (made once per graph, see :func:`context_of`)."""
+
+    def __init__(self, graph: Graph) -> None:
+        from .replay import _Gradients, _caller_input, param_grad_bytes, state_constant_bytes
+        self.graph = graph
+        arrays, nodes, n = graph.arrays, graph.nodes, graph.n
+        self.n = n
+        i64 = np.int64
+        self.owner = np.array([a.id if a.view_of is None else a.view_of for a in arrays],
+                              dtype=i64)
+        self.owned = np.array([a.owned_bytes for a in arrays], dtype=i64)
+        self.nbytes = np.array([a.nbytes for a in arrays], dtype=i64)
+        pc = np.array([a.kind == "param" or _caller_input(a) for a in arrays], dtype=np.bool_)
+        self.pc = pc
+        self.constown = pc[self.owner] if len(arrays) else pc
+        self.producer = np.array([-1 if a.producer is None else a.producer for a in arrays],
+                                 dtype=i64)
+        self.dies_at = np.array([-1 if a.dies_at is None else a.dies_at for a in arrays],
+                                dtype=i64)
+        retby = np.zeros(len(arrays), dtype=np.bool_)
+        for node in nodes:
+            for a in node.retained_inputs:
+                retby[a] = True
+            for a in node.retained_outputs:
+                retby[a] = True
+        self.retby = retby
+        self.in_p, self.in_i = _csr([node.inputs for node in nodes])
+        self.out_p, self.out_i = _csr([node.outputs for node in nodes])
+        self.rout_p, self.rout_i = _csr([node.retained_outputs for node in nodes])
+        self.rin_p, self.rin_i = _csr([node.retained_inputs for node in nodes])
+        dies: List[List[int]] = [[] for _ in range(n + 1)]
+        for a in arrays:
+            if a.producer is not None and a.dies_at is not None:
+                dies[a.dies_at].append(a.id)
+        self.dies_p, self.dies_i = _csr(dies)
+        self.tmp_p, self.tmp_i = _csr([
+            [a for a in node.inputs if arrays[a].kind == "input"
+             and arrays[a].dies_at is not None and not arrays[a].name] for node in nodes])
+        keys: Dict[Tuple[int, str], int] = {}
+        held: List[List[int]] = []
+        nb: List[int] = []
+        der: List[bool] = []
+        for node in nodes:
+            row = []
+            for h in node.held:
+                if h.role == "written":
+                    continue
+                row.append(keys.setdefault((node.id, h.name), len(keys)))
+                nb.append(int(h.nbytes))
+                der.append(h.role == "derived")
+            held.append(row)
+        self.held_p, self.held_key = _csr(held)
+        self.held_nb = np.array(nb, dtype=i64)
+        self.held_der = np.array(der, dtype=np.bool_)
+        self.n_keys = len(keys)
+        self.ftr = np.array([n_.forward_transient_bytes or 0 for n_ in nodes], dtype=i64)
+        # what ExecutionPlan finds for every plan of this graph
+        derived = {node.id: tuple(h.name for h in node.held if h.role == "derived")
+                   for node in nodes}
+        returned = set(graph.meta.get("returned", ()))
+        rel = releasable_nodes(graph)
+        self.releasable = np.zeros(n, dtype=np.bool_)
+        self.releasable[list(rel)] = True
+        needs, done = backward_readers(graph, rel, derived)
+        self.needs_p, self.needs_i = _csr([needs[v] for v in range(n)])
+        self.done_p, self.done_i = _csr([done[v] for v in range(n)])
+        self.last = np.array([max(s, default=v) for v, s in enumerate(graph.succs)], dtype=i64)
+        self.constant = state_constant_bytes(graph)
+        self.old_grads = param_grad_bytes(graph) if graph.meta.get("grads_in_forward", True) \
+            else 0
+        self.free_all = bool(returned) and not any(
+            a.producer is not None and a.dies_at is None and a.id not in returned
+            for a in arrays)
+        self.update_transient = int(graph.state_bytes.get("update_transient", 0))
+        # the gradients: the same for every plan
+        order = list(graph.backward_order) if graph.backward_order else \
+            [v for v in range(n - 1, -1, -1) if nodes[v].has_backward]
+        self.order = np.array(order, dtype=i64)
+        lv = _Level()
+        grads = _Gradients(lv)  # type: ignore[arg-type]
+        made: set = set()
+        g_rec, g_extra, g_after = [], [], []
+        for w in order:
+            node = nodes[w]
+            targets = [a for a in dict.fromkeys(node.inputs) if arrays[a].producer is not None
+                       and nodes[arrays[a].producer].has_backward]
+            params = [a for a in dict.fromkeys(node.inputs) if arrays[a].kind == "param"]
+            first = [a for a in params if a not in made]
+            made.update(first)
+            param_new = sum(arrays[a].nbytes for a in first)
+            fresh = [a for a in targets if not grads.has(a)]
+            accumulated = [a for a in targets if grads.has(a)]
+            extra = node.backward_transient_bytes
+            if extra is None:
+                extra = sum(arrays[a].nbytes for a in accumulated)
+            acc_net = sum(grads.replace(a, arrays[a].nbytes) for a in accumulated)
+            if node.backward_alloc_bytes is not None:
+                act = max(0, node.backward_alloc_bytes - param_new - acc_net)
+            else:
+                act = sum(arrays[a].nbytes for a in fresh)
+            out_bufs = grads.buffers_of(node.outputs)
+            left = act
+            for a in sorted(fresh, key=lambda x: -arrays[x].nbytes):
+                nb_ = arrays[a].nbytes
+                if left >= nb_ // 2 or not out_bufs:
+                    grads.new(a, min(nb_, left) if left < nb_ else nb_)
+                    left -= min(nb_, left)
+                else:
+                    grads.share(a, out_bufs)
+            if left > 0 and fresh:
+                grads.new(fresh[0], left)
+            lv.alloc(None, param_new)
+            g_rec.append(lv.level)
+            g_extra.append(int(extra))
+            grads.drop(node.outputs)
+            g_after.append(lv.level)
+        self.g_rec = np.array(g_rec, dtype=i64)
+        self.g_extra = np.array(g_extra, dtype=i64)
+        self.g_after = np.array(g_after, dtype=i64)
+
+    def labels(self, kind: np.ndarray, u: np.ndarray, w: np.ndarray) -> Tuple[str, ...]:
+        """The reference replay's event labels for the kernel's events."""
+        ops = [node.op for node in self.graph.nodes]
+        out = []
+        for k, a, b in zip(kind.tolist(), u.tolist(), w.tolist()):
+            if k == FORWARD:
+                out.append(f"forward {a} {ops[a]}")
+            elif k == REGENERATE:
+                out.append(f"regenerate {a} {ops[a]} for backward {b}")
+            elif k == BACKWARD:
+                out.append(f"backward {a} {ops[a]}")
+            else:
+                out.append("end of forward" if k == END else "update")
+        return tuple(out)
+
+
+_CONTEXTS: List[Tuple[Any, ReplayContext]] = []
+
+
+def context_of(graph: Graph) -> ReplayContext:
+    """The :class:`ReplayContext` of ``graph`` (the last few made are kept
+    while their graphs live)."""
+    for ref, ctx in _CONTEXTS:
+        if ref() is graph:
+            return ctx
+    ctx = ReplayContext(graph)
+    _CONTEXTS[:] = [(r, c) for r, c in _CONTEXTS if r() is not None][:3]
+    _CONTEXTS.insert(0, (weakref.ref(graph), ctx))
+    return ctx
+
+
+_COMPILED: Dict[str, Any] = {}
+
+
+def kernel_available() -> bool:
+    """Whether the compiled loop can be used (numba is installed)."""
+    from .solvers._dp import numba_available
+    return numba_available()
+
+
+def _kernel():
+    k = _COMPILED.get("replay")
+    if k is None:
+        import numba
+        _jit_helpers()
+        k = _COMPILED["replay"] = numba.njit(cache=True, nogil=True)(_replay_loop)
+    return k
+
+
+def run_kernel(ctx: ReplayContext, dropped: Optional[np.ndarray], block_of: Optional[np.ndarray],
+               release_mode: str = "none"
+               ) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+    """The timeline of one iteration: totals, event kinds, event nodes
+    (``u``, and ``w`` for a regeneration) and the number of regenerated
+    nodes. ``dropped`` (bool per node) and ``block_of`` (each node's
+    block): the plan, ``None`` for plain Chainer."""
+    has_plan = dropped is not None
+    n = ctx.n
+    if not has_plan:
+        dropped = np.zeros(n, dtype=np.bool_)
+        block_of = np.zeros(n, dtype=np.int64)
+    c = ctx
+    return _kernel()(
+        n, c.owner, c.owned, c.nbytes, c.pc, c.constown, c.producer, c.dies_at, c.retby,
+        c.in_p, c.in_i, c.out_p, c.out_i, c.rout_p, c.rout_i, c.rin_p, c.rin_i,
+        c.dies_p, c.dies_i, c.tmp_p, c.tmp_i, c.held_p, c.held_key, c.held_nb, c.held_der,
+        c.n_keys, c.ftr, c.order, c.g_rec, c.g_extra, c.g_after, c.releasable,
+        c.needs_p, c.needs_i, c.done_p, c.done_i, c.last, c.constant, c.old_grads,
+        c.free_all, c.update_transient, has_plan, np.asarray(dropped, dtype=np.bool_),
+        np.asarray(block_of, dtype=np.int64), MODES[release_mode])
+
+
+def _replay_loop(n, owner, owned, nbytes, pc, constown, producer, dies_at, retby,
+                 in_p, in_i, out_p, out_i, rout_p, rout_i, rin_p, rin_i,
+                 dies_p, dies_i, tmp_p, tmp_i, held_p, held_key, held_nb, held_der,
+                 n_keys, ftr, order, g_rec, g_extra, g_after, releasable,
+                 needs_p, needs_i, done_p, done_i, last, constant, old_grads,
+                 free_all, update_transient, has_plan, dropped, block_of, mode):
+    VAR, RET, PIN, VAL = 1, 2, 4, 8
+    n_arrays = owner.shape[0]
+    reasons = np.zeros(n_arrays, dtype=np.uint8)
+    count = np.zeros(n_arrays, dtype=np.int64)
+    attr_on = np.zeros(n_keys, dtype=np.bool_)
+    attr_nb = np.zeros(n_keys, dtype=np.int64)
+    released = np.zeros(n, dtype=np.bool_)
+    cap = 4 * n + 16
+    trace = np.empty(cap, dtype=np.int64)
+    kinds = np.empty(cap, dtype=np.int8)
+    ev_u = np.empty(cap, dtype=np.int64)
+    ev_w = np.empty(cap, dtype=np.int64)
+    ne = 0
+    level = constant + old_grads
+
+    # the plan's releases (dropped nodes after their last forward reader)
+    # and each block's dropped nodes, by counting
+    rel_p = np.zeros(n + 2, dtype=np.int64)
+    nblk = 0
+    for u in range(n):
+        if block_of[u] + 1 > nblk:
+            nblk = block_of[u] + 1
+    bn_p = np.zeros(nblk + 1, dtype=np.int64)
+    if has_plan:
+        for u in range(n):
+            if dropped[u]:
+                rel_p[last[u] + 2] += 1
+                bn_p[block_of[u] + 1] += 1
+    for i in range(n + 1):
+        rel_p[i + 1] += rel_p[i]
+    for b in range(nblk):
+        bn_p[b + 1] += bn_p[b]
+    rel_i = np.empty(rel_p[n + 1], dtype=np.int64)
+    bn_i = np.empty(bn_p[nblk], dtype=np.int64)
+    fill_r = rel_p[:n + 1].copy()
+    fill_b = bn_p[:nblk].copy()
+    if has_plan:
+        for u in range(n):
+            if dropped[u]:
+                pos = last[u] + 1
+                rel_i[fill_r[pos]] = u
+                fill_r[pos] += 1
+                rel_i_b = block_of[u]
+                bn_i[fill_b[rel_i_b]] = u
+                fill_b[rel_i_b] += 1
+
+    # ------------------------------------------------------------ forward
+    for i in range(n):
+        for k in range(dies_p[i], dies_p[i + 1]):
+            level += _drop(dies_i[k], VAR, reasons, count, owner, owned)
+        if has_plan:
+            for k in range(rel_p[i], rel_p[i + 1]):
+                level += _release(rel_i[k], out_p, out_i, held_p, held_key, held_der, reasons,
+                                  count, owner, owned, attr_on, attr_nb, released)
+        for k in range(tmp_p[i], tmp_p[i + 1]):
+            level += _hold(tmp_i[k], VAR, reasons, count, owner, owned, constown)
+        if has_plan and dropped[i]:
+            for k in range(in_p[i], in_p[i + 1]):
+                a = in_i[k]
+                p = producer[a]
+                if (p < 0 or not dropped[p]) and not pc[a]:
+                    level += _hold(a, PIN, reasons, count, owner, owned, constown)
+        for k in range(out_p[i], out_p[i + 1]):
+            level += _hold(out_i[k], VAR, reasons, count, owner, owned, constown)
+        for k in range(rout_p[i], rout_p[i + 1]):
+            level += _hold(rout_i[k], RET, reasons, count, owner, owned, constown)
+        for k in range(rin_p[i], rin_p[i + 1]):
+            a = rin_i[k]
+            if not pc[a]:
+                level += _hold(a, RET, reasons, count, owner, owned, constown)
+        for k in range(held_p[i], held_p[i + 1]):
+            key = held_key[k]
+            if not attr_on[key]:
+                attr_on[key] = True
+                attr_nb[key] = held_nb[k]
+                level += held_nb[k]
+        if ne == cap:
+            trace, kinds, ev_u, ev_w, cap = _grow(trace, kinds, ev_u, ev_w, cap)
+        trace[ne] = level + ftr[i]
+        kinds[ne] = 0
+        ev_u[ne] = i
+        ev_w[ne] = -1
+        ne += 1
+        for k in range(tmp_p[i], tmp_p[i + 1]):
+            level += _drop(tmp_i[k], VAR, reasons, count, owner, owned)
+        for k in range(out_p[i], out_p[i + 1]):
+            a = out_i[k]
+            if dies_at[a] >= 0 and dies_at[a] <= i + 1:
+                level += _drop(a, VAR, reasons, count, owner, owned)
+    for k in range(dies_p[n], dies_p[n + 1]):
+        level += _drop(dies_i[k], VAR, reasons, count, owner, owned)
+    if has_plan:
+        for k in range(rel_p[n], rel_p[n + 1]):
+            level += _release(rel_i[k], out_p, out_i, held_p, held_key, held_der, reasons,
+                              count, owner, owned, attr_on, attr_nb, released)
+    if ne == cap:
+        trace, kinds, ev_u, ev_w, cap = _grow(trace, kinds, ev_u, ev_w, cap)
+    trace[ne] = level
+    kinds[ne] = 1
+    ev_u[ne] = -1
+    ev_w[ne] = -1
+    ne += 1
+    level -= old_grads
+
+    # ----------------------------------------------------------- backward
+    remaining = np.zeros(n, dtype=np.int64)
+    if has_plan:
+        for s in range(order.shape[0]):
+            w = order[s]
+            for k in range(done_p[w], done_p[w + 1]):
+                remaining[done_i[k]] += 1
+    regen = np.full(n, -1, dtype=np.int8)  # regenerable: -1 unknown, 0 no, 1 yes
+    stack_v = np.empty(n + 1, dtype=np.int64)
+    stack_k = np.empty(n + 1, dtype=np.int64)
+    dfs = np.empty(in_i.shape[0] + n + 1, dtype=np.int64)
+    wmark = np.zeros(n, dtype=np.int64)
+    omark = np.zeros(n, dtype=np.int64)
+    bmark = np.zeros(max(nblk, 1), dtype=np.int64)
+    vmark = np.zeros(n_arrays, dtype=np.int64)
+    nodes_buf = np.empty(n + 1, dtype=np.int64)
+    values = np.empty(n_arrays + 1, dtype=np.int64)
+    targets = np.empty(n + 1, dtype=np.int64)
+    stamp = 0
+    recomputed = 0
+    grad = 0
+    for s in range(order.shape[0]):
+        w = order[s]
+        if has_plan:
+            nt = 0
+            for k in range(needs_p[w], needs_p[w + 1]):
+                u = needs_i[k]
+                if released[u]:
+                    targets[nt] = u
+                    nt += 1
+            if nt > 0:
+                stamp += 1
+                # the wanted nodes: the targets, and the released nodes of
+                # their blocks that a remaining backward reads
+                nw = 0
+                for t in range(nt):
+                    u = targets[t]
+                    if wmark[u] != stamp:
+                        wmark[u] = stamp
+                        dfs[nw] = u
+                        nw += 1
+                for t in range(nt):
+                    b = block_of[targets[t]]
+                    if bmark[b] != stamp:
+                        bmark[b] = stamp
+                        for k in range(bn_p[b], bn_p[b + 1]):
+                            v = bn_i[k]
+                            if released[v] and remaining[v] > 0 and wmark[v] != stamp:
+                                wmark[v] = stamp
+                                dfs[nw] = v
+                                nw += 1
+                # what they need: producers of inputs that are not alive
+                no = 0
+                sp = nw
+                while sp > 0:
+                    sp -= 1
+                    u = dfs[sp]
+                    if omark[u] == stamp:
+                        continue
+                    omark[u] = stamp
+                    nodes_buf[no] = u
+                    no += 1
+                    for k in range(in_p[u], in_p[u + 1]):
+                        a = in_i[k]
+                        p = producer[a]
+                        if p >= 0 and not (pc[a] or constown[a] or reasons[a] != 0):
+                            dfs[sp] = p
+                            sp += 1
+                todo = np.sort(nodes_buf[:no])
+                nv = 0
+                for t in range(no):
+                    u = todo[t]
+                    for k in range(out_p[u], out_p[u + 1]):
+                        a = out_i[k]
+                        level += _hold(a, VAL, reasons, count, owner, owned, constown)
+                        if vmark[a] != stamp:
+                            vmark[a] = stamp
+                            values[nv] = a
+                            nv += 1
+                    for k in range(held_p[u], held_p[u + 1]):
+                        if held_der[k]:
+                            key = held_key[k]
+                            if not attr_on[key]:
+                                attr_on[key] = True
+                                attr_nb[key] = held_nb[k]
+                                level += held_nb[k]
+                    if ne == cap:
+                        trace, kinds, ev_u, ev_w, cap = _grow(trace, kinds, ev_u, ev_w, cap)
+                    trace[ne] = level + grad + ftr[u]
+                    kinds[ne] = 2
+                    ev_u[ne] = u
+                    ev_w[ne] = w
+                    ne += 1
+                    recomputed += 1
+                    if wmark[u] == stamp and released[u]:
+                        released[u] = False
+                        for k in range(out_p[u], out_p[u + 1]):
+                            a = out_i[k]
+                            if retby[a]:
+                                level += _hold(a, RET, reasons, count, owner, owned, constown)
+                    else:
+                        for k in range(held_p[u], held_p[u + 1]):
+                            if held_der[k]:
+                                key = held_key[k]
+                                if attr_on[key]:
+                                    attr_on[key] = False
+                                    level -= attr_nb[key]
+                for t in range(nv):
+                    level += _drop(values[t], VAL, reasons, count, owner, owned)
+        if ne == cap:
+            trace, kinds, ev_u, ev_w, cap = _grow(trace, kinds, ev_u, ev_w, cap)
+        trace[ne] = level + g_rec[s] + g_extra[s]
+        kinds[ne] = 3
+        ev_u[ne] = w
+        ev_w[ne] = -1
+        ne += 1
+        grad = g_after[s]
+        if has_plan:
+            for k in range(done_p[w], done_p[w + 1]):
+                remaining[done_i[k]] -= 1
+            if mode != 2:
+                for k in range(done_p[w], done_p[w + 1]):
+                    u = done_i[k]
+                    if (remaining[u] <= 0 and releasable[u] and not released[u]
+                            and (mode == 0 or dropped[u])
+                            and _regenerable(u, regen, stack_v, stack_k, in_p, in_i, producer,
+                                             pc, constown, reasons)):
+                        level += _release(u, out_p, out_i, held_p, held_key, held_der, reasons,
+                                          count, owner, owned, attr_on, attr_nb, released)
+    # the optimizer update
+    if free_all:
+        for b in range(n_arrays):
+            if count[b] > 0:
+                level -= nbytes[b]
+                count[b] = 0
+        for a in range(n_arrays):
+            reasons[a] = 0
+        for key in range(n_keys):
+            if attr_on[key]:
+                attr_on[key] = False
+                level -= attr_nb[key]
+    if ne == cap:
+        trace, kinds, ev_u, ev_w, cap = _grow(trace, kinds, ev_u, ev_w, cap)
+    trace[ne] = level + grad + update_transient
+    kinds[ne] = 4
+    ev_u[ne] = -1
+    ev_w[ne] = -1
+    ne += 1
+    return trace[:ne], kinds[:ne], ev_u[:ne], ev_w[:ne], recomputed
+
+
+def _grow(trace, kinds, ev_u, ev_w, cap):
+    cap2 = 2 * cap
+    t2 = np.empty(cap2, dtype=np.int64)
+    k2 = np.empty(cap2, dtype=np.int8)
+    u2 = np.empty(cap2, dtype=np.int64)
+    w2 = np.empty(cap2, dtype=np.int64)
+    t2[:cap] = trace
+    k2[:cap] = kinds
+    u2[:cap] = ev_u
+    w2[:cap] = ev_w
+    return t2, k2, u2, w2, cap2
+
+
+def _hold(a, bit, reasons, count, owner, owned, constown):
+    if constown[a] or reasons[a] & bit:
+        return 0
+    reasons[a] |= bit
+    buf = owner[a]
+    count[buf] += 1
+    if count[buf] == 1:
+        return owned[buf]
+    return 0
+
+
+def _drop(a, bit, reasons, count, owner, owned):
+    if not reasons[a] & bit:
+        return 0
+    reasons[a] &= ~bit
+    buf = owner[a]
+    count[buf] -= 1
+    if count[buf] == 0:
+        return -owned[buf]
+    return 0
+
+
+def _release(u, out_p, out_i, held_p, held_key, held_der, reasons, count, owner, owned,
+             attr_on, attr_nb, released):
+    d = 0
+    for k in range(out_p[u], out_p[u + 1]):
+        a = out_i[k]
+        d += _drop(a, 2, reasons, count, owner, owned)
+        d += _drop(a, 4, reasons, count, owner, owned)
+    for k in range(held_p[u], held_p[u + 1]):
+        if held_der[k]:
+            key = held_key[k]
+            if attr_on[key]:
+                attr_on[key] = False
+                d -= attr_nb[key]
+    released[u] = True
+    return d
+
+
+def _regenerable(u, regen, stack_v, stack_k, in_p, in_i, producer, pc, constown, reasons):
+    """As the reference replay's ``regenerable``: decided once per node,
+    depth first over the producers of inputs that are not alive."""
+    if regen[u] >= 0:
+        return regen[u] == 1
+    regen[u] = 1  # provisional, against cycles
+    sp = 0
+    stack_v[0] = u
+    stack_k[0] = 0
+    sp = 1
+    while sp > 0:
+        v = stack_v[sp - 1]
+        idx = stack_k[sp - 1]
+        ok = True
+        pushed = False
+        while idx < in_p[v + 1] - in_p[v]:
+            a = in_i[in_p[v] + idx]
+            if pc[a] or constown[a] or reasons[a] != 0:
+                idx += 1
+                continue
+            p = producer[a]
+            if p >= 0 and regen[p] < 0:
+                regen[p] = 1  # provisional
+                stack_k[sp - 1] = idx
+                stack_v[sp] = p
+                stack_k[sp] = 0
+                sp += 1
+                pushed = True
+                break
+            if p < 0 or regen[p] == 0:
+                ok = False
+                break
+            idx += 1
+        if pushed:
+            continue
+        regen[v] = 1 if ok else 0
+        sp -= 1
+    return regen[u] == 1
+
+
+def _jit_helpers() -> None:
+    """Compile the helpers the loop calls (numba needs them as compiled
+    functions in the loop's globals)."""
+    import numba
+    g = globals()
+    for name in ("_grow", "_hold", "_drop", "_release", "_regenerable"):
+        f = g[name]
+        if not hasattr(f, "py_func"):
+            g[name] = numba.njit(cache=True, nogil=True)(f)

@@ -1,0 +1,94 @@
+"""The compiled replay (``engine='numba'``) against the reference replay in
+Python: the same total at every event, the same events, for plain Chainer
+and for the plans the budget search tries, in every release mode; and the
+budget search's array form of a plan (``replay_peak``) against the replay
+of its ExecutionPlan."""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from chainer_recompute.core.budget import BudgetSearch, plan_arrays
+from chainer_recompute.core.execution import ExecutionPlan
+from chainer_recompute.core.io import load_graph
+from chainer_recompute.core.replay import RELEASE_MODES, replay, replay_peak
+from chainer_recompute.core.solvers._dp import numba_available
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.skipif(not numba_available(), reason="needs numba (the 'fast' extra)")
+
+
+@functools.lru_cache(maxsize=None)
+def _captured(name):
+    from chainer_recompute.models.small import SMALL_MODELS
+    from chainer_recompute.runtime.capture import capture
+    link, args = SMALL_MODELS[name](0)
+    link(*args)  # lazy initialisation
+    return capture(link, *args, backward=True)
+
+
+GRAPHS = {
+    # recorded with transients, views, lifetimes and backward allocations
+    "googlenet": lambda: load_graph(ROOT / "experiments" / "graphs" / "googlenet.json"),
+    "resnet152": lambda: load_graph(ROOT / "experiments" / "graphs" / "resnet152.json"),
+    # dropout masks (held state), LSTM retention, accumulated gradients
+    "lstm_lm": lambda: _captured("lstm_lm"),
+    # views, a Gaussian sample, returned outputs
+    "vae": lambda: _captured("vae"),
+    "transformer": lambda: _captured("transformer"),
+}
+
+
+def _some_plans(g, k=5):
+    """``k`` of the plans the budget search tries, from its least budget's
+    to plain backprop's (every one regenerates a different part)."""
+    search = BudgetSearch(g, "approx", "tc")
+    grid = search._grid(k)
+    out = [search.at(b, "mc")[0] for b in grid[:2]] + [search.at(b)[0] for b in grid[1:-1]]
+    return [p for p in out if p is not None and p.recompute]
+
+
+@pytest.mark.parametrize("name", sorted(GRAPHS))
+def test_compiled_replay_is_the_reference_replay(name):
+    g = GRAPHS[name]()
+    plans = [None] + [ExecutionPlan(g, p.lower_sets, frozenset(p.kept))
+                      for p in _some_plans(g)]
+    assert len(plans) >= 4
+    regenerated = 0
+    for ep in plans:
+        for mode in RELEASE_MODES:
+            a = replay(g, ep, release_mode=mode, engine="python")
+            b = replay(g, ep, release_mode=mode, engine="numba")
+            assert a.events == b.events, (name, mode)
+            assert np.array_equal(a.memory_bytes, b.memory_bytes), (name, mode)
+            assert (a.peak_bytes, a.peak_event, a.recomputed, a.used_peak_bytes,
+                    a.constant_bytes) == (b.peak_bytes, b.peak_event, b.recomputed,
+                                          b.used_peak_bytes, b.constant_bytes), (name, mode)
+            regenerated += a.recomputed
+    assert regenerated > 0  # the plans regenerate something
+
+
+@pytest.mark.parametrize("engine", ["python", "numba"])
+def test_replay_peak_of_a_plans_arrays(engine):
+    g = GRAPHS["lstm_lm"]()
+    search = BudgetSearch(g, "approx", "tc")
+    assert replay_peak(g, engine=engine) == replay(g, None, engine="python").peak_bytes
+    for b in search._grid(4)[:-1]:
+        p, peak = search.at(b)
+        ep = ExecutionPlan(g, p.lower_sets, frozenset(p.kept))
+        dropped, block_of = plan_arrays(g, p)
+        assert sorted(np.flatnonzero(dropped).tolist()) == sorted(ep.dropped)
+        assert block_of.tolist() == list(ep.block_of)
+        want = replay(g, ep, engine="python").peak_bytes
+        assert replay_peak(g, dropped, block_of, engine=engine) == want == peak
+
+
+def test_unknown_engine_and_mode_are_refused():
+    g = GRAPHS["vae"]()
+    with pytest.raises(ValueError, match="engine"):
+        replay(g, None, engine="fortran")
+    with pytest.raises(ValueError, match="release mode"):
+        replay(g, None, release_mode="some")

@@ -53,6 +53,30 @@ SEARCH_TOL = 0.005
 #: stays under ``budget * (1 - MARGIN)``, and the least feasible budget is
 #: the least replayed peak divided by ``1 - MARGIN``.
 MARGIN = 0.01
+
+
+def limit_of(budget_bytes: int) -> int:
+    """The largest replayed peak a budget accepts: ``budget * (1 -
+    MARGIN)``, rounded down, in integers (a float product can fall one
+    byte short, so that the least figure pasted back was refused).
+
+    >>> limit_of(100), least_for(99), limit_of(least_for(99))
+    (99, 100, 99)
+    """
+    num, den = _margin()
+    return int(budget_bytes) * (den - num) // den
+
+
+def least_for(peak_bytes: int) -> int:
+    """The least budget whose :func:`limit_of` is at least ``peak_bytes``."""
+    num, den = _margin()
+    return -(-int(peak_bytes) * den // (den - num))
+
+
+def _margin() -> Tuple[int, int]:
+    from fractions import Fraction
+    f = Fraction(MARGIN).limit_denominator(1 << 20)
+    return f.numerator, f.denominator
 #: Steps of the grid of DP budgets over which the ``mc`` DP's plans are
 #: tried for the least replayed peak, and points tried between the best
 #: one's neighbours (see :meth:`BudgetSearch.candidates`).
@@ -208,7 +232,7 @@ class BudgetSearch:
                 least feasible total budget, rounded up.
         """
         t0 = time.perf_counter()
-        limit = int(budget_bytes * (1 - MARGIN))
+        limit = limit_of(budget_bytes)
         van_plan, van_peak = self.vanilla()
         if self.strategy == "tc" and van_peak <= limit:
             return self._annotate(van_plan, van_peak, budget_bytes, None, t0)
@@ -257,10 +281,10 @@ class BudgetSearch:
                 f"{format_bytes_up(least)} for this model and batch with solver "
                 f"{self.solver!r} (total peak: parameters, gradients, optimizer state, "
                 f"activations and temporaries; plain Chainer needs "
-                f"{format_bytes_up(van_peak / (1 - MARGIN))}); raise the budget to at least "
+                f"{format_bytes_up(least_for(van_peak))}); raise the budget to at least "
                 f"{format_bytes_up(least)} or reduce the batch size",
                 budget_bytes=budget_bytes, least_feasible_bytes=least,
-                vanilla_bytes=int(math.ceil(van_peak / (1 - MARGIN))))
+                vanilla_bytes=least_for(van_peak))
         b = max(ok)
         plan, peak = ok[b]
         return self._annotate(plan, peak, budget_bytes, b, t0)
@@ -277,7 +301,7 @@ class BudgetSearch:
     def least_budget(self) -> int:
         """The least feasible total budget: the least replayed peak with
         :data:`MARGIN` of headroom."""
-        return int(math.ceil(self.least()[1] / (1 - MARGIN)))
+        return least_for(self.least()[1])
 
     def least_plan(self) -> Plan:
         """The plan at the least feasible total budget: with ``tc``, the
@@ -286,7 +310,7 @@ class BudgetSearch:
         plan, peak = self.least()
         budget = self.least_budget()
         if self.strategy == "tc":
-            limit = int(budget * (1 - MARGIN))
+            limit = limit_of(budget)
             plan, peak = min((c for c in self.candidates() if c[1] <= limit),
                              key=lambda c: (c[0].overhead, c[1]))
         return self._annotate(plan, peak, budget, None, t0)
@@ -367,7 +391,7 @@ def plan_for_budget(graph: Graph, budget: Union[str, int, float], *, solver: str
     if solver == "none":
         search = BudgetSearch(graph, "approx", strategy)
         plan, peak = search.vanilla()
-        need = int(math.ceil(peak / (1 - MARGIN)))
+        need = least_for(peak)
         b = need if least else parse_bytes(budget)
         if need > b:
             raise InfeasibleBudgetError(

@@ -233,17 +233,16 @@ def test_misprediction_warns_once_corrects_and_replans(monkeypatch, caplog):
     from chainer_recompute.core import budget as budget_mod
     from chainer_recompute.models.small import SMALL_MODELS
     link, args = SMALL_MODELS["convnet"](0)
-    real_replay = budget_mod.replay
+    real_replay = budget_mod.replay_peak
     shrink = {"on": True}
 
-    def optimistic(graph, plan=None, **kw):
-        r = real_replay(graph, plan, **kw)
+    def optimistic(graph, *plan, **kw):
+        peak = real_replay(graph, *plan, **kw)
         if shrink["on"] and "correction_bytes" not in graph.meta:
-            import dataclasses
-            return dataclasses.replace(r, peak_bytes=int(r.peak_bytes * 0.8))
-        return r
+            return int(peak * 0.8)
+        return peak
 
-    monkeypatch.setattr(budget_mod, "replay", optimistic)
+    monkeypatch.setattr(budget_mod, "replay_peak", optimistic)
     cr.apply(link, budget="least", verbose=False)
     runner = cr.runner_of(link)
     opt = chainer.optimizers.MomentumSGD(0.01)
@@ -273,20 +272,19 @@ def test_overshoot_that_the_corrected_model_cannot_meet_raises_at_the_next_call(
     plain Chainer); the next call raises InfeasibleBudgetError with the
     least feasible figure, before running anything."""
     import copy
-    import dataclasses
     from chainer_recompute.core import budget as budget_mod
     from chainer_recompute.models.small import SMALL_MODELS
     link, args = SMALL_MODELS["convnet"](0)
     plain = copy.deepcopy(link)
-    real_replay = budget_mod.replay
+    real_replay = budget_mod.replay_peak
 
-    def optimistic(graph, plan=None, **kw):
-        r = real_replay(graph, plan, **kw)
+    def optimistic(graph, *plan, **kw):
+        peak = real_replay(graph, *plan, **kw)
         if "correction_bytes" not in graph.meta:
-            return dataclasses.replace(r, peak_bytes=int(r.peak_bytes * 0.7))
-        return r
+            return int(peak * 0.7)
+        return peak
 
-    monkeypatch.setattr(budget_mod, "replay", optimistic)
+    monkeypatch.setattr(budget_mod, "replay_peak", optimistic)
     link(*args).backward()  # initialise, as plain below
     plain(*args).backward()
     g = capture(link, *args, backward=True, link=link)

@@ -55,8 +55,12 @@ class ReplayContext:
     """What the replay of one graph needs that no plan changes, as flat
     arrays (made once per graph, see :func:`context_of`)."""
 
-    def __init__(self, graph: Graph) -> None:
-        from .replay import _Gradients, _caller_input, param_grad_bytes, state_constant_bytes
+    def __init__(self, graph: Graph, helpers: Any) -> None:
+        # the reference replay's own pieces (passed in: core.replay imports
+        # this module)
+        _Gradients, _caller_input = helpers._Gradients, helpers._caller_input
+        param_grad_bytes = helpers.param_grad_bytes
+        state_constant_bytes = helpers.state_constant_bytes
         self.graph = graph
         arrays, nodes, n = graph.arrays, graph.nodes, graph.n
         self.n = n
@@ -192,13 +196,14 @@ class ReplayContext:
 _CONTEXTS: List[Tuple[Any, ReplayContext]] = []
 
 
-def context_of(graph: Graph) -> ReplayContext:
+def context_of(graph: Graph, helpers: Any) -> ReplayContext:
     """The :class:`ReplayContext` of ``graph`` (the last few made are kept
-    while their graphs live)."""
+    while their graphs live); ``helpers``: the module
+    :mod:`~chainer_recompute.core.replay`."""
     for ref, ctx in _CONTEXTS:
         if ref() is graph:
             return ctx
-    ctx = ReplayContext(graph)
+    ctx = ReplayContext(graph, helpers)
     _CONTEXTS[:] = [(r, c) for r, c in _CONTEXTS if r() is not None][:3]
     _CONTEXTS.insert(0, (weakref.ref(graph), ctx))
     return ctx
@@ -209,8 +214,14 @@ _COMPILED: Dict[str, Any] = {}
 
 def kernel_available() -> bool:
     """Whether the compiled loop can be used (numba is installed)."""
-    from .solvers._dp import numba_available
-    return numba_available()
+    global _NUMBA
+    if _NUMBA is None:
+        import importlib.util
+        _NUMBA = importlib.util.find_spec("numba") is not None
+    return _NUMBA
+
+
+_NUMBA: Optional[bool] = None
 
 
 def _kernel():

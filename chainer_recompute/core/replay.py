@@ -277,8 +277,10 @@ def replay_peak(graph: Graph, dropped: Optional[np.ndarray] = None,
             return replay(graph, None, release_mode=release_mode, engine="python").peak_bytes
         return replay(graph, _ArrayPlan(graph, dropped, block_of), release_mode=release_mode,
                       engine="python").peak_bytes
+    import sys
     from ._replay_kernel import context_of, run_kernel
-    trace = run_kernel(context_of(graph), dropped, block_of, release_mode)[0]
+    trace = run_kernel(context_of(graph, sys.modules[__name__]), dropped, block_of,
+                       release_mode)[0]
     return int(trace.max())
 
 
@@ -576,8 +578,9 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
 
 def _replay_compiled(graph: Graph, plan: Optional[ExecutionPlan],
                      release_mode: str) -> ReplayResult:
+    import sys
     from ._replay_kernel import context_of, run_kernel
-    ctx = context_of(graph)
+    ctx = context_of(graph, sys.modules[__name__])
     if plan is None:
         dropped = block_of = None
     else:

@@ -70,6 +70,12 @@ APPLY = {
     # iteration at the full batch (U-Net's is 20.7 GB)
     "approx-tc-ws-cb1": dict(solver="approx", strategy="tc", budget_scope="total",
                              workspace="auto", capture_batch=1),
+    # chunked as well (workspace_exact=False): equal to rounding only
+    "approx-tc-wsc": dict(solver="approx", strategy="tc", budget_scope="total",
+                          workspace="auto", workspace_exact=False),
+    # chunked at a fixed bound of 8 MiB (every large call in chunks)
+    "approx-tc-wsc-8m": dict(solver="approx", strategy="tc", budget_scope="total",
+                             workspace="8M", workspace_exact=False),
 }
 
 
@@ -1291,6 +1297,36 @@ def estimate(cfg: Dict[str, Any], networks: List[str], resume: bool) -> int:
 
 
 # ======================================================================
+# The workspace's time against none, paired.
+
+def paired(cfg: Dict[str, Any], networks: List[str]) -> int:
+    """For each network in turn: its approx-tc cell, then at once its
+    approx-tc-ws cell (the same protocol, the same machine load as near as a
+    shared machine gives). The approx-tc cell goes to
+    ``workspace/<net>_b<batch>__approx-tc__paired.json`` (the headline
+    table's cell and the recorded graph are left as they are); the
+    workspace cell to ``cells/`` as ``--cell`` writes it."""
+    for net in networks:
+        batch = cfg["networks"][net]["paper_batch"]
+        for method, out in (("approx-tc", RESULTS / "workspace"
+                             / f"{net}_b{batch}__approx-tc__paired.json"),
+                            ("approx-tc-ws", cell_path(net, "approx-tc-ws", batch))):
+            print(f"{net}:{method} batch {batch} (load {load_avg()}, "
+                  f"{mem_available() / 2**30:.1f} GiB available) ...", flush=True)
+            r = run_cell(net, method, batch, cfg, out=out, save_graph=False,
+                         timeout_s=cfg["protocol"]["cell_timeout_s"])
+            if r["status"] == "ok":
+                print(f"    measured peak {r['measured_peak_bytes'] / 1e9:.3f} GB, "
+                      f"predicted {r.get('predicted_peak_bytes', 0) / 1e9:.3f} GB, budget "
+                      f"{(r.get('plan') or {}).get('budget_bytes', 0) / 1e9:.3f} GB, "
+                      f"{r['time_s']:.1f} s/iter, workspace {r.get('workspace_bytes')}, "
+                      f"{r.get('workspace_calls')} calls (load {load_avg()})", flush=True)
+            else:
+                print(f"    {r['status']}: {r.get('error', '')[-300:]}", flush=True)
+    return 0
+
+
+# ======================================================================
 
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
@@ -1301,6 +1337,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--resume", action="store_true", help="skip cells already done")
     ap.add_argument("--cell", help="NET:METHOD: run this one cell (overwrites its JSON)")
+    ap.add_argument("--paired", metavar="NET[,NET...]",
+                    help="approx-tc then approx-tc-ws, back to back, per network (one at a "
+                         "time): the workspace's time against none, paired")
     ap.add_argument("--batch", type=int, help="with --cell: another batch size")
     ap.add_argument("--estimate", action="store_true")
     ap.add_argument("--solvers", action="store_true", help="the solver rows (pure core)")
@@ -1354,6 +1393,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return timing(cfg, networks, args.timing, args.resume)
     if args.report:
         return report(cfg)
+    if args.paired:
+        return paired(cfg, args.paired.split(","))
     if args.cell:
         net, method = args.cell.split(":")
         batch = args.batch or cfg["networks"][net]["paper_batch"]

@@ -181,6 +181,11 @@ class MemoryMeter:
         self.result: Optional[MemoryMeasurement] = None
 
     # -- public ---------------------------------------------------------
+    @property
+    def start_bytes(self) -> int:
+        """Bytes live when :meth:`start` was called (as ``result.start_bytes``)."""
+        return self._start
+
     def start(self) -> "MemoryMeter":
         """Begin measuring; returns self."""
         if self._running:
@@ -255,15 +260,17 @@ class MemoryMeter:
             peak_bytes=absolute_peak - self._start, absolute_peak_bytes=absolute_peak,
             start_bytes=self._start, end_bytes=current - baseline, device="cpu",
             scope=self.scope)
-        if self._owns:
+        if self._owns and _Tracing.active:
+            # Meters started inside this one still run (a meter kept across
+            # several blocks): tracing goes on, owned by the oldest of them.
+            self._owns = False
+            heir = _Tracing.active[0]
+            heir._owns = True
+            _Tracing.owner = heir
+        elif self._owns:
             tracemalloc.stop()
             _Tracing.owner = None
             _Tracing.baseline = 0
-            if _Tracing.active:
-                logger.warning("the MemoryMeter that started tracemalloc stopped before "
-                               "%d inner meter(s); their results will be wrong",
-                               len(_Tracing.active))
-                _Tracing.active.clear()
         elif not _Tracing.active and _Tracing.owner is None:
             _Tracing.baseline = 0
         return result

@@ -133,16 +133,72 @@ class _Entry:
 
 
 @dataclasses.dataclass
-class _OpenMeter:
-    """The measurement of one planned iteration, from the call to the end
-    of its backward."""
+class _Session:
+    """A meter running across consecutive training calls of one runner
+    while plans are being checked: what a call finds allocated (the previous
+    iteration's graph, which a loss link keeps until its next forward, what
+    the optimizer made) was allocated while it ran, so its frees during the
+    forward do not hide a rise."""
 
     meter: Any  # a running MemoryMeter
+    base: int  # this model's arrays alive at the start, counted by hand
+    refs: List[Tuple[Any, int]]  # those of them whose frees the meter does not see
+    level: int  # the meter's level at the start
+
+    def dead(self) -> int:
+        """Bytes of the hand-counted arrays freed since the start."""
+        return sum(nb for ref, nb in self.refs if ref() is None)
+
+    def bytes_at(self, absolute_peak_bytes: int, dead: int) -> int:
+        """This model's bytes when the meter read ``absolute_peak_bytes``."""
+        return self.base + absolute_peak_bytes - self.level - dead
+
+
+@dataclasses.dataclass
+class _OpenMeter:
+    """The measurement of one planned iteration, from the call to the end
+    of its backward, then (``tail``) from there to the next call (the
+    optimizer's update)."""
+
+    meter: Any  # a running MemoryMeter, nested in the session's
     entry: "_Entry"
-    start: int  # the model's state and inputs at the call, counted by hand
-    refs: List[Tuple[Any, int]]  # gradients made before tracing, freed unseen
     stats: Any  # the iteration's IterationStats
     hook: Any  # a weak reference to the iteration's IterationHook (it holds arrays)
+    dead: int  # hand-counted bytes already freed at the call
+    new_meter: Any  # makes a meter for the same device
+    # When the previous call's graph was still waiting for its backward at
+    # this call (a discriminator called on two batches): this call's own
+    # bytes, counted from the call (hand count at the call, meter level then)
+    relative: Optional[Tuple[int, int]] = None
+    tail: bool = False
+    structure: Any = None  # the structure it ran on (set at the end of the backward)
+
+
+def _own_arrays(link: Optional[chainer.Link], arrays: List[Any]) -> List[Any]:
+    """The arrays a training call finds that belong to the model: its
+    parameters and their gradients, update-rule state, persistents, and the
+    call's array arguments (each once)."""
+    from .capture import is_array
+    found: Dict[int, Any] = {}
+
+    def add(a: Any) -> None:
+        if isinstance(a, chainer.Variable):
+            a = a.raw_array
+        if is_array(a):
+            found.setdefault(id(a), a)
+    if link is not None:
+        for p in link.params():
+            add(p.array)
+            add(p.grad)
+            rule = getattr(p, "update_rule", None)
+            for v in (getattr(rule, "state", None) or {}).values():
+                add(v)
+        for sub in link.links():
+            for name in getattr(sub, "_persistent", ()):
+                add(getattr(sub, name, None))
+    for x in arrays:
+        add(x)
+    return list(found.values())
 
 
 class Recompute:
@@ -320,13 +376,14 @@ class Recompute:
             return bounded_graph(graph, None)  # _solve reports it
 
     def _add(self, entry: _Entry, graph: Graph, param_refs: Dict[int, Any],
-             multi_backward: bool, t0: float) -> _Structure:
+             multi_backward: bool, t0: float, backward_known: bool = False) -> _Structure:
         if self.workspace is not None:  # the convolutions' bound, chosen with the plan
             graph = self._bound(graph)
         plan = (self._solve(graph) if self.coordinator is None
                 else self.coordinator.plan(graph, self._solve))
         program = Program(graph, plan.lower_sets, frozenset(plan.kept), param_refs=param_refs)
         program.multi_backward = multi_backward
+        program.backward_known = backward_known
         s = _Structure(graph, plan, program, time.perf_counter() - t0)
         if plan.recompute:
             self._decide_release(s)
@@ -353,9 +410,35 @@ class Recompute:
     def _plan_pending(self, entry: _Entry, args: Tuple[Any, ...],
                       kwargs: Dict[str, Any]) -> None:
         hook, entry.pending = entry.pending, None
+        self._plan_recorded(entry, hook, self._link(args), batch_size_of(args, kwargs))
+
+    def _plan_when_backward_ends(self, entry: _Entry, hook: IterationHook,
+                                 link: Optional[chainer.Link], batch: Optional[int]) -> None:
+        """Plan the recorded iteration as soon as its backward has run
+        every function, still inside it: the recorded iteration runs as
+        plain Chainer and is not under the budget, so the planner's own
+        memory lands there rather than in the first planned iteration
+        (which the budget bounds). An error is raised at the next call."""
+        link_ref = weakref.ref(link) if link is not None else None
+        before = hook.on_backward_done
+
+        def plan(h: IterationHook) -> None:
+            if before is not None:
+                before(h)
+            if entry.pending is not h or entry.error is not None:
+                return
+            entry.pending = None
+            lk = link_ref() if link_ref is not None else None
+            try:
+                self._plan_recorded(entry, h, lk, batch)
+            except Exception as e:  # noqa: BLE001 - not from inside the user's backward
+                entry.error = e
+        hook.on_backward_done = plan
+
+    def _plan_recorded(self, entry: _Entry, hook: IterationHook, link: Optional[chainer.Link],
+                       batch: Optional[int]) -> None:
         t0 = time.perf_counter()
-        link = self._link(args)
-        graph = hook.graph(cost_model=self.cost, batch_size=batch_size_of(args, kwargs),
+        graph = hook.graph(cost_model=self.cost, batch_size=batch,
                            name=type(link).__name__ if link is not None else "model",
                            meta={"state_bytes": state_bytes(link)} if link is not None else None,
                            fill=hook.program.graph if hook.program is not None else None)
@@ -365,7 +448,15 @@ class Recompute:
             # releases nothing more and regenerates what it needs.
             logger.info("the model's forward runs a backward (chainer.grad?); arrays are "
                         "not released after it starts")
-        self._add(entry, graph, hook.param_refs, hook.multi_backward, t0)
+        # backward_known: its backward ran to the end before planning, so a
+        # graph backpropagated again after an update is seen by it (and
+        # passed on to the plan below); otherwise parameters are saved
+        # before updates on probation.
+        s = self._add(entry, graph, hook.param_refs, hook.multi_backward, t0,
+                      backward_known=hook.backward_done)
+        # a second backward pass through the recorded graph, after this,
+        # is learned by the plan
+        hook.planned = s.program
 
     def _plan_separately(self, entry: _Entry, args: Tuple[Any, ...],
                          kwargs: Dict[str, Any]) -> None:
@@ -412,7 +503,12 @@ class Recompute:
     # ------------------------------------------------------------- call
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not (chainer.config.train and chainer.config.enable_backprop) or _depth() > 0:
+            if _depth() == 0:
+                self._close_step()  # an evaluation between two steps is not in either
             return self.fn(*args, **kwargs)
+        # The previous iteration (its update included) is over: checked
+        # before anything else runs (planning's memory is in no iteration).
+        self._close_step()
         sig = _signature(args, kwargs)
         entry = self._entry(sig)
         if entry.error is not None:
@@ -425,19 +521,33 @@ class Recompute:
                      else "record")
             self.coordinator.on_call(self, sig, state)
         if entry.plain:
+            self._end_session()
             self.last_stats = IterationStats(path="plain")
             return self.fn(*args, **kwargs)
         if entry.pending is not None:
             self._plan_pending(entry, args, kwargs)
         elif not entry.structures and self.capture_batch is not None and entry.calls == 1:
             self._plan_separately(entry, args, kwargs)
-        self._stop_meter()
         for s in entry.structures:
             if s.program.multi_backward and not s.program.release_mode_decided:
                 self._decide_release(s)
         link = self._link(args)
+        if len(entry.structures) == 1 and not entry.structures[0].program.dropped and \
+                entry.structures[0].checked >= self.check_iterations:
+            # A plan that drops nothing, checked against the allocator: plain
+            # Chainer, no hook (its structure is no longer followed).
+            self._end_session()
+            self._last_hook = None
+            s = entry.structures[0]
+            stats = self.last_stats = IterationStats(0, path="planned")
+            stats.n_nodes, stats.release_mode = s.program.n, s.program.release_mode
+            stats.predicted_peak_bytes = s.plan.predicted_peak_bytes
+            stats.budget_bytes = s.plan.budget_bytes
+            return self.fn(*args, **kwargs)
+        self._start_session(entry, link, args, kwargs)
         hook = IterationHook([s.program for s in entry.structures], link=link,
                              args=list(args) + list(kwargs.values()), verify=self.verify)
+        self._last_hook = weakref.ref(hook)
         if entry.structures:
             self._start_meter(entry, hook, link, args, kwargs)
         limit = entry.structures[0].graph.meta.get("workspace_bytes") \
@@ -452,6 +562,8 @@ class Recompute:
                 hook.stats.budget_bytes = s.plan.budget_bytes
         if hook.recording:
             entry.pending = hook
+            if self.coordinator is None:
+                self._plan_when_backward_ends(entry, hook, link, batch_size_of(args, kwargs))
             if entry.structures:
                 entry.recorded += 1
                 logger.info("the model's graph changed for the same input signature (%s); this "
@@ -512,44 +624,94 @@ class Recompute:
 
     # ------------------------------------------------- measured memory
     _meter: Optional["_OpenMeter"] = None
+    _session: Optional["_Session"] = None
+    _last_hook: Any = None  # a weak reference to the previous call's IterationHook
+
+    def _needs_check(self, entry: _Entry) -> bool:
+        return (not entry.structures or entry.pending is not None
+                or any(s.checked < self.check_iterations for s in entry.structures))
+
+    def _start_session(self, entry: _Entry, link: Optional[chainer.Link],
+                       args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        """Keep a meter running from this call on while this signature
+        records or has plans to check (on CuPy always: the pool's hook is
+        cheap); stop it when none needs checking."""
+        from .device import device_of
+        arrays = list(args) + list(kwargs.values())
+        dev = device_of(arrays)
+        if not dev.is_gpu and not self._needs_check(entry):
+            self._end_session()
+            return
+        if self._session is not None:
+            return
+        own = _own_arrays(link, arrays)
+        meter = dev.meter()
+        meter.start()
+        # Arrays made before tracemalloc started: their frees are not seen
+        # and are taken off by hand (not when an outer meter traces, nor on
+        # CuPy, whose pool sees every free).
+        untraced = meter.scope == "numpy arrays" and getattr(meter, "_owns", False)
+        base = sum(dev.allocation_bytes(a.nbytes) for a in own)
+        refs = []
+        if untraced:
+            for a in own:
+                try:
+                    refs.append((weakref.ref(a), dev.allocation_bytes(a.nbytes)))
+                except TypeError:  # not weakly referable: counted as alive
+                    pass
+        self._session = _Session(meter, base, refs, meter.start_bytes)
+
+    def _end_session(self) -> None:
+        self._close_step()
+        if self._session is not None:
+            session, self._session = self._session, None
+            session.meter.stop()
 
     def _start_meter(self, entry: _Entry, hook: IterationHook, link: Optional[chainer.Link],
                      args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         """Measure this iteration's peak, from the call to the end of its
-        backward, while the plans of its signature still need checking (on
-        CuPy always: the pool's hook costs nothing).
+        backward and on to the next call (the optimizer's update), while the
+        plans of its signature still need checking.
 
-        What is counted is this model's own iteration: its state and inputs,
-        counted by hand at the call (on NumPy they were made before tracing
-        began; on CuPy the pool also holds other models' arrays), plus what
-        the allocator holds above its level at the call."""
-        from .capture import is_array
+        What is counted is this model's own iteration: its arrays at the
+        start of the session, counted by hand (on NumPy they were made
+        before tracing began; on CuPy the pool also holds other models'
+        arrays), plus what the allocator holds above its level then, which
+        includes the previous iteration's graph."""
+        session = self._session
+        if session is None:
+            return
         from .device import device_of
         arrays = list(args) + list(kwargs.values())
         dev = device_of(arrays)
-        if not dev.is_gpu and all(s.checked >= self.check_iterations
-                                  for s in entry.structures):
-            return
-        start = 0
-        old_grads: List[Any] = []
-        if link is not None:
-            sb = state_bytes(link)
-            start += sb["params"] + sb["optimizer_state"] + sb["persistents"]
-            old_grads = [p.grad for p in link.params() if p.grad is not None]
-            start += sum(dev.allocation_bytes(g.nbytes) for g in old_grads)
-        for x in arrays:
-            arr = x.raw_array if isinstance(x, chainer.Variable) else x
-            if is_array(arr):
-                start += dev.allocation_bytes(arr.nbytes)
+        previous = self._last_hook() if self._last_hook is not None else None
+        relative = None
+        if previous is not None and previous.program is not None and \
+                not previous.backward_done and previous.forward_done:
+            # Another call of this model waits for its backward (both
+            # graphs are alive): count this call's own bytes from the call.
+            own = _own_arrays(link, arrays)
+            relative = (sum(dev.allocation_bytes(a.nbytes) for a in own), 0)
         meter = dev.meter()
         meter.start()
-        # Gradients made before tracemalloc started: their frees are not
-        # seen and are taken off by hand (not when an outer meter traces,
-        # nor on CuPy, whose pool sees every free).
-        refs = ([(weakref.ref(g), int(g.nbytes)) for g in old_grads]
-                if meter.scope == "numpy arrays" and getattr(meter, "_owns", False) else [])
-        self._meter = _OpenMeter(meter, entry, start, refs, hook.stats, weakref.ref(hook))
+        if relative is not None:
+            relative = (relative[0], meter.start_bytes)
+        self._meter = _OpenMeter(meter, entry, hook.stats, weakref.ref(hook), session.dead(),
+                                 dev.meter, relative)
         hook.on_backward_done = lambda _hook: self._stop_meter(done=True)
+
+    def _measured(self, open_: "_OpenMeter", m: Any) -> int:
+        if open_.relative is not None:
+            counted, level = open_.relative
+            return counted + m.absolute_peak_bytes - level
+        assert self._session is not None
+        return self._session.bytes_at(m.absolute_peak_bytes, open_.dead)
+
+    def _close_step(self) -> None:
+        """The next call (or the end of the session): the previous
+        iteration's update is over; measure it and check it."""
+        if self._meter is not None:
+            self._stop_meter()
 
     def _stop_meter(self, done: bool = False) -> None:
         if self._meter is None:
@@ -557,6 +719,21 @@ class Recompute:
         open_, self._meter = self._meter, None
         m = open_.meter.stop()
         stats = open_.stats
+        if open_.tail:
+            s = open_.structure
+            if s is None or s not in open_.entry.structures:
+                return
+            measured = self._measured(open_, m)
+            if measured > (stats.measured_peak_bytes or 0):
+                stats.measured_peak_bytes = int(measured)
+                if m.total_peak_bytes is not None:
+                    total = self._measured(open_, dataclasses.replace(
+                        m, absolute_peak_bytes=m.total_peak_bytes))
+                    stats.measured_pool_total_bytes = int(max(
+                        total, stats.measured_pool_total_bytes or 0, measured))
+                self._check(open_.entry, s, stats, max(measured,
+                                                       stats.measured_pool_total_bytes or 0))
+            return
         if not done or stats.path != "planned":
             return  # no backward, or the iteration left its plan: nothing to check
         # the plan this iteration ran on
@@ -565,8 +742,7 @@ class Recompute:
                   if hook is not None and s.program is hook.program), None)
         if s is None:
             return
-        measured = open_.start + m.peak_bytes - sum(nb for ref, nb in open_.refs
-                                                    if ref() is None)
+        measured = self._measured(open_, m)
         s.checked += 1
         stats.measured_peak_bytes = int(measured)
         stats.predicted_peak_bytes = s.plan.predicted_peak_bytes
@@ -574,9 +750,21 @@ class Recompute:
         if m.total_peak_bytes is not None:
             # what the budget bounds on CuPy: the pool's blocks added for this
             # iteration too (cached and split ones)
-            measured = max(measured, open_.start + m.total_peak_bytes - m.start_total_bytes)
+            total = open_.relative[0] + m.total_peak_bytes - m.start_total_bytes \
+                if open_.relative is not None else self._measured(
+                    open_, dataclasses.replace(m, absolute_peak_bytes=m.total_peak_bytes))
+            measured = max(measured, total)
             stats.measured_pool_total_bytes = int(measured)
-        entry = open_.entry
+        # the rest of the step (the optimizer's update), to the next call
+        if self._session is not None:
+            tail = open_.new_meter()
+            tail.start()
+            self._meter = _OpenMeter(tail, open_.entry, stats, open_.hook, open_.dead,
+                                     open_.new_meter, open_.relative, tail=True, structure=s)
+        self._check(open_.entry, s, stats, measured)
+
+    def _check(self, entry: _Entry, s: _Structure, stats: IterationStats,
+               measured: int) -> None:
         budget = s.plan.budget_bytes
         if self.budget_scope != "total" or budget is None or measured <= budget:
             return
@@ -594,8 +782,11 @@ class Recompute:
         graph = graph.replace(meta=meta)
         t0 = time.perf_counter()
         entry.structures.remove(s)
+        if self._meter is not None and self._meter.structure is s:
+            self._meter.structure = None  # its tail is not checked against the old plan
         try:
-            self._add(entry, graph, s.program.param_refs, s.program.multi_backward, t0)
+            self._add(entry, graph, s.program.param_refs, s.program.multi_backward, t0,
+                      backward_known=s.program.backward_known)
         except InfeasibleBudgetError as e:
             # Not from inside the user's backward: at the next call, before
             # anything runs.

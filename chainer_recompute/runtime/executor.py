@@ -41,14 +41,25 @@ its arrays; :class:`~chainer_recompute.core.execution.ExecutionPlan`).
 Functions no backward will reach (outputs kept for logging) are never
 regenerated.
 
-An optimizer update of a parameter that a released block was computed
-from (Chainer's DCGAN updater updates the discriminator between the two
-backward passes through it) first saves the parameter's values for the
-regeneration; any other in-place change of a parameter or input that a
-regeneration would read is detected by its checksum and raises
-:class:`~chainer_recompute.core.errors.RecomputeError` rather than give a
-gradient different from plain Chainer's. With double backprop
-(``enable_double_backprop``) nothing more is released.
+A graph backpropagated again after an optimizer update of a parameter
+that a released block was computed from (Chainer's DCGAN updater updates
+the discriminator between the two backward passes through it) needs the
+parameter's old values to regenerate: the update first saves them
+(``UpdateRule.update`` is patched only while such an iteration is alive).
+That is done only for plans known to be backpropagated twice, and on
+probation for plans made before their recorded graph's backward had run
+(from a separate capture, or a model called twice before its first
+backward): a plan made from a recorded iteration whose backward ran to the
+end saves nothing, so that its update adds no memory (a loss link keeps
+the graph, and anything saved, into the next step). If such a graph is
+backpropagated after an update after all, the update count of the
+parameter's rule says so and the regeneration raises
+:class:`~chainer_recompute.core.errors.RecomputeError` (the next iterations
+save the values); any other in-place change of a parameter or input that a
+regeneration would read is detected by its checksum (``verify``) and
+raises too, rather than give a gradient different from plain Chainer's.
+With double backprop (``enable_double_backprop``) nothing more is
+released.
 
 The hook holds no strong reference to function or variable nodes, so the
 graph is freed by reference counting as in plain Chainer. Everything goes
@@ -173,9 +184,13 @@ _LIVE_COUNT = [0]
 _ORIGINAL_UPDATE: List[Any] = []  # the unpatched UpdateRule.update while patched
 
 
+_WATCHERS: List[Callable[[Any], bool]] = []  # called after each update (True: done)
+
+
 def _update(self: Any, param: Any) -> Any:
     """``UpdateRule.update`` while patched: save ``param``'s values for the
-    live iterations that may still regenerate from it, then update."""
+    live iterations that may still regenerate from it, update, and tell the
+    watchers (the runner's measurement of the update)."""
     if _LIVE:
         saved: List[Any] = []
 
@@ -185,7 +200,21 @@ def _update(self: Any, param: Any) -> Any:
             return saved[0]
         for hook in list(_LIVE):
             hook.before_param_update(param, copy)
-    return _ORIGINAL_UPDATE[0](self, param)
+    out = _ORIGINAL_UPDATE[0](self, param)
+    if _WATCHERS:
+        for w in list(_WATCHERS):
+            if w(param) and w in _WATCHERS:
+                _WATCHERS.remove(w)
+        if not _WATCHERS and _LIVE_COUNT[0] <= 0:
+            _unpatch_update_rule()
+    return out
+
+
+def add_update_watcher(watcher: Callable[[Any], bool]) -> None:
+    """Call ``watcher(param)`` after each optimizer update of a parameter
+    until it returns True (``UpdateRule.update`` is patched meanwhile)."""
+    _patch_update_rule()
+    _WATCHERS.append(watcher)
 
 
 def _patch_update_rule() -> None:
@@ -218,7 +247,8 @@ def _live_died() -> None:
     _LIVE_COUNT[0] -= 1
     if _LIVE_COUNT[0] <= 0:
         _LIVE_COUNT[0] = 0
-        _unpatch_update_rule()
+        if not _WATCHERS:
+            _unpatch_update_rule()
 
 
 class IterationHook(Recorder):

@@ -132,60 +132,42 @@ class _Entry:
         self.plain = False
 
 
-@dataclasses.dataclass
-class _Session:
-    """A meter running across consecutive training calls of one runner
-    while plans are being checked: what a call finds allocated (the previous
-    iteration's graph, which a loss link keeps until its next forward, what
-    the optimizer made) was allocated while it ran, so its frees during the
-    forward do not hide a rise."""
-
-    meter: Any  # a running MemoryMeter
-    base: int  # this model's arrays alive at the start, counted by hand
-    refs: List[Tuple[Any, int]]  # those of them whose frees the meter does not see
-    level: int  # the meter's level at the start
-
-    def dead(self) -> int:
-        """Bytes of the hand-counted arrays freed since the start."""
-        return sum(nb for ref, nb in self.refs if ref() is None)
-
-    def bytes_at(self, absolute_peak_bytes: int, dead: int) -> int:
-        """This model's bytes when the meter read ``absolute_peak_bytes``."""
-        return self.base + absolute_peak_bytes - self.level - dead
-
-
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _OpenMeter:
     """The measurement of one planned iteration, from the call to the end
-    of its backward, then (``tail``) from there to the next call (the
-    optimizer's update)."""
+    of its backward, then (``tail``) on to the end of the optimizer's
+    update of the model's parameters (or the next call)."""
 
-    meter: Any  # a running MemoryMeter, nested in the session's
+    meter: Any  # a running MemoryMeter
     entry: "_Entry"
     stats: Any  # the iteration's IterationStats
     hook: Any  # a weak reference to the iteration's IterationHook (it holds arrays)
-    dead: int  # hand-counted bytes already freed at the call
+    own: int  # the model's bytes at the call (state, inputs, the previous graph)
+    level: int  # the meter's level then, those arrays counted
     new_meter: Any  # makes a meter for the same device
-    # When the previous call's graph was still waiting for its backward at
-    # this call (a discriminator called on two batches): this call's own
-    # bytes, counted from the call (hand count at the call, meter level then)
-    relative: Optional[Tuple[int, int]] = None
     tail: bool = False
     structure: Any = None  # the structure it ran on (set at the end of the backward)
+    waiting: Any = None  # parameter ids whose update is still to come (tail)
+    level_total: Optional[int] = None  # CuPy: the pool's total bytes at the call
+    link_ref: Any = None  # a weak reference to the Link called
+    finalizer: Any = None  # stops the meter if the runner is freed first
+
+    def measured(self, absolute_peak_bytes: int) -> int:
+        """The model's bytes when the meter read ``absolute_peak_bytes``."""
+        return self.own + absolute_peak_bytes - self.level
 
 
 def _own_arrays(link: Optional[chainer.Link], arrays: List[Any]) -> List[Any]:
     """The arrays a training call finds that belong to the model: its
     parameters and their gradients, update-rule state, persistents, and the
-    call's array arguments (each once)."""
-    from .capture import is_array
-    found: Dict[int, Any] = {}
+    call's array arguments."""
+    found: List[Any] = []
 
     def add(a: Any) -> None:
         if isinstance(a, chainer.Variable):
             a = a.raw_array
-        if is_array(a):
-            found.setdefault(id(a), a)
+        if a is not None:
+            found.append(a)
     if link is not None:
         for p in link.params():
             add(p.array)
@@ -198,7 +180,87 @@ def _own_arrays(link: Optional[chainer.Link], arrays: List[Any]) -> List[Any]:
                 add(getattr(sub, name, None))
     for x in arrays:
         add(x)
-    return list(found.values())
+    return found
+
+
+def _graph_arrays(hook: Any) -> List[Any]:
+    """The arrays a previous iteration's graph still holds: what its
+    function nodes retain (inputs, outputs, attributes) and the arrays of
+    its outputs' live Variables."""
+    from .capture import attribute_arrays
+    found: List[Any] = []
+    for call in hook.calls:
+        f = call.func()
+        if f is None:
+            continue
+        for node in list(f.inputs or ()) + [r() for r in (f.outputs or ())]:
+            if node is None:
+                continue
+            if node._data is not None:
+                found.append(node._data)
+            var = node.get_variable_or_none()
+            if var is not None and var.raw_array is not None:
+                found.append(var.raw_array)
+        found.extend(f._retained_output_data or ())
+        found.extend(a for _, _, a in attribute_arrays(f))
+    return found
+
+
+def _distinct_bytes(dev: Any, arrays: List[Any]) -> int:
+    """Bytes of ``arrays`` as the allocator holds them: each buffer once
+    (views count their base)."""
+    from .capture import is_array, root_of
+    seen: set = set()
+    total = 0
+    for a in arrays:
+        if not is_array(a):
+            continue
+        r = root_of(a)
+        if id(r) in seen:
+            continue
+        seen.add(id(r))
+        total += dev.allocation_bytes(getattr(r, "nbytes", a.nbytes))
+    return total
+
+
+def _abandon(meter: Any) -> None:
+    """The runner was freed with a meter running: stop it (tracing off)."""
+    if getattr(meter, "_running", False):
+        meter.stop()
+
+
+def _update_targets(link_ref: Any) -> Optional[set]:
+    """The ids of the parameters an optimizer will update (those of the
+    iteration's Link with an update rule); None when the Link is not known
+    (a callable): then the tail lasts until the next call or until the
+    graph is freed."""
+    link = link_ref() if link_ref is not None else None
+    if link is None:
+        return None
+    return {id(p) for p in link.params() if getattr(p, "update_rule", None) is not None}
+
+
+def _watch_updates(runner: "Recompute", open_: _OpenMeter) -> None:
+    from .executor import add_update_watcher
+    ref = weakref.ref(runner)
+
+    def updated(param: Any) -> bool:
+        """After each parameter update; True when done watching."""
+        r = ref()
+        if r is None or r._meter is not open_:
+            return True
+        open_.waiting.discard(id(param))
+        if not open_.waiting:
+            r._stop_meter()
+            return True
+        return False
+    add_update_watcher(updated)
+
+
+def _graph_died(runner_ref: Any, open_: _OpenMeter) -> None:
+    runner = runner_ref()
+    if runner is not None and runner._meter is open_:
+        runner._stop_meter()
 
 
 class Recompute:
@@ -262,6 +324,10 @@ class Recompute:
     >>> runner = Recompute(loss_fn, budget='2G')            # doctest: +SKIP
     >>> loss = runner(x, t); loss.backward()                # doctest: +SKIP
     """
+
+    #: A plan that drops nothing, once checked, runs as plain Chainer (no
+    #: hook); False keeps the executor's hook on (to measure its cost).
+    plain_when_nothing_dropped = True
 
     #: A signature whose structure changed this many times, and on more
     #: than half of its calls, runs plain Chainer from then on.
@@ -521,7 +587,6 @@ class Recompute:
                      else "record")
             self.coordinator.on_call(self, sig, state)
         if entry.plain:
-            self._end_session()
             self.last_stats = IterationStats(path="plain")
             return self.fn(*args, **kwargs)
         if entry.pending is not None:
@@ -533,10 +598,10 @@ class Recompute:
                 self._decide_release(s)
         link = self._link(args)
         if len(entry.structures) == 1 and not entry.structures[0].program.dropped and \
-                entry.structures[0].checked >= self.check_iterations:
+                entry.structures[0].checked >= self.check_iterations and \
+                self.plain_when_nothing_dropped:
             # A plan that drops nothing, checked against the allocator: plain
             # Chainer, no hook (its structure is no longer followed).
-            self._end_session()
             self._last_hook = None
             s = entry.structures[0]
             stats = self.last_stats = IterationStats(0, path="planned")
@@ -544,12 +609,11 @@ class Recompute:
             stats.predicted_peak_bytes = s.plan.predicted_peak_bytes
             stats.budget_bytes = s.plan.budget_bytes
             return self.fn(*args, **kwargs)
-        self._start_session(entry, link, args, kwargs)
         hook = IterationHook([s.program for s in entry.structures], link=link,
                              args=list(args) + list(kwargs.values()), verify=self.verify)
-        self._last_hook = weakref.ref(hook)
         if entry.structures:
             self._start_meter(entry, hook, link, args, kwargs)
+        self._last_hook = weakref.ref(hook)
         limit = entry.structures[0].graph.meta.get("workspace_bytes") \
             if entry.structures else None
         with _Active(), hook, bounded(limit, self.workspace_exact):
@@ -624,92 +688,47 @@ class Recompute:
 
     # ------------------------------------------------- measured memory
     _meter: Optional["_OpenMeter"] = None
-    _session: Optional["_Session"] = None
     _last_hook: Any = None  # a weak reference to the previous call's IterationHook
-
-    def _needs_check(self, entry: _Entry) -> bool:
-        return (not entry.structures or entry.pending is not None
-                or any(s.checked < self.check_iterations for s in entry.structures))
-
-    def _start_session(self, entry: _Entry, link: Optional[chainer.Link],
-                       args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
-        """Keep a meter running from this call on while this signature
-        records or has plans to check (on CuPy always: the pool's hook is
-        cheap); stop it when none needs checking."""
-        from .device import device_of
-        arrays = list(args) + list(kwargs.values())
-        dev = device_of(arrays)
-        if not dev.is_gpu and not self._needs_check(entry):
-            self._end_session()
-            return
-        if self._session is not None:
-            return
-        own = _own_arrays(link, arrays)
-        meter = dev.meter()
-        meter.start()
-        # Arrays made before tracemalloc started: their frees are not seen
-        # and are taken off by hand (not when an outer meter traces, nor on
-        # CuPy, whose pool sees every free).
-        untraced = meter.scope == "numpy arrays" and getattr(meter, "_owns", False)
-        base = sum(dev.allocation_bytes(a.nbytes) for a in own)
-        refs = []
-        if untraced:
-            for a in own:
-                try:
-                    refs.append((weakref.ref(a), dev.allocation_bytes(a.nbytes)))
-                except TypeError:  # not weakly referable: counted as alive
-                    pass
-        self._session = _Session(meter, base, refs, meter.start_bytes)
-
-    def _end_session(self) -> None:
-        self._close_step()
-        if self._session is not None:
-            session, self._session = self._session, None
-            session.meter.stop()
 
     def _start_meter(self, entry: _Entry, hook: IterationHook, link: Optional[chainer.Link],
                      args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         """Measure this iteration's peak, from the call to the end of its
-        backward and on to the next call (the optimizer's update), while the
-        plans of its signature still need checking.
+        backward, then on through the optimizer's update of the model's
+        parameters, while the plans of its signature still need checking
+        (on CuPy always: the pool's hook is cheap).
 
-        What is counted is this model's own iteration: its arrays at the
-        start of the session, counted by hand (on NumPy they were made
-        before tracing began; on CuPy the pool also holds other models'
-        arrays), plus what the allocator holds above its level then, which
-        includes the previous iteration's graph."""
-        session = self._session
-        if session is None:
-            return
+        What is counted is this model's own iteration: the arrays it holds
+        at the call (parameters, gradients, optimizer state, persistents,
+        inputs, and the previous iteration's graph, which a loss link keeps
+        until its forward), counted by hand (on NumPy they were made before
+        tracing began, and are adopted by the tracing so that their frees
+        are seen; on CuPy the pool also holds other models' arrays), plus
+        what the allocator holds above its level at the call."""
         from .device import device_of
         arrays = list(args) + list(kwargs.values())
         dev = device_of(arrays)
+        if not dev.is_gpu and all(s.checked >= self.check_iterations
+                                  for s in entry.structures):
+            return
+        own = _own_arrays(link, arrays)
         previous = self._last_hook() if self._last_hook is not None else None
-        relative = None
-        if previous is not None and previous.program is not None and \
-                not previous.backward_done and previous.forward_done:
-            # Another call of this model waits for its backward (both
-            # graphs are alive): count this call's own bytes from the call.
-            own = _own_arrays(link, arrays)
-            relative = (sum(dev.allocation_bytes(a.nbytes) for a in own), 0)
+        if previous is not None and previous is not hook and (
+                previous.backward_done or previous.program is None):
+            # (a call whose backward is still to come, a discriminator's
+            # other batch, is another iteration's: not counted here)
+            own += _graph_arrays(previous)
         meter = dev.meter()
         meter.start()
-        if relative is not None:
-            relative = (relative[0], meter.start_bytes)
-        self._meter = _OpenMeter(meter, entry, hook.stats, weakref.ref(hook), session.dead(),
-                                 dev.meter, relative)
+        dev.adopt(meter, own)
+        self._meter = _OpenMeter(meter, entry, hook.stats, weakref.ref(hook),
+                                 _distinct_bytes(dev, own), meter.current_bytes(), dev.meter,
+                                 link_ref=weakref.ref(link) if link is not None else None)
+        self._meter.finalizer = weakref.finalize(self, _abandon, meter)
         hook.on_backward_done = lambda _hook: self._stop_meter(done=True)
 
-    def _measured(self, open_: "_OpenMeter", m: Any) -> int:
-        if open_.relative is not None:
-            counted, level = open_.relative
-            return counted + m.absolute_peak_bytes - level
-        assert self._session is not None
-        return self._session.bytes_at(m.absolute_peak_bytes, open_.dead)
-
     def _close_step(self) -> None:
-        """The next call (or the end of the session): the previous
-        iteration's update is over; measure it and check it."""
+        """The next call: the previous iteration is over; measure and check
+        what is left of it."""
         if self._meter is not None:
             self._stop_meter()
 
@@ -717,32 +736,39 @@ class Recompute:
         if self._meter is None:
             return
         open_, self._meter = self._meter, None
-        m = open_.meter.stop()
+        if open_.finalizer is not None:
+            open_.finalizer.detach()
         stats = open_.stats
         if open_.tail:
+            m = open_.meter.stop()
             s = open_.structure
             if s is None or s not in open_.entry.structures:
                 return
-            measured = self._measured(open_, m)
+            measured = open_.measured(m.absolute_peak_bytes)
+            total = None if m.total_peak_bytes is None or open_.level_total is None else \
+                open_.own + m.total_peak_bytes - open_.level_total
             if measured > (stats.measured_peak_bytes or 0):
                 stats.measured_peak_bytes = int(measured)
-                if m.total_peak_bytes is not None:
-                    total = self._measured(open_, dataclasses.replace(
-                        m, absolute_peak_bytes=m.total_peak_bytes))
-                    stats.measured_pool_total_bytes = int(max(
-                        total, stats.measured_pool_total_bytes or 0, measured))
-                self._check(open_.entry, s, stats, max(measured,
-                                                       stats.measured_pool_total_bytes or 0))
+            if total is not None:
+                stats.measured_pool_total_bytes = int(max(
+                    total, measured, stats.measured_pool_total_bytes or 0))
+            self._check(open_.entry, s, stats, max(measured, total or 0))
             return
-        if not done or stats.path != "planned":
-            return  # no backward, or the iteration left its plan: nothing to check
-        # the plan this iteration ran on
         hook = open_.hook()
         s = next((s for s in open_.entry.structures
                   if hook is not None and s.program is hook.program), None)
-        if s is None:
-            return
-        measured = self._measured(open_, m)
+        tail = None
+        if done and stats.path == "planned" and s is not None:
+            # the rest of the iteration: the optimizer's update (the meter
+            # starts before this one stops, so that the tracing goes on)
+            waiting = _update_targets(open_.link_ref)
+            if waiting is None or waiting:
+                tail = open_.new_meter()
+                tail.start()
+        m = open_.meter.stop()
+        if not done or stats.path != "planned" or s is None:
+            return  # no backward, or the iteration left its plan: nothing to check
+        measured = open_.measured(m.absolute_peak_bytes)
         s.checked += 1
         stats.measured_peak_bytes = int(measured)
         stats.predicted_peak_bytes = s.plan.predicted_peak_bytes
@@ -750,17 +776,20 @@ class Recompute:
         if m.total_peak_bytes is not None:
             # what the budget bounds on CuPy: the pool's blocks added for this
             # iteration too (cached and split ones)
-            total = open_.relative[0] + m.total_peak_bytes - m.start_total_bytes \
-                if open_.relative is not None else self._measured(
-                    open_, dataclasses.replace(m, absolute_peak_bytes=m.total_peak_bytes))
+            total = open_.own + m.total_peak_bytes - m.start_total_bytes - \
+                (open_.level - m.start_bytes)
             measured = max(measured, total)
             stats.measured_pool_total_bytes = int(measured)
-        # the rest of the step (the optimizer's update), to the next call
-        if self._session is not None:
-            tail = open_.new_meter()
-            tail.start()
-            self._meter = _OpenMeter(tail, open_.entry, stats, open_.hook, open_.dead,
-                                     open_.new_meter, open_.relative, tail=True, structure=s)
+        if tail is not None:
+            self._meter = _OpenMeter(tail, open_.entry, stats, open_.hook, open_.own,
+                                     open_.level, open_.new_meter, tail=True, structure=s,
+                                     waiting=waiting, level_total=m.start_total_bytes,
+                                     link_ref=open_.link_ref)
+            self._meter.finalizer = weakref.finalize(self, _abandon, tail)
+            if waiting is not None:
+                _watch_updates(self, self._meter)
+            else:  # a callable's parameters are not known: to the next call
+                weakref.finalize(hook, _graph_died, weakref.ref(self), self._meter)
         self._check(open_.entry, s, stats, measured)
 
     def _check(self, entry: _Entry, s: _Structure, stats: IterationStats,

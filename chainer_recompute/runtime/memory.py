@@ -223,13 +223,6 @@ class MemoryMeter:
         had been allocated now: their frees are then seen (NumPy untraces
         every block it frees). Only while this meter owns the tracing (it
         changes no one else's measurement). Returns the bytes adopted.
-
-        >>> import numpy as np
-        >>> a = np.ones(1000)
-        >>> with MemoryMeter() as m:
-        ...     _ = m.adopt([a]); del a
-        >>> m.result.end_bytes - m.result.start_bytes
-        -8000
         """
         if not self.owns_tracing or _TRACK is None:
             return 0

@@ -256,3 +256,46 @@ def binary_batches(n: int = STEPS, batch: int = 4, width: int = 64, seed: int = 
 
 def test_vae():
     check(VAE, binary_batches())
+
+
+def test_no_patch_outlives_the_models():
+    """``UpdateRule.update`` is patched only while an iteration needs its
+    parameters saved before an update (a model called twice before its
+    first backward is planned on probation), never on a steady loss link's
+    steps, and not after the models and their graphs are gone."""
+    import gc
+    from chainer.optimizer import UpdateRule
+    original = UpdateRule.update
+    batches = vector_batches(n=8, batch=32)
+
+    # a loss link's steady steps: no patch once the checked steps are over
+    model = cr.apply(SharedWeights(), **OPTIONS)
+    opt = chainer.optimizers.MomentumSGD(0.01)
+    opt.setup(model)
+    for x, t in batches[:6]:
+        loss = model(x, t)
+        model.cleargrads()
+        loss.backward()
+        opt.update()
+    assert cr.runner_of(model).last_stats.n_dropped > 0
+    assert UpdateRule.update is original  # the previous graph is alive (model.loss)
+
+    # two live graphs at the update: parameters saved (patched meanwhile)
+    other = cr.apply(SharedWeights(), **OPTIONS)
+    opt = chainer.optimizers.MomentumSGD(0.01)
+    opt.setup(other)
+    patched = []
+    for (x1, t1), (x2, t2) in zip(batches[::2], batches[1::2]):
+        a, b = other(x1, t1), other(x2, t2)
+        other.cleargrads()
+        (a + b).backward()
+        opt.update()
+        patched.append(UpdateRule.update is not original)
+        del a, b
+    assert any(patched), patched
+    other.loss = None
+    cr.remove(model)
+    cr.remove(other)
+    del model, other, opt, loss
+    gc.collect()
+    assert UpdateRule.update is original

@@ -223,6 +223,17 @@ def _distinct_bytes(dev: Any, arrays: List[Any]) -> int:
     return total
 
 
+def _keeps_graph(link: chainer.Link, hook: Any) -> bool:
+    """Whether ``link`` (or a Link in it) keeps a Variable of the graph
+    ``hook`` recorded in an attribute (``L.Classifier``'s ``loss``, ``y``)."""
+    for sub in link.links():
+        for v in vars(sub).values():
+            if isinstance(v, chainer.Variable) and not isinstance(v, chainer.Parameter) \
+                    and v.node in hook.array_of:
+                return True
+    return False
+
+
 def _abandon(meter: Any) -> None:
     """The runner was freed with a meter running: stop it (tracing off)."""
     if getattr(meter, "_running", False):
@@ -480,11 +491,14 @@ class Recompute:
 
     def _plan_when_backward_ends(self, entry: _Entry, hook: IterationHook,
                                  link: Optional[chainer.Link], batch: Optional[int]) -> None:
-        """Plan the recorded iteration as soon as its backward has run
-        every function, still inside it: the recorded iteration runs as
-        plain Chainer and is not under the budget, so the planner's own
-        memory lands there rather than in the first planned iteration
-        (which the budget bounds). An error is raised at the next call."""
+        """When the model keeps the recorded graph in its attributes (a loss
+        link's ``self.loss``), plan as soon as the recorded backward has run
+        every function, still inside it: the graph then lives into the next
+        call, where the planner's own memory would come on top of it in the
+        first planned iteration, which the budget bounds; the recorded
+        iteration runs as plain Chainer and is not under the budget.
+        Otherwise the next call plans (the graph is gone by then). An error
+        is raised at the next call."""
         link_ref = weakref.ref(link) if link is not None else None
         before = hook.on_backward_done
 
@@ -493,8 +507,10 @@ class Recompute:
                 before(h)
             if entry.pending is not h or entry.error is not None:
                 return
-            entry.pending = None
             lk = link_ref() if link_ref is not None else None
+            if lk is None or not _keeps_graph(lk, h):
+                return
+            entry.pending = None
             try:
                 self._plan_recorded(entry, h, lk, batch)
             except Exception as e:  # noqa: BLE001 - not from inside the user's backward

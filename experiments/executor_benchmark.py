@@ -13,14 +13,15 @@ the median of the per-round ratios (paired).
 
 Configurations:
 
-- ``keep, verify``: a budget above plain Chainer's peak (the plan drops
+- ``keep``: a budget above plain Chainer's peak (the plan drops
   nothing), default options: runs as plain Chainer once checked;
-- ``keep, verify=False``: the same without checksums;
-- ``keep, hooked``: the same plan with the executor's hook left on (the
-  forward checked function by function against the plan, the backward
-  seen): the cost of the per-function checks alone, without recomputation;
-- ``least, verify``: ``budget='least'`` (drops and recomputes), default
-  options; ``least, verify=False``: without checksums.
+- ``keep/no-verify``: the same with ``verify=False``;
+- ``keep/hooked``: the same plan (``verify=False``) with the executor's
+  hook left on (``plain_when_nothing_dropped = False``: the forward
+  checked function by function against the plan, the backward seen): the
+  cost of the per-function checks alone, without recomputation;
+- ``least``: ``budget='least'`` (drops and recomputes), default options;
+  ``least/no-verify``: the same with ``verify=False``.
 
     python experiments/executor_benchmark.py --iterations 7
 """
@@ -43,11 +44,11 @@ from chainer_recompute.models import get_model  # noqa: E402
 
 
 CONFIGS = {
-    "keep, verify": dict(budget="64G"),
-    "keep, verify=False": dict(budget="64G", verify=False),
-    "keep, hooked": dict(budget="64G", verify=False),
-    "least, verify": dict(budget="least"),
-    "least, verify=False": dict(budget="least", verify=False),
+    "keep": dict(budget="64G"),
+    "keep/no-verify": dict(budget="64G", verify=False),
+    "keep/hooked": dict(budget="64G", verify=False),
+    "least": dict(budget="least"),
+    "least/no-verify": dict(budget="least", verify=False),
 }
 
 
@@ -58,7 +59,7 @@ def main(argv=None):
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--iterations", type=int, default=7, help="measured steps per config")
     p.add_argument("--configs", default=",".join(CONFIGS),
-                   help="comma-separated, among: " + ", ".join(CONFIGS))
+                   help="comma-separated, among: " + ",".join(CONFIGS))
     p.add_argument("--cost", default="flops")
     args = p.parse_args(argv)
 
@@ -73,7 +74,7 @@ def main(argv=None):
     names = [c.strip() for c in args.configs.split(",") if c.strip()]
     for name in names:
         model = cr.apply(copy.deepcopy(base), cost=args.cost, verbose=False, **CONFIGS[name])
-        if name == "keep, hooked":
+        if name == "keep/hooked":
             cr.runner_of(model).plain_when_nothing_dropped = False
         runs[name] = model
     opts = {}

@@ -151,6 +151,10 @@ class _OpenMeter:
     level_total: Optional[int] = None  # CuPy: the pool's total bytes at the call
     link_ref: Any = None  # a weak reference to the Link called
     finalizer: Any = None  # stops the meter if the runner is freed first
+    # The call found the recorded (plain) iteration's graph still held (a
+    # loss link keeps it until its forward): measured, but not checked
+    # against the plan, which that graph is no part of.
+    after_recording: bool = False
 
     def measured(self, absolute_peak_bytes: int) -> int:
         """The model's bytes when the meter read ``absolute_peak_bytes``."""
@@ -728,17 +732,20 @@ class Recompute:
             return
         own = _own_arrays(link, arrays)
         previous = self._last_hook() if self._last_hook is not None else None
+        held: List[Any] = []
         if previous is not None and previous is not hook and (
                 previous.backward_done or previous.program is None):
             # (a call whose backward is still to come, a discriminator's
             # other batch, is another iteration's: not counted here)
-            own += _graph_arrays(previous)
+            held = _graph_arrays(previous)
+            own += held
         meter = dev.meter()
         meter.start()
         dev.adopt(meter, own)
         self._meter = _OpenMeter(meter, entry, hook.stats, weakref.ref(hook),
                                  _distinct_bytes(dev, own), meter.current_bytes(), dev.meter,
                                  link_ref=weakref.ref(link) if link is not None else None)
+        self._meter.after_recording = bool(held) and previous.recording
         self._meter.finalizer = weakref.finalize(self, _abandon, meter)
         hook.on_backward_done = lambda _hook: self._stop_meter(done=True)
 
@@ -768,7 +775,8 @@ class Recompute:
             if total is not None:
                 stats.measured_pool_total_bytes = int(max(
                     total, measured, stats.measured_pool_total_bytes or 0))
-            self._check(open_.entry, s, stats, max(measured, total or 0))
+            if not open_.after_recording:
+                self._check(open_.entry, s, stats, max(measured, total or 0))
             return
         hook = open_.hook()
         s = next((s for s in open_.entry.structures
@@ -785,7 +793,8 @@ class Recompute:
         if not done or stats.path != "planned" or s is None:
             return  # no backward, or the iteration left its plan: nothing to check
         measured = open_.measured(m.absolute_peak_bytes)
-        s.checked += 1
+        if not open_.after_recording:
+            s.checked += 1
         stats.measured_peak_bytes = int(measured)
         stats.predicted_peak_bytes = s.plan.predicted_peak_bytes
         stats.budget_bytes = s.plan.budget_bytes
@@ -800,13 +809,15 @@ class Recompute:
             self._meter = _OpenMeter(tail, open_.entry, stats, open_.hook, open_.own,
                                      open_.level, open_.new_meter, tail=True, structure=s,
                                      waiting=waiting, level_total=m.start_total_bytes,
-                                     link_ref=open_.link_ref)
+                                     link_ref=open_.link_ref,
+                                     after_recording=open_.after_recording)
             self._meter.finalizer = weakref.finalize(self, _abandon, tail)
             if waiting is not None:
                 _watch_updates(self, self._meter)
             else:  # a callable's parameters are not known: to the next call
                 weakref.finalize(hook, _graph_died, weakref.ref(self), self._meter)
-        self._check(open_.entry, s, stats, measured)
+        if not open_.after_recording:
+            self._check(open_.entry, s, stats, measured)
 
     def _check(self, entry: _Entry, s: _Structure, stats: IterationStats,
                measured: int) -> None:

@@ -432,6 +432,24 @@ class IterationHook(Recorder):
         elif self.program is not None and self.released:
             self._actual_readers()
 
+    def release_as_planned(self, program: Program) -> None:
+        """This recorded iteration's backward has run every function and
+        ``program`` was planned from it: release what the plan drops and
+        can regenerate, as a planned iteration holds nothing more after its
+        backward, so that a graph the model keeps into the next step (a
+        loss link's ``self.loss``) holds no more than a planned one. A
+        later backward pass through it regenerates as usual."""
+        if (self.program is not None or self.no_release or self.multi_backward
+                or program.n != len(self.calls) or not program.dropped):
+            return
+        self.program = program
+        self.candidates = [program]
+        self.recording = False
+        self._needs, self._done = program.needs, program.done
+        for u in sorted(program.dropped):
+            if u in program.releasable and self._regenerable(u):
+                self._release(u)
+
     def _actual_readers(self) -> None:
         """Backward readers from the recorded wiring (after a mismatch the
         plan's are wrong beyond the mismatch)."""

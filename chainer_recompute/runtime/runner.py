@@ -516,13 +516,17 @@ class Recompute:
                 return
             entry.pending = None
             try:
-                self._plan_recorded(entry, h, lk, batch)
+                s = self._plan_recorded(entry, h, lk, batch)
             except Exception as e:  # noqa: BLE001 - not from inside the user's backward
                 entry.error = e
+                return
+            # the graph lives into the next step: it holds no more than a
+            # planned one from now on
+            h.release_as_planned(s.program)
         hook.on_backward_done = plan
 
     def _plan_recorded(self, entry: _Entry, hook: IterationHook, link: Optional[chainer.Link],
-                       batch: Optional[int]) -> None:
+                       batch: Optional[int]) -> _Structure:
         t0 = time.perf_counter()
         graph = hook.graph(cost_model=self.cost, batch_size=batch,
                            name=type(link).__name__ if link is not None else "model",
@@ -543,6 +547,7 @@ class Recompute:
         # a second backward pass through the recorded graph, after this,
         # is learned by the plan
         hook.planned = s.program
+        return s
 
     def _plan_separately(self, entry: _Entry, args: Tuple[Any, ...],
                          kwargs: Dict[str, Any]) -> None:

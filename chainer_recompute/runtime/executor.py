@@ -212,9 +212,17 @@ def _update(self: Any, param: Any) -> Any:
 
 def add_update_watcher(watcher: Callable[[Any], bool]) -> None:
     """Call ``watcher(param)`` after each optimizer update of a parameter
-    until it returns True (``UpdateRule.update`` is patched meanwhile)."""
+    until it returns True or is removed (``UpdateRule.update`` is patched
+    meanwhile)."""
     _patch_update_rule()
     _WATCHERS.append(watcher)
+
+
+def remove_update_watcher(watcher: Callable[[Any], bool]) -> None:
+    if watcher in _WATCHERS:
+        _WATCHERS.remove(watcher)
+    if not _WATCHERS and _LIVE_COUNT[0] <= 0:
+        _unpatch_update_rule()
 
 
 def _patch_update_rule() -> None:

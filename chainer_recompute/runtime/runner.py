@@ -155,6 +155,7 @@ class _OpenMeter:
     # loss link keeps it until its forward): measured, but not checked
     # against the plan, which that graph is no part of.
     after_recording: bool = False
+    watcher: Any = None  # the update watcher of a tail
 
     def measured(self, absolute_peak_bytes: int) -> int:
         """The model's bytes when the meter read ``absolute_peak_bytes``."""
@@ -269,6 +270,7 @@ def _watch_updates(runner: "Recompute", open_: _OpenMeter) -> None:
             r._stop_meter()
             return True
         return False
+    open_.watcher = updated
     add_update_watcher(updated)
 
 
@@ -766,6 +768,9 @@ class Recompute:
         open_, self._meter = self._meter, None
         if open_.finalizer is not None:
             open_.finalizer.detach()
+        if open_.watcher is not None:
+            from .executor import remove_update_watcher
+            remove_update_watcher(open_.watcher)
         stats = open_.stats
         if open_.tail:
             m = open_.meter.stop()

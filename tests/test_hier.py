@@ -211,8 +211,8 @@ def test_applied_12_layer_encoder_is_plain_chainer_bit_for_bit():
             model.cleargrads()
             loss = model(xs, ts)
             loss.backward()
+            opt.update()  # (the runner's check measures the step to here)
             grads = [p.grad.copy() for _, p in sorted(model.namedparams())]
-            opt.update()
             out.append((loss.array.copy(), grads,
                         [p.array.copy() for _, p in sorted(model.namedparams())]))
         return out, runner

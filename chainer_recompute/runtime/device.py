@@ -52,6 +52,13 @@ class Device:
         """A new, stopped meter of this device's array memory."""
         return MemoryMeter(numpy)
 
+    def adopt(self, meter: MemoryMeter, arrays: Any) -> int:
+        """Make a running ``meter`` see the frees of ``arrays``, made before
+        it started (NumPy: traced from now on when the meter owns the
+        tracing; CuPy's pool sees every free already). Returns the bytes
+        adopted."""
+        return 0 if self.is_gpu else meter.adopt(arrays)
+
     def allocation_bytes(self, nbytes: int) -> int:
         """What an array of ``nbytes`` takes from the allocator.
 

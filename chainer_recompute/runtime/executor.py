@@ -41,14 +41,25 @@ its arrays; :class:`~chainer_recompute.core.execution.ExecutionPlan`).
 Functions no backward will reach (outputs kept for logging) are never
 regenerated.
 
-An optimizer update of a parameter that a released block was computed
-from (Chainer's DCGAN updater updates the discriminator between the two
-backward passes through it) first saves the parameter's values for the
-regeneration; any other in-place change of a parameter or input that a
-regeneration would read is detected by its checksum and raises
-:class:`~chainer_recompute.core.errors.RecomputeError` rather than give a
-gradient different from plain Chainer's. With double backprop
-(``enable_double_backprop``) nothing more is released.
+A graph backpropagated again after an optimizer update of a parameter
+that a released block was computed from (Chainer's DCGAN updater updates
+the discriminator between the two backward passes through it) needs the
+parameter's old values to regenerate: the update first saves them
+(``UpdateRule.update`` is patched only while such an iteration is alive).
+That is done only for plans known to be backpropagated twice, and on
+probation for plans made before their recorded graph's backward had run
+(from a separate capture, or a model called twice before its first
+backward): a plan made from a recorded iteration whose backward ran to the
+end saves nothing, so that its update adds no memory (a loss link keeps
+the graph, and anything saved, into the next step). If such a graph is
+backpropagated after an update after all, the update count of the
+parameter's rule says so and the regeneration raises
+:class:`~chainer_recompute.core.errors.RecomputeError` (the next iterations
+save the values); any other in-place change of a parameter or input that a
+regeneration would read is detected by its checksum (``verify``) and
+raises too, rather than give a gradient different from plain Chainer's.
+With double backprop (``enable_double_backprop``) nothing more is
+released.
 
 The hook holds no strong reference to function or variable nodes, so the
 graph is freed by reference counting as in plain Chainer. Everything goes
@@ -97,6 +108,23 @@ class Program(ExecutionPlan):
         # which it died without another backward pass: after PROBATION of
         # them, parameters are no longer saved before updates.
         self.clean_updates = 0
+        # The plan was made from an iteration whose backward pass(es) had all
+        # run (multi_backward is then what that iteration did): its graphs
+        # are not expected to be backpropagated after an optimizer update,
+        # and no parameter is saved before one unless they are found to be.
+        self.backward_known = False
+
+    @property
+    def saves_parameters(self) -> bool:
+        """Whether an optimizer update of a parameter that a released block
+        was computed from first saves the parameter's values: a graph known
+        to be backpropagated twice that regenerates in between, or, while
+        that is not known (a plan made before its recorded graph's backward
+        ran, or from a separate capture), during the first ``PROBATION``
+        updates."""
+        if self.multi_backward and self.release_mode != "all":
+            return True
+        return not self.backward_known and self.clean_updates < PROBATION
 
 
 class IterationStats:
@@ -148,35 +176,87 @@ class IterationStats:
                 f"predicted_peak_bytes={self.predicted_peak_bytes})")
 
 
-# Hooks whose released blocks were computed from parameters, for
-# snapshot-on-update (see the module docstring).
+# Hooks whose released blocks were computed from parameters that an
+# optimizer update must save first (snapshot-on-update, see the module
+# docstring). ``UpdateRule.update`` is patched only while one is alive.
 _LIVE: "weakref.WeakSet[IterationHook]" = weakref.WeakSet()
-_PATCHED = False
+_LIVE_COUNT = [0]
+_ORIGINAL_UPDATE: List[Any] = []  # the unpatched UpdateRule.update while patched
+
+
+_WATCHERS: List[Callable[[Any], bool]] = []  # called after each update (True: done)
+
+
+def _update(self: Any, param: Any) -> Any:
+    """``UpdateRule.update`` while patched: save ``param``'s values for the
+    live iterations that may still regenerate from it, update, and tell the
+    watchers (the runner's measurement of the update)."""
+    if _LIVE:
+        saved: List[Any] = []
+
+        def copy() -> Any:  # one copy, shared by every live iteration
+            if not saved:
+                saved.append(param.array.copy())
+            return saved[0]
+        for hook in list(_LIVE):
+            hook.before_param_update(param, copy)
+    out = _ORIGINAL_UPDATE[0](self, param)
+    if _WATCHERS:
+        for w in list(_WATCHERS):
+            if w(param) and w in _WATCHERS:
+                _WATCHERS.remove(w)
+        if not _WATCHERS and _LIVE_COUNT[0] <= 0:
+            _unpatch_update_rule()
+    return out
+
+
+def add_update_watcher(watcher: Callable[[Any], bool]) -> None:
+    """Call ``watcher(param)`` after each optimizer update of a parameter
+    until it returns True or is removed (``UpdateRule.update`` is patched
+    meanwhile)."""
+    _patch_update_rule()
+    _WATCHERS.append(watcher)
+
+
+def remove_update_watcher(watcher: Callable[[Any], bool]) -> None:
+    if watcher in _WATCHERS:
+        _WATCHERS.remove(watcher)
+    if not _WATCHERS and _LIVE_COUNT[0] <= 0:
+        _unpatch_update_rule()
 
 
 def _patch_update_rule() -> None:
-    """Make ``UpdateRule.update`` save a parameter's values for the live
-    iterations that may still regenerate from it, before it changes them."""
-    global _PATCHED
-    if _PATCHED:
+    """Patch ``UpdateRule.update`` (once) while an iteration may need it."""
+    if _ORIGINAL_UPDATE:
         return
     original = chainer.optimizer.UpdateRule.update
+    _ORIGINAL_UPDATE.append(original)
+    _update.__wrapped__ = original  # type: ignore[attr-defined]
+    chainer.optimizer.UpdateRule.update = _update
 
-    def update(self: Any, param: Any) -> Any:
-        if _LIVE:
-            saved: List[Any] = []
 
-            def copy() -> Any:  # one copy, shared by every live iteration
-                if not saved:
-                    saved.append(param.array.copy())
-                return saved[0]
-            for hook in list(_LIVE):
-                hook.before_param_update(param, copy)
-        return original(self, param)
+def _unpatch_update_rule() -> None:
+    """Put ``UpdateRule.update`` back (unless someone patched it over ours,
+    then ours stays and passes through)."""
+    if _ORIGINAL_UPDATE and chainer.optimizer.UpdateRule.update is _update:
+        chainer.optimizer.UpdateRule.update = _ORIGINAL_UPDATE.pop()
 
-    update.__wrapped__ = original  # type: ignore[attr-defined]
-    chainer.optimizer.UpdateRule.update = update
-    _PATCHED = True
+
+def _add_live(hook: "IterationHook") -> None:
+    if hook in _LIVE:
+        return
+    _patch_update_rule()
+    _LIVE.add(hook)
+    _LIVE_COUNT[0] += 1
+    weakref.finalize(hook, _live_died)
+
+
+def _live_died() -> None:
+    _LIVE_COUNT[0] -= 1
+    if _LIVE_COUNT[0] <= 0:
+        _LIVE_COUNT[0] = 0
+        if not _WATCHERS:
+            _unpatch_update_rule()
 
 
 class IterationHook(Recorder):
@@ -217,6 +297,10 @@ class IterationHook(Recorder):
         self._bw_left: Optional[Set[int]] = None
         #: called once when the backward pass has run every reachable function
         self.on_backward_done: Optional[Any] = None
+        self.backward_done = False  # set then
+        #: the plan made from this recorded iteration (it learns a second
+        #: backward pass through this graph)
+        self.planned: Optional[Program] = None
         self.stats = IterationStats(len(self.program.dropped) if self.program else 0,
                                     path="recorded" if self.program is None else "planned")
         self._update_state = {"updated": False, "again": False}
@@ -225,7 +309,10 @@ class IterationHook(Recorder):
             self.stats.release_mode = self.program.release_mode
             # (a backward may run inside the forward: chainer.grad)
             self._needs, self._done = self.program.needs, self.program.done
-            _patch_update_rule()
+        # array id -> the update count of a watched parameter's update rule
+        # when the forward read it (an update since then is seen without a
+        # checksum, and without patching the optimizer)
+        self._param_t: Dict[int, int] = {}
 
     @property
     def mismatch(self) -> Optional[str]:
@@ -307,7 +394,9 @@ class IterationHook(Recorder):
         self.params[a] = param
         if self.verify:
             self.fingerprints[a] = fingerprint(param.array)
-        _LIVE.add(self)
+        self._param_t[a] = _update_count(param)
+        if self.program is not None and self.program.saves_parameters:
+            _add_live(self)
         return True
 
     def after_mapping(self, call: Call) -> None:
@@ -350,6 +439,24 @@ class IterationHook(Recorder):
             self._needs, self._done = self.program.needs, self.program.done
         elif self.program is not None and self.released:
             self._actual_readers()
+
+    def release_as_planned(self, program: Program) -> None:
+        """This recorded iteration's backward has run every function and
+        ``program`` was planned from it: release what the plan drops and
+        can regenerate, as a planned iteration holds nothing more after its
+        backward, so that a graph the model keeps into the next step (a
+        loss link's ``self.loss``) holds no more than a planned one. A
+        later backward pass through it regenerates as usual."""
+        if (self.program is not None or self.no_release or self.multi_backward
+                or program.n != len(self.calls) or not program.dropped):
+            return
+        self.program = program
+        self.candidates = [program]
+        self.recording = False
+        self._needs, self._done = program.needs, program.done
+        for u in sorted(program.dropped):
+            if u in program.releasable and self._regenerable(u):
+                self._release(u)
 
     def _actual_readers(self) -> None:
         """Backward readers from the recorded wiring (after a mismatch the
@@ -412,6 +519,8 @@ class IterationHook(Recorder):
             self.multi_backward = True
             if self.program is not None:
                 self.program.multi_backward = True
+            if self.planned is not None:
+                self.planned.multi_backward = True
             self._bw_seen = set()
             self._reach = None
             self.remaining = {}
@@ -435,6 +544,7 @@ class IterationHook(Recorder):
             self._bw_left.discard(i)
             if not self._bw_left:
                 self._bw_left = None
+                self.backward_done = True
                 if self.on_backward_done is not None:
                     self.on_backward_done(self)
         if self.program is None:
@@ -525,10 +635,7 @@ class IterationHook(Recorder):
         until ``PROBATION`` updates were followed by no second pass (then a
         second pass after an update is caught by the checksums)."""
         p = self.program
-        if not self.released or p is None:
-            return
-        if not (p.multi_backward and p.release_mode != "all") and \
-                p.clean_updates >= PROBATION:
+        if not self.released or p is None or not p.saves_parameters:
             return
         if not self._update_state["updated"]:
             self._update_state["updated"] = True
@@ -589,6 +696,7 @@ class IterationHook(Recorder):
             f = self.calls[u].func()
             in_ids = self.calls[u].in_ids or ()
             in_data = tuple(self._input_array(f, j, a, values) for j, a in enumerate(in_ids))
+            self._check_updates(u, in_ids)
             if self.verify:
                 self._check_sources(u, in_ids, in_data)
             outs = self._run_forward(f, u, in_data)
@@ -619,6 +727,29 @@ class IterationHook(Recorder):
             else:
                 for name in p.derived.get(u, ()):  # transient: drop what forward made
                     setattr(owner_of(f, name), name, None)
+
+    def _check_updates(self, u: int, in_ids: Tuple[int, ...]) -> None:
+        """An optimizer updated a parameter that node ``u`` reads since the
+        forward read it, and its values were not saved: recomputing would
+        give other arrays than the forward's (checked with or without
+        ``verify``)."""
+        for a in in_ids:
+            if a in self.snapshots or a not in self._param_t:
+                continue
+            param = self.params.get(a)
+            if param is None or _update_count(param) == self._param_t[a]:
+                continue
+            if self.program is not None:
+                self.program.multi_backward = True  # the next iterations save it
+            name = self.arrays[a].name or a
+            raise RecomputeError(
+                f"parameter {name} was updated by an optimizer after the forward pass and "
+                f"before the backward that recomputes node {u} ({self.calls[u].op}) (the graph "
+                f"is backpropagated again after an update); its values were not saved, so "
+                f"recomputing would give a result different from plain Chainer's. From the "
+                f"next iteration on, the parameters are saved before such an update; to "
+                f"avoid this error, run one iteration of this pattern before apply(), or do "
+                f"not update between two backward passes through the same graph")
 
     def _check_sources(self, u: int, in_ids: Tuple[int, ...], in_data: Tuple[Any, ...]) -> None:
         for a, x in zip(in_ids, in_data):
@@ -663,6 +794,14 @@ class IterationHook(Recorder):
 #: Updates of parameters after which a plan's graph died without another
 #: backward pass, before parameters are no longer saved for one.
 PROBATION = 1
+
+
+def _update_count(param: Any) -> int:
+    """How many times an optimizer has updated ``param`` (its update
+    rule's ``t``; -1 without an update rule)."""
+    rule = getattr(param, "update_rule", None)
+    t = getattr(rule, "t", None)
+    return int(t) if t is not None else -1
 
 
 def _after_update(program_ref: Any, state: Dict[str, bool]) -> None:

@@ -137,6 +137,26 @@ def _start_tracemalloc(numpy_only: bool) -> str:
     return SCOPE_NUMPY
 
 
+def _track_function() -> Any:
+    if sys.implementation.name != "cpython":
+        return None
+    try:
+        f = ctypes.pythonapi.PyTraceMalloc_Track
+    except AttributeError:
+        return None
+    f.argtypes = [ctypes.c_uint, ctypes.c_size_t, ctypes.c_size_t]
+    f.restype = ctypes.c_int
+    return f
+
+
+_TRACK = _track_function()
+
+
+def _np() -> Any:
+    import numpy
+    return numpy
+
+
 def _propagate_peak() -> int:
     """Give every active meter the tracemalloc peak so far; return the current bytes."""
     current, peak = tracemalloc.get_traced_memory()
@@ -181,6 +201,43 @@ class MemoryMeter:
         self.result: Optional[MemoryMeasurement] = None
 
     # -- public ---------------------------------------------------------
+    @property
+    def start_bytes(self) -> int:
+        """Bytes live when :meth:`start` was called (as ``result.start_bytes``)."""
+        return self._start
+
+    @property
+    def owns_tracing(self) -> bool:
+        """On CPU, whether this meter started tracemalloc (no outer meter
+        or other tracer sees the arrays it adopts with :meth:`adopt`)."""
+        return self.device == "cpu" and self._running and bool(getattr(self, "_owns", False))
+
+    def current_bytes(self) -> int:
+        """Bytes live now, as ``start_bytes`` counts them (the meter runs)."""
+        if self.device == "gpu":
+            return int(self._hook.pool.used_bytes())
+        return tracemalloc.get_traced_memory()[0] - _Tracing.baseline
+
+    def adopt(self, arrays: Any) -> int:
+        """On CPU, trace NumPy arrays made before tracing began, as if they
+        had been allocated now: their frees are then seen (NumPy untraces
+        every block it frees). Only while this meter owns the tracing (it
+        changes no one else's measurement). Returns the bytes adopted.
+        """
+        if not self.owns_tracing or _TRACK is None:
+            return 0
+        done = 0
+        seen: set = set()
+        for a in arrays:
+            while getattr(a, "base", None) is not None:
+                a = a.base
+            if not isinstance(a, _np().ndarray) or not a.flags.owndata or id(a) in seen:
+                continue
+            seen.add(id(a))
+            if _TRACK(NUMPY_TRACEMALLOC_DOMAIN, a.ctypes.data, max(int(a.nbytes), 1)) == 0:
+                done += int(a.nbytes)
+        return done
+
     def start(self) -> "MemoryMeter":
         """Begin measuring; returns self."""
         if self._running:
@@ -255,15 +312,17 @@ class MemoryMeter:
             peak_bytes=absolute_peak - self._start, absolute_peak_bytes=absolute_peak,
             start_bytes=self._start, end_bytes=current - baseline, device="cpu",
             scope=self.scope)
-        if self._owns:
+        if self._owns and _Tracing.active:
+            # Meters started inside this one still run (a meter kept across
+            # several blocks): tracing goes on, owned by the oldest of them.
+            self._owns = False
+            heir = _Tracing.active[0]
+            heir._owns = True
+            _Tracing.owner = heir
+        elif self._owns:
             tracemalloc.stop()
             _Tracing.owner = None
             _Tracing.baseline = 0
-            if _Tracing.active:
-                logger.warning("the MemoryMeter that started tracemalloc stopped before "
-                               "%d inner meter(s); their results will be wrong",
-                               len(_Tracing.active))
-                _Tracing.active.clear()
         elif not _Tracing.active and _Tracing.owner is None:
             _Tracing.baseline = 0
         return result

@@ -132,17 +132,152 @@ class _Entry:
         self.plain = False
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _OpenMeter:
     """The measurement of one planned iteration, from the call to the end
-    of its backward."""
+    of its backward, then (``tail``) on to the end of the optimizer's
+    update of the model's parameters (or the next call)."""
 
     meter: Any  # a running MemoryMeter
     entry: "_Entry"
-    start: int  # the model's state and inputs at the call, counted by hand
-    refs: List[Tuple[Any, int]]  # gradients made before tracing, freed unseen
     stats: Any  # the iteration's IterationStats
     hook: Any  # a weak reference to the iteration's IterationHook (it holds arrays)
+    own: int  # the model's bytes at the call (state, inputs, the previous graph)
+    level: int  # the meter's level then, those arrays counted
+    new_meter: Any  # makes a meter for the same device
+    tail: bool = False
+    structure: Any = None  # the structure it ran on (set at the end of the backward)
+    waiting: Any = None  # parameter ids whose update is still to come (tail)
+    level_total: Optional[int] = None  # CuPy: the pool's total bytes at the call
+    link_ref: Any = None  # a weak reference to the Link called
+    finalizer: Any = None  # stops the meter if the runner is freed first
+    # The call found the recorded (plain) iteration's graph still held (a
+    # loss link keeps it until its forward): measured, but not checked
+    # against the plan, which that graph is no part of.
+    after_recording: bool = False
+    watcher: Any = None  # the update watcher of a tail
+
+    def measured(self, absolute_peak_bytes: int) -> int:
+        """The model's bytes when the meter read ``absolute_peak_bytes``."""
+        return self.own + absolute_peak_bytes - self.level
+
+
+def _own_arrays(link: Optional[chainer.Link], arrays: List[Any]) -> List[Any]:
+    """The arrays a training call finds that belong to the model: its
+    parameters and their gradients, update-rule state, persistents, and the
+    call's array arguments."""
+    found: List[Any] = []
+
+    def add(a: Any) -> None:
+        if isinstance(a, chainer.Variable):
+            a = a.raw_array
+        if a is not None:
+            found.append(a)
+    if link is not None:
+        for p in link.params():
+            add(p.array)
+            add(p.grad)
+            rule = getattr(p, "update_rule", None)
+            for v in (getattr(rule, "state", None) or {}).values():
+                add(v)
+        for sub in link.links():
+            for name in getattr(sub, "_persistent", ()):
+                add(getattr(sub, name, None))
+    for x in arrays:
+        add(x)
+    return found
+
+
+def _graph_arrays(hook: Any) -> List[Any]:
+    """The arrays a previous iteration's graph still holds: what its
+    function nodes retain (inputs, outputs, attributes) and the arrays of
+    its outputs' live Variables."""
+    from .capture import attribute_arrays
+    found: List[Any] = []
+    for call in hook.calls:
+        f = call.func()
+        if f is None:
+            continue
+        for node in list(f.inputs or ()) + [r() for r in (f.outputs or ())]:
+            if node is None:
+                continue
+            if node._data is not None:
+                found.append(node._data)
+            var = node.get_variable_or_none()
+            if var is not None and var.raw_array is not None:
+                found.append(var.raw_array)
+        found.extend(f._retained_output_data or ())
+        found.extend(a for _, _, a in attribute_arrays(f))
+    return found
+
+
+def _distinct_bytes(dev: Any, arrays: List[Any]) -> int:
+    """Bytes of ``arrays`` as the allocator holds them: each buffer once
+    (views count their base)."""
+    from .capture import is_array, root_of
+    seen: set = set()
+    total = 0
+    for a in arrays:
+        if not is_array(a):
+            continue
+        r = root_of(a)
+        if id(r) in seen:
+            continue
+        seen.add(id(r))
+        total += dev.allocation_bytes(getattr(r, "nbytes", a.nbytes))
+    return total
+
+
+def _keeps_graph(link: chainer.Link, hook: Any) -> bool:
+    """Whether ``link`` (or a Link in it) keeps a Variable of the graph
+    ``hook`` recorded in an attribute (``L.Classifier``'s ``loss``, ``y``)."""
+    for sub in link.links():
+        for v in vars(sub).values():
+            if isinstance(v, chainer.Variable) and not isinstance(v, chainer.Parameter) \
+                    and v.node in hook.array_of:
+                return True
+    return False
+
+
+def _abandon(meter: Any) -> None:
+    """The runner was freed with a meter running: stop it (tracing off)."""
+    if getattr(meter, "_running", False):
+        meter.stop()
+
+
+def _update_targets(link_ref: Any) -> Optional[set]:
+    """The ids of the parameters an optimizer will update (those of the
+    iteration's Link with an update rule); None when the Link is not known
+    (a callable): then the tail lasts until the next call or until the
+    graph is freed."""
+    link = link_ref() if link_ref is not None else None
+    if link is None:
+        return None
+    return {id(p) for p in link.params() if getattr(p, "update_rule", None) is not None}
+
+
+def _watch_updates(runner: "Recompute", open_: _OpenMeter) -> None:
+    from .executor import add_update_watcher
+    ref = weakref.ref(runner)
+
+    def updated(param: Any) -> bool:
+        """After each parameter update; True when done watching."""
+        r = ref()
+        if r is None or r._meter is not open_:
+            return True
+        open_.waiting.discard(id(param))
+        if not open_.waiting:
+            r._stop_meter()
+            return True
+        return False
+    open_.watcher = updated
+    add_update_watcher(updated)
+
+
+def _graph_died(runner_ref: Any, open_: _OpenMeter) -> None:
+    runner = runner_ref()
+    if runner is not None and runner._meter is open_:
+        runner._stop_meter()
 
 
 class Recompute:
@@ -206,6 +341,10 @@ class Recompute:
     >>> runner = Recompute(loss_fn, budget='2G')            # doctest: +SKIP
     >>> loss = runner(x, t); loss.backward()                # doctest: +SKIP
     """
+
+    #: A plan that drops nothing, once checked, runs as plain Chainer (no
+    #: hook); False keeps the executor's hook on (to measure its cost).
+    plain_when_nothing_dropped = True
 
     #: A signature whose structure changed this many times, and on more
     #: than half of its calls, runs plain Chainer from then on.
@@ -320,13 +459,14 @@ class Recompute:
             return bounded_graph(graph, None)  # _solve reports it
 
     def _add(self, entry: _Entry, graph: Graph, param_refs: Dict[int, Any],
-             multi_backward: bool, t0: float) -> _Structure:
+             multi_backward: bool, t0: float, backward_known: bool = False) -> _Structure:
         if self.workspace is not None:  # the convolutions' bound, chosen with the plan
             graph = self._bound(graph)
         plan = (self._solve(graph) if self.coordinator is None
                 else self.coordinator.plan(graph, self._solve))
         program = Program(graph, plan.lower_sets, frozenset(plan.kept), param_refs=param_refs)
         program.multi_backward = multi_backward
+        program.backward_known = backward_known
         s = _Structure(graph, plan, program, time.perf_counter() - t0)
         if plan.recompute:
             self._decide_release(s)
@@ -353,9 +493,44 @@ class Recompute:
     def _plan_pending(self, entry: _Entry, args: Tuple[Any, ...],
                       kwargs: Dict[str, Any]) -> None:
         hook, entry.pending = entry.pending, None
+        self._plan_recorded(entry, hook, self._link(args), batch_size_of(args, kwargs))
+
+    def _plan_when_backward_ends(self, entry: _Entry, hook: IterationHook,
+                                 link: Optional[chainer.Link], batch: Optional[int]) -> None:
+        """When the model keeps the recorded graph in its attributes (a loss
+        link's ``self.loss``), plan as soon as the recorded backward has run
+        every function, still inside it: the graph then lives into the next
+        call, where the planner's own memory would come on top of it in the
+        first planned iteration, which the budget bounds; the recorded
+        iteration runs as plain Chainer and is not under the budget.
+        Otherwise the next call plans (the graph is gone by then). An error
+        is raised at the next call."""
+        link_ref = weakref.ref(link) if link is not None else None
+        before = hook.on_backward_done
+
+        def plan(h: IterationHook) -> None:
+            if before is not None:
+                before(h)
+            if entry.pending is not h or entry.error is not None:
+                return
+            lk = link_ref() if link_ref is not None else None
+            if lk is None or not _keeps_graph(lk, h):
+                return
+            entry.pending = None
+            try:
+                s = self._plan_recorded(entry, h, lk, batch)
+            except Exception as e:  # noqa: BLE001 - not from inside the user's backward
+                entry.error = e
+                return
+            # the graph lives into the next step: it holds no more than a
+            # planned one from now on
+            h.release_as_planned(s.program)
+        hook.on_backward_done = plan
+
+    def _plan_recorded(self, entry: _Entry, hook: IterationHook, link: Optional[chainer.Link],
+                       batch: Optional[int]) -> _Structure:
         t0 = time.perf_counter()
-        link = self._link(args)
-        graph = hook.graph(cost_model=self.cost, batch_size=batch_size_of(args, kwargs),
+        graph = hook.graph(cost_model=self.cost, batch_size=batch,
                            name=type(link).__name__ if link is not None else "model",
                            meta={"state_bytes": state_bytes(link)} if link is not None else None,
                            fill=hook.program.graph if hook.program is not None else None)
@@ -365,7 +540,16 @@ class Recompute:
             # releases nothing more and regenerates what it needs.
             logger.info("the model's forward runs a backward (chainer.grad?); arrays are "
                         "not released after it starts")
-        self._add(entry, graph, hook.param_refs, hook.multi_backward, t0)
+        # backward_known: its backward ran to the end before planning, so a
+        # graph backpropagated again after an update is seen by it (and
+        # passed on to the plan below); otherwise parameters are saved
+        # before updates on probation.
+        s = self._add(entry, graph, hook.param_refs, hook.multi_backward, t0,
+                      backward_known=hook.backward_done)
+        # a second backward pass through the recorded graph, after this,
+        # is learned by the plan
+        hook.planned = s.program
+        return s
 
     def _plan_separately(self, entry: _Entry, args: Tuple[Any, ...],
                          kwargs: Dict[str, Any]) -> None:
@@ -412,7 +596,12 @@ class Recompute:
     # ------------------------------------------------------------- call
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not (chainer.config.train and chainer.config.enable_backprop) or _depth() > 0:
+            if _depth() == 0:
+                self._close_step()  # an evaluation between two steps is not in either
             return self.fn(*args, **kwargs)
+        # The previous iteration (its update included) is over: checked
+        # before anything else runs (planning's memory is in no iteration).
+        self._close_step()
         sig = _signature(args, kwargs)
         entry = self._entry(sig)
         if entry.error is not None:
@@ -431,15 +620,27 @@ class Recompute:
             self._plan_pending(entry, args, kwargs)
         elif not entry.structures and self.capture_batch is not None and entry.calls == 1:
             self._plan_separately(entry, args, kwargs)
-        self._stop_meter()
         for s in entry.structures:
             if s.program.multi_backward and not s.program.release_mode_decided:
                 self._decide_release(s)
         link = self._link(args)
+        if len(entry.structures) == 1 and not entry.structures[0].program.dropped and \
+                entry.structures[0].checked >= self.check_iterations and \
+                self.plain_when_nothing_dropped:
+            # A plan that drops nothing, checked against the allocator: plain
+            # Chainer, no hook (its structure is no longer followed).
+            self._last_hook = None
+            s = entry.structures[0]
+            stats = self.last_stats = IterationStats(0, path="planned")
+            stats.n_nodes, stats.release_mode = s.program.n, s.program.release_mode
+            stats.predicted_peak_bytes = s.plan.predicted_peak_bytes
+            stats.budget_bytes = s.plan.budget_bytes
+            return self.fn(*args, **kwargs)
         hook = IterationHook([s.program for s in entry.structures], link=link,
                              args=list(args) + list(kwargs.values()), verify=self.verify)
         if entry.structures:
             self._start_meter(entry, hook, link, args, kwargs)
+        self._last_hook = weakref.ref(hook)
         limit = entry.structures[0].graph.meta.get("workspace_bytes") \
             if entry.structures else None
         with _Active(), hook, bounded(limit, self.workspace_exact):
@@ -452,6 +653,8 @@ class Recompute:
                 hook.stats.budget_bytes = s.plan.budget_bytes
         if hook.recording:
             entry.pending = hook
+            if self.coordinator is None:
+                self._plan_when_backward_ends(entry, hook, link, batch_size_of(args, kwargs))
             if entry.structures:
                 entry.recorded += 1
                 logger.info("the model's graph changed for the same input signature (%s); this "
@@ -512,71 +715,122 @@ class Recompute:
 
     # ------------------------------------------------- measured memory
     _meter: Optional["_OpenMeter"] = None
+    _last_hook: Any = None  # a weak reference to the previous call's IterationHook
 
     def _start_meter(self, entry: _Entry, hook: IterationHook, link: Optional[chainer.Link],
                      args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         """Measure this iteration's peak, from the call to the end of its
-        backward, while the plans of its signature still need checking (on
-        CuPy always: the pool's hook costs nothing).
+        backward, then on through the optimizer's update of the model's
+        parameters, while the plans of its signature still need checking
+        (on CuPy always: the pool's hook is cheap).
 
-        What is counted is this model's own iteration: its state and inputs,
-        counted by hand at the call (on NumPy they were made before tracing
-        began; on CuPy the pool also holds other models' arrays), plus what
-        the allocator holds above its level at the call."""
-        from .capture import is_array
+        What is counted is this model's own iteration: the arrays it holds
+        at the call (parameters, gradients, optimizer state, persistents,
+        inputs, and the previous iteration's graph, which a loss link keeps
+        until its forward), counted by hand (on NumPy they were made before
+        tracing began, and are adopted by the tracing so that their frees
+        are seen; on CuPy the pool also holds other models' arrays), plus
+        what the allocator holds above its level at the call."""
         from .device import device_of
         arrays = list(args) + list(kwargs.values())
         dev = device_of(arrays)
         if not dev.is_gpu and all(s.checked >= self.check_iterations
                                   for s in entry.structures):
             return
-        start = 0
-        old_grads: List[Any] = []
-        if link is not None:
-            sb = state_bytes(link)
-            start += sb["params"] + sb["optimizer_state"] + sb["persistents"]
-            old_grads = [p.grad for p in link.params() if p.grad is not None]
-            start += sum(dev.allocation_bytes(g.nbytes) for g in old_grads)
-        for x in arrays:
-            arr = x.raw_array if isinstance(x, chainer.Variable) else x
-            if is_array(arr):
-                start += dev.allocation_bytes(arr.nbytes)
+        own = _own_arrays(link, arrays)
+        previous = self._last_hook() if self._last_hook is not None else None
+        held: List[Any] = []
+        if previous is not None and previous is not hook and (
+                previous.backward_done or previous.program is None):
+            # (a call whose backward is still to come, a discriminator's
+            # other batch, is another iteration's: not counted here)
+            held = _graph_arrays(previous)
+            own += held
         meter = dev.meter()
         meter.start()
-        # Gradients made before tracemalloc started: their frees are not
-        # seen and are taken off by hand (not when an outer meter traces,
-        # nor on CuPy, whose pool sees every free).
-        refs = ([(weakref.ref(g), int(g.nbytes)) for g in old_grads]
-                if meter.scope == "numpy arrays" and getattr(meter, "_owns", False) else [])
-        self._meter = _OpenMeter(meter, entry, start, refs, hook.stats, weakref.ref(hook))
+        dev.adopt(meter, own)
+        self._meter = _OpenMeter(meter, entry, hook.stats, weakref.ref(hook),
+                                 _distinct_bytes(dev, own), meter.current_bytes(), dev.meter,
+                                 link_ref=weakref.ref(link) if link is not None else None)
+        self._meter.after_recording = bool(held) and previous.recording
+        self._meter.finalizer = weakref.finalize(self, _abandon, meter)
         hook.on_backward_done = lambda _hook: self._stop_meter(done=True)
+
+    def _close_step(self) -> None:
+        """The next call: the previous iteration is over; measure and check
+        what is left of it."""
+        if self._meter is not None:
+            self._stop_meter()
 
     def _stop_meter(self, done: bool = False) -> None:
         if self._meter is None:
             return
         open_, self._meter = self._meter, None
-        m = open_.meter.stop()
+        if open_.finalizer is not None:
+            open_.finalizer.detach()
+        if open_.watcher is not None:
+            from .executor import remove_update_watcher
+            remove_update_watcher(open_.watcher)
         stats = open_.stats
-        if not done or stats.path != "planned":
-            return  # no backward, or the iteration left its plan: nothing to check
-        # the plan this iteration ran on
+        if open_.tail:
+            m = open_.meter.stop()
+            s = open_.structure
+            if s is None or s not in open_.entry.structures:
+                return
+            measured = open_.measured(m.absolute_peak_bytes)
+            total = None if m.total_peak_bytes is None or open_.level_total is None else \
+                open_.own + m.total_peak_bytes - open_.level_total
+            if measured > (stats.measured_peak_bytes or 0):
+                stats.measured_peak_bytes = int(measured)
+            if total is not None:
+                stats.measured_pool_total_bytes = int(max(
+                    total, measured, stats.measured_pool_total_bytes or 0))
+            if not open_.after_recording:
+                self._check(open_.entry, s, stats, max(measured, total or 0))
+            return
         hook = open_.hook()
         s = next((s for s in open_.entry.structures
                   if hook is not None and s.program is hook.program), None)
-        if s is None:
-            return
-        measured = open_.start + m.peak_bytes - sum(nb for ref, nb in open_.refs
-                                                    if ref() is None)
-        s.checked += 1
+        tail = None
+        if done and stats.path == "planned" and s is not None:
+            # the rest of the iteration: the optimizer's update (the meter
+            # starts before this one stops, so that the tracing goes on)
+            waiting = _update_targets(open_.link_ref)
+            if waiting is None or waiting:
+                tail = open_.new_meter()
+                tail.start()
+        m = open_.meter.stop()
+        if not done or stats.path != "planned" or s is None:
+            return  # no backward, or the iteration left its plan: nothing to check
+        measured = open_.measured(m.absolute_peak_bytes)
+        if not open_.after_recording:
+            s.checked += 1
         stats.measured_peak_bytes = int(measured)
         stats.predicted_peak_bytes = s.plan.predicted_peak_bytes
         stats.budget_bytes = s.plan.budget_bytes
         if m.total_peak_bytes is not None:
             # what the budget bounds on CuPy: the pool's blocks added for this
             # iteration too (cached and split ones)
-            measured = max(measured, open_.start + m.total_peak_bytes - m.start_total_bytes)
+            total = open_.own + m.total_peak_bytes - m.start_total_bytes - \
+                (open_.level - m.start_bytes)
+            measured = max(measured, total)
             stats.measured_pool_total_bytes = int(measured)
-        entry = open_.entry
+        if tail is not None:
+            self._meter = _OpenMeter(tail, open_.entry, stats, open_.hook, open_.own,
+                                     open_.level, open_.new_meter, tail=True, structure=s,
+                                     waiting=waiting, level_total=m.start_total_bytes,
+                                     link_ref=open_.link_ref,
+                                     after_recording=open_.after_recording)
+            self._meter.finalizer = weakref.finalize(self, _abandon, tail)
+            if waiting is not None:
+                _watch_updates(self, self._meter)
+            else:  # a callable's parameters are not known: to the next call
+                weakref.finalize(hook, _graph_died, weakref.ref(self), self._meter)
+        if not open_.after_recording:
+            self._check(open_.entry, s, stats, measured)
+
+    def _check(self, entry: _Entry, s: _Structure, stats: IterationStats,
+               measured: int) -> None:
         budget = s.plan.budget_bytes
         if self.budget_scope != "total" or budget is None or measured <= budget:
             return
@@ -594,8 +848,11 @@ class Recompute:
         graph = graph.replace(meta=meta)
         t0 = time.perf_counter()
         entry.structures.remove(s)
+        if self._meter is not None and self._meter.structure is s:
+            self._meter.structure = None  # its tail is not checked against the old plan
         try:
-            self._add(entry, graph, s.program.param_refs, s.program.multi_backward, t0)
+            self._add(entry, graph, s.program.param_refs, s.program.multi_backward, t0,
+                      backward_known=s.program.backward_known)
         except InfeasibleBudgetError as e:
             # Not from inside the user's backward: at the next call, before
             # anything runs.

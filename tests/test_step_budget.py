@@ -1,0 +1,301 @@
+"""The budget holds on every training step from the first planned one, the
+optimizer's update included, against the real allocator.
+
+Each pattern trains twice from the same seeds, plain Chainer and with
+``apply(budget='least')``, for 7 optimizer steps as Chainer's
+``StandardUpdater`` runs them (``optimizer.update(model, *batch)``: the
+forward with the previous gradients alive, ``cleargrads``, backward,
+update). One tracemalloc meter is started before the model is built, so the
+peak of each whole step counts everything the model holds: parameters,
+gradients, optimizer state, the previous step's graph (kept by a loss link's
+``self.loss``, or by the caller's ``loss``), the update's temporaries.
+
+After every step the two runs must be identical bit for bit (loss,
+gradients, parameters, persistents, optimizer state, NumPy's random state);
+from the first planned step on the applied peak must be at or under the
+budget of the plan the step ran on; in steady state it must not be above
+plain Chainer's by more than 1%; and the runner's own check
+(``last_stats.measured_peak_bytes``) must see the step's peak, not less.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Dict, List, Tuple
+
+import numpy as np
+import pytest
+
+import chainer
+import chainer.functions as F
+import chainer.links as L
+
+import chainer_recompute as cr
+from chainer_recompute.runtime.memory import MemoryMeter
+
+STEPS = 7
+OPTIONS = {"budget": "least", "cost": "flops", "verbose": False}
+
+
+# ------------------------------------------------------------- harness
+def _np(x: Any) -> Any:
+    """An array as Python bytes (not NumPy memory: the records are not in
+    the measured peaks)."""
+    if isinstance(x, chainer.Variable):
+        x = x.array
+    if not isinstance(x, chainer.get_array_types()):
+        return x
+    return (str(x.dtype), x.shape, x.tobytes())
+
+
+def _records(model: chainer.Link, loss: Any) -> Dict[str, Any]:
+    rec: Dict[str, Any] = {"loss": _np(loss)}
+    for path, p in model.namedparams():
+        rec["param" + path] = _np(p.array)
+        rec["grad" + path] = _np(p.grad)
+        for k, v in sorted((p.update_rule.state or {}).items()):
+            rec[f"opt{path}/{k}"] = _np(v)
+        rec[f"opt{path}/t"] = p.update_rule.t
+    for path, link in model.namedlinks():
+        for name in sorted(link._persistent):
+            rec[f"persist{path}/{name}"] = _np(getattr(link, name))
+    state = np.random.get_state()
+    rec["rng"] = (state[1].tobytes(), state[2])
+    return rec
+
+
+def _same(a: Any, b: Any) -> bool:
+    return a == b
+
+
+class Run:
+    """One training run: per step its whole peak, records and runner stats."""
+
+    def __init__(self) -> None:
+        self.peaks: List[int] = []
+        self.records: List[Dict[str, Any]] = []
+        self.stats: List[Dict[str, Any]] = []
+
+
+def train(make: Callable[[], chainer.Link], batches: List[Tuple[Any, ...]], applied: bool,
+          keep_loss: bool = False, lossfun: Callable[..., Any] = None) -> Run:
+    """``keep_loss``: the loop keeps the previous step's loss (as
+    ``loss = model(x, t); loss.backward()`` does), so the previous graph is
+    alive during the next forward."""
+    run = Run()
+    outer = MemoryMeter()
+    outer.start()
+    try:
+        np.random.seed(0)
+        model = make()
+        if applied:
+            cr.apply(model, **OPTIONS)
+        opt = chainer.optimizers.MomentumSGD(0.01)
+        opt.setup(model)
+        loss = None
+        for step, batch in enumerate(batches):
+            with MemoryMeter() as m:
+                if keep_loss:
+                    loss = model(*batch)
+                    model.cleargrads()
+                    loss.backward()
+                    opt.update()
+                else:
+                    opt.update(model, *batch)
+                    loss = model.loss
+            run.peaks.append(m.result.absolute_peak_bytes)
+            run.records.append(_records(model, loss))
+            if applied:
+                st = cr.runner_of(model).last_stats
+                run.stats.append(dict(path=st.path, dropped=st.n_dropped,
+                                      recomputed=st.recomputed_nodes, budget=st.budget_bytes,
+                                      predicted=st.predicted_peak_bytes, stats=st))
+            if not keep_loss:
+                loss = None
+        del loss, model, opt
+    finally:
+        outer.stop()
+    return run
+
+
+def check(make: Callable[[], chainer.Link], batches: List[Tuple[Any, ...]],
+          keep_loss: bool = False) -> Tuple[Run, Run]:
+    plain = train(make, batches, False, keep_loss)
+    ours = train(make, batches, True, keep_loss)
+    for k, (a, b) in enumerate(zip(plain.records, ours.records)):
+        diff = [key for key in a if not _same(a[key], b.get(key))]
+        assert not diff, f"step {k}: the applied run differs from plain Chainer in {diff[:8]}"
+    paths = [s["path"] for s in ours.stats]
+    assert paths[0] == "recorded" and all(p == "planned" for p in paths[1:]), paths
+    assert all(s["dropped"] > 0 for s in ours.stats[1:]), ours.stats
+    assert any(s["recomputed"] > 0 for s in ours.stats[1:]), ours.stats
+    lines = [f"step {k}: plain {p / 2**20:.3f} MiB, applied {a / 2**20:.3f} MiB, budget "
+             f"{(s['budget'] or 0) / 2**20:.3f} MiB, predicted {(s['predicted'] or 0) / 2**20:.3f}"
+             f" MiB, runner measured {(s['stats'].measured_peak_bytes or 0) / 2**20:.3f} MiB"
+             for k, (p, a, s) in enumerate(zip(plain.peaks, ours.peaks, ours.stats))]
+    table = "\n".join(lines)
+    for k in range(1, len(batches)):
+        assert ours.peaks[k] <= ours.stats[k]["budget"], f"step {k} over its budget:\n{table}"
+    steady_plain = max(plain.peaks[2:])
+    steady_ours = max(ours.peaks[2:])
+    assert steady_ours <= 1.01 * steady_plain, f"above plain Chainer's peak:\n{table}"
+    for k in range(1, len(batches)):
+        measured = ours.stats[k]["stats"].measured_peak_bytes
+        if measured is not None:  # checked steps: the runner saw the whole step
+            assert measured >= 0.99 * ours.peaks[k], f"step {k}: the runner's check:\n{table}"
+    return plain, ours
+
+
+# ------------------------------------------------------------- models
+class WideResNet(chainer.Chain):
+    """Residual blocks on small feature maps with many channels: the
+    parameters outweigh the activations of a small batch (as a ResNet50 at
+    64x64 does)."""
+
+    def __init__(self, c: int = 96, blocks: int = 3) -> None:
+        super().__init__()
+        with self.init_scope():
+            self.stem = L.Convolution2D(3, c, 3, pad=1)
+            self.convs = chainer.ChainList(*[L.Convolution2D(c, c, 3, pad=1, nobias=True)
+                                             for _ in range(2 * blocks)])
+            self.bns = chainer.ChainList(*[L.BatchNormalization(c) for _ in range(2 * blocks)])
+            self.fc = L.Linear(c, 10)
+
+    def forward(self, x):
+        h = F.relu(self.stem(x))
+        for i in range(0, len(self.convs), 2):
+            r = F.relu(self.bns[i](self.convs[i](h)))
+            r = self.bns[i + 1](self.convs[i + 1](r))
+            h = F.relu(h + r)
+        return self.fc(F.average(h, axis=(2, 3)))
+
+
+def image_batches(n: int = STEPS, batch: int = 2, size: int = 6, seed: int = 3):
+    rs = np.random.RandomState(seed)
+    return [(rs.randn(batch, 3, size, size).astype(np.float32),
+             rs.randint(0, 10, batch).astype(np.int32)) for _ in range(n)]
+
+
+def test_classifier_keeping_its_loss():
+    """``L.Classifier`` keeps ``self.loss`` (the previous graph) until its
+    next forward: the update of a planned step saves no parameter values
+    that would live on into the next step."""
+    check(lambda: L.Classifier(WideResNet()), image_batches())
+
+
+class SharedWeights(chainer.Chain):
+    """One Linear applied at every layer (weights shared across depth)."""
+
+    def __init__(self, w: int = 192, depth: int = 6) -> None:
+        super().__init__()
+        self.depth = depth
+        with self.init_scope():
+            self.inp = L.Linear(64, w)
+            self.shared = L.Linear(w, w)
+            self.out = L.Linear(w, 10)
+
+    def forward(self, x, t):
+        h = F.tanh(self.inp(x))
+        for _ in range(self.depth):
+            h = F.relu(self.shared(h)) + h
+        self.loss = F.softmax_cross_entropy(self.out(h), t)
+        return self.loss
+
+
+def vector_batches(n: int = STEPS, batch: int = 4, width: int = 64, seed: int = 4):
+    rs = np.random.RandomState(seed)
+    return [(rs.randn(batch, width).astype(np.float32),
+             rs.randint(0, 10, batch).astype(np.int32)) for _ in range(n)]
+
+
+def test_shared_weights_with_the_loss_kept_by_the_loop():
+    """Shared weights, and a loop that keeps the previous loss while the
+    next forward runs (``loss = model(x, t)``)."""
+    check(SharedWeights, vector_batches(), keep_loss=True)
+
+
+class VAE(chainer.Chain):
+    """Chainer's VAE example: an MLP encoder and decoder, the
+    reparameterisation ``F.gaussian(mu, ln_var)`` (noise drawn in the
+    forward), a Bernoulli reconstruction loss and the KL term; the loss is
+    kept in ``self.loss`` as the example's loss function does."""
+
+    def __init__(self, n_in: int = 64, n_h: int = 96, n_latent: int = 8) -> None:
+        super().__init__()
+        with self.init_scope():
+            self.le1 = L.Linear(n_in, n_h)
+            self.le2 = L.Linear(n_h, n_h)
+            self.le3_mu = L.Linear(n_h, n_latent)
+            self.le3_ln_var = L.Linear(n_h, n_latent)
+            self.ld1 = L.Linear(n_latent, n_h)
+            self.ld2 = L.Linear(n_h, n_h)
+            self.ld3 = L.Linear(n_h, n_in)
+
+    def encode(self, x):
+        h = F.tanh(self.le1(x))
+        h = F.tanh(self.le2(h))
+        return self.le3_mu(h), self.le3_ln_var(h)
+
+    def decode(self, z):
+        h = F.tanh(self.ld1(z))
+        h = F.tanh(self.ld2(h))
+        return self.ld3(h)
+
+    def forward(self, x):
+        mu, ln_var = self.encode(x)
+        batch = len(mu)
+        z = F.gaussian(mu, ln_var)
+        self.rec_loss = F.bernoulli_nll(x, self.decode(z)) / batch
+        self.loss = self.rec_loss + F.gaussian_kl_divergence(mu, ln_var) / batch
+        return self.loss
+
+
+def binary_batches(n: int = STEPS, batch: int = 4, width: int = 64, seed: int = 5):
+    rs = np.random.RandomState(seed)
+    return [((rs.rand(batch, width) > 0.5).astype(np.float32),) for _ in range(n)]
+
+
+def test_vae():
+    check(VAE, binary_batches())
+
+
+def test_no_patch_outlives_the_models():
+    """``UpdateRule.update`` is patched only while an iteration needs its
+    parameters saved before an update (a model called twice before its
+    first backward is planned on probation), never on a steady loss link's
+    steps, and not after the models and their graphs are gone."""
+    import gc
+    from chainer.optimizer import UpdateRule
+    original = UpdateRule.update
+    batches = vector_batches(n=8, batch=32)
+
+    # a loss link's steady steps: no patch once the checked steps are over
+    model = cr.apply(SharedWeights(), **OPTIONS)
+    opt = chainer.optimizers.MomentumSGD(0.01)
+    opt.setup(model)
+    for x, t in batches[:6]:
+        loss = model(x, t)
+        model.cleargrads()
+        loss.backward()
+        opt.update()
+    assert cr.runner_of(model).last_stats.n_dropped > 0
+    assert UpdateRule.update is original  # the previous graph is alive (model.loss)
+
+    # two live graphs at the update: parameters saved (patched meanwhile)
+    other = cr.apply(SharedWeights(), **OPTIONS)
+    opt = chainer.optimizers.MomentumSGD(0.01)
+    opt.setup(other)
+    patched = []
+    for (x1, t1), (x2, t2) in zip(batches[::2], batches[1::2]):
+        a, b = other(x1, t1), other(x2, t2)
+        other.cleargrads()
+        (a + b).backward()
+        opt.update()
+        patched.append(UpdateRule.update is not original)
+        del a, b
+    assert any(patched), patched
+    other.loss = None
+    cr.remove(model)
+    cr.remove(other)
+    del model, other, opt, loss
+    gc.collect()
+    assert UpdateRule.update is original

@@ -376,6 +376,11 @@ class Recompute:
         self._entries: "collections.OrderedDict[Hashable, _Entry]" = collections.OrderedDict()
         self.last_stats: Optional[IterationStats] = None
 
+    def _name(self, args: Tuple[Any, ...]) -> str:
+        link = self._link(args)
+        return type(link).__name__ if link is not None else \
+            getattr(self.fn, "__qualname__", "the model")
+
     @staticmethod
     def _link(args: Tuple[Any, ...]) -> Optional[chainer.Link]:
         return args[0] if args and isinstance(args[0], chainer.Link) else None
@@ -542,8 +547,7 @@ class Recompute:
         try:
             graph = g1.scale_between(g2, batch)
         except GraphError as e:
-            self._refusal = (f"capture_batch={small} cannot plan "
-                             f"{getattr(self.fn, '__qualname__', 'the model')}: {e}")
+            self._refusal = f"capture_batch={small} cannot plan {self._name(args)}: {e}"
             level = logging.INFO if self._said_capture else logging.WARNING
             self._said_capture = True
             report.log(level, "%s; its first call at batch %d runs plainly (not bounded by the "
@@ -689,8 +693,7 @@ class Recompute:
                 report.warning("a new input shape of %s (dimensions %s) is recorded plainly: "
                                "its first call is not bounded by the budget (%s); later new "
                                "shapes are planned before they run once two of the same "
-                               "structure are recorded",
-                               getattr(self.fn, "__qualname__", "the model"), v, why)
+                               "structure are recorded", self._name(args), v, why)
             return False
         meta = dict(graph.meta)
         meta["derived_from"] = list(src.dims)

@@ -760,7 +760,12 @@ class Recompute:
             if s.program.multi_backward and not s.program.release_mode_decided:
                 self._decide_release(s)
         link = self._link(args)
-        hook = IterationHook([s.program for s in entry.structures], link=link,
+        # Fewest functions first (most recently used first among equals): a
+        # forward that goes on past a plan's last function switches to a
+        # longer plan that matches it, while one that stops before a plan's
+        # end could not switch back (a loss with and without its box term).
+        programs = sorted((s.program for s in entry.structures), key=lambda p: p.n)
+        hook = IterationHook(programs, link=link,
                              args=list(args) + list(kwargs.values()), verify=self.verify)
         if entry.structures:
             self._start_meter(entry, hook, link, args, kwargs)
@@ -789,7 +794,7 @@ class Recompute:
                     report.warning(
                         "the graph of %s changed on %d of its %d calls "
                         "with the same input signature; running it without recomputation "
-                        "from now on", getattr(self.fn, "__qualname__", "the model"),
+                        "from now on", self._name(args),
                         entry.recorded, entry.calls)
         else:
             used = hook.program

@@ -304,8 +304,11 @@ class Recompute:
     the same structure have been recorded, a call at a new shape is planned
     before it runs, from a graph scaled from those two (each size linear in
     the input's dimensions); the plan of the largest recorded shape is
-    reused when its replayed peak at the new shape fits the budget (no
-    solver run), else the scaled graph is solved. The executor checks the
+    reused when its replayed peak at the new shape fits the budget (with
+    ``'least'``: that shape's least budget; no solver run), else the scaled
+    graph is solved. A new value of a number argument (an ``np.float32``
+    schedule value) with the same shapes reuses the graph, plan and
+    program as they are. The executor checks the
     scaled graph against the call as for any plan; a call that does not
     match it is recorded and planned from its recording. The second shape
     is recorded plainly, with one warning when a byte budget is set.
@@ -608,12 +611,13 @@ class Recompute:
         return out
 
     def _family_plan(self, entry: _Entry, graph: Graph) -> Any:
-        """A plan of ``entry``'s family that fits ``graph`` under the byte
-        budget, its replayed peak on ``graph`` as its prediction (no solver
-        run); None when none does (or the budget is ``'least'``, another
-        scope, or with workspace bounds: those plan each graph)."""
-        if (self.budget_bytes is None or self.budget_scope != "total"
-                or self.workspace is not None or self.coordinator is not None):
+        """A plan of ``entry``'s family that fits ``graph`` under the
+        budget (for ``'least'``: the least budget of the shape it was made
+        for), its replayed peak on ``graph`` as its prediction (no solver
+        run); None when none does (or in the activations scope, with
+        workspace bounds or a coordinator: those plan each graph)."""
+        if (self.budget_scope != "total" or self.workspace is not None
+                or self.coordinator is not None):
             return None
         from ..core.budget import MARGIN
         from ..core.execution import ExecutionPlan
@@ -628,11 +632,15 @@ class Recompute:
             s = e.structures[0]
             ep = (ExecutionPlan(graph, s.plan.lower_sets, frozenset(s.plan.kept))
                   if s.plan.recompute else None)
+            # 'least': the least budget of the larger shape the plan was made for
+            budget = self.budget_bytes if self.budget_bytes is not None else s.plan.budget_bytes
+            if budget is None:
+                continue
             peak = replay(graph, ep).peak_bytes
-            if peak <= self.budget_bytes * (1 - MARGIN):
+            if peak <= budget * (1 - MARGIN):
                 info = dict(s.plan.info, reused_from=list(e.dims))
                 return dataclasses.replace(s.plan, predicted_peak_bytes=int(peak),
-                                           budget_bytes=self.budget_bytes, info=info)
+                                           budget_bytes=budget, info=info)
         return None
 
     def _plan_from_family(self, entry: _Entry, args: Tuple[Any, ...],
@@ -651,7 +659,7 @@ class Recompute:
         v = entry.dims
         graph = None
         why = "only one other shape of it has been recorded"
-        for e1, g1 in sibs:
+        for e1, g1 in sorted(sibs, key=lambda p: not p[0].structures):  # planned first
             if e1.dims == v:  # another value of a number argument: the same shapes
                 graph, src = g1, e1
                 break
@@ -695,10 +703,16 @@ class Recompute:
                                "shapes are planned before they run once two of the same "
                                "structure are recorded", self._name(args), v, why)
             return False
+        self.shapes_derived += 1
+        if src.dims == v and src.structures:
+            # the same shapes (a number argument's new value): the same
+            # graph, plan and program, nothing solved or replayed
+            # (one structure object: its measurements count for both)
+            entry.structures.insert(0, src.structures[0])
+            return True
         meta = dict(graph.meta)
         meta["derived_from"] = list(src.dims)
         graph = graph.replace(batch_size=batch, meta=meta)
-        self.shapes_derived += 1
         if src.structures:
             refs, multi = src.structures[0].program.param_refs, \
                 src.structures[0].program.multi_backward
@@ -706,7 +720,7 @@ class Recompute:
             rec = self._recorded(src, link)
             refs, multi = rec.param_refs, rec.multi_backward
         plan = self._family_plan(entry, graph)
-        if plan is None and self.budget_bytes is not None:
+        if plan is None:
             # plan the largest recorded shape, if larger: its plan serves
             # this shape and the smaller ones to come
             big, g = max(sibs, key=lambda p: p[1].activation_bytes)

@@ -312,7 +312,7 @@ def test_overshoot_that_the_corrected_model_cannot_meet_raises_at_the_next_call(
     plain(*args).backward()
     g = capture(link, *args, backward=True, link=link)
     tight = BudgetSearch(g).least_budget()  # under the optimistic model
-    cr.apply(link, budget=tight, verbose=False)
+    cr.apply(link, budget=tight, verbose=False, on_infeasible="raise")  # default: warn, plain
     for model in (plain, link):
         model.cleargrads()
         model(*args).backward()  # recorded

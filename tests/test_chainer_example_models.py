@@ -107,6 +107,7 @@ def train(make: Callable[[], chainer.Link], batch: Callable[[int], tuple], steps
     opt = chainer.optimizers.Adam()
     opt.setup(model)
     out = []
+    paths = []
     for i in range(steps):
         args = batch(i)
         model.cleargrads()
@@ -117,7 +118,12 @@ def train(make: Callable[[], chainer.Link], batch: Callable[[int], tuple], steps
         if after_update is not None:
             extra.update(after_update(model))
         out.append(records({"main": model}, extra))
-    return out, (cr.runner_of(model) if applied else None)
+        if applied:
+            paths.append(cr.runner_of(model).last_stats.path)
+    runner = cr.runner_of(model) if applied else None
+    if runner is not None:
+        runner.test_paths = paths  # each step's path, for compare()
+    return out, runner
 
 
 def assert_identical(plain: List[Dict[str, Any]], ours: List[Dict[str, Any]]) -> None:
@@ -136,8 +142,9 @@ def assert_recomputed(runner: Any) -> None:
 def compare(make, batch, steps=5, expect="recomputed", **kw) -> None:
     """Plain against applied; ``expect``: the applied run's last step
     ``recomputed`` something, was ``planned`` (a graph with nothing worth
-    dropping at the least budget), or ``None`` (a graph that changes on
-    every call runs plainly)."""
+    dropping at the least budget), or ``recorded``: every call was recorded
+    plainly under a signature of its own (inputs whose shapes change on
+    every call, in no pattern a plan can be scaled along)."""
     plain, _ = train(make, batch, steps, False, **kw)
     ours, runner = train(make, batch, steps, True, **kw)
     assert_identical(plain, ours)
@@ -145,6 +152,10 @@ def compare(make, batch, steps=5, expect="recomputed", **kw) -> None:
         assert_recomputed(runner)
     elif expect == "planned":
         assert runner.last_stats.path == "planned", runner.last_stats
+    else:
+        assert expect == "recorded", expect
+        assert runner.test_paths == ["recorded"] * steps, runner.test_paths
+        assert len(runner._entries) == min(steps, runner.max_plans)
 
 
 def reported(model, *args, **kwargs):
@@ -224,7 +235,7 @@ def test_text_classification(encoder, lengths):
         return xs, ys
 
     compare(lambda: nets.TextClassifier(make_encoder(2, n_vocab, 16, 0.2), 4), cached(batch, 3),
-            steps=6, expect="recomputed" if lengths == "fixed" else None,
+            steps=6, expect="recomputed" if lengths == "fixed" else "recorded",
             budget_scope="activations")
 
 

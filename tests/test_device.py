@@ -74,8 +74,23 @@ def test_checksum_one_transfer_and_exact_equality():
     x = np.arange(11, dtype=np.float32)
     y = x.copy()
     y[3] += 1
-    assert dev.checksum(x) == CPU.checksum(x) == dev.checksum(x.copy())
-    assert dev.checksum(x) != dev.checksum(y)
+    assert dev.checksum(x) == dev.checksum(x.copy())
+    assert CPU.checksum(x) == CPU.checksum(x.copy())
+    # one changed element, a NaN, moved elements (a swap of two words that
+    # the old per-stride sums could not see: positions 0 and 6)
+    z = x.copy()
+    z[[0, 6]] = z[[6, 0]]
+    n = x.copy()
+    n[5] = np.nan
+    w = np.random.RandomState(0).rand(8, 12).astype(np.float32)
+    w2 = w.copy()
+    w2[[0, 6]] = w2[[6, 0]]
+    for d in (dev, CPU):
+        assert d.checksum(x) != d.checksum(y)
+        assert d.checksum(x) != d.checksum(z)
+        assert d.checksum(x) != d.checksum(n)
+        assert d.checksum(w) != d.checksum(w2)
+        assert d.checksum(n) == d.checksum(n.copy())
     assert dev.same(x, x.copy()) and not dev.same(x, y)
     dev.synchronize()
     assert fake.syncs == 1

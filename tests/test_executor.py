@@ -492,6 +492,9 @@ def test_capture_at_a_small_batch_and_scale():
 
 
 def test_capture_batch_falls_back_when_the_model_does_not_scale(caplog):
+    """A model whose depth depends on the batch: the two small captures
+    differ, so capture_batch says so once and the model is planned from its
+    first call (recorded plainly), then runs planned and identical."""
     class BatchDependent(MLP):
         def forward(self, x, t):
             h = x
@@ -510,7 +513,14 @@ def test_capture_batch_falls_back_when_the_model_does_not_scale(caplog):
                 model.cleargrads()
                 model(x, t).backward()
     _assert_same(plain, ours)
-    assert cr.runner_of(ours).last_stats.mismatch is None  # planned at full size
+    runner = cr.runner_of(ours)
+    said = [r.getMessage() for r in caplog.records if "capture_batch=2" in r.getMessage()]
+    assert len(said) == 1 and "depends on the input shape" in said[0], said
+    assert runner.last_stats.mismatch is None  # planned at full size
+    assert runner.last_stats.path == "planned"
+    (entry,) = runner._entries.values()
+    assert entry.recorded == 0 and entry.structures[0].graph.batch_size == 8
+    assert "scaled_from" not in entry.structures[0].graph.meta
 
 
 class NoisyNet(MLP):
@@ -537,12 +547,7 @@ def test_unsafe_functions_are_kept_and_gradients_stay_identical(caplog):
     g, least = _least(NoisyNet, (x, t))
     unsafe = [n.id for n in g.nodes if not n.recomputable]
     assert [g.nodes[v].op for v in unsafe] == ["AddNoise"] * 6
-    report = logging.getLogger("chainer_recompute.report")
-    report.addHandler(caplog.handler)  # the report logger does not propagate
-    try:
-        plain, ours = _train_both(NoisyNet, (x, t), budget=least, steps=2)
-    finally:
-        report.removeHandler(caplog.handler)
+    plain, ours = _train_both(NoisyNet, (x, t), budget=least, steps=2)  # the report propagates
     said = [r.getMessage() for r in caplog.records if "cannot be recomputed" in r.getMessage()]
     # each kind of function once, with its count
     assert said and all(re.fullmatch(r"(\d+) functions cannot be recomputed safely and are kept: "
@@ -613,5 +618,9 @@ def test_numpy_scalar_argument_is_part_of_the_signature_by_value():
         model(x, t, np.float32(0.5) + np.float32(0)).backward()
         paths.append(cr.runner_of(model).last_stats.path)
     assert paths == ["recorded", "planned", "planned", "planned"]
-    model(x, t, np.float32(0.25)).backward()  # another value: another signature
-    assert cr.runner_of(model).last_stats.path == "recorded"
+    # another value: another signature, planned before it runs from the
+    # graph of the first (the same shapes), not recorded
+    model(x, t, np.float32(0.25)).backward()
+    runner = cr.runner_of(model)
+    assert runner.last_stats.path == "planned" and len(runner._entries) == 2
+    assert runner.shapes_derived == 1

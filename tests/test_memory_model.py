@@ -3,6 +3,7 @@ measured, the replayed peak matches the allocator, budgets hold, and a
 misprediction is corrected at run time."""
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import subprocess
@@ -193,7 +194,8 @@ WORKER = textwrap.dedent("""
         with MemoryMeter() as m:
             opt.update(link, *args)
         peaks.append(m.result.absolute_peak_bytes)
-    out = {"measured": max(peaks[2:])}
+    # step 1 records; step 2 is the first planned one (planning included)
+    out = {"measured": max(peaks[2:]), "first": peaks[1]}
     r = cr.runner_of(link)
     if r is not None:
         (e,) = r._entries.values()
@@ -212,17 +214,41 @@ def _measure(name: str, budget: str) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("name", ["convnet", "views", "vae", "deconv_generator", "gru_lm",
-                                  "transformer"])
-def test_budget_holds_and_prediction_within_10_percent(name):
-    least = _measure(name, "least")
+MODELS = ["convnet", "views", "vae", "deconv_generator", "gru_lm", "transformer"]
+
+
+@functools.lru_cache(maxsize=None)
+def _measured(name: str, budget: str) -> tuple:
+    return tuple(sorted(_measure(name, budget).items()))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_budget_holds_and_prediction_within_1_percent(name):
+    """Steady state (steps 3 and 4), the whole step against the allocator:
+    under the least budget, measured / predicted in [0.999, 1.01] (measured
+    1.000-1.008 on these six), plain Chainer's real peak within 1% of its
+    replayed figure."""
+    least = dict(_measured(name, "least"))
     assert least["path"] == "planned"
     assert least["measured"] <= least["budget"], least
-    assert abs(least["measured"] / least["predicted"] - 1) <= 0.10, least
-    plain = _measure(name, "plain")
+    assert 0.999 <= least["measured"] / least["predicted"] <= 1.01, least
+    plain = dict(_measured(name, "plain"))
     # the least feasible budget is never above plain Chainer's real peak
     assert least["budget"] <= plain["measured"] * 1.02, (least, plain)
-    assert abs(plain["measured"] / least["vanilla"] - 1) <= 0.10, (least, plain)
+    assert abs(plain["measured"] / least["vanilla"] - 1) <= 0.01, (least, plain)
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=pytest.mark.xfail(
+        strict=True, reason="the solver's own memory lands in the first planned step: "
+                            "8.34 MB against gru_lm's 3.99 MB budget")) if n == "gru_lm" else n
+    for n in MODELS])
+def test_first_planned_step_under_the_budget(name):
+    """The first planned step (planning included) is under the budget too,
+    and predicted within 1%."""
+    least = dict(_measured(name, "least"))
+    assert least["first"] <= least["budget"], least
+    assert 0.999 <= least["first"] / least["predicted"] <= 1.01, least
 
 
 # -------------------------------------------------------- runtime check
@@ -247,15 +273,10 @@ def test_misprediction_warns_once_corrects_and_replans(monkeypatch, caplog):
     runner = cr.runner_of(link)
     opt = chainer.optimizers.MomentumSGD(0.01)
     opt.setup(link)
-    report = logging.getLogger("chainer_recompute.report")
-    report.addHandler(caplog.handler)  # the report logger does not propagate
-    try:
-        opt.update(link, *args)  # recorded
-        opt.update(link, *args)  # planned with the optimistic model
-        stats = runner.last_stats
-        opt.update(link, *args)  # planned again, corrected
-    finally:
-        report.removeHandler(caplog.handler)
+    opt.update(link, *args)  # recorded (the report logger propagates to caplog)
+    opt.update(link, *args)  # planned with the optimistic model
+    stats = runner.last_stats
+    opt.update(link, *args)  # planned again, corrected
     assert stats.measured_peak_bytes > stats.budget_bytes
     assert caplog.text.count("over the budget") == 1
     (entry,) = runner._entries.values()
@@ -289,7 +310,7 @@ def test_overshoot_that_the_corrected_model_cannot_meet_raises_at_the_next_call(
     plain(*args).backward()
     g = capture(link, *args, backward=True, link=link)
     tight = BudgetSearch(g).least_budget()  # under the optimistic model
-    cr.apply(link, budget=tight, verbose=False)
+    cr.apply(link, budget=tight, verbose=False, on_infeasible="raise")  # default: warn, plain
     for model in (plain, link):
         model.cleargrads()
         model(*args).backward()  # recorded

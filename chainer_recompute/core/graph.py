@@ -419,6 +419,149 @@ class Graph:
         meta.setdefault("scaled_from", old)
         return self.replace(arrays=arrays, nodes=nodes, batch_size=batch_size, meta=meta)
 
+    def scale_between(self, other: "Graph", batch_size: int) -> "Graph":
+        """The graph at ``batch_size``, from this graph and ``other``, the
+        same model recorded at another batch size: every dimension that
+        differs between the two (of any array, a reshape's ``batch *
+        length`` included) is taken as linear in the batch, every one that
+        does not as constant (see :meth:`interpolate`).
+
+        Raises:
+            GraphError: the two graphs are not the same structure (the
+                model's functions or wiring depend on the batch size), or a
+                dimension is not linear in it (not a whole number at
+                ``batch_size``); the message says which.
+
+        >>> a = Graph.from_edges([8, 8], [(0, 1)]).replace(batch_size=2)
+        >>> b = Graph.from_edges([16, 16], [(0, 1)]).replace(batch_size=4)
+        >>> a.scale_between(b, 8).node_bytes.tolist()
+        [32, 32]
+        """
+        b1, b2 = self.batch_size, other.batch_size
+        if b1 is None or b2 is None or b1 == b2:
+            raise GraphError(f"scale_between needs two graphs recorded at two batch sizes, got "
+                             f"{b1} and {b2}")
+        if batch_size <= 0:
+            raise GraphError(f"batch size must be positive, got {batch_size}")
+        g = self.interpolate(other, batch_size - b1, b2 - b1,
+                             where=f"at batch {b1} and at batch {b2}",
+                             target=f"batch {batch_size}")
+        meta = dict(g.meta)
+        meta.setdefault("scaled_from", b1)
+        meta["scaled_with"] = b2
+        return g.replace(batch_size=int(batch_size), meta=meta)
+
+    def interpolate(self, other: "Graph", num: int, den: int, *, where: str = "",
+                    target: str = "the new shape") -> "Graph":
+        """The same structure as this graph and ``other`` (one model
+        recorded at two input shapes), every size at the point
+        ``num / den`` of the way from this graph to ``other`` (beyond it
+        when above 1): each array dimension linearly (a whole number, or
+        :class:`GraphError`), an array's bytes from its shape, measured
+        transients and gradient bytes linearly, times with the node's
+        output bytes.
+
+        Raises:
+            GraphError: the two graphs differ in structure (functions,
+                wiring, retention, held attributes), or a dimension is not
+                whole at the point.
+        """
+        def differ(what: str) -> GraphError:
+            return GraphError(f"the model's graphs {where} differ ({what}): its structure "
+                              f"depends on the input shape, so it cannot be scaled to {target}")
+
+        def lin(v1: Optional[int], v2: Optional[int], what: str, whole: bool = False) -> Any:
+            if v1 is None or v2 is None:
+                return v1 if v2 is None else v2
+            n = (v2 - v1) * num
+            if whole and n % den:
+                raise GraphError(
+                    f"{what} is {v1} and {v2} {where}: not a whole number at {target} if "
+                    f"linear in the input's size, so the graph cannot be scaled to it")
+            return v1 + n // den if whole else int(round(v1 + n / den))
+
+        def shape_of(s1: Optional[Tuple[int, ...]], s2: Optional[Tuple[int, ...]],
+                     what: str) -> Optional[Tuple[int, ...]]:
+            if s1 is None or s2 is None:
+                return None
+            if len(s1) != len(s2):
+                raise differ(f"{what} has shapes {s1} and {s2}")
+            out = tuple(lin(d1, d2, f"dimension {k} of {what}", whole=True)
+                        for k, (d1, d2) in enumerate(zip(s1, s2)))
+            if any(d < 0 for d in out):
+                raise GraphError(f"{what} would have shape {out} at {target}")
+            return out
+
+        def size(s: Optional[Tuple[int, ...]]) -> int:
+            return int(np.prod(s)) if s is not None else 0
+
+        def bytes_of(n1: int, n2: int, s1: Any, s2: Any, new: Any, what: str) -> int:
+            k1, k2 = size(s1), size(s2)
+            if new is not None and k1 and k2 and n1 % k1 == 0 and n2 == k2 * (n1 // k1):
+                return size(new) * (n1 // k1)  # itemsize x elements (a square grows as one)
+            return max(0, lin(n1, n2, what))
+
+        if self.n != other.n or len(self.arrays) != len(other.arrays):
+            raise differ(f"{self.n} and {other.n} functions, {len(self.arrays)} and "
+                         f"{len(other.arrays)} arrays")
+        arrays = []
+        for a, o in zip(self.arrays, other.arrays):
+            what = f"array {a.id} ({a.name or a.kind})"
+            if (a.kind, a.producer, a.dtype, a.view_of) != (o.kind, o.producer, o.dtype, o.view_of):
+                raise differ(f"{what} is made differently")
+            if a.kind == "param":
+                if (a.shape, a.nbytes) != (o.shape, o.nbytes):
+                    raise differ(f"parameter {a.name or a.id} has another shape")
+                arrays.append(a)
+                continue
+            shape = shape_of(a.shape, o.shape, what)
+            nbytes = bytes_of(a.nbytes, o.nbytes, a.shape, o.shape, shape, what)
+            buf = a.buffer_bytes
+            if buf is not None and o.buffer_bytes is not None:
+                buf = nbytes if (buf, o.buffer_bytes) == (a.nbytes, o.nbytes) else \
+                    max(0, lin(buf, o.buffer_bytes, what))
+            arrays.append(dataclasses.replace(a, shape=shape, nbytes=nbytes, buffer_bytes=buf))
+        nodes = []
+        for node, o in zip(self.nodes, other.nodes):
+            what = f"function #{node.id} ({node.op})"
+            if (node.op, node.inputs, node.outputs, node.retained_inputs,
+                    node.retained_outputs) != (o.op, o.inputs, o.outputs, o.retained_inputs,
+                                               o.retained_outputs):
+                raise differ(f"{what} is {node.op} reading {node.inputs} in one, {o.op} "
+                             f"reading {o.inputs} in the other")
+            if [h.name for h in node.held] != [h.name for h in o.held]:
+                raise differ(f"{what} holds other attributes")
+            held = []
+            for h, g in zip(node.held, o.held):
+                hw = f"{what}'s {h.name}"
+                shape = shape_of(h.shape, g.shape, hw)
+                held.append(dataclasses.replace(h, shape=shape, nbytes=bytes_of(
+                    h.nbytes, g.nbytes, h.shape, g.shape, shape, hw)))
+
+            def nonneg(v1: Optional[int], v2: Optional[int]) -> Optional[int]:
+                v = lin(v1, v2, what)
+                return None if v is None else max(0, v)
+
+            big, bytes_big = max(((node, sum(self.arrays[a].nbytes for a in node.outputs)),
+                                  (o, sum(other.arrays[a].nbytes for a in o.outputs))),
+                                 key=lambda p: p[1])
+            out_new = sum(arrays[a].nbytes for a in node.outputs)
+            ratio = out_new / bytes_big if bytes_big else 1.0
+
+            def timed(t: Optional[float]) -> Optional[float]:
+                return None if t is None else t * ratio
+
+            nodes.append(dataclasses.replace(
+                node, held=tuple(held),
+                forward_transient_bytes=nonneg(node.forward_transient_bytes,
+                                               o.forward_transient_bytes),
+                backward_transient_bytes=nonneg(node.backward_transient_bytes,
+                                                o.backward_transient_bytes),
+                backward_alloc_bytes=lin(node.backward_alloc_bytes, o.backward_alloc_bytes, what),
+                forward_time_s=timed(big.forward_time_s),
+                backward_time_s=timed(big.backward_time_s)))
+        return self.replace(arrays=arrays, nodes=nodes)
+
     # ------------------------------------------------------------ export
     def to_networkx(self):
         """A ``networkx.DiGraph`` with node attributes ``op``, ``bytes`` and

@@ -8,7 +8,7 @@ The runner, the executor, the recorder, BPTT and the benchmarks ask a
 - the bytes an array really takes: :meth:`Device.allocation_bytes` (CuPy's
   pool rounds every allocation up to 512 bytes);
 - array identity and checksums: :meth:`Device.same` and :meth:`Device.checksum`
-  (on CuPy the three sums of a checksum come back in one transfer, one sync);
+  (on CuPy a checksum's sums come back in one transfer, one sync);
 - synchronisation before and after a timed call: :meth:`Device.synchronize`;
 - the random states Chainer's functions draw from: :class:`RandomStates`.
 
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import zlib
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy
@@ -74,25 +75,25 @@ class Device:
         return numpy.asarray(a)
 
     def checksum(self, a: Any) -> Tuple[Any, ...]:
-        """A content checksum of ``a``: shape, dtype, three sums of its 32-bit
-        words (all, odd, every third) and its trailing bytes. One changed
-        element always changes the first sum.
+        """A content checksum of ``a``: shape, dtype, the sum of its 64-bit
+        words (one changed element, a NaN included, always changes it) and
+        the CRC-32 of its bytes (moved elements change it: a permutation,
+        a row swap; missed with probability 2**-32). One pass over the
+        bytes each, no copy of a contiguous array.
 
         >>> x = numpy.arange(6, dtype=numpy.float32)
         >>> y = x.copy(); y[2] = 7
+        >>> z = x.copy(); z[[0, 4]] = z[[4, 0]]
         >>> CPU.checksum(x) == CPU.checksum(x.copy()), CPU.checksum(x) == CPU.checksum(y)
         (True, False)
+        >>> CPU.checksum(x) == CPU.checksum(z)
+        False
         """
-        xp = self.xp
-        flat = xp.ascontiguousarray(a).reshape(-1).view(numpy.uint8)
-        n4 = (flat.size // 4) * 4
-        w = flat[:n4].view(numpy.uint32)
-        sums = xp.stack([w.sum(dtype=numpy.uint64), w[1::2].sum(dtype=numpy.uint64),
-                         w[::3].sum(dtype=numpy.uint64)])
-        host = self.to_host(sums)  # one transfer
-        tail = self.to_host(flat[n4:])
-        return (tuple(a.shape), str(a.dtype), int(host[0]), int(host[1]), int(host[2]),
-                bytes(tail.tobytes()))
+        flat = numpy.ascontiguousarray(a).reshape(-1).view(numpy.uint8)
+        n8 = (flat.size // 8) * 8
+        total = int(flat[:n8].view(numpy.uint64).sum(dtype=numpy.uint64))
+        return (tuple(a.shape), str(a.dtype), total, zlib.crc32(flat),
+                bytes(flat[n8:].tobytes()))
 
     def same(self, a: Any, b: Any) -> bool:
         """Bitwise equality of two arrays (NaN equal to NaN)."""
@@ -136,6 +137,47 @@ class CupyDevice(Device):
 
     def to_host(self, a: Any) -> numpy.ndarray:
         return self.xp.asnumpy(a)
+
+    #: words per chunk of the position-weighted sum (its two temporaries
+    #: take 8 bytes a word each, 4 MiB in all)
+    CHUNK_WORDS = 1 << 18
+
+    def _weights(self) -> Any:
+        """One odd pseudo-random 64-bit weight per position of a chunk
+        (splitmix64 of the position), made once per device."""
+        w = getattr(self, "_weights_cache", None)
+        if w is None:
+            xp = self.xp
+            z = xp.arange(self.CHUNK_WORDS, dtype=numpy.uint64) * numpy.uint64(
+                0x9E3779B97F4A7C15) + numpy.uint64(0x632BE59BD9B4E019)
+            z = (z ^ (z >> numpy.uint64(30))) * numpy.uint64(0xBF58476D1CE4E5B9)
+            z = (z ^ (z >> numpy.uint64(27))) * numpy.uint64(0x94D049BB133111EB)
+            w = self._weights_cache = (z ^ (z >> numpy.uint64(31))) | numpy.uint64(1)
+        return w
+
+    def checksum(self, a: Any) -> Tuple[Any, ...]:
+        """On the device: shape, dtype, the sum of the 32-bit words (one
+        changed element always changes it) and a position-weighted sum
+        (each word times a pseudo-random odd weight of its position, the
+        chunks mixed on the host: moved elements change it), all brought
+        to the host in one transfer."""
+        xp = self.xp
+        flat = xp.ascontiguousarray(a).reshape(-1).view(numpy.uint8)
+        n4 = (flat.size // 4) * 4
+        w = flat[:n4].view(numpy.uint32)
+        parts = [w.sum(dtype=numpy.uint64)]
+        weights = self._weights()
+        for start in range(0, w.size, self.CHUNK_WORDS):
+            chunk = w[start:start + self.CHUNK_WORDS].astype(numpy.uint64)
+            chunk *= weights[:chunk.size]
+            parts.append(chunk.sum(dtype=numpy.uint64))
+            del chunk
+        host = self.to_host(xp.stack(parts))  # one transfer
+        mixed = 0
+        for k, v in enumerate(host[1:].tolist()):
+            mixed = (mixed * 0x100000001B3 + (k + 1) * int(v)) & 0xFFFFFFFFFFFFFFFF
+        tail = self.to_host(flat[n4:])
+        return (tuple(a.shape), str(a.dtype), int(host[0]), mixed, bytes(tail.tobytes()))
 
 
 CPU = Device()

@@ -405,11 +405,7 @@ class IterationHook(Recorder):
         alive = [p for p in self.candidates if _matches_after(p, call, self.param_refs)]
         if not alive:
             i = call.index
-            p = self.program
-            node = p.graph.nodes[i]
-            self._set_mismatch(i, f"function #{i} ({call.op}) reads arrays {call.in_ids}, but "
-                                  f"the plan has it read {node.inputs} (the model's wiring "
-                                  f"depends on the data?)")
+            self._set_mismatch(i, _after_mismatch(self.program, call, self.param_refs))
             self._unpin(i)  # pinned under an unverified wiring
             return
         self.candidates = alive
@@ -834,6 +830,32 @@ def _matches_before(p: Program, call: Call, in_data: Tuple[Any, ...]) -> bool:
             if param is None or param.array is not x:
                 return False
     return True
+
+
+def _after_mismatch(p: Program, call: Call, param_refs: Dict[int, Any]) -> str:
+    """What differs between a call and its planned node (the first
+    difference :func:`_matches_after` finds), in words."""
+    i = call.index
+    node = p.graph.nodes[i]
+    head = f"function #{i} ({call.op})"
+    in_ids, out_ids = call.in_ids or (), call.out_ids or ()
+    if in_ids != node.inputs:
+        return (f"{head} reads arrays {in_ids}, but the plan has it read {node.inputs} (the "
+                f"model's wiring depends on the data?)")
+    if len(out_ids) != len(node.outputs):
+        return f"{head} makes {len(out_ids)} outputs, the plan {len(node.outputs)}"
+    for a in in_ids:
+        planned = p.param_refs.get(a)
+        if planned is not None:
+            ref = param_refs.get(a)
+            if ref is None or ref() is not planned():
+                return f"{head} reads another parameter than the plan's as array {a}"
+    for a, (shape, _, _, _) in zip(node.outputs, call.out_meta):
+        planned_shape = p.graph.arrays[a].shape
+        if planned_shape is not None and tuple(planned_shape) != shape:
+            return (f"{head} makes array {a} of shape {shape}, the plan one of shape "
+                    f"{tuple(planned_shape)}")
+    return f"{head} retains other arrays for its backward than the plan's"
 
 
 def _matches_after(p: Program, call: Call, param_refs: Dict[int, Any]) -> bool:

@@ -51,15 +51,46 @@ logger = logging.getLogger(__name__)
 
 #: What a user of apply() is told (the first plan, an infeasible budget, a
 #: fallback): visible by default on stderr, like the CLI's own output;
-#: ``verbose=False`` silences the informational lines. Configure the
-#: ``chainer_recompute.report`` logger to route it elsewhere.
+#: ``verbose=False`` silences the informational lines. Its records propagate
+#: as any library's do: once the application configures logging (a handler
+#: on the root logger or on a ``chainer_recompute`` logger), they go there
+#: only, and the fallback line on stderr stays silent.
 report = logging.getLogger("chainer_recompute.report")
-if not report.handlers:
-    _handler = logging.StreamHandler()
-    _handler.setFormatter(logging.Formatter("chainer_recompute: %(message)s"))
-    report.addHandler(_handler)
+
+
+class _FallbackHandler(logging.StreamHandler):
+    """Writes the report's lines to the current ``sys.stderr`` only while no
+    other handler would receive them (logging left unconfigured)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(logging.Formatter("chainer_recompute: %(message)s"))
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:  # the stderr of the moment (pytest's capture, a redirect)
+        import sys
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+    def emit(self, record: logging.LogRecord) -> None:
+        logger_: Optional[logging.Logger] = logging.getLogger(record.name)
+        while logger_ is not None:
+            if any(h is not self for h in logger_.handlers):
+                return  # configured: those handlers have it
+            if not logger_.propagate:
+                break
+            logger_ = logger_.parent  # type: ignore[assignment]
+        super().emit(record)
+
+
+if not any(isinstance(h, _FallbackHandler) or type(h).__name__ == "_FallbackHandler"
+           for h in report.handlers):
+    report.addHandler(_FallbackHandler())
+if report.level == logging.NOTSET:
     report.setLevel(logging.INFO)
-    report.propagate = False
 
 _ATTR = "_chainer_recompute"
 _local = threading.local()
@@ -106,6 +137,59 @@ def _signature(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Hashable:
             bool(chainer.config.train))
 
 
+def _solver_keywords(solver: str) -> List[str]:
+    """The keyword options ``solver`` takes besides those the runner sets."""
+    import inspect
+    from ..core.solvers import REGISTRY
+    names = {"max_lower_sets"}  # read by the budget search itself
+    for name in (("approx", "hier") if solver == "auto" else (solver,)):
+        for p in inspect.signature(REGISTRY[name]).parameters.values():
+            if p.kind is p.KEYWORD_ONLY:
+                names.add(p.name)
+    return sorted(names - {"strategy", "model"})
+
+
+def _check_solver_options(solver: str, options: Dict[str, Any]) -> None:
+    """Refuse, at once, a keyword that neither the runner nor the solver
+    takes (else a TypeError from inside the solver at the first plan)."""
+    import inspect
+    known = _solver_keywords(solver)
+    runner = [p.name for p in inspect.signature(Recompute.__init__).parameters.values()
+              if p.kind is p.KEYWORD_ONLY]
+    unknown = sorted(k for k in options if k not in known)
+    if unknown:
+        raise RecomputeError(
+            f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+            f"apply() and Recompute take {', '.join(runner)}, and solver {solver!r} "
+            f"takes {', '.join(known)}")
+
+
+def _family(sig: Hashable) -> Tuple[Hashable, Tuple[int, ...]]:
+    """A signature without its arrays' shapes (their ranks kept) and its
+    numbers' values (their types kept), and those shapes' dimensions in
+    order: signatures of one family differ in shapes and numbers only (a
+    batch padded to its longest molecule, a last partial batch, a schedule
+    value)."""
+    dims: List[int] = []
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, tuple):
+            if len(x) == 4 and x[0] == "array" and isinstance(x[1], tuple):
+                dims.extend(x[1])
+                return ("array", len(x[1]), x[2], x[3])
+            if x and x[0] == "value" and isinstance(x[-1], (int, float)) \
+                    and not isinstance(x[-1], bool):
+                return x[:-1] + (type(x[-1]).__name__,)
+            return tuple(walk(y) for y in x)
+        return x
+
+    return walk(sig), tuple(dims)
+
+
+_Recording = collections.namedtuple(
+    "_Recording", "graph param_refs multi_backward backward_known hook")
+
+
 class _Structure:
     """One planned graph of a signature."""
 
@@ -121,9 +205,12 @@ class _Entry:
     """What a signature has: its plans (most recently used first), a
     recorded iteration waiting to be planned, and counters."""
 
-    __slots__ = ("structures", "pending", "calls", "recorded", "plain", "error")
+    __slots__ = ("structures", "pending", "calls", "recorded", "plain", "error", "family",
+                 "dims", "batch")
 
-    def __init__(self) -> None:
+    def __init__(self, family: Hashable = None, dims: Tuple[int, ...] = ()) -> None:
+        self.family, self.dims = family, dims  # see _family
+        self.batch: Optional[int] = None  # the batch size of its calls
         self.error: Optional[Exception] = None  # raised at the next call
         self.structures: List[_Structure] = []
         self.pending: Optional[IterationHook] = None
@@ -336,7 +423,31 @@ class Recompute:
             iteration is measured (the pool hook is cheap). A peak over the
             budget warns once, corrects the model by what was measured, and
             plans again.
+        on_infeasible: what a training call does when its budget cannot be
+            met (a new input shape or structure too large for it, a plan
+            corrected after a measured overshoot): ``'raise'``:
+            :class:`InfeasibleBudgetError` from that call, before anything
+            runs; ``'warn'``: one warning (with the least feasible budget),
+            and that signature runs plainly, its peak not bounded;
+            ``'auto'`` (default): ``'raise'`` until the first planned
+            iteration has run (a budget that cannot be met from the start is
+            a setting to fix before training goes on), ``'warn'`` from then
+            on (one unusual batch does not stop a run in progress).
         **solver_options: passed to the solver.
+
+    Input shapes that change from call to call (a batch padded to its
+    longest sequence or molecule, a last partial batch): once two shapes of
+    the same structure have been recorded, a call at a new shape is planned
+    before it runs, from a graph scaled from those two (each size linear in
+    the input's dimensions); the plan of the largest recorded shape is
+    reused when its replayed peak at the new shape fits the budget (with
+    ``'least'``: that shape's least budget; no solver run), else the scaled
+    graph is solved. A new value of a number argument (an ``np.float32``
+    schedule value) with the same shapes reuses the graph, plan and
+    program as they are. The executor checks the
+    scaled graph against the call as for any plan; a call that does not
+    match it is recorded and planned from its recording. The second shape
+    is recorded plainly, with one warning when a byte budget is set.
 
     >>> runner = Recompute(loss_fn, budget='2G')            # doctest: +SKIP
     >>> loss = runner(x, t); loss.backward()                # doctest: +SKIP
@@ -355,7 +466,8 @@ class Recompute:
                  max_structures: int = 4, capture_batch: Optional[int] = None,
                  verify: bool = True, budget_scope: str = "total", check_iterations: int = 3,
                  verbose: bool = True, coordinator: Any = None, workspace: Any = None,
-                 workspace_exact: bool = True, **solver_options: Any) -> None:
+                 workspace_exact: bool = True, on_infeasible: str = "auto",
+                 **solver_options: Any) -> None:
         from ..core.budget import check_scope
         from ..core.costs import COST_MODELS
         from ..core.solvers import check_solver
@@ -369,6 +481,11 @@ class Recompute:
         self.budget_least = isinstance(budget, str) and budget.strip().lower() == "least"
         self.budget_bytes: Optional[int] = None if self.budget_least else parse_bytes(budget)
         check_solver(solver, strategy)
+        _check_solver_options(solver, solver_options)
+        if on_infeasible not in ("auto", "warn", "raise"):
+            raise RecomputeError(f"on_infeasible must be 'auto', 'warn' or 'raise', got "
+                                 f"{on_infeasible!r}")
+        self.on_infeasible = on_infeasible
         if cost not in COST_MODELS:
             raise RecomputeError(f"unknown cost model {cost!r}; known: {sorted(COST_MODELS)}")
         if capture_batch is not None and (not isinstance(capture_batch, int) or capture_batch < 1):
@@ -387,15 +504,25 @@ class Recompute:
             max_structures=max_structures, capture_batch=capture_batch, verify=verify,
             budget_scope=budget_scope, check_iterations=check_iterations, verbose=verbose,
             coordinator=coordinator, workspace=workspace, workspace_exact=workspace_exact,
-            **solver_options)
+            on_infeasible=on_infeasible, **solver_options)
         self.verbose = verbose
         self.coordinator = coordinator
         self._warned_over = False
         self._reported_plan = False
         self._reported_infeasible = False
         self._said_unsafe: set = set()  # unsafe-function warnings given (one each)
+        self._said_capture = False  # capture_batch refused a model (warned once)
+        self._said_new_shape = False  # a new input shape recorded plainly (warned once)
+        self._ran_planned = False  # a planned iteration has run
+        self.shapes_derived = 0  # signatures planned from their family's graphs
+        self._refusal = ""
         self._entries: "collections.OrderedDict[Hashable, _Entry]" = collections.OrderedDict()
         self.last_stats: Optional[IterationStats] = None
+
+    def _name(self, args: Tuple[Any, ...]) -> str:
+        link = self._link(args)
+        return type(link).__name__ if link is not None else \
+            getattr(self.fn, "__qualname__", "the model")
 
     @staticmethod
     def _link(args: Tuple[Any, ...]) -> Optional[chainer.Link]:
@@ -414,7 +541,7 @@ class Recompute:
     def _entry(self, sig: Hashable) -> _Entry:
         entry = self._entries.get(sig)
         if entry is None:
-            entry = self._entries[sig] = _Entry()
+            entry = self._entries[sig] = _Entry(*_family(sig))
             while len(self._entries) > self.max_plans:
                 self._entries.popitem(last=False)
         else:
@@ -427,8 +554,8 @@ class Recompute:
         entry = self._entry(_signature(args, kwargs))
         if entry.pending is not None:
             self._plan_pending(entry, args, kwargs)
-        if not entry.structures:
-            self._plan_separately(entry, args, kwargs)
+        if not entry.structures and not self._plan_separately(entry, args, kwargs):
+            raise RecomputeError(self._refusal)
         return entry.structures[0].plan
 
     def _solve(self, graph: Graph) -> Any:
@@ -438,10 +565,27 @@ class Recompute:
             return plan_for_budget(graph, budget, solver=self.solver, strategy=self.strategy,
                                    scope=self.budget_scope, **self.solver_options)
         except InfeasibleBudgetError as e:
-            if not self._reported_infeasible:
+            if not self._reported_infeasible and self._raising():
                 self._reported_infeasible = True
                 report.error("%s", e)
             raise
+
+    def _raising(self) -> bool:
+        """Whether an infeasible budget raises from a training call now."""
+        return self.on_infeasible == "raise" or (self.on_infeasible == "auto"
+                                                 and not self._ran_planned)
+
+    def _infeasible(self, entry: _Entry, e: InfeasibleBudgetError) -> None:
+        """A training call's budget cannot be met: raise, or say so once and
+        run this signature plainly (see ``on_infeasible``)."""
+        if self._raising():
+            raise e
+        entry.plain, entry.pending, entry.error = True, None, None
+        entry.structures.clear()
+        level = logging.INFO if self._reported_infeasible else logging.WARNING
+        self._reported_infeasible = True
+        report.log(level, "%s; this input signature runs without recomputation, its peak "
+                   "not bounded by the budget (on_infeasible='raise' raises instead)", e)
 
     def _bound(self, graph: Graph) -> Graph:
         """``graph`` with its convolutions' transients under the workspace
@@ -459,11 +603,13 @@ class Recompute:
             return bounded_graph(graph, None)  # _solve reports it
 
     def _add(self, entry: _Entry, graph: Graph, param_refs: Dict[int, Any],
-             multi_backward: bool, t0: float, backward_known: bool = False) -> _Structure:
-        if self.workspace is not None:  # the convolutions' bound, chosen with the plan
-            graph = self._bound(graph)
-        plan = (self._solve(graph) if self.coordinator is None
-                else self.coordinator.plan(graph, self._solve))
+             multi_backward: bool, t0: float, plan: Any = None,
+             backward_known: bool = False) -> _Structure:
+        if plan is None:
+            if self.workspace is not None:  # the convolutions' bound, chosen with the plan
+                graph = self._bound(graph)
+            plan = (self._solve(graph) if self.coordinator is None
+                    else self.coordinator.plan(graph, self._solve))
         program = Program(graph, plan.lower_sets, frozenset(plan.kept), param_refs=param_refs)
         program.multi_backward = multi_backward
         program.backward_known = backward_known
@@ -492,11 +638,10 @@ class Recompute:
 
     def _plan_pending(self, entry: _Entry, args: Tuple[Any, ...],
                       kwargs: Dict[str, Any]) -> None:
-        hook, entry.pending = entry.pending, None
-        self._plan_recorded(entry, hook, self._link(args), batch_size_of(args, kwargs))
+        self._plan_recorded(entry, self._link(args))
 
     def _plan_when_backward_ends(self, entry: _Entry, hook: IterationHook,
-                                 link: Optional[chainer.Link], batch: Optional[int]) -> None:
+                                 link: Optional[chainer.Link]) -> None:
         """When the model keeps the recorded graph in its attributes (a loss
         link's ``self.loss``), plan as soon as the recorded backward has run
         every function, still inside it: the graph then lives into the next
@@ -511,14 +656,16 @@ class Recompute:
         def plan(h: IterationHook) -> None:
             if before is not None:
                 before(h)
-            if entry.pending is not h or entry.error is not None:
+            rec = entry.pending
+            if isinstance(rec, _Recording):  # made into a graph for a sibling shape
+                rec = rec.hook()
+            if rec is not h or entry.error is not None:
                 return
             lk = link_ref() if link_ref is not None else None
             if lk is None or not _keeps_graph(lk, h):
                 return
-            entry.pending = None
             try:
-                s = self._plan_recorded(entry, h, lk, batch)
+                s = self._plan_recorded(entry, lk)
             except Exception as e:  # noqa: BLE001 - not from inside the user's backward
                 entry.error = e
                 return
@@ -527,10 +674,14 @@ class Recompute:
             h.release_as_planned(s.program)
         hook.on_backward_done = plan
 
-    def _plan_recorded(self, entry: _Entry, hook: IterationHook, link: Optional[chainer.Link],
-                       batch: Optional[int]) -> _Structure:
-        t0 = time.perf_counter()
-        graph = hook.graph(cost_model=self.cost, batch_size=batch,
+    def _recorded(self, entry: _Entry, link: Optional[chainer.Link]) -> "_Recording":
+        """The graph of ``entry``'s recorded iteration (made from its hook
+        once, the hook then held weakly)."""
+        rec = entry.pending
+        if isinstance(rec, _Recording):
+            return rec
+        hook = rec
+        graph = hook.graph(cost_model=self.cost, batch_size=entry.batch,
                            name=type(link).__name__ if link is not None else "model",
                            meta={"state_bytes": state_bytes(link)} if link is not None else None,
                            fill=hook.program.graph if hook.program is not None else None)
@@ -542,23 +693,70 @@ class Recompute:
                         "not released after it starts")
         # backward_known: its backward ran to the end before planning, so a
         # graph backpropagated again after an update is seen by it (and
-        # passed on to the plan below); otherwise parameters are saved
-        # before updates on probation.
-        s = self._add(entry, graph, hook.param_refs, hook.multi_backward, t0,
-                      backward_known=hook.backward_done)
-        # a second backward pass through the recorded graph, after this,
-        # is learned by the plan
-        hook.planned = s.program
+        # passed on to the plan); otherwise parameters are saved before
+        # updates on probation.
+        entry.pending = rec = _Recording(graph, hook.param_refs, hook.multi_backward,
+                                         hook.backward_done, weakref.ref(hook))
+        return rec
+
+    def _plan_recorded(self, entry: _Entry, link: Optional[chainer.Link]) -> _Structure:
+        t0 = time.perf_counter()
+        rec = self._recorded(entry, link)
+        entry.pending = None
+        s = self._add(entry, rec.graph, rec.param_refs, rec.multi_backward, t0,
+                      plan=self._family_plan(entry, rec.graph),
+                      backward_known=rec.backward_known)
+        hook = rec.hook()
+        if hook is not None:
+            # a second backward pass through the recorded graph, after this,
+            # is learned by the plan
+            hook.planned = s.program
         return s
 
     def _plan_separately(self, entry: _Entry, args: Tuple[Any, ...],
-                         kwargs: Dict[str, Any]) -> None:
-        """Plan from a separate capture (at ``capture_batch`` when set,
-        scaled), leaving no trace."""
+                         kwargs: Dict[str, Any]) -> bool:
+        """Plan from a separate capture that leaves no trace. With
+        ``capture_batch`` below the real batch: two small captures (at
+        ``capture_batch`` and twice it), every size that differs between
+        them scaled linearly to the real batch (a reshape that folds the
+        batch into another axis included). A model those two captures do
+        not describe (its structure depends on the batch size, a size not
+        linear in it) is planned from its first call instead, with a
+        warning; False then."""
+        from ..core.errors import GraphError
         t0 = time.perf_counter()
-        link = self._link(args)
         batch = batch_size_of(args, kwargs)
         small = self.capture_batch
+        if small is None or batch is None or small >= batch:
+            graph, hook = self._capture_at(args, kwargs, batch, batch)
+            self._add(entry, graph, hook.param_refs, hook.multi_backward, t0)
+            return True
+        other = min(2 * small, batch - 1)
+        if other <= small:  # batch = capture_batch + 1: capture it whole
+            graph, hook = self._capture_at(args, kwargs, batch, batch)
+            self._add(entry, graph, hook.param_refs, hook.multi_backward, t0)
+            return True
+        g1, hook = self._capture_at(args, kwargs, batch, small)
+        g2, _ = self._capture_at(args, kwargs, batch, other)
+        try:
+            graph = g1.scale_between(g2, batch)
+        except GraphError as e:
+            self._refusal = f"capture_batch={small} cannot plan {self._name(args)}: {e}"
+            level = logging.INFO if self._said_capture else logging.WARNING
+            self._said_capture = True
+            report.log(level, "%s; its first call at batch %d runs plainly (not bounded by the "
+                       "budget) and the next ones run under a plan made from it",
+                       self._refusal, batch)
+            return False
+        self._add(entry, graph, hook.param_refs, hook.multi_backward, t0)
+        return True
+
+    def _capture_at(self, args: Tuple[Any, ...], kwargs: Dict[str, Any], batch: Optional[int],
+                    small: Optional[int]) -> Tuple[Graph, IterationHook]:
+        """One recorded iteration on the first ``small`` rows of the batch
+        arguments (all of them when ``small`` is the batch), leaving no
+        trace, and its graph."""
+        link = self._link(args)
         cut_args, cut_kwargs = args, kwargs
         if small is not None and batch is not None and small < batch:
             def cut(x: Any) -> Any:
@@ -569,8 +767,6 @@ class Recompute:
                 return x
             cut_args = tuple(cut(a) for a in args)
             cut_kwargs = {k: cut(v) for k, v in kwargs.items()}
-        else:
-            small = batch
         with leave_no_trace(link if link is not None else self.fn):
             hook = IterationHook(link=link, args=list(cut_args) + list(cut_kwargs.values()))
             with _Active(), hook:
@@ -589,9 +785,150 @@ class Recompute:
         graph = hook.graph(cost_model=self.cost, batch_size=small,
                            name=type(link).__name__ if link is not None else "model",
                            meta={"state_bytes": state_bytes(link)} if link is not None else None)
-        if batch is not None and small is not None and small != batch:
-            graph = graph.scale_batch(batch)
-        self._add(entry, graph, hook.param_refs, hook.multi_backward, t0)
+        return graph, hook
+
+    def _family_graphs(self, entry: _Entry, link: Optional[chainer.Link]
+                       ) -> List[Tuple[_Entry, Graph]]:
+        """The other signatures of ``entry``'s family with a graph: planned
+        (their current structure's) or recorded and waiting to be planned."""
+        out = []
+        for e in list(self._entries.values()):
+            if e is entry or e.family != entry.family or e.plain:
+                continue
+            if e.structures:
+                out.append((e, e.structures[0].graph))
+            elif e.pending is not None:
+                out.append((e, self._recorded(e, link).graph))
+        return out
+
+    def _family_plan(self, entry: _Entry, graph: Graph) -> Any:
+        """A plan of ``entry``'s family that fits ``graph`` under the
+        budget (for ``'least'``: the least budget of the shape it was made
+        for), its replayed peak on ``graph`` as its prediction (no solver
+        run); None when none does (or in the activations scope, with
+        workspace bounds or a coordinator: those plan each graph)."""
+        if (self.budget_scope != "total" or self.workspace is not None
+                or self.coordinator is not None):
+            return None
+        from ..core.budget import MARGIN
+        from ..core.execution import ExecutionPlan
+        from ..core.replay import replay
+        planned = [e for e in self._entries.values()
+                   if e is not entry and e.family == entry.family and e.structures
+                   and not e.plain and e.structures[0].graph.n == graph.n
+                   and [n.op for n in e.structures[0].graph.nodes] == [n.op for n in graph.nodes]]
+        # the plan of the largest shape first (its blocks hold the most)
+        planned.sort(key=lambda e: -e.structures[0].graph.activation_bytes)
+        for e in planned[:2]:
+            s = e.structures[0]
+            ep = (ExecutionPlan(graph, s.plan.lower_sets, frozenset(s.plan.kept))
+                  if s.plan.recompute else None)
+            # 'least': the least budget of the larger shape the plan was made for
+            budget = self.budget_bytes if self.budget_bytes is not None else s.plan.budget_bytes
+            if budget is None:
+                continue
+            peak = replay(graph, ep).peak_bytes
+            if peak <= budget * (1 - MARGIN):
+                info = dict(s.plan.info, reused_from=list(e.dims))
+                return dataclasses.replace(s.plan, predicted_peak_bytes=int(peak),
+                                           budget_bytes=budget, info=info)
+        return None
+
+    def _plan_from_family(self, entry: _Entry, args: Tuple[Any, ...],
+                          kwargs: Dict[str, Any]) -> bool:
+        """Plan a new input shape before its first call, from two recorded
+        shapes of its family (see the class docstring). False when there
+        are not two such shapes or they do not describe this one: the call
+        is then recorded (with one warning when a plan exists and a byte
+        budget is set)."""
+        from ..core.errors import GraphError
+        link = self._link(args)
+        sibs = self._family_graphs(entry, link)
+        if not sibs:
+            return False
+        t0 = time.perf_counter()
+        v = entry.dims
+        graph = None
+        why = "only one other shape of it has been recorded"
+        for e1, g1 in sorted(sibs, key=lambda p: not p[0].structures):  # planned first
+            if e1.dims == v:  # another value of a number argument: the same shapes
+                graph, src = g1, e1
+                break
+        pairs = [] if graph is not None else \
+            [(a, b) for i, a in enumerate(sibs) for b in sibs[i + 1:]]
+        # the nearest recorded shapes first
+        pairs.sort(key=lambda p: sum(abs(x - y) for x, y in zip(v, p[0][0].dims))
+                   + sum(abs(x - y) for x, y in zip(v, p[1][0].dims)))
+        for (e1, g1), (e2, g2) in pairs:
+            v1, v2 = e1.dims, e2.dims
+            k = next((j for j, (x, y) in enumerate(zip(v1, v2)) if x != y), None)
+            if k is None:
+                continue
+            num, den = v[k] - v1[k], v2[k] - v1[k]
+            if any((c - a) * den != (b - a) * num for a, b, c in zip(v1, v2, v)):
+                why = "the recorded shapes do not vary along the same line as this one"
+                continue
+            try:
+                graph = g1.interpolate(g2, num, den, where=f"at input dimensions {v1} and {v2}",
+                                       target=f"input dimensions {v}")
+            except GraphError as e:
+                why = str(e)
+                continue
+            src = e1
+            break
+        batch = entry.batch
+        if graph is None and batch is not None:
+            # a last partial batch: only the batch dimension of the inputs
+            # changed, and the graph scales with it (checked as it runs)
+            for e1, g1 in sibs:
+                if g1.batch_size and g1.batch_size != batch and all(
+                        x == y or (x == g1.batch_size and y == batch)
+                        for x, y in zip(e1.dims, v)):
+                    graph, src = g1.scale_batch(batch), e1
+                    break
+        if graph is None:
+            if self.budget_bytes is not None and not self._said_new_shape:
+                self._said_new_shape = True
+                report.warning("a new input shape of %s (dimensions %s) is recorded plainly: "
+                               "its first call is not bounded by the budget (%s); later new "
+                               "shapes are planned before they run once two of the same "
+                               "structure are recorded", self._name(args), v, why)
+            return False
+        self.shapes_derived += 1
+        if src.dims == v and src.structures:
+            # the same shapes (a number argument's new value): the same
+            # graph, plan and program, nothing solved or replayed
+            # (one structure object: its measurements count for both)
+            entry.structures.insert(0, src.structures[0])
+            return True
+        meta = dict(graph.meta)
+        meta["derived_from"] = list(src.dims)
+        graph = graph.replace(batch_size=batch, meta=meta)
+        if src.structures:
+            program = src.structures[0].program
+            refs, multi, known = program.param_refs, program.multi_backward, \
+                program.backward_known
+        else:
+            rec = self._recorded(src, link)
+            refs, multi, known = rec.param_refs, rec.multi_backward, rec.backward_known
+        plan = self._family_plan(entry, graph)
+        if plan is None:
+            # plan the largest recorded shape, if larger: its plan serves
+            # this shape and the smaller ones to come
+            big, g = max(sibs, key=lambda p: p[1].activation_bytes)
+            if not big.structures and big.pending is not None and \
+                    g.activation_bytes > graph.activation_bytes:
+                rec = self._recorded(big, link)
+                big.pending = None
+                try:
+                    self._add(big, rec.graph, rec.param_refs, rec.multi_backward,
+                              time.perf_counter(), backward_known=rec.backward_known)
+                except InfeasibleBudgetError:
+                    big.pending = rec
+                else:
+                    plan = self._family_plan(entry, graph)
+        self._add(entry, graph, refs, multi, t0, plan=plan, backward_known=known)
+        return True
 
     # ------------------------------------------------------------- call
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -605,8 +942,9 @@ class Recompute:
         sig = _signature(args, kwargs)
         entry = self._entry(sig)
         if entry.error is not None:
-            raise entry.error
+            self._infeasible(entry, entry.error)  # raises, or runs this signature plainly
         entry.calls += 1
+        entry.batch = batch_size_of(args, kwargs)
         if self.coordinator is not None:
             state = ("plain" if entry.plain else "plan" if entry.pending is not None
                      else "run" if entry.structures
@@ -616,10 +954,18 @@ class Recompute:
         if entry.plain:
             self.last_stats = IterationStats(path="plain")
             return self.fn(*args, **kwargs)
-        if entry.pending is not None:
-            self._plan_pending(entry, args, kwargs)
-        elif not entry.structures and self.capture_batch is not None and entry.calls == 1:
-            self._plan_separately(entry, args, kwargs)
+        try:
+            if entry.pending is not None:
+                self._plan_pending(entry, args, kwargs)
+            elif not entry.structures and entry.calls == 1:
+                if self.capture_batch is not None:
+                    self._plan_separately(entry, args, kwargs)
+                elif self.coordinator is None:
+                    self._plan_from_family(entry, args, kwargs)
+        except InfeasibleBudgetError as e:
+            self._infeasible(entry, e)
+            self.last_stats = IterationStats(path="plain")
+            return self.fn(*args, **kwargs)
         for s in entry.structures:
             if s.program.multi_backward and not s.program.release_mode_decided:
                 self._decide_release(s)
@@ -636,7 +982,12 @@ class Recompute:
             stats.predicted_peak_bytes = s.plan.predicted_peak_bytes
             stats.budget_bytes = s.plan.budget_bytes
             return self.fn(*args, **kwargs)
-        hook = IterationHook([s.program for s in entry.structures], link=link,
+        # Fewest functions first (most recently used first among equals): a
+        # forward that goes on past a plan's last function switches to a
+        # longer plan that matches it, while one that stops before a plan's
+        # end could not switch back (a loss with and without its box term).
+        programs = sorted((s.program for s in entry.structures), key=lambda p: p.n)
+        hook = IterationHook(programs, link=link,
                              args=list(args) + list(kwargs.values()), verify=self.verify)
         if entry.structures:
             self._start_meter(entry, hook, link, args, kwargs)
@@ -647,6 +998,8 @@ class Recompute:
             out = self.fn(*args, **kwargs)
         hook.finish(out)
         self.last_stats = hook.stats
+        if hook.stats.path == "planned":
+            self._ran_planned = True
         for s in entry.structures:
             if s.program is hook.program:
                 hook.stats.predicted_peak_bytes = s.plan.predicted_peak_bytes
@@ -654,7 +1007,7 @@ class Recompute:
         if hook.recording:
             entry.pending = hook
             if self.coordinator is None:
-                self._plan_when_backward_ends(entry, hook, link, batch_size_of(args, kwargs))
+                self._plan_when_backward_ends(entry, hook, link)
             if entry.structures:
                 entry.recorded += 1
                 logger.info("the model's graph changed for the same input signature (%s); this "
@@ -666,7 +1019,7 @@ class Recompute:
                     report.warning(
                         "the graph of %s changed on %d of its %d calls "
                         "with the same input signature; running it without recomputation "
-                        "from now on", getattr(self.fn, "__qualname__", "the model"),
+                        "from now on", self._name(args),
                         entry.recorded, entry.calls)
         else:
             used = hook.program

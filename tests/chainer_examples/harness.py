@@ -617,6 +617,9 @@ class RunRecord:
     applied_to: List[str] = dataclasses.field(default_factory=list)
     runner_info: List[str] = dataclasses.field(default_factory=list)
     n_plans: List[Optional[int]] = dataclasses.field(default_factory=list)  # per applied link
+    #: per applied link: the most nodes one of its plans drops (0: plans
+    #: that keep everything)
+    n_dropped: List[int] = dataclasses.field(default_factory=list)
     log: List[str] = dataclasses.field(default_factory=list)
     stdout: str = ""
     trainer: Any = None
@@ -778,6 +781,9 @@ def run_example(name: str, workdir: str, *, select: Optional[Callable[[Any], boo
         runner = getattr(chainer_recompute, "runner_of", lambda m: None)(link)
         plans = getattr(runner, "plans", None)
         run.n_plans.append(None if plans is None else len(plans))
+        entries = getattr(runner, "_entries", {}) or {}
+        run.n_dropped.append(max((len(s.program.dropped) for e in entries.values()
+                                  for s in e.structures), default=0))
         if runner is not None:
             run.runner_info.append(f"{type(link).__name__}: "
                                    f"{'?' if plans is None else len(plans)} plan(s); "
@@ -928,10 +934,11 @@ def compare(variant: str, plain: RunRecord, applied: RunRecord) -> Comparison:
 
 def compare_variant(variant: str, workdir: str, *, size: str = "light", budget: Any = "least",
                     seed: int = 0, control: bool = False,
-                    apply_fn: Optional[Callable[..., Any]] = None) -> Comparison:
+                    apply_fn: Optional[Callable[..., Any]] = None,
+                    apply_options: Optional[Dict[str, Any]] = None) -> Comparison:
     """Plain run vs applied run of one variant (``control``: plain vs plain,
-    to check that the harness itself is deterministic; ``apply_fn``: see
-    :func:`run_example`)."""
+    to check that the harness itself is deterministic; ``apply_fn``,
+    ``apply_options``: see :func:`run_example`)."""
     name, select = VARIANTS[variant]
     sz = SIZES[size][name]
     plain = run_example(name, workdir, size=sz, seed=seed, label="plain")
@@ -943,7 +950,8 @@ def compare_variant(variant: str, workdir: str, *, size: str = "light", budget: 
                             reference=plain)
     else:
         other = run_example(name, workdir, select=select, budget=budget, size=sz, seed=seed,
-                            label="applied", reference=plain, apply_fn=apply_fn)
+                            label="applied", reference=plain, apply_fn=apply_fn,
+                            apply_options=apply_options)
     return compare(variant, plain, other)
 
 

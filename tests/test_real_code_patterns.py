@@ -1,0 +1,504 @@
+"""Patterns of real training code that broke the budget or the gradients.
+
+Each pattern trains twice from the same seeds, plain Chainer and under
+``apply()``, over at least five optimizer steps. After every step the
+loss, every parameter, gradient and optimizer state are compared bit for
+bit. Each step's peak is measured by tracemalloc over the whole step
+(forward, backward and the optimizer's update), plus the arrays alive when
+it began (parameters, optimizer state, inputs), counted by hand: what the
+allocator holds at the step's highest point.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import subprocess
+import sys
+import tracemalloc
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+import pytest
+
+import chainer
+import chainer.functions as F
+import chainer.links as L
+
+import chainer_recompute as cr
+from chainer_recompute.core.errors import RecomputeError
+
+
+# --------------------------------------------------------------- harness
+def _alive_bytes(model: chainer.Link, args: Sequence[Any]) -> int:
+    """Parameters, optimizer state and persistents of ``model`` and the
+    step's input arrays: what the step starts with."""
+    n = 0
+    for p in model.params():
+        if p.array is not None:
+            n += p.array.nbytes
+        rule = getattr(p, "update_rule", None)
+        for v in (rule.state or {}).values() if rule is not None else ():
+            n += getattr(v, "nbytes", 0)
+    for link in model.links():
+        for name in link._persistent:
+            n += getattr(getattr(link, name, None), "nbytes", 0)
+    return n + sum(a.nbytes for a in args if isinstance(a, np.ndarray))
+
+
+class Run:
+    """One training run: per step its peak, loss, state and the runner's
+    counters."""
+
+    def __init__(self) -> None:
+        self.peaks: List[int] = []
+        self.records: List[Dict[str, Any]] = []
+        self.stats: List[Any] = []
+
+
+def train(make: Callable[[], chainer.Link], batches: Sequence[Sequence[Any]],
+          apply_kw: Optional[Dict[str, Any]] = None, lr: float = 0.01,
+          between: Optional[Callable[[chainer.Link, int], None]] = None) -> Run:
+    """Train ``make()`` on ``batches`` (one optimizer step each); with
+    ``apply_kw`` under ``apply()``. ``between(model, step)`` runs between
+    the forward and the backward."""
+    np.random.seed(0)
+    model = make()
+    if apply_kw is not None:
+        cr.apply(model, **apply_kw)
+    opt = chainer.optimizers.MomentumSGD(lr)
+    opt.setup(model)
+    run = Run()
+    for k, args in enumerate(batches):
+        model.cleargrads()
+        gc.collect()
+        start = _alive_bytes(model, args)
+        tracemalloc.start()
+        try:
+            loss = model(*args)
+            if between is not None:
+                between(model, k)
+            loss.backward()
+            opt.update()
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        run.peaks.append(start + peak)
+        rec = {"loss": loss.array.copy()}
+        for path, p in model.namedparams():
+            rec["param" + path] = p.array.copy()
+            rec["grad" + path] = None if p.grad is None else p.grad.copy()
+            for key, v in sorted(p.update_rule.state.items()):
+                rec[f"opt{path}/{key}"] = v.copy()
+        rec["rng"] = np.random.get_state()[1].copy()
+        run.records.append(rec)
+        runner = cr.runner_of(model)
+        st = runner.last_stats if runner is not None else None
+        run.stats.append(None if st is None else {
+            k: getattr(st, k) for k in ("path", "n_dropped", "recomputed_nodes", "mismatch", "n_nodes",
+                                        "measured_peak_bytes", "predicted_peak_bytes",
+                                        "budget_bytes")})
+        del loss
+    run.model = model  # type: ignore[attr-defined]
+    return run
+
+
+def assert_identical(plain: Run, ours: Run) -> None:
+    assert len(plain.records) == len(ours.records) >= 5
+    for k, (a, b) in enumerate(zip(plain.records, ours.records)):
+        assert a.keys() == b.keys(), k
+        for key in a:
+            x, y = a[key], b[key]
+            if x is None or y is None:
+                assert x is y, (k, key)
+            else:
+                assert x.dtype == y.dtype and x.shape == y.shape, (k, key)
+                assert x.tobytes() == y.tobytes(), f"step {k}: {key} differs from plain Chainer's"
+
+
+def dropped_steps(run: Run) -> int:
+    return sum(1 for s in run.stats if s and s["path"] == "planned" and s["n_dropped"])
+
+
+def report_line(name: str, plain: Run, ours: Run) -> str:
+    planned = [s for s in ours.stats if s and s["path"] == "planned"]
+    pred = max((s["predicted_peak_bytes"] or 0) for s in planned) if planned else None
+    budget = planned[0]["budget_bytes"] if planned else None
+    return (f"{name}: plain peak {max(plain.peaks)} B, applied peak {max(ours.peaks)} B "
+            f"(steady {max(ours.peaks[2:])}), budget {budget}, predicted {pred}")
+
+
+class Said(logging.Handler):
+    """What the library's report logger says (it propagates)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: List[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def __enter__(self) -> "Said":
+        logging.getLogger("chainer_recompute").addHandler(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        logging.getLogger("chainer_recompute").removeHandler(self)
+
+
+# ------------------------------------------------------------- models
+class MLP(chainer.Chain):
+    def __init__(self, width: int = 64, depth: int = 6, n_in: int = 32, n_out: int = 10):
+        super().__init__()
+        with self.init_scope():
+            self.first = L.Linear(n_in, width)
+            self.layers = chainer.ChainList(*[L.Linear(width, width) for _ in range(depth)])
+            self.out = L.Linear(width, n_out)
+
+    def features(self, x: Any) -> Any:
+        h = F.relu(self.first(x))
+        for lin in self.layers:
+            h = F.relu(lin(h))
+        return h
+
+    def forward(self, x: Any, t: Any) -> Any:
+        return F.softmax_cross_entropy(self.out(self.features(x)), t)
+
+
+class Detector(MLP):
+    """A detection-style loss: classification always, box regression only
+    when the batch has positive boxes (two structures, one signature)."""
+
+    def __init__(self) -> None:
+        super().__init__(width=96, depth=6, n_out=8)
+        with self.init_scope():
+            self.loc = L.Linear(96, 4)
+
+    def forward(self, x: Any, label: Any, boxes: Any, positive: Any) -> Any:
+        h = self.features(x)
+        loss = F.softmax_cross_entropy(self.out(h), label)
+        if positive.any():
+            idx = np.flatnonzero(positive)
+            loss = loss + F.mean_squared_error(self.loc(F.get_item(h, idx)), boxes[idx])
+        return loss
+
+
+class PaddedGNN(chainer.Chain):
+    """A graph network padded to each batch's atom count: atoms (B, N, F),
+    adjacency (B, N, N); reshapes fold the atom axis into the batch."""
+
+    def __init__(self, n_in: int = 16, hidden: int = 48, layers: int = 3):
+        super().__init__()
+        with self.init_scope():
+            self.embed = L.Linear(n_in, hidden)
+            self.convs = chainer.ChainList(*[L.Linear(hidden, hidden) for _ in range(layers)])
+            self.out = L.Linear(hidden, 1)
+
+    def forward(self, x: Any, adj: Any, t: Any) -> Any:
+        B, N, _ = x.shape
+        h = F.tanh(self.embed(x.reshape(B * N, -1))).reshape(B, N, -1)
+        for conv in self.convs:
+            m = F.matmul(adj, h)
+            h = F.tanh(conv(m.reshape(B * N, -1)).reshape(B, N, -1)) + h
+        return F.mean_squared_error(self.out(F.mean(h, axis=1)), t)
+
+
+def gnn_batches(sizes: Sequence[int], batch: int = 8) -> List[Any]:
+    rng = np.random.RandomState(1)
+    out = []
+    for n in sizes:
+        x = rng.rand(batch, n, 16).astype(np.float32)
+        adj = ((rng.rand(batch, n, n) < 0.2) / n).astype(np.float32)
+        t = rng.rand(batch, 1).astype(np.float32)
+        out.append((x, adj, t))
+    return out
+
+
+class ShiftedSoftplus(MLP):
+    """SchNet's shifted softplus through F.where: the condition (x > 20) is
+    all False for these inputs, and Where holds it as an attribute."""
+
+    def forward(self, x: Any, t: Any) -> Any:
+        h = F.relu(self.first(x))
+        for lin in self.layers:
+            a = lin(h)
+            h = F.where(a.array > 20, a, F.softplus(a) - np.float32(np.log(2.0)))
+        return F.softmax_cross_entropy(self.out(h), t)
+
+
+class Scaled(MLP):
+    """A forward that takes a schedule value as an np.float32."""
+
+    def forward(self, x: Any, t: Any, scale: Any) -> Any:
+        return F.softmax_cross_entropy(self.out(self.features(x * scale)), t)
+
+
+class TinyTransformer(chainer.Chain):
+    """Self-attention over (B, T, D): the batch axis folded into the rows
+    of every projection (B * T, D)."""
+
+    def __init__(self, d: int = 32, length: int = 12, n_out: int = 5):
+        super().__init__()
+        with self.init_scope():
+            self.q = L.Linear(d, d)
+            self.k = L.Linear(d, d)
+            self.v = L.Linear(d, d)
+            self.ff1 = L.Linear(d, 4 * d)
+            self.ff2 = L.Linear(4 * d, d)
+            self.out = L.Linear(d, n_out)
+
+    def forward(self, x: Any, t: Any) -> Any:
+        B, T, D = x.shape
+        flat = x.reshape(B * T, D)
+        q = self.q(flat).reshape(B, T, D)
+        k = self.k(flat).reshape(B, T, D)
+        v = self.v(flat).reshape(B, T, D)
+        att = F.softmax(F.matmul(q, k, transb=True) / np.float32(np.sqrt(D)), axis=2)
+        h = F.matmul(att, v).reshape(B * T, D) + flat
+        h = self.ff2(F.relu(self.ff1(h))) + h
+        return F.softmax_cross_entropy(self.out(F.mean(h.reshape(B, T, D), axis=1)), t)
+
+
+def mlp_data(n: int = 6, batch: int = 32, n_in: int = 32, n_out: int = 10) -> List[Any]:
+    rng = np.random.RandomState(2)
+    return [(rng.rand(batch, n_in).astype(np.float32),
+             rng.randint(0, n_out, batch).astype(np.int32)) for _ in range(n)]
+
+
+# ---------------------------------------------------------------- tests
+def test_two_structures_under_one_signature():
+    """Batches with and without positive boxes alternate under one input
+    signature: two plans, both planned after their first recording (the
+    shorter tried first, so that a forward without the box term does not
+    fail the longer plan at its end), each iteration measured against the
+    plan it ran on (the box-free plan, within its budget, is never
+    corrected), identical to plain Chainer."""
+    rng = np.random.RandomState(3)
+    batches = []
+    for k in range(8):
+        x = rng.rand(256, 32).astype(np.float32)
+        label = rng.randint(0, 8, 256).astype(np.int32)
+        boxes = rng.rand(256, 4).astype(np.float32)
+        positive = np.zeros(256, bool)
+        if k % 2:  # as many positive boxes in each such batch: one shape
+            positive[rng.permutation(256)[:64]] = True
+        batches.append((x, label, boxes, positive))
+    plain = train(Detector, batches)
+    budget = int(max(plain.peaks) * 0.9)
+    with Said() as said:
+        ours = train(Detector, batches, dict(budget=budget, cost="flops", verbose=False))
+    assert_identical(plain, ours)
+    runner = cr.runner_of(ours.model)
+    (entry,) = runner._entries.values()
+    assert sorted(s.graph.n for s in entry.structures) == [16, 20]
+    paths = [s["path"] for s in ours.stats]
+    assert paths[:2] == ["recorded", "mismatch"] and paths[2:] == ["planned"] * 6, ours.stats
+    assert dropped_steps(ours) == 6
+    short = next(s for s in entry.structures if s.graph.n == 16)
+    assert "correction_bytes" not in short.graph.meta
+    for st in ours.stats[2::2]:  # the box-free steps: their own plan's figures
+        assert st["predicted_peak_bytes"] == short.plan.predicted_peak_bytes
+        assert st["measured_peak_bytes"] <= st["budget_bytes"] == budget
+    for st in ours.stats[3::2]:  # the box steps: the other plan's
+        assert st["predicted_peak_bytes"] != short.plan.predicted_peak_bytes
+    over = [m for m in said.messages if "over the budget" in m]
+    assert len(over) <= 1
+    print(report_line("detection loss", plain, ours))
+
+
+def test_padded_graph_network_at_several_sizes_under_a_byte_budget():
+    """A graph network padded to each batch's atom count, a new shape at
+    almost every call, a byte budget: after two recorded shapes (the
+    second with one warning), every new shape is planned before it runs
+    (scaled from the recorded ones; the plan of the largest shape reused,
+    not solved again); no planned step is over the budget without a
+    warning; identical to plain Chainer."""
+    sizes = [24, 28, 20, 26, 22, 27, 25]
+    batches = gnn_batches(sizes)
+    plain = train(PaddedGNN, batches)
+    budget = int(np.median(plain.peaks))
+    with Said() as said:
+        ours = train(PaddedGNN, batches, dict(budget=budget, cost="flops", verbose=False))
+    assert_identical(plain, ours)
+    runner = cr.runner_of(ours.model)
+    paths = [s["path"] for s in ours.stats]
+    assert paths[:2] == ["recorded", "recorded"] and paths[2:] == ["planned"] * 5, paths
+    assert runner.shapes_derived == 5
+    new_shape = [m for m in said.messages if "new input shape" in m]
+    assert len(new_shape) == 1 and "not bounded by the budget" in new_shape[0]
+    structures = [s for e in runner._entries.values() for s in e.structures]
+    # solved for a new shape (not reused, nor planned again after a
+    # measured overshoot): the largest recorded shape only
+    solved = [s for s in structures if "reused_from" not in s.plan.info
+              and "correction_bytes" not in s.graph.meta]
+    assert len(solved) <= 1, [(s.graph.batch_size, s.plan.info.get("reused_from"))
+                              for s in structures]
+    assert any("reused_from" in s.plan.info for s in structures)
+    over = [st for st in ours.stats if st["path"] == "planned"
+            and st["measured_peak_bytes"] > st["budget_bytes"]]
+    if over:  # never silently
+        assert [m for m in said.messages if "over the budget" in m], ours.stats
+    print(report_line("padded GNN", plain, ours))
+
+
+def test_padded_graph_network_infeasible_shape_warns_once_and_runs_plainly():
+    """A budget a later, larger shape cannot meet: one warning, that shape
+    runs plainly (identical), training goes on; on_infeasible='raise'
+    raises at that call instead, before anything runs."""
+    sizes = [12, 14, 12, 14, 40, 40, 12]
+    batches = gnn_batches(sizes)
+    plain = train(PaddedGNN, batches)
+    budget = int(max(plain.peaks[:4]) * 1.02)
+    with Said() as said:
+        ours = train(PaddedGNN, batches, dict(budget=budget, cost="flops", verbose=False))
+    assert_identical(plain, ours)
+    paths = [s["path"] for s in ours.stats]
+    assert paths[4:6] == ["plain", "plain"] and paths[6] == "planned", paths
+    infeasible = [m for m in said.messages if "runs without recomputation" in m]
+    assert len(infeasible) == 1 and "on_infeasible='raise'" in infeasible[0]
+    with pytest.raises(cr.InfeasibleBudgetError):
+        train(PaddedGNN, batches, dict(budget=budget, cost="flops", verbose=False,
+                                       on_infeasible="raise"))
+
+
+def test_where_with_an_all_false_condition():
+    """F.where's condition is an attribute set in __init__; the plan drops
+    the Where nodes and the backward reads the condition: it is kept (never
+    released by the executor), gradients identical to plain Chainer's."""
+    batches = mlp_data()
+    plain = train(ShiftedSoftplus, batches)
+    ours = train(ShiftedSoftplus, batches, dict(budget="least", cost="flops", verbose=False))
+    assert_identical(plain, ours)
+    runner = cr.runner_of(ours.model)
+    (entry,) = runner._entries.values()
+    s = entry.structures[0]
+    where = [n.id for n in s.graph.nodes if n.op == "Where"]
+    assert where and set(where) & s.program.dropped, "the plan drops no Where node"
+    for v in where:
+        roles = {h.name: h.role for h in s.graph.nodes[v].held}
+        assert roles.get("condition") == "state", roles
+    assert dropped_steps(ours) >= 4
+    print(report_line("F.where", plain, ours))
+
+
+def _dropped_weight(model: chainer.Link) -> chainer.Parameter:
+    """A weight that regeneration reads: an input of a dropped node."""
+    runner = cr.runner_of(model)
+    (entry,) = runner._entries.values()
+    s = entry.structures[0]
+    params = dict(model.namedparams())
+    for v in sorted(s.program.dropped):
+        for a in s.graph.nodes[v].inputs:
+            info = s.graph.arrays[a]
+            if info.kind == "param" and info.name.endswith("/W") and info.shape[0] >= 7:
+                return params[info.name]
+    raise AssertionError("no dropped node reads a weight")
+
+
+@pytest.mark.parametrize("change", ["row swap", "one element", "nan"])
+def test_change_to_a_dropped_blocks_parameter_between_forward_and_backward(change):
+    """After a few steps, a parameter that a dropped block reads changes in
+    place between the forward and the backward: the backward raises a
+    RecomputeError naming it instead of giving other gradients."""
+    batches = mlp_data(n=6)
+
+    def tamper(model: chainer.Link, k: int) -> None:
+        if k != 4:
+            return
+        W = _dropped_weight(model).array
+        if change == "row swap":
+            W[[0, 6]] = W[[6, 0]]
+        elif change == "one element":
+            W[3, 2] = np.nextafter(W[3, 2], np.float32(np.inf))
+        else:
+            W[1, 1] = np.nan
+
+    with pytest.raises(RecomputeError, match=r"parameter /.*/W was modified in place"):
+        train(lambda: MLP(width=128, depth=6), batches,
+              dict(budget="least", cost="flops", verbose=False), between=tamper)
+
+
+def test_numpy_scalar_argument_planned_not_recorded_every_call():
+    """A schedule value passed as a new np.float32 each call (its value
+    changing): planned from the third call on, identical."""
+    data = mlp_data(n=7)
+    batches = [(x, t, np.float32(1.0 - 0.05 * k)) for k, (x, t) in enumerate(data)]
+    plain = train(Scaled, batches)
+    ours = train(Scaled, batches, dict(budget="least", cost="flops", verbose=False))
+    assert_identical(plain, ours)
+    paths = [s["path"] for s in ours.stats]
+    assert paths[0] == "recorded" and paths[1:] == ["planned"] * 6, paths
+    assert dropped_steps(ours) >= 5
+    print(report_line("np.float32 argument", plain, ours))
+
+
+def test_capture_batch_with_a_reshape_of_the_batch_axis():
+    """capture_batch=2 on a model that folds the batch into the rows of its
+    projections: the graph scaled from captures at 2 and 4 equals the one
+    recorded at the full batch, every step is planned (the first included)
+    and at or under the byte budget, identical to plain Chainer."""
+    rng = np.random.RandomState(4)
+    batches = [(rng.rand(8, 12, 32).astype(np.float32), rng.randint(0, 5, 8).astype(np.int32))
+               for _ in range(6)]
+    plain = train(TinyTransformer, batches)
+    budget = int(max(plain.peaks) * 0.97)
+    with Said() as said:
+        ours = train(TinyTransformer, batches, dict(budget=budget, cost="flops",
+                                                    capture_batch=2, verbose=False))
+    assert_identical(plain, ours)
+    assert ours.stats[0]["path"] == "planned", ours.stats  # the first step included
+    assert not [s for s in ours.stats if s["mismatch"]], ours.stats
+    assert not [m for m in said.messages if "capture_batch" in m], said.messages
+    probe = cr.apply(TinyTransformer(), budget=budget, cost="flops", capture_batch=2,
+                     verbose=False)
+    cr.runner_of(probe).plan_for(probe, *batches[0])
+    (entry,) = cr.runner_of(probe)._entries.values()
+    scaled = entry.structures[0].graph
+    assert (scaled.meta["scaled_from"], scaled.meta["scaled_with"]) == (2, 4)
+    recorded = cr.capture(TinyTransformer(), *batches[0], backward=True)
+    assert [a.shape for a in scaled.arrays] == [a.shape for a in recorded.arrays]
+    assert [a.nbytes for a in scaled.arrays] == [a.nbytes for a in recorded.arrays]
+    over = [st for st in ours.stats if st["path"] == "planned"
+            and st["measured_peak_bytes"] > st["budget_bytes"]]
+    if over:  # never silently
+        assert [m for m in said.messages if "over the budget" in m], ours.stats
+    print(report_line("capture_batch reshape", plain, ours))
+
+
+def test_apply_rejects_an_unknown_keyword_at_once():
+    model = MLP()
+    with pytest.raises(RecomputeError, match="unknown option 'max_lowersets'.*max_lower_sets"):
+        cr.apply(model, budget="1M", max_lowersets=10)
+    assert cr.runner_of(model) is None  # nothing changed
+    with pytest.raises(RecomputeError, match="on_infeasible"):
+        cr.apply(model, budget="1M", on_infeasible="ignore")
+    cr.apply(model, budget="1M", max_lower_sets=10, on_infeasible="warn")
+
+
+_LOGGING_SCRIPT = r"""
+import logging, sys
+configure = sys.argv[1] == "configured"
+if configure:
+    logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="ROOT %(name)s %(message)s")
+import chainer_recompute.runtime.runner as runner
+lib = logging.getLogger("chainer_recompute")
+print("handlers", [type(h).__name__ for h in lib.handlers],
+      [type(h).__name__ for h in runner.report.handlers], runner.report.propagate)
+runner.report.info("the plan line")
+"""
+
+
+@pytest.mark.parametrize("configured", ["unconfigured", "configured"])
+def test_report_logging_behaves_like_a_library(configured):
+    """The report logger propagates; its line reaches stderr by default
+    while logging is unconfigured, and only the application's handlers once
+    it is configured (no second copy)."""
+    import os
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, "-c", _LOGGING_SCRIPT, configured],
+                         capture_output=True, text=True, env=env, check=True)
+    assert "handlers [] ['_FallbackHandler'] True" in out.stdout, out.stdout
+    if configured == "configured":
+        assert "ROOT chainer_recompute.report the plan line" in out.stdout
+        assert "the plan line" not in out.stderr
+    else:
+        assert out.stderr.strip().endswith("chainer_recompute: the plan line"), out.stderr

@@ -88,7 +88,6 @@ class BudgetSearch:
         self.model: MemoryModel = measured_model(graph)
         solver = resolve_solver(solver, graph, self.model)
         self.graph, self.solver, self.strategy = graph, solver, strategy
-        self.options = solver_options
         # The lower sets with the model's quantities, built once for every
         # budget tried (the DPs accept a prepared family).
         self.family: Optional[LowerSetFamily] = None

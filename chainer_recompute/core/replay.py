@@ -172,9 +172,6 @@ class _Memory:
             del self.holders[buf]
             self.free(("buf", buf), self.graph.arrays[buf].owned_bytes)
 
-    def held_by(self, a: int, *whys: str) -> bool:
-        return any((a, w) in self.holders.get(self.owner[a], ()) for w in whys)
-
     def alive(self, a: int) -> bool:
         if self.owner[a] in self.constant:
             return True
@@ -513,10 +510,3 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
                         used_peak_bytes=max(mem.used_trace, default=constant),
                         pool_total_peak_bytes=(None if mem.pool is None
                                                else int(mem.pool.peak_total_bytes)))
-
-
-def plan_of(graph: Graph, lower_sets: Sequence[FrozenSet[int]],
-            kept: FrozenSet[int]) -> ExecutionPlan:
-    """The execution plan of a strategy (a convenience for callers that
-    have a Plan's lower sets and kept nodes)."""
-    return ExecutionPlan(graph, lower_sets, kept)

@@ -147,11 +147,6 @@ class BPTTStats:
     correction_bytes: int = 0
     measured_peak_bytes: Optional[int] = None
 
-    @property
-    def recompute_overhead(self) -> float:
-        """Extra forward steps as a fraction of one forward pass."""
-        return self.forward_steps / self.t - 1.0
-
 
 # --------------------------------------------------------------------------
 # State helpers.

@@ -45,6 +45,64 @@ def _ctz(x):
     return _DEBRUIJN_TABLE[(low * _DEBRUIJN) >> np.uint64(58)]
 
 
+@njit(cache=True, inline="always")
+def _columns(lay):
+    """The record's columns of T(∂L), keep(∂L) and block(L)."""
+    nw, nwt = lay
+    c_size = 2 * nw + nwt
+    return c_size + 2, c_size + 3, c_size + 4
+
+
+@njit(cache=True, inline="always")
+def _step(P, i, j, key, bi, slack, has_budget):
+    """The transition from row ``i`` (block ``bi``) to row ``j`` (block
+    ``key``): ``(ok, step)``, where ``ok`` says that L_j is a proper
+    superset of L_i and (with ``has_budget``) that ``step <= slack``;
+    ``step`` is block(L') - block(L) + back(L') plus the largest transient
+    of L' \\ L (see the module doc). Inlined into every kernel."""
+    R, lay, all_rows, all_blk, vptr, vrows, vblk, mptr, mnodes, node_t, node_k, trans_vals = P
+    nw, nwt = lay
+    c_size = 2 * nw + nwt
+    if R[j, c_size] <= R[i, c_size]:
+        return False, np.int64(0)
+    miss = np.uint64(0)
+    for w in range(nw):
+        miss |= R[i, w] & ~R[j, w]
+    if miss != 0:
+        return False, np.int64(0)
+    step = key - bi + np.int64(R[j, c_size + 1])
+    if has_budget and step > slack:
+        return False, step
+    if nwt > 0:
+        for w in range(nwt):
+            x = R[j, 2 * nw + w] & ~R[i, 2 * nw + w]
+            if x != 0:
+                step += trans_vals[64 * w + _ctz(x)]
+                break
+        if has_budget and step > slack:
+            return False, step
+    return True, step
+
+
+@njit(cache=True, inline="always")
+def _deltas(P, i, j):
+    """``(ΔT, ΔM)`` of the transition from row ``i`` to row ``j``: T and
+    keep of ∂L' less those of ∂L' ∩ ∂L. Inlined into every kernel."""
+    R, lay, all_rows, all_blk, vptr, vrows, vblk, mptr, mnodes, node_t, node_k, trans_vals = P
+    nw, nwt = lay
+    c_size = 2 * nw + nwt
+    d_t = np.int64(R[j, c_size + 2])
+    d_m = np.int64(R[j, c_size + 3])
+    for w in range(nw):
+        x = R[j, nw + w] & R[i, nw + w]
+        while x != 0:
+            v = 64 * w + _ctz(x)
+            d_t -= node_t[v]
+            d_m -= node_k[v]
+            x &= x - np.uint64(1)
+    return d_t, d_m
+
+
 @njit(cache=True)
 def _window(P, i, slack, has_slack):
     """(use the node lists?, lo, hi): the candidate rows of row ``i``."""
@@ -74,12 +132,7 @@ def feasibility(P, budget, has_budget):
     """least[L]: the least retained memory reaching row L (INF when none),
     and the row it came from; the number of transitions tried."""
     R, lay, all_rows, all_blk, vptr, vrows, vblk, mptr, mnodes, node_t, node_k, trans_vals = P
-    nw, nwt = lay
-    c_size = 2 * nw + nwt
-    c_back = c_size + 1
-    c_tb = c_size + 2
-    c_kb = c_size + 3
-    c_blk = c_size + 4
+    c_tb, c_kb, c_blk = _columns(lay)
     K = R.shape[0]
     least = np.full(K, INF, dtype=np.int64)
     src = np.full(K, -1, dtype=np.int64)
@@ -96,34 +149,10 @@ def feasibility(P, budget, has_budget):
         bi = np.int64(R[i, c_blk])
         for p in range(lo, hi):
             j = rows[p]
-            # Proper superset within the slack? (see the module doc)
-            if R[j, c_size] <= R[i, c_size]:
+            ok, step = _step(P, i, j, keys[p], bi, slack, has_budget)
+            if not ok:
                 continue
-            miss = np.uint64(0)
-            for w in range(nw):
-                miss |= R[i, w] & ~R[j, w]
-            if miss != 0:
-                continue
-            step = keys[p] - bi + np.int64(R[j, c_back])
-            if has_budget and step > slack:
-                continue
-            if nwt > 0:
-                for w in range(nwt):
-                    x = R[j, 2 * nw + w] & ~R[i, 2 * nw + w]
-                    if x != 0:
-                        step += trans_vals[64 * w + _ctz(x)]
-                        break
-                if has_budget and step > slack:
-                    continue
-            d_t = np.int64(R[j, c_tb])
-            d_m = np.int64(R[j, c_kb])
-            for w in range(nw):
-                x = R[j, nw + w] & R[i, nw + w]
-                while x != 0:
-                    v = 64 * w + _ctz(x)
-                    d_t -= node_t[v]
-                    d_m -= node_k[v]
-                    x &= x - np.uint64(1)
+            d_t, d_m = _deltas(P, i, j)
             n += 1
             v = li + d_m
             if v < least[j]:
@@ -138,12 +167,7 @@ def capacity(P, budget):
     from L within the budget (-1 when it is not). A chain reaching L has
     kept at least ∂(L), so the slack out of L is at most budget - keep(∂L)."""
     R, lay, all_rows, all_blk, vptr, vrows, vblk, mptr, mnodes, node_t, node_k, trans_vals = P
-    nw, nwt = lay
-    c_size = 2 * nw + nwt
-    c_back = c_size + 1
-    c_tb = c_size + 2
-    c_kb = c_size + 3
-    c_blk = c_size + 4
+    c_tb, c_kb, c_blk = _columns(lay)
     K = R.shape[0]
     cap = np.full(K, -1, dtype=np.int64)
     cap[K - 1] = budget
@@ -162,36 +186,12 @@ def capacity(P, budget):
             cj = cap[j]
             if cj <= best:  # min(.., cj - ΔM) cannot beat best (ΔM >= 0)
                 continue
-            # Proper superset within the slack? (see the module doc)
-            if R[j, c_size] <= R[i, c_size]:
+            ok, step = _step(P, i, j, keys[p], bi, slack, True)
+            if not ok:
                 continue
-            miss = np.uint64(0)
-            for w in range(nw):
-                miss |= R[i, w] & ~R[j, w]
-            if miss != 0:
-                continue
-            step = keys[p] - bi + np.int64(R[j, c_back])
-            if True and step > slack:
-                continue
-            if nwt > 0:
-                for w in range(nwt):
-                    x = R[j, 2 * nw + w] & ~R[i, 2 * nw + w]
-                    if x != 0:
-                        step += trans_vals[64 * w + _ctz(x)]
-                        break
-                if True and step > slack:
-                    continue
             if budget - step <= best:
                 continue
-            d_t = np.int64(R[j, c_tb])
-            d_m = np.int64(R[j, c_kb])
-            for w in range(nw):
-                x = R[j, nw + w] & R[i, nw + w]
-                while x != 0:
-                    v = 64 * w + _ctz(x)
-                    d_t -= node_t[v]
-                    d_m -= node_k[v]
-                    x &= x - np.uint64(1)
+            d_t, d_m = _deltas(P, i, j)
             val = cj - d_m
             if budget - step < val:
                 val = budget - step
@@ -209,12 +209,7 @@ def greedy(P, budget, has_budget, tc, cap, lam):
     feasible chain quickly, whose retained time bounds the optimum.
     Returns (t, m, src) per row."""
     R, lay, all_rows, all_blk, vptr, vrows, vblk, mptr, mnodes, node_t, node_k, trans_vals = P
-    nw, nwt = lay
-    c_size = 2 * nw + nwt
-    c_back = c_size + 1
-    c_tb = c_size + 2
-    c_kb = c_size + 3
-    c_blk = c_size + 4
+    c_tb, c_kb, c_blk = _columns(lay)
     K = R.shape[0]
     bt = np.full(K, -1, dtype=np.int64)
     bm = np.full(K, INF, dtype=np.int64)
@@ -236,34 +231,10 @@ def greedy(P, budget, has_budget, tc, cap, lam):
             j = rows[p]
             if has_budget and cap[j] < m:
                 continue
-            # Proper superset within the slack? (see the module doc)
-            if R[j, c_size] <= R[i, c_size]:
+            ok, step = _step(P, i, j, keys[p], bi, slack, has_budget)
+            if not ok:
                 continue
-            miss = np.uint64(0)
-            for w in range(nw):
-                miss |= R[i, w] & ~R[j, w]
-            if miss != 0:
-                continue
-            step = keys[p] - bi + np.int64(R[j, c_back])
-            if has_budget and step > slack:
-                continue
-            if nwt > 0:
-                for w in range(nwt):
-                    x = R[j, 2 * nw + w] & ~R[i, 2 * nw + w]
-                    if x != 0:
-                        step += trans_vals[64 * w + _ctz(x)]
-                        break
-                if has_budget and step > slack:
-                    continue
-            d_t = np.int64(R[j, c_tb])
-            d_m = np.int64(R[j, c_kb])
-            for w in range(nw):
-                x = R[j, nw + w] & R[i, nw + w]
-                while x != 0:
-                    v = 64 * w + _ctz(x)
-                    d_t -= node_t[v]
-                    d_m -= node_k[v]
-                    x &= x - np.uint64(1)
+            d_t, d_m = _deltas(P, i, j)
             nm = m + d_m
             if has_budget and nm > cap[j]:
                 continue
@@ -310,12 +281,7 @@ def dense(P, budget, has_budget, tc, cap, T, bound, incumbent, off, t0, opt, src
     pushes, or -1 when the run stopped after ``max_pushes`` (> 0) pushes
     (the table is then partial)."""
     R, lay, all_rows, all_blk, vptr, vrows, vblk, mptr, mnodes, node_t, node_k, trans_vals = P
-    nw, nwt = lay
-    c_size = 2 * nw + nwt
-    c_back = c_size + 1
-    c_tb = c_size + 2
-    c_kb = c_size + 3
-    c_blk = c_size + 4
+    c_tb, c_kb, c_blk = _columns(lay)
     K = R.shape[0]
     ts = np.empty(T + 1, dtype=np.int64)
     ms = np.empty(T + 1, dtype=np.int64)
@@ -372,34 +338,10 @@ def dense(P, budget, has_budget, tc, cap, T, bound, incumbent, off, t0, opt, src
             # tc: ΔT <= T(∂L'), so the best this pair can give is known early.
             if tc and t_hi + np.int64(R[j, c_tb]) + bound[j] < incumbent:
                 continue
-            # Proper superset within the slack? (see the module doc)
-            if R[j, c_size] <= R[i, c_size]:
+            ok, step = _step(P, i, j, keys[p], bi, slack, has_budget)
+            if not ok:
                 continue
-            miss = np.uint64(0)
-            for w in range(nw):
-                miss |= R[i, w] & ~R[j, w]
-            if miss != 0:
-                continue
-            step = keys[p] - bi + np.int64(R[j, c_back])
-            if has_budget and step > slack:
-                continue
-            if nwt > 0:
-                for w in range(nwt):
-                    x = R[j, 2 * nw + w] & ~R[i, 2 * nw + w]
-                    if x != 0:
-                        step += trans_vals[64 * w + _ctz(x)]
-                        break
-                if has_budget and step > slack:
-                    continue
-            d_t = np.int64(R[j, c_tb])
-            d_m = np.int64(R[j, c_kb])
-            for w in range(nw):
-                x = R[j, nw + w] & R[i, nw + w]
-                while x != 0:
-                    v = 64 * w + _ctz(x)
-                    d_t -= node_t[v]
-                    d_m -= node_k[v]
-                    x &= x - np.uint64(1)
+            d_t, d_m = _deltas(P, i, j)
             lim = INF
             if has_budget:
                 lim = budget - step

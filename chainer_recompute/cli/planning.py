@@ -3,7 +3,6 @@ least feasible one, in the total or the activations scope, and their
 memory timelines, gathered into the report (:func:`plan_report`)."""
 from __future__ import annotations
 
-import math
 import time
 from typing import Any, Dict, Optional, Tuple
 
@@ -97,34 +96,26 @@ def plan_report(graph: Any, budget: str, *, solver: str = "auto", strategy: str 
 
 def _plan_total(graph: Any, budget_bytes: Optional[int], solver: str, strategy: str,
                 progress: Any) -> Tuple[Any, Any, int, int, Dict[str, float]]:
-    from ..core.budget import MARGIN, BudgetSearch, plan_for_budget
+    from ..core.budget import plan_for_budget
     from ..core.errors import InfeasibleBudgetError
     times: Dict[str, float] = {}
-    if solver == "none":
-        t0 = time.perf_counter()
-        least = plan_for_budget(graph, "least", solver="none", strategy=strategy)
-        times["least"] = times["plan"] = time.perf_counter() - t0
-        need = int(least.budget_bytes)
-        peak = int(least.predicted_peak_bytes)
-        if budget_bytes is not None and budget_bytes < need:
-            return None, least, need, peak, times
-        return least, least, need, peak, times
     t0 = time.perf_counter()
     with progress.step(f"planning ({solver}/{strategy}): the least feasible budget"):
-        search = BudgetSearch(graph, solver, strategy)
-        _, plain_peak = search.vanilla()
-        least_bytes = search.least_budget()
-        least = search.least_plan()
+        least = plan_for_budget(graph, "least", solver=solver, strategy=strategy)
     times["least"] = time.perf_counter() - t0
-    if budget_bytes is None:
+    least_bytes = int(least.budget_bytes)
+    plain_peak = int(least.info["vanilla_peak_bytes"])
+    if budget_bytes is None or solver == "none":  # plain backprop: one plan for all budgets
         times["plan"] = times["least"]
+        if budget_bytes is not None and budget_bytes < least_bytes:
+            return None, least, least_bytes, plain_peak, times
         return least, least, least_bytes, plain_peak, times
     t0 = time.perf_counter()
     with progress.step(f"planning ({solver}/{strategy}) for {format_bytes(budget_bytes)}"):
         try:
-            plan = search.fit(budget_bytes)
-        except InfeasibleBudgetError:
-            return None, least, least_bytes, int(math.ceil(plain_peak / (1 - MARGIN))), times
+            plan = plan_for_budget(graph, budget_bytes, solver=solver, strategy=strategy)
+        except InfeasibleBudgetError as e:  # plain backprop's need, with the headroom
+            return None, least, least_bytes, int(e.vanilla_bytes), times
     times["plan"] = time.perf_counter() - t0
     return plan, least, least_bytes, plain_peak, times
 

@@ -54,42 +54,31 @@ def _columns(lay):
 
 
 @njit(cache=True, inline="always")
-def _step(P, i, j, key, bi, slack, has_budget):
-    """The transition from row ``i`` (block ``bi``) to row ``j`` (block
-    ``key``): ``(ok, step)``, where ``ok`` says that L_j is a proper
-    superset of L_i and (with ``has_budget``) that ``step <= slack``;
-    ``step`` is block(L') - block(L) + back(L') plus the largest transient
-    of L' \\ L (see the module doc). Inlined into every kernel."""
-    R, lay, all_rows, all_blk, vptr, vrows, vblk, mptr, mnodes, node_t, node_k, trans_vals = P
-    nw, nwt = lay
-    c_size = 2 * nw + nwt
+def _superset(R, nw, c_size, i, j):
+    """Whether row ``j``'s set is a proper superset of row ``i``'s."""
     if R[j, c_size] <= R[i, c_size]:
-        return False, np.int64(0)
+        return False
     miss = np.uint64(0)
     for w in range(nw):
         miss |= R[i, w] & ~R[j, w]
-    if miss != 0:
-        return False, np.int64(0)
-    step = key - bi + np.int64(R[j, c_size + 1])
-    if has_budget and step > slack:
-        return False, step
-    if nwt > 0:
-        for w in range(nwt):
-            x = R[j, 2 * nw + w] & ~R[i, 2 * nw + w]
-            if x != 0:
-                step += trans_vals[64 * w + _ctz(x)]
-                break
-        if has_budget and step > slack:
-            return False, step
-    return True, step
+    return miss == 0
 
 
 @njit(cache=True, inline="always")
-def _deltas(P, i, j):
+def _transient(R, nw, nwt, trans_vals, i, j):
+    """The largest transient of L_j \\ L_i (``nwt > 0``): the value of the
+    first node of that difference in transient-rank order."""
+    for w in range(nwt):
+        x = R[j, 2 * nw + w] & ~R[i, 2 * nw + w]
+        if x != 0:
+            return trans_vals[64 * w + _ctz(x)]
+    return trans_vals[0] * 0
+
+
+@njit(cache=True, inline="always")
+def _deltas(R, nw, nwt, node_t, node_k, i, j):
     """``(ΔT, ΔM)`` of the transition from row ``i`` to row ``j``: T and
     keep of ∂L' less those of ∂L' ∩ ∂L. Inlined into every kernel."""
-    R, lay, all_rows, all_blk, vptr, vrows, vblk, mptr, mnodes, node_t, node_k, trans_vals = P
-    nw, nwt = lay
     c_size = 2 * nw + nwt
     d_t = np.int64(R[j, c_size + 2])
     d_m = np.int64(R[j, c_size + 3])
@@ -132,6 +121,8 @@ def feasibility(P, budget, has_budget):
     """least[L]: the least retained memory reaching row L (INF when none),
     and the row it came from; the number of transitions tried."""
     R, lay, all_rows, all_blk, vptr, vrows, vblk, mptr, mnodes, node_t, node_k, trans_vals = P
+    nw, nwt = lay
+    c_size = 2 * nw + nwt
     c_tb, c_kb, c_blk = _columns(lay)
     K = R.shape[0]
     least = np.full(K, INF, dtype=np.int64)
@@ -149,10 +140,17 @@ def feasibility(P, budget, has_budget):
         bi = np.int64(R[i, c_blk])
         for p in range(lo, hi):
             j = rows[p]
-            ok, step = _step(P, i, j, keys[p], bi, slack, has_budget)
-            if not ok:
+            # Proper superset within the slack? (see the module doc)
+            if not _superset(R, nw, c_size, i, j):
                 continue
-            d_t, d_m = _deltas(P, i, j)
+            step = keys[p] - bi + np.int64(R[j, c_size + 1])
+            if has_budget and step > slack:
+                continue
+            if nwt > 0:
+                step += _transient(R, nw, nwt, trans_vals, i, j)
+                if has_budget and step > slack:
+                    continue
+            d_t, d_m = _deltas(R, nw, nwt, node_t, node_k, i, j)
             n += 1
             v = li + d_m
             if v < least[j]:
@@ -167,6 +165,8 @@ def capacity(P, budget):
     from L within the budget (-1 when it is not). A chain reaching L has
     kept at least ∂(L), so the slack out of L is at most budget - keep(∂L)."""
     R, lay, all_rows, all_blk, vptr, vrows, vblk, mptr, mnodes, node_t, node_k, trans_vals = P
+    nw, nwt = lay
+    c_size = 2 * nw + nwt
     c_tb, c_kb, c_blk = _columns(lay)
     K = R.shape[0]
     cap = np.full(K, -1, dtype=np.int64)
@@ -186,12 +186,19 @@ def capacity(P, budget):
             cj = cap[j]
             if cj <= best:  # min(.., cj - ΔM) cannot beat best (ΔM >= 0)
                 continue
-            ok, step = _step(P, i, j, keys[p], bi, slack, True)
-            if not ok:
+            # Proper superset within the slack? (see the module doc)
+            if not _superset(R, nw, c_size, i, j):
                 continue
+            step = keys[p] - bi + np.int64(R[j, c_size + 1])
+            if True and step > slack:
+                continue
+            if nwt > 0:
+                step += _transient(R, nw, nwt, trans_vals, i, j)
+                if True and step > slack:
+                    continue
             if budget - step <= best:
                 continue
-            d_t, d_m = _deltas(P, i, j)
+            d_t, d_m = _deltas(R, nw, nwt, node_t, node_k, i, j)
             val = cj - d_m
             if budget - step < val:
                 val = budget - step
@@ -209,6 +216,8 @@ def greedy(P, budget, has_budget, tc, cap, lam):
     feasible chain quickly, whose retained time bounds the optimum.
     Returns (t, m, src) per row."""
     R, lay, all_rows, all_blk, vptr, vrows, vblk, mptr, mnodes, node_t, node_k, trans_vals = P
+    nw, nwt = lay
+    c_size = 2 * nw + nwt
     c_tb, c_kb, c_blk = _columns(lay)
     K = R.shape[0]
     bt = np.full(K, -1, dtype=np.int64)
@@ -231,10 +240,17 @@ def greedy(P, budget, has_budget, tc, cap, lam):
             j = rows[p]
             if has_budget and cap[j] < m:
                 continue
-            ok, step = _step(P, i, j, keys[p], bi, slack, has_budget)
-            if not ok:
+            # Proper superset within the slack? (see the module doc)
+            if not _superset(R, nw, c_size, i, j):
                 continue
-            d_t, d_m = _deltas(P, i, j)
+            step = keys[p] - bi + np.int64(R[j, c_size + 1])
+            if has_budget and step > slack:
+                continue
+            if nwt > 0:
+                step += _transient(R, nw, nwt, trans_vals, i, j)
+                if has_budget and step > slack:
+                    continue
+            d_t, d_m = _deltas(R, nw, nwt, node_t, node_k, i, j)
             nm = m + d_m
             if has_budget and nm > cap[j]:
                 continue
@@ -281,6 +297,8 @@ def dense(P, budget, has_budget, tc, cap, T, bound, incumbent, off, t0, opt, src
     pushes, or -1 when the run stopped after ``max_pushes`` (> 0) pushes
     (the table is then partial)."""
     R, lay, all_rows, all_blk, vptr, vrows, vblk, mptr, mnodes, node_t, node_k, trans_vals = P
+    nw, nwt = lay
+    c_size = 2 * nw + nwt
     c_tb, c_kb, c_blk = _columns(lay)
     K = R.shape[0]
     ts = np.empty(T + 1, dtype=np.int64)
@@ -338,10 +356,17 @@ def dense(P, budget, has_budget, tc, cap, T, bound, incumbent, off, t0, opt, src
             # tc: ΔT <= T(∂L'), so the best this pair can give is known early.
             if tc and t_hi + np.int64(R[j, c_tb]) + bound[j] < incumbent:
                 continue
-            ok, step = _step(P, i, j, keys[p], bi, slack, has_budget)
-            if not ok:
+            # Proper superset within the slack? (see the module doc)
+            if not _superset(R, nw, c_size, i, j):
                 continue
-            d_t, d_m = _deltas(P, i, j)
+            step = keys[p] - bi + np.int64(R[j, c_size + 1])
+            if has_budget and step > slack:
+                continue
+            if nwt > 0:
+                step += _transient(R, nw, nwt, trans_vals, i, j)
+                if has_budget and step > slack:
+                    continue
+            d_t, d_m = _deltas(R, nw, nwt, node_t, node_k, i, j)
             lim = INF
             if has_budget:
                 lim = budget - step

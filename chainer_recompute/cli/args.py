@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "al.'s sqrt(n) (budget ignored); chen-greedy: Chen's budgeted greedy; "
                    "none: plain backprop")
     p.add_argument("--strategy", default="tc", choices=("tc", "mc"),
-                   help="tc: least recomputation; mc: least memory")
+                   help="tc: least recomputation; mc: coarsest blocks (most recomputation)")
     p.add_argument("--cost", default="measured", choices=("measured", "flops", "paper"),
                    help="cost model T_v for the solver")
     p.add_argument("--workspace", default=None, metavar="SIZE|auto",
@@ -138,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vanilla", action="store_true",
                    help="with --iterations: also run plain Chainer and measure it")
     p.add_argument("--check-gradients", action="store_true",
-                   help="compare one step's loss and gradients with plain backprop")
+                   help="compare the loss and gradients of two steps with plain backprop (the "
+                        "first records the graph, the second runs the plan)")
     p.add_argument("--device", default="@numpy",
                    help=f"Chainer device: {DEVICE_FORMS}")
     p.add_argument("--out", metavar="DIR",

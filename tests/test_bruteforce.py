@@ -1,6 +1,6 @@
 """The DPs against brute force on hundreds of small random DAGs.
 
-Brute force works from the definitions (PAPER.md §2-§3) on frozensets,
+Brute force works from the definitions (docs/paper.md §2-§3) on frozensets,
 independently of the library: every lower set by testing every subset,
 every strictly increasing chain ∅ ⊊ L_1 ⊊ ... ⊊ V, each with its paper-
 model peak and retained time.

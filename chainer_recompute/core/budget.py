@@ -4,7 +4,7 @@ Pure core: numpy only.
 
 Two scopes:
 
-- ``'activations'``: the paper's model (PAPER.md §3): the budget bounds the
+- ``'activations'``: the paper's model (docs/paper.md §3): the budget bounds the
   per-block formula over activations and their gradients; parameters,
   gradients, optimizer state and temporaries come on top. This is what the
   authors' solver does, kept to reproduce their tables and for graphs that

@@ -1,5 +1,5 @@
 """The DP over a family of lower sets, shared by the exact and the
-approximate solvers (PAPER.md §4-§6), under a memory model
+approximate solvers (docs/paper.md §4-§6), under a memory model
 (:class:`~chainer_recompute.core.memory_model.MemoryModel`, the paper's by
 default).
 

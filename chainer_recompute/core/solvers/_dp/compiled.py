@@ -27,9 +27,7 @@ CLOSURE_SHARE = 4
 
 #: The compiled tc DP guesses the optimum (see :func:`_run_compiled`) when
 #: its table has more than this many entries (below it, one run with the
-#: incumbent takes a few milliseconds: U-Net's and ResNet50's 77 k and
-#: 158 k entries, 30% faster without guesses; ResNet152's and DenseNet's
-#: 1.1 M, up to 2.6x faster with them), in steps of 1/GUESS_STEPS of the
+#: incumbent is cheaper than the guesses), in steps of 1/GUESS_STEPS of the
 #: interval left ...
 GUESS_MIN_TABLE = 500_000
 GUESS_STEPS = 32
@@ -123,10 +121,9 @@ def _run_compiled(family: LowerSetFamily, pairs: _Pairs, budget: Optional[int],
             and family.graph.n * CLOSURE_SHARE <= K):
         # An incumbent from the same DP on the rows that are ancestor
         # closures (the approximate DP's lower sets) alone, where they are
-        # a small part of the family: on U-Net at 1.25 x its least budget
-        # (62 of 331 rows) 176 in ~0.1 ms (optimum 197; the greedy run
-        # below finds 104), and the DP below then pushes ~4x less. On
-        # ResNet50 (176 nodes, 241 rows) it would cost about as much as the
+        # a small part of the family: it is usually far closer to the
+        # optimum than the greedy run's, so the DP below pushes less; where
+        # the closures are a large part it would cost about as much as the
         # DP itself.
         rows = _closure_rows(family)
         if rows is not None:
@@ -234,9 +231,8 @@ class _Table:
     the incumbent), at most the incumbent (mc); none for rows that cannot
     reach V (``cap < 0``). It is left uninitialised: the kernel fills a row
     when it first writes it and reads only rows written (touched), so rows
-    never reached cost no memory. Fresh memory costs ~0.5 ms per MB here
-    (page faults): on ResNet50 at its least budget the full K x (T + 1)
-    table took more time than the DP.
+    never reached cost no memory (and no page faults: a full K x (T + 1)
+    table can take longer to fault in than the DP takes to run).
     """
 
     def __init__(self, pairs: _Pairs, cap: np.ndarray, incumbent: int, tc: bool) -> None:

@@ -51,7 +51,7 @@ def _dense(pairs: _Pairs, budget: Optional[int], objective: str, least: np.ndarr
            cap: np.ndarray) -> DPResult:
     """The DP with one dense row per lower set: ``opt[L, t]`` is the least
     retained memory of a chain ending at ``L`` with retained time ``t``
-    (PAPER.md §4 verbatim); dominated entries of a row are skipped when it
+    (docs/paper.md §4 verbatim); dominated entries of a row are skipped when it
     is expanded."""
     K, T = pairs.K, pairs.total_t
     inf = np.iinfo(np.int64).max

@@ -95,7 +95,7 @@ class _Pairs:
         # The family's arrays, not the family: the family caches this object
         # (``family.cache['pairs']``), and a reference back would make a
         # cycle that only the cyclic garbage collector frees, keeping every
-        # array of a large lattice alive long after the solve (issue 11).
+        # array of a large lattice alive long after the solve.
         self.words = family.words
         self.bwords = family.boundary_words
         self.K = len(family)

@@ -1,7 +1,7 @@
 """Chain (RNN) policies: Gruslys et al.'s BPTT-HSM, -ISM and -MSM and
 Griewank's revolve, for a chain of ``t`` steps of one recurrent cell.
 
-The package's parts, one job each (see docs/paper.md, "Chains"):
+The package's parts, one job each (the recursions: docs/paper.md §7):
 
 - :mod:`.tables`: the checks of a chain problem and the policies' DP
   tables (cached, grown on demand);

@@ -30,6 +30,7 @@ from .tables import (HIDDEN, QUAD, ChainTable, bptt_hsm_table, chain_table, chec
 #: An operation: ``('advance', a, b)`` or ``(name, position)``.
 Op = Tuple
 
+
 def hsm_policy(t: int, m: int, ysplit: Optional[np.ndarray] = None) -> List[Tuple[int, int, int]]:
     """The BPTT-HSM recursion for a sequence of ``t`` steps and ``m``
     slots, as ``(offset, length, slots)`` of every subproblem that stores

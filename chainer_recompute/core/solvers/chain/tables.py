@@ -43,7 +43,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Tuple
 
 import numpy as np
 
@@ -416,28 +416,3 @@ def bptt_msm_table(t_max: int, m_max: int, alpha: int = 2) -> np.ndarray:
     hsm = _hsm_merge(t_max, m_max)[0]
     ism = _ism_merge(t_max, m_max, alpha)[0]
     return _msm_dp(t_max, m_max, alpha, hsm, ism)[0]
-
-
-def hsm_policy(t: int, m: int, ysplit: Optional[np.ndarray] = None) -> List[Tuple[int, int, int]]:
-    """The BPTT-HSM recursion for a sequence of ``t`` steps and ``m``
-    slots, as ``(offset, length, slots)`` of every subproblem that stores
-    a hidden state, in execution order: run ``y`` forward steps from the
-    start of the subproblem, store the state, solve the right part with
-    one slot less, then the left part.
-
-    >>> hsm_policy(4, 2)[0]
-    (0, 4, 2)
-    """
-    if ysplit is None:
-        _, ysplit = bptt_hsm_table(t, m)
-    out: List[Tuple[int, int, int]] = []
-    stack = [(0, t, m)]
-    while stack:
-        off, length, slots = stack.pop()
-        if length <= 1 or slots <= 1:
-            continue
-        y = int(ysplit[length, slots])
-        out.append((off, length, slots))
-        stack.append((off, y, slots))
-        stack.append((off + y, length - y, slots - 1))
-    return out

@@ -99,7 +99,7 @@ def test_infeasible_raises_with_least_budget() -> None:
     err = e.value
     assert err.least_feasible_bytes == 5 * 10 ** 9
     assert err.vanilla_bytes == 8 * 10 ** 9
-    assert "least feasible 5.00 GB" in str(err) and "'approx'" in str(err)
+    assert "least feasible 4.66 GiB" in str(err) and "'approx'" in str(err)
     p = solve(g, "1GB", solver="approx", raise_infeasible=False)
     assert not p.feasible and p.lower_sets == ()
 

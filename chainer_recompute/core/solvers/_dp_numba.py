@@ -356,17 +356,36 @@ def dense(P, budget, has_budget, tc, cap, T, bound, incumbent, off, t0, opt, src
             # tc: ΔT <= T(∂L'), so the best this pair can give is known early.
             if tc and t_hi + np.int64(R[j, c_tb]) + bound[j] < incumbent:
                 continue
-            # Proper superset within the slack? (see the module doc)
-            if not _superset(R, nw, c_size, i, j):
+            # Proper superset within the slack? (see the module doc; the
+            # predicates' bodies written out here: inlined, they made this
+            # kernel slower)
+            if R[j, c_size] <= R[i, c_size]:
+                continue
+            miss = np.uint64(0)
+            for w in range(nw):
+                miss |= R[i, w] & ~R[j, w]
+            if miss != 0:
                 continue
             step = keys[p] - bi + np.int64(R[j, c_size + 1])
             if has_budget and step > slack:
                 continue
             if nwt > 0:
-                step += _transient(R, nw, nwt, trans_vals, i, j)
+                for w in range(nwt):
+                    x = R[j, 2 * nw + w] & ~R[i, 2 * nw + w]
+                    if x != 0:
+                        step += trans_vals[64 * w + _ctz(x)]
+                        break
                 if has_budget and step > slack:
                     continue
-            d_t, d_m = _deltas(R, nw, nwt, node_t, node_k, i, j)
+            d_t = np.int64(R[j, c_tb])
+            d_m = np.int64(R[j, c_kb])
+            for w in range(nw):
+                x = R[j, nw + w] & R[i, nw + w]
+                while x != 0:
+                    v = 64 * w + _ctz(x)
+                    d_t -= node_t[v]
+                    d_m -= node_k[v]
+                    x &= x - np.uint64(1)
             lim = INF
             if has_budget:
                 lim = budget - step

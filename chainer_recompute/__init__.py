@@ -15,7 +15,7 @@ from ._compat import ensure_numpy_compat
 ensure_numpy_compat()  # before anything imports chainer (NumPy 2 machines)
 
 from .core.errors import (BudgetError, CaptureError, DistributedError,  # noqa: F401
-                          GraphChangedError, GraphError, GraphFormatError,
+                          GraphError, GraphFormatError,
                           InfeasibleBudgetError, LowerSetExplosionError, RecomputeError,
                           SchemaVersionError, UnknownSolverError, UnsafeRecomputeError)
 from .core.graph import ArrayInfo, Graph, HeldArray, Node  # noqa: F401

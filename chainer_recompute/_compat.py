@@ -19,9 +19,11 @@ forward/backward on NumPy 2.3 (Python 3.11 and 3.12):
 No other NumPy 2.0 removal (``float_``, ``complex_``, ``bool8``, ``product``,
 ``alltrue``, ``NaN``, ``asfarray``, ``find_common_type``, ...) is used by
 Chainer, so none is added: restoring names nobody reads would only hide
-mistakes in new code. (``chainer.functions.resize_images`` uses
-``numpy.float``, removed in NumPy 1.24, so it fails on NumPy 1.26 as well;
-that is not a NumPy 2 matter and is left alone.)
+mistakes in new code. ``chainer.functions.resize_images`` uses
+``numpy.float``, removed in NumPy 1.24 (so it fails on NumPy 1.26 as well):
+:func:`patch_resize_images`, applied once Chainer is imported
+(``chainer_recompute.runtime._chainer``), gives that one function a
+``numpy`` with ``float`` and leaves NumPy itself alone.
 
 Chainer also imports ``pkg_resources`` at run time (``_environment_check``);
 setuptools 81 removed it. Importing this module raises a clear

@@ -535,20 +535,3 @@ def compare(make_link: Any, x: Any, t: Any, configs: List[Dict[str, Any]],
         results.append(res)
     return results
 
-
-def format_results(results: List[RunResult]) -> str:
-    """A table with ratios against the first row (vanilla). The prediction
-    is the plan's simulated activation peak plus the parameter gradients,
-    which every iteration allocates."""
-    base = results[0]
-    lines = [f"{'run':<22} {'peak (iteration)':>18} {'ratio':>7} {'time/iter':>10} "
-             f"{'ratio':>7} {'predicted peak':>15} {'1st iter':>9}"]
-    for r in results:
-        grads = r.extra.get("state", {}).get("params", 0)
-        pred = ("" if r.plan is None
-                else format_bytes((r.plan.simulated_peak_bytes or 0) + grads))
-        lines.append(
-            f"{r.label:<22} {format_bytes(r.peak_bytes):>18} "
-            f"{r.peak_bytes / base.peak_bytes:>7.2f} {r.time_s:>9.3f}s "
-            f"{r.time_s / base.time_s:>7.2f} {pred:>15} {r.first_iteration_s:>8.2f}s")
-    return "\n".join(lines)

@@ -1,6 +1,6 @@
 """The DPs against brute force on hundreds of small random DAGs.
 
-Brute force works from the definitions (PAPER.md §2-§3) on frozensets,
+Brute force works from the definitions (docs/paper.md §2-§3) on frozensets,
 independently of the library: every lower set by testing every subset,
 every strictly increasing chain ∅ ⊊ L_1 ⊊ ... ⊊ V, each with its paper-
 model peak and retained time.
@@ -249,7 +249,7 @@ def test_compiled_guesses_match_numpy(seed: int, monkeypatch: pytest.MonkeyPatch
     """The compiled tc DP's guessed runs (which large tables take: a run
     with the incumbent stopped early, then guesses from the top) find the
     NumPy DP's optimum, forced here on small graphs."""
-    from chainer_recompute.core.solvers import _dp
+    from chainer_recompute.core.solvers._dp import compiled
     rng = random.Random(30_000 + seed)
     g = wide_dag(rng, rng.randint(10, 15))
     model = random_model(rng, g) if seed % 2 else None
@@ -258,8 +258,8 @@ def test_compiled_guesses_match_numpy(seed: int, monkeypatch: pytest.MonkeyPatch
     budgets = sorted({lo, lo + (hi - lo) // 8, int(lo * 1.25), (lo + hi) // 2})
     refs = {b: solve_exact(g, b, strategy="tc", model=model, engine="numpy") for b in budgets}
     for first in (1, 10**9):  # the incumbent's run stopped at once, or never
-        monkeypatch.setattr(_dp, "GUESS_MIN_TABLE", 0)
-        monkeypatch.setattr(_dp, "GUESS_FIRST_PUSHES", first)
+        monkeypatch.setattr(compiled, "GUESS_MIN_TABLE", 0)
+        monkeypatch.setattr(compiled, "GUESS_FIRST_PUSHES", first)
         for b in budgets:
             got = solve_exact(g, b, strategy="tc", model=model, engine="numba")
             assert got.feasible and got.predicted_peak_bytes <= b

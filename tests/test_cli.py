@@ -258,3 +258,17 @@ def test_batch_scaling_keeps_parameter_gradients():
     direct, _ = bench.dry_run_graph("resnet50", 8, small=True, capture_batch=8)
     assert scaled.backward_order == direct.backward_order
     assert replay(scaled).peak_bytes == pytest.approx(replay(direct).peak_bytes, rel=0.05)
+
+
+def test_help_and_readme_name_the_same_flags():
+    """Every option of the command is in the README's "## Command line"
+    table (by one of its names), and the table names no other."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("\n## Command line", 1)[1].split("\n## ", 1)[0]
+    first_cells = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `")]
+    readme = {m for cell in first_cells for m in re.findall(r"`(--?[a-z][a-z-]*)", cell)}
+    actions = [a for a in build_parser()._actions if a.option_strings and a.dest != "help"]
+    missing = [a.option_strings for a in actions if not readme & set(a.option_strings)]
+    known = {s for a in actions for s in a.option_strings}
+    assert missing == [], f"options the README's table lacks: {missing}"
+    assert readme <= known, f"flags in the README the command lacks: {sorted(readme - known)}"

@@ -177,9 +177,10 @@ def test_random_tape_save_restore_and_the_stream_after():
         b = fake.random.rand(5)
         RandomStates.restore(saved)
         assert np.array_equal(fake.random.rand(5), b)  # the same draw, again
-        with pytest.raises(cr.RecomputeError, match="other random numbers"):
+        with pytest.raises(cr.RecomputeError, match="other random numbers") as refused:
             RandomStates.restore(saved)
             fake.random.rand(6)
+        assert isinstance(refused.value, cr.UnsafeRecomputeError)
         rec.close()
         c = fake.random.rand(5)
     # plain Chainer's stream is unchanged: a, b, then c

@@ -99,7 +99,7 @@ def test_infeasible_raises_with_least_budget() -> None:
     err = e.value
     assert err.least_feasible_bytes == 5 * 10 ** 9
     assert err.vanilla_bytes == 8 * 10 ** 9
-    assert "least feasible 5.00 GB" in str(err) and "'approx'" in str(err)
+    assert "least feasible 4.66 GiB" in str(err) and "'approx'" in str(err)
     p = solve(g, "1GB", solver="approx", raise_infeasible=False)
     assert not p.feasible and p.lower_sets == ()
 
@@ -334,3 +334,14 @@ def test_closure_rows_finds_the_ancestor_closures(seed: int) -> None:
     some = LowerSetFamily.of_masks(g, masks[:-1:2] + [masks[-1]])
     if not set(ancestor_masks(g)) <= set(some.masks()):
         assert _closure_rows(some) is None
+
+
+def test_infeasible_message_in_binary_units():
+    """solve()'s error gives sizes in binary units, as everything else."""
+    import re
+    g = Graph.from_edges([3 << 30] * 3, [(0, 1), (1, 2)])
+    with pytest.raises(InfeasibleBudgetError) as e:
+        solve(g, "1G", solver="exact")
+    msg = str(e.value)
+    assert "1.00 GiB" in msg and "12.00 GiB" in msg and "18.00 GiB" in msg, msg
+    assert not re.search(r"\d (kB|MB|GB|TB)\b", msg), msg

@@ -4,7 +4,7 @@ Pure core: numpy only.
 
 Two scopes:
 
-- ``'activations'``: the paper's model (PAPER.md §3): the budget bounds the
+- ``'activations'``: the paper's model (docs/paper.md §3): the budget bounds the
   per-block formula over activations and their gradients; parameters,
   gradients, optimizer state and temporaries come on top. This is what the
   authors' solver does, kept to reproduce their tables and for graphs that
@@ -114,7 +114,6 @@ class BudgetSearch:
         self.model: MemoryModel = measured_model(graph)
         solver = resolve_solver(solver, graph, self.model)
         self.graph, self.solver, self.strategy = graph, solver, strategy
-        self.options = solver_options
         # The lower sets with the model's quantities, built once for every
         # budget tried (the DPs accept a prepared family).
         self.family: Optional[LowerSetFamily] = None

@@ -1,7 +1,7 @@
 """Time cost models T_v for graph nodes.
 
 - ``paper``: 10 for a function whose name starts with ``Conv``, 1 otherwise,
-  as the authors' solver did (PAPER.md §1).
+  as the authors' solver did (docs/paper.md §1).
 - ``flops``: floating-point operations estimated from shapes for the
   functions that dominate (convolutions, deconvolutions, linear, matmul);
   every other function costs the elements it reads and writes (it is

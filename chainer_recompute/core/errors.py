@@ -57,12 +57,9 @@ class CaptureError(RecomputeError):
     """A model could not be captured into a graph."""
 
 
-class GraphChangedError(RecomputeError):
-    """A model's graph changed between calls with the same input signature."""
-
-
 class UnsafeRecomputeError(RecomputeError):
-    """A function cannot be recomputed safely (randomness, side effects)."""
+    """A recomputation would not reproduce the first run: a step run again
+    drew other random numbers than the first time."""
 
 
 class DistributedError(RecomputeError):

@@ -5,7 +5,7 @@ Pure core: numpy and networkx only, never chainer.
 A :class:`Graph` holds the *arrays* of one forward pass (model inputs,
 parameters, intermediates, outputs) and its *nodes*, one per function
 application, with integer ids in topological (execution) order. In the
-paper's terms (PAPER.md §1) node ``v`` stands for the tensors its function
+paper's terms (docs/paper.md §1) node ``v`` stands for the tensors its function
 creates: ``M_v`` is the bytes of its outputs and ``T_v`` its cost under the
 chosen cost model. An edge ``u -> v`` means that ``v``'s function reads an
 output of ``u``. Model inputs and parameters are not nodes: they are always

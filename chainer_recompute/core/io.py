@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 from .errors import GraphError, GraphFormatError, SchemaVersionError
 from .graph import ArrayInfo, Graph, HeldArray, Node, _topological_order
 
-try:  # optional (the ``fast`` extra): reads the authors' attribute lines 4-5x faster
+try:  # optional (the ``fast`` extra): reads the authors' attribute lines faster
     from orjson import loads as _orjson_loads
 except ImportError:  # pragma: no cover - exercised where orjson is absent
     _orjson_loads = None
@@ -154,7 +154,7 @@ class _Lines:
 
 def load_authors_graph(path: PathLike) -> Graph:
     """Read a computational graph in the authors' text format
-    (pfnet-research/recompute, ``shared/graphs/README.md``).
+    (the ``cg_*.txt`` files of pfnet-research/recompute).
 
     Variables named ``_`` are intermediates, integers are model inputs and
     ``/...`` paths are parameters. Each ``forward`` record becomes a node;

@@ -1,4 +1,4 @@
-"""Lower sets of a computational graph (PAPER.md §2).
+"""Lower sets of a computational graph (docs/paper.md §2).
 
 Pure core: numpy only.
 
@@ -298,7 +298,7 @@ def enumerate_lower_sets(graph: Graph,
 
 
 def ancestor_closures(graph: Graph) -> List[int]:
-    """The approximate DP's family (PAPER.md §5): ∅, V and, for each node
+    """The approximate DP's family (docs/paper.md §5): ∅, V and, for each node
     v, L_v = {v} ∪ ancestors(v), without duplicates, as bitsets sorted by
     size then memory.
 

@@ -164,7 +164,7 @@ class Plan:
         lower_sets: L_1 ⊊ ... ⊊ L_k = V as frozensets of node ids; empty
             when infeasible.
         predicted_peak_bytes: peak under the memory model the plan was
-            solved with (the paper's by default, PAPER.md §3;
+            solved with (the paper's by default, docs/paper.md §3;
             ``info['memory_scope']`` names its scope); ``None`` when
             infeasible.
         simulated_peak_bytes: peak of the canonical schedule with liveness

@@ -17,10 +17,11 @@ from .units import format_bytes, format_bytes_up, parse_bytes
 __all__ = ["solve"]
 
 
-def _gb(nbytes: Optional[float], up: bool = False) -> str:
+def _size(nbytes: Optional[float], up: bool = False) -> str:
+    """A size in binary units (as every size the package prints)."""
     if nbytes is None:
         return "n/a"
-    return format_bytes_up(nbytes, binary=False) if up else format_bytes(nbytes, binary=False)
+    return format_bytes_up(nbytes) if up else format_bytes(nbytes)
 
 
 def solve(graph: Graph, budget: Union[str, int, float, None] = None, solver: str = "auto",
@@ -62,8 +63,9 @@ def solve(graph: Graph, budget: Union[str, int, float, None] = None, solver: str
     least = least_feasible_budget(graph, solver=solver, strategy=strategy, model=model)
     vanilla = vanilla_bytes(graph, model)
     raise InfeasibleBudgetError(
-        f"budget {_gb(budget_bytes)} is below the least feasible {_gb(least, up=True)} for this "
-        f"graph with solver {solver!r} (vanilla backpropagation needs {_gb(vanilla, up=True)} "
+        f"budget {_size(budget_bytes)} is below the least feasible {_size(least, up=True)} for "
+        f"this graph with solver {solver!r} (vanilla backpropagation needs "
+        f"{_size(vanilla, up=True)} "
         f"under the same "
         f"model); raise the budget, use solver='exact' if the graph allows it, or reduce the "
         f"batch size", budget_bytes=budget_bytes, least_feasible_bytes=least,

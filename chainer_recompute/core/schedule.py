@@ -4,7 +4,7 @@ liveness simulator that measures its memory.
 Pure core: numpy only.
 
 The *canonical schedule* of a strategy ∅ ⊊ L_1 ⊊ ... ⊊ L_k = V
-(PAPER.md §2), with V_i = L_i \\ L_{i-1} and U_i = ∂(L_i) ∩ V_i:
+(docs/paper.md §2), with V_i = L_i \\ L_{i-1} and U_i = ∂(L_i) ∩ V_i:
 
 - forward, i = 1..k: compute the nodes of V_i in topological order; the
   values of V_i \\ U_i are dropped (freed right after their last reader in
@@ -93,7 +93,7 @@ class SimResult:
 
 @dataclass(frozen=True)
 class StrategyCost:
-    """A strategy's costs under the paper's model (PAPER.md §3)."""
+    """A strategy's costs under the paper's model (docs/paper.md §3)."""
 
     peak_bytes: int
     overhead: float
@@ -108,7 +108,7 @@ def _masks(lower_sets: Sequence) -> List[int]:
 def strategy_cost(graph: Graph, lower_sets: Sequence,
                   model: Optional["MemoryModel"] = None) -> StrategyCost:
     """Peak memory and overhead of a strategy under a memory model
-    (PAPER.md §3; :class:`~.memory_model.MemoryModel`, the paper's by
+    (docs/paper.md §3; :class:`~.memory_model.MemoryModel`, the paper's by
     default):
 
         M^(i) = constant + Σ_{j<i} keep(U_j) + block(V_i) + above(A_i)

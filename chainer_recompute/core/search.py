@@ -1,4 +1,4 @@
-"""Searches over budgets and batch sizes (PAPER.md §6).
+"""Searches over budgets and batch sizes (docs/paper.md §6).
 
 Pure core: numpy only.
 """

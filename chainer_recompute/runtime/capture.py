@@ -54,7 +54,7 @@ from . import _chainer  # noqa: F401  (NumPy 2 compatibility before chainer)
 import chainer
 from chainer import backend
 
-from ..core.errors import CaptureError, GraphChangedError
+from ..core.errors import CaptureError
 from ..core.graph import ArrayInfo, Graph, HeldArray, Node
 from .device import Device, RandomStates, device_of
 
@@ -1058,4 +1058,4 @@ def first_variable(result: Any) -> Optional[chainer.Variable]:
 __all__ = ["Analysis", "Call", "Recorder", "analyse_function", "attribute_arrays",
            "batch_size_of", "capture", "fingerprint", "first_variable", "function_op",
            "leave_no_trace", "owner_of", "persistent_array_ids", "root_of", "same_array",
-           "state_bytes", "GraphChangedError"]
+           "state_bytes"]

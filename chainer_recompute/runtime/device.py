@@ -33,7 +33,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy
 
-from ..core.errors import RecomputeError
+from ..core.errors import RecomputeError, UnsafeRecomputeError
 from .memory import MemoryMeter
 
 __all__ = ["Device", "CupyDevice", "CPU", "device_of", "simulate", "RandomStates",
@@ -275,7 +275,7 @@ class RandomTape:
             if self.position < len(self._draws):
                 was, value = self._draws[self.position]
                 if was != key:
-                    raise RecomputeError(
+                    raise UnsafeRecomputeError(
                         f"a step run again drew other random numbers than the first time "
                         f"({key[0]}{key[1]} against {was[0]}{was[1]}): its random draws must "
                         f"not depend on anything but its inputs; make the step deterministic "

@@ -345,7 +345,7 @@ class Coordinator:
         if entry is None:
             return False
         if state == "plan":
-            return not _skips_planning(runner, entry)
+            return True
         if state == "record":
             return runner.capture_batch is not None and entry.calls == 1
         return False
@@ -527,16 +527,6 @@ class Coordinator:
         if key is None:
             key = self._keys[graph] = structure_key(structure_of(graph))
         return key
-
-
-def _skips_planning(runner: Any, entry: Any) -> bool:
-    """Runners up to 5560ebf ran a recorded forward that calls ``chainer.grad``
-    without recomputation and without planning (``solve_none`` in
-    ``_plan_pending``); later ones plan it as any other."""
-    if not getattr(entry.pending, "backward_during_forward", False):
-        return False
-    code = getattr(type(runner)._plan_pending, "__code__", None)
-    return code is not None and "solve_none" in code.co_names
 
 
 def _model_name(runner: Any) -> str:

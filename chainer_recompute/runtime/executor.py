@@ -494,7 +494,7 @@ class IterationHook(Recorder):
             vnode = ref()
             if (vnode is not None and vnode._data is not None
                     and not (k < len(out_ids) and out_ids[k] in self.returned)):
-                vnode._data = None  # keep shape and dtype (CHAINER_NOTES 2)
+                vnode._data = None  # keep shape and dtype (docs/chainer_internals.md §2)
                 outs.append(k)
         had_retained = f._retained_output_data is not None and bool(f._output_indexes_to_retain)
         if had_retained:

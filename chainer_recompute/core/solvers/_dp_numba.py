@@ -45,6 +45,53 @@ def _ctz(x):
     return _DEBRUIJN_TABLE[(low * _DEBRUIJN) >> np.uint64(58)]
 
 
+@njit(cache=True, inline="always")
+def _columns(lay):
+    """The record's columns of T(∂L), keep(∂L) and block(L)."""
+    nw, nwt = lay
+    c_size = 2 * nw + nwt
+    return c_size + 2, c_size + 3, c_size + 4
+
+
+@njit(cache=True, inline="always")
+def _superset(R, nw, c_size, i, j):
+    """Whether row ``j``'s set is a proper superset of row ``i``'s."""
+    if R[j, c_size] <= R[i, c_size]:
+        return False
+    miss = np.uint64(0)
+    for w in range(nw):
+        miss |= R[i, w] & ~R[j, w]
+    return miss == 0
+
+
+@njit(cache=True, inline="always")
+def _transient(R, nw, nwt, trans_vals, i, j):
+    """The largest transient of L_j \\ L_i (``nwt > 0``): the value of the
+    first node of that difference in transient-rank order."""
+    for w in range(nwt):
+        x = R[j, 2 * nw + w] & ~R[i, 2 * nw + w]
+        if x != 0:
+            return trans_vals[64 * w + _ctz(x)]
+    return trans_vals[0] * 0
+
+
+@njit(cache=True, inline="always")
+def _deltas(R, nw, nwt, node_t, node_k, i, j):
+    """``(ΔT, ΔM)`` of the transition from row ``i`` to row ``j``: T and
+    keep of ∂L' less those of ∂L' ∩ ∂L. Inlined into every kernel."""
+    c_size = 2 * nw + nwt
+    d_t = np.int64(R[j, c_size + 2])
+    d_m = np.int64(R[j, c_size + 3])
+    for w in range(nw):
+        x = R[j, nw + w] & R[i, nw + w]
+        while x != 0:
+            v = 64 * w + _ctz(x)
+            d_t -= node_t[v]
+            d_m -= node_k[v]
+            x &= x - np.uint64(1)
+    return d_t, d_m
+
+
 @njit(cache=True)
 def _window(P, i, slack, has_slack):
     """(use the node lists?, lo, hi): the candidate rows of row ``i``."""
@@ -76,10 +123,7 @@ def feasibility(P, budget, has_budget):
     R, lay, all_rows, all_blk, vptr, vrows, vblk, mptr, mnodes, node_t, node_k, trans_vals = P
     nw, nwt = lay
     c_size = 2 * nw + nwt
-    c_back = c_size + 1
-    c_tb = c_size + 2
-    c_kb = c_size + 3
-    c_blk = c_size + 4
+    c_tb, c_kb, c_blk = _columns(lay)
     K = R.shape[0]
     least = np.full(K, INF, dtype=np.int64)
     src = np.full(K, -1, dtype=np.int64)
@@ -97,33 +141,16 @@ def feasibility(P, budget, has_budget):
         for p in range(lo, hi):
             j = rows[p]
             # Proper superset within the slack? (see the module doc)
-            if R[j, c_size] <= R[i, c_size]:
+            if not _superset(R, nw, c_size, i, j):
                 continue
-            miss = np.uint64(0)
-            for w in range(nw):
-                miss |= R[i, w] & ~R[j, w]
-            if miss != 0:
-                continue
-            step = keys[p] - bi + np.int64(R[j, c_back])
+            step = keys[p] - bi + np.int64(R[j, c_size + 1])
             if has_budget and step > slack:
                 continue
             if nwt > 0:
-                for w in range(nwt):
-                    x = R[j, 2 * nw + w] & ~R[i, 2 * nw + w]
-                    if x != 0:
-                        step += trans_vals[64 * w + _ctz(x)]
-                        break
+                step += _transient(R, nw, nwt, trans_vals, i, j)
                 if has_budget and step > slack:
                     continue
-            d_t = np.int64(R[j, c_tb])
-            d_m = np.int64(R[j, c_kb])
-            for w in range(nw):
-                x = R[j, nw + w] & R[i, nw + w]
-                while x != 0:
-                    v = 64 * w + _ctz(x)
-                    d_t -= node_t[v]
-                    d_m -= node_k[v]
-                    x &= x - np.uint64(1)
+            d_t, d_m = _deltas(R, nw, nwt, node_t, node_k, i, j)
             n += 1
             v = li + d_m
             if v < least[j]:
@@ -140,10 +167,7 @@ def capacity(P, budget):
     R, lay, all_rows, all_blk, vptr, vrows, vblk, mptr, mnodes, node_t, node_k, trans_vals = P
     nw, nwt = lay
     c_size = 2 * nw + nwt
-    c_back = c_size + 1
-    c_tb = c_size + 2
-    c_kb = c_size + 3
-    c_blk = c_size + 4
+    c_tb, c_kb, c_blk = _columns(lay)
     K = R.shape[0]
     cap = np.full(K, -1, dtype=np.int64)
     cap[K - 1] = budget
@@ -163,35 +187,18 @@ def capacity(P, budget):
             if cj <= best:  # min(.., cj - ΔM) cannot beat best (ΔM >= 0)
                 continue
             # Proper superset within the slack? (see the module doc)
-            if R[j, c_size] <= R[i, c_size]:
+            if not _superset(R, nw, c_size, i, j):
                 continue
-            miss = np.uint64(0)
-            for w in range(nw):
-                miss |= R[i, w] & ~R[j, w]
-            if miss != 0:
-                continue
-            step = keys[p] - bi + np.int64(R[j, c_back])
+            step = keys[p] - bi + np.int64(R[j, c_size + 1])
             if True and step > slack:
                 continue
             if nwt > 0:
-                for w in range(nwt):
-                    x = R[j, 2 * nw + w] & ~R[i, 2 * nw + w]
-                    if x != 0:
-                        step += trans_vals[64 * w + _ctz(x)]
-                        break
+                step += _transient(R, nw, nwt, trans_vals, i, j)
                 if True and step > slack:
                     continue
             if budget - step <= best:
                 continue
-            d_t = np.int64(R[j, c_tb])
-            d_m = np.int64(R[j, c_kb])
-            for w in range(nw):
-                x = R[j, nw + w] & R[i, nw + w]
-                while x != 0:
-                    v = 64 * w + _ctz(x)
-                    d_t -= node_t[v]
-                    d_m -= node_k[v]
-                    x &= x - np.uint64(1)
+            d_t, d_m = _deltas(R, nw, nwt, node_t, node_k, i, j)
             val = cj - d_m
             if budget - step < val:
                 val = budget - step
@@ -211,10 +218,7 @@ def greedy(P, budget, has_budget, tc, cap, lam):
     R, lay, all_rows, all_blk, vptr, vrows, vblk, mptr, mnodes, node_t, node_k, trans_vals = P
     nw, nwt = lay
     c_size = 2 * nw + nwt
-    c_back = c_size + 1
-    c_tb = c_size + 2
-    c_kb = c_size + 3
-    c_blk = c_size + 4
+    c_tb, c_kb, c_blk = _columns(lay)
     K = R.shape[0]
     bt = np.full(K, -1, dtype=np.int64)
     bm = np.full(K, INF, dtype=np.int64)
@@ -237,33 +241,16 @@ def greedy(P, budget, has_budget, tc, cap, lam):
             if has_budget and cap[j] < m:
                 continue
             # Proper superset within the slack? (see the module doc)
-            if R[j, c_size] <= R[i, c_size]:
+            if not _superset(R, nw, c_size, i, j):
                 continue
-            miss = np.uint64(0)
-            for w in range(nw):
-                miss |= R[i, w] & ~R[j, w]
-            if miss != 0:
-                continue
-            step = keys[p] - bi + np.int64(R[j, c_back])
+            step = keys[p] - bi + np.int64(R[j, c_size + 1])
             if has_budget and step > slack:
                 continue
             if nwt > 0:
-                for w in range(nwt):
-                    x = R[j, 2 * nw + w] & ~R[i, 2 * nw + w]
-                    if x != 0:
-                        step += trans_vals[64 * w + _ctz(x)]
-                        break
+                step += _transient(R, nw, nwt, trans_vals, i, j)
                 if has_budget and step > slack:
                     continue
-            d_t = np.int64(R[j, c_tb])
-            d_m = np.int64(R[j, c_kb])
-            for w in range(nw):
-                x = R[j, nw + w] & R[i, nw + w]
-                while x != 0:
-                    v = 64 * w + _ctz(x)
-                    d_t -= node_t[v]
-                    d_m -= node_k[v]
-                    x &= x - np.uint64(1)
+            d_t, d_m = _deltas(R, nw, nwt, node_t, node_k, i, j)
             nm = m + d_m
             if has_budget and nm > cap[j]:
                 continue
@@ -312,10 +299,7 @@ def dense(P, budget, has_budget, tc, cap, T, bound, incumbent, off, t0, opt, src
     R, lay, all_rows, all_blk, vptr, vrows, vblk, mptr, mnodes, node_t, node_k, trans_vals = P
     nw, nwt = lay
     c_size = 2 * nw + nwt
-    c_back = c_size + 1
-    c_tb = c_size + 2
-    c_kb = c_size + 3
-    c_blk = c_size + 4
+    c_tb, c_kb, c_blk = _columns(lay)
     K = R.shape[0]
     ts = np.empty(T + 1, dtype=np.int64)
     ms = np.empty(T + 1, dtype=np.int64)
@@ -372,7 +356,9 @@ def dense(P, budget, has_budget, tc, cap, T, bound, incumbent, off, t0, opt, src
             # tc: ΔT <= T(∂L'), so the best this pair can give is known early.
             if tc and t_hi + np.int64(R[j, c_tb]) + bound[j] < incumbent:
                 continue
-            # Proper superset within the slack? (see the module doc)
+            # Proper superset within the slack? (see the module doc; the
+            # predicates' bodies written out here: inlined, they made this
+            # kernel slower)
             if R[j, c_size] <= R[i, c_size]:
                 continue
             miss = np.uint64(0)
@@ -380,7 +366,7 @@ def dense(P, budget, has_budget, tc, cap, T, bound, incumbent, off, t0, opt, src
                 miss |= R[i, w] & ~R[j, w]
             if miss != 0:
                 continue
-            step = keys[p] - bi + np.int64(R[j, c_back])
+            step = keys[p] - bi + np.int64(R[j, c_size + 1])
             if has_budget and step > slack:
                 continue
             if nwt > 0:

@@ -1,4 +1,4 @@
-"""The approximate DP over the ancestor-closure family (PAPER.md §5).
+"""The approximate DP over the ancestor-closure family (docs/paper.md §5).
 
 Pure core: numpy only.
 """

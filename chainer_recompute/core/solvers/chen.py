@@ -1,5 +1,5 @@
 """Baselines: vanilla backpropagation and Chen et al.'s checkpointing
-(PAPER.md §7), as the authors implemented them.
+(docs/paper.md §7), as the authors implemented them.
 
 Pure core: numpy only.
 """

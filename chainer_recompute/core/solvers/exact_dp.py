@@ -1,4 +1,4 @@
-"""The exact DP over every lower set (PAPER.md §4), exhaustive.
+"""The exact DP over every lower set (docs/paper.md §4), exhaustive.
 
 Pure core: numpy only.
 """

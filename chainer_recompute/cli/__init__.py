@@ -1,0 +1,167 @@
+"""The command line: plan recomputation for a network (or a saved graph),
+show what it saves, and optionally run and measure it.
+
+::
+
+    chainer-recompute --model resnet152 --budget 8G --dry-run
+    chainer-recompute --model resnet50 --small --batch-size 8 --iterations 3 --vanilla
+    chainer-recompute --graph cg_unet.txt --solver exact --budget 6GB
+    chainer-recompute plot out/report.json
+
+(``.venv/bin/python scripts/run_schedule.py`` is the same command without
+installing.) Sizes are binary throughout: ``8G`` is 8 GiB, as a GPU's
+memory is counted; ``8GB`` is 8·10^9 bytes. Bad input exits with code 2
+and one line naming the problem and the accepted forms (``-v`` adds the
+traceback); errors of the library (:class:`~chainer_recompute.core.errors.RecomputeError`)
+exit the same way.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shlex
+import sys
+import traceback
+from typing import Any, Callable, Optional, Sequence
+
+from .args import (EXIT_USAGE, PROG, UsageError, _argv_of, _join_negative_values, _one_line,
+                   _Parser, _prepare_out, _workspace, build_parser)
+from .planning import plan_report
+from .report import _draw, _next_command, _write_json, format_report
+from .runs import _check_gradients, _run_iterations
+from .source import _load_graph, _record_model
+
+logger = logging.getLogger(__name__)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the command line; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "plot":
+        return plot_main(argv[1:])
+    verbose = "-v" in argv or "--verbose" in argv
+    from ..core.errors import RecomputeError
+    restore_logging = None
+    try:
+        args = build_parser().parse_args(_join_negative_values(argv))
+        restore_logging = _configure_logging(args.verbose)
+        return _run(args)
+    except UsageError as e:
+        return _fail(e, verbose, EXIT_USAGE)
+    except RecomputeError as e:
+        return _fail(e, verbose, EXIT_USAGE)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - a bug: one line unless -v
+        return _fail(f"{type(e).__name__}: {e} (a bug? run with -v for the traceback)",
+                     verbose, 1)
+    finally:
+        if restore_logging is not None:
+            restore_logging()
+
+
+def _fail(error: Any, verbose: bool, code: int) -> int:
+    if verbose and isinstance(error, BaseException):
+        traceback.print_exception(type(error), error, error.__traceback__)
+    elif verbose and sys.exc_info()[0] is not None:
+        traceback.print_exc()
+    print(f"{PROG}: error: {_one_line(error)}", file=sys.stderr)
+    return code
+
+
+def _configure_logging(verbose: bool) -> Callable[[], None]:
+    """Route the library's log to stderr for this run; returns the function
+    that puts the caller's configuration back (main() called from Python
+    leaves the process's logging as it found it)."""
+    root = logging.getLogger("chainer_recompute")
+    saved = (root.level, root.propagate)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    root.addHandler(handler)
+    root.propagate = False
+    root.setLevel(logging.INFO if verbose else logging.WARNING)
+
+    def restore() -> None:
+        root.removeHandler(handler)
+        root.setLevel(saved[0])
+        root.propagate = saved[1]
+    return restore
+
+
+# ------------------------------------------------------------------ run
+def _run(args: argparse.Namespace) -> int:
+    from ..progress import Progress
+    if args.graph and (args.iterations or args.check_gradients):
+        raise UsageError("--iterations and --check-gradients need --model (a saved graph "
+                         "cannot be run)")
+    if args.dry_run and (args.iterations or args.check_gradients):
+        raise UsageError("--dry-run plans only; drop it to run --iterations or "
+                         "--check-gradients")
+    if args.vanilla and not args.iterations:
+        raise UsageError("--vanilla runs plain Chainer beside the plan during --iterations; "
+                         "add --iterations N")
+    out_dir = _prepare_out(args.out) if args.out else None
+    progress = Progress(enabled=not args.quiet)
+    if args.graph:
+        graph, source = _load_graph(args)
+    else:
+        graph, source = _record_model(args, progress)
+    if args.save_graph:
+        from ..core.io import save_graph
+        save_graph(graph, args.save_graph)
+    scope = args.budget_scope or source.pop("default_scope", "total")
+    source.pop("default_scope", None)
+    subject = (f"{args.model} at batch {source['batch_size']}" if not args.graph
+               else os.path.basename(args.graph))
+    report = plan_report(graph, args.budget, solver=args.solver, strategy=args.strategy,
+                         workspace=_workspace(args),
+                         scope=scope, progress=progress, subject=subject)
+    report["source"] = source
+    report["command"] = " ".join([PROG] + [shlex.quote(a) for a in _argv_of(args)])
+    if args.check_gradients:
+        same = _check_gradients(args, report)
+        report["gradients_identical"] = same
+    if args.iterations:
+        report["runs"] = _run_iterations(args, report, progress)
+    report["next_command"] = _next_command(args, report)
+    print(format_report(report))
+    if args.json:
+        _write_json(report, args.json)
+    if out_dir is not None:
+        _write_json(report, os.path.join(out_dir, "report.json"))
+        written = _draw(report, out_dir)
+        print(f"wrote {os.path.join(out_dir, 'report.json')}"
+              + "".join(f", {p}" for p in written))
+    if args.check_gradients and not report["gradients_identical"]:
+        return 1
+    return 0
+
+
+# ---------------------------------------------------------------- plot
+def plot_main(argv: Sequence[str]) -> int:
+    """``chainer-recompute plot REPORT.json [--out DIR]``: redraw
+    memory.png and schedule.png from a report."""
+    verbose = "-v" in argv or "--verbose" in argv
+    p = _Parser(prog=f"{PROG} plot",
+                description="Redraw memory.png and schedule.png from a report.json written "
+                            "by --out or --json.")
+    p.add_argument("report", metavar="REPORT.json")
+    p.add_argument("--out", metavar="DIR", help="where to write the PNGs (default: the "
+                                                 "report's folder)")
+    p.add_argument("-v", "--verbose", action="store_true")
+    from ..plotting import MissingMatplotlib, ReportError, draw_report, load_report
+    try:
+        args = p.parse_args(list(argv))
+        report = load_report(args.report)
+        out = _prepare_out(args.out) if args.out else (os.path.dirname(args.report) or ".")
+        for path in draw_report(report, out):
+            print(f"wrote {path}")
+        return 0
+    except (UsageError, ReportError, MissingMatplotlib) as e:
+        return _fail(e, verbose, EXIT_USAGE)
+    except Exception as e:  # noqa: BLE001
+        return _fail(f"{type(e).__name__}: {e} (a bug? run with -v for the traceback)",
+                     verbose, 1)
+

@@ -1,0 +1,181 @@
+"""The command's planning: plain backprop, the plan for the budget and the
+least feasible one, in the total or the activations scope, and their
+memory timelines, gathered into the report (:func:`plan_report`)."""
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, Optional, Tuple
+
+from ..core.units import format_bytes, format_bytes_up, parse_bytes
+
+REPORT_VERSION = 1
+
+
+def plan_report(graph: Any, budget: str, *, solver: str = "auto", strategy: str = "tc",
+                scope: str = "total", progress: Any = None,
+                subject: str = "this graph", workspace: Any = None) -> Dict[str, Any]:
+    """Plan ``graph`` for ``budget`` (as typed, or ``'least'``) and gather
+    what the report shows: plain backprop, the plan, the least feasible
+    budget, and the memory timelines of both.
+
+    Raises:
+        InfeasibleBudgetError: the budget is below the least feasible one
+            (the message states it, in binary units).
+    """
+    from ..progress import Progress
+    from ..core.errors import InfeasibleBudgetError
+    from ..core.execution import ExecutionPlan
+    from ..core.replay import replay
+    progress = progress if progress is not None else Progress(enabled=False)
+    least_wanted = budget == "least"
+    budget_bytes = None if least_wanted else parse_bytes(budget)
+    with progress.step("replaying plain backprop"):
+        plain = replay(graph, None)
+    if scope == "total":
+        if workspace is not None:  # the convolutions' bound (--workspace)
+            from ..core.workspace import bounded_graph, plan_with_workspace
+            graph = (plan_with_workspace(graph, budget, "auto", solver=solver,
+                                         strategy=strategy)[1] if workspace == "auto"
+                     else bounded_graph(graph, workspace))
+        plan, least_plan, least_bytes, plain_peak, times = _plan_total(
+            graph, budget_bytes, solver, strategy, progress)
+    else:
+        plan, least_plan, least_bytes, plain_peak, times = _plan_activations(
+            graph, budget_bytes, solver, strategy, progress)
+    if plan is None:
+        raise InfeasibleBudgetError(
+            f"budget {budget} (= {format_bytes(budget_bytes)}) is below the least feasible "
+            f"{format_bytes_up(least_bytes)} for {subject} (solver {solver}, strategy "
+            f"{strategy}, scope {scope}; plain backprop needs {format_bytes_up(plain_peak)}); "
+            f"raise --budget to at least {_typed(least_bytes)}, or use --budget least",
+            budget_bytes=budget_bytes, least_feasible_bytes=least_bytes,
+            vanilla_bytes=plain_peak)
+
+    def timeline(p: Any) -> Any:
+        if p is None or not p.recompute or not p.lower_sets:
+            return plain
+        return replay(graph, ExecutionPlan(graph, p.lower_sets, frozenset(p.kept)))
+
+    with progress.step("replaying the plan"):
+        planned = timeline(plan)
+
+    def row(p: Any, solve_s: float, predicted: int, replayed: Any) -> Dict[str, Any]:
+        d = _plan_dict(p)
+        d.update(predicted_peak_bytes=int(predicted),
+                 saving_fraction=1.0 - predicted / plain_peak if plain_peak else 0.0,
+                 overhead_fraction=float(p.overhead_fraction or 0.0) if p.recompute else 0.0,
+                 n_blocks=p.n_blocks, solve_time_s=solve_s, n_dropped=len(p.dropped)
+                 if p.recompute else 0, recomputed_nodes=replayed.recomputed,
+                 replayed_peak_bytes=int(replayed.peak_bytes), peak_event=replayed.peak_event)
+        return d
+
+    plan_pred = planned.peak_bytes if scope == "total" else plan.predicted_peak_bytes
+    report: Dict[str, Any] = {
+        "schema": "chainer-recompute report", "version": REPORT_VERSION,
+        "graph": {"nodes": graph.n, "edges": len(graph.edges), "batch_size": graph.batch_size,
+                  "model": graph.meta.get("model"), "param_bytes": int(graph.param_bytes),
+                  "cost_model": graph.cost_model},
+        "budget": {"text": budget, "bytes": budget_bytes, "scope": scope, "solver": solver,
+                   "strategy": strategy},
+        "plain": {"predicted_peak_bytes": int(plain_peak),
+                  "replayed_peak_bytes": int(plain.peak_bytes), "peak_event": plain.peak_event},
+        "plan": row(plan, times["plan"], plan_pred, planned),
+        "least": None,
+        "timelines": {"plain": _timeline_dict(plain), "plan": _timeline_dict(planned)},
+        "schedule": _schedule_dict(graph, plan),
+    }
+    if least_plan is not None:
+        lp = timeline(least_plan) if least_plan is not plan else planned
+        lpred = lp.peak_bytes if scope == "total" else least_plan.predicted_peak_bytes
+        report["least"] = row(least_plan, times["least"], lpred, lp)
+        report["least"]["budget_bytes"] = int(least_bytes)
+    if least_wanted:
+        report["budget"]["bytes"] = int(least_bytes)
+    return report
+
+
+def _plan_total(graph: Any, budget_bytes: Optional[int], solver: str, strategy: str,
+                progress: Any) -> Tuple[Any, Any, int, int, Dict[str, float]]:
+    from ..core.budget import plan_for_budget
+    from ..core.errors import InfeasibleBudgetError
+    times: Dict[str, float] = {}
+    t0 = time.perf_counter()
+    with progress.step(f"planning ({solver}/{strategy}): the least feasible budget"):
+        least = plan_for_budget(graph, "least", solver=solver, strategy=strategy)
+    times["least"] = time.perf_counter() - t0
+    least_bytes = int(least.budget_bytes)
+    plain_peak = int(least.info["vanilla_peak_bytes"])
+    if budget_bytes is None or solver == "none":  # plain backprop: one plan for all budgets
+        times["plan"] = times["least"]
+        if budget_bytes is not None and budget_bytes < least_bytes:
+            return None, least, least_bytes, plain_peak, times
+        return least, least, least_bytes, plain_peak, times
+    t0 = time.perf_counter()
+    with progress.step(f"planning ({solver}/{strategy}) for {format_bytes(budget_bytes)}"):
+        try:
+            plan = plan_for_budget(graph, budget_bytes, solver=solver, strategy=strategy)
+        except InfeasibleBudgetError as e:  # plain backprop's need, with the headroom
+            return None, least, least_bytes, int(e.vanilla_bytes), times
+    times["plan"] = time.perf_counter() - t0
+    return plan, least, least_bytes, plain_peak, times
+
+
+def _plan_activations(graph: Any, budget_bytes: Optional[int], solver: str, strategy: str,
+                      progress: Any) -> Tuple[Any, Any, int, int, Dict[str, float]]:
+    from ..core.planner import solve
+    from ..core.search import least_feasible_budget, vanilla_bytes
+    times: Dict[str, float] = {}
+    plain_peak = int(vanilla_bytes(graph, None))
+    t0 = time.perf_counter()
+    with progress.step(f"planning ({solver}/{strategy}): the least feasible budget"):
+        least_bytes = int(least_feasible_budget(graph, solver=solver, strategy=strategy))
+        least = solve(graph, least_bytes, solver=solver, strategy=strategy,
+                      raise_infeasible=False)
+    times["least"] = time.perf_counter() - t0
+    if budget_bytes is None:
+        times["plan"] = times["least"]
+        return least, least, least_bytes, plain_peak, times
+    if budget_bytes < least_bytes:
+        return None, least, least_bytes, plain_peak, times
+    t0 = time.perf_counter()
+    with progress.step(f"planning ({solver}/{strategy}) for {format_bytes(budget_bytes)}"):
+        plan = solve(graph, budget_bytes, solver=solver, strategy=strategy,
+                     raise_infeasible=False)
+    times["plan"] = time.perf_counter() - t0
+    if not plan.feasible:
+        return None, least, least_bytes, plain_peak, times
+    return plan, least, least_bytes, plain_peak, times
+
+
+def _plan_dict(plan: Any) -> Dict[str, Any]:
+    d = {k: getattr(plan, k) for k in (
+        "solver", "strategy", "budget_bytes", "feasible", "predicted_peak_bytes",
+        "simulated_peak_bytes", "overhead", "overhead_fraction", "n_blocks", "solve_time_s",
+        "cost_model", "recompute")}
+    d["memory_scope"] = plan.info.get("memory_scope")
+    return d
+
+
+def _timeline_dict(result: Any) -> Dict[str, Any]:
+    return {"events": list(result.events), "memory_bytes": [int(v) for v in result.memory_bytes],
+            "peak_bytes": int(result.peak_bytes), "peak_event": result.peak_event,
+            "constant_bytes": int(result.constant_bytes)}
+
+
+def _schedule_dict(graph: Any, plan: Any) -> Dict[str, Any]:
+    block = [0] * graph.n
+    for b, nodes in enumerate(plan.blocks):
+        for v in nodes:
+            block[v] = b
+    kept = plan.kept if plan.recompute else frozenset(range(graph.n))
+    recomputed = sorted(v for v in range(graph.n) if v not in kept and graph.nodes[v].recomputable)
+    gone = set(recomputed)
+    return {"ops": [n.op for n in graph.nodes], "node_bytes": [int(b) for b in graph.node_bytes],
+            "block": block, "kept": [v for v in range(graph.n) if v not in gone],
+            "recomputed": recomputed,
+            "edges": [[int(u), int(v)] for u, v in graph.edges]}
+
+
+def _typed(nbytes: float) -> str:
+    """A size as one would type it back as a budget (rounded up)."""
+    return format_bytes_up(nbytes).replace(" ", "")

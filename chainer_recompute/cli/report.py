@@ -1,0 +1,182 @@
+"""What the command prints and writes: the report's lines, the next
+command to try, report.json and the figures."""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from typing import Any, Dict, List, Optional, Sequence
+
+from ..core.units import format_bytes, format_bytes_up
+from .args import PROG, UsageError, _argv_of
+from .planning import _typed
+
+
+def _pct(fraction: Optional[float]) -> str:
+    return "-" if fraction is None else f"{100 * fraction:.0f}%"
+
+
+def format_report(report: Dict[str, Any]) -> str:
+    """The lines the command prints: what was planned, the table, notes
+    and the next command."""
+    src = report.get("source", {})
+    g = report["graph"]
+    b = report["budget"]
+    lines = []
+    if "model" in src:
+        cap = src.get("capture") or {}
+        how = []
+        if cap.get("capture_batch") and cap["capture_batch"] != src["batch_size"]:
+            how.append(f"recorded at batch {cap['capture_batch']}, scaled")
+        if cap.get("input_sizes"):
+            how.append("input sizes " + ", ".join(str(s) for s in cap["input_sizes"])
+                       + " extrapolated")
+        took = f", {cap['capture_s']:.1f} s" if "capture_s" in cap else ""
+        lines.append(f"{src['model']}{' (small)' if src.get('small') else ''}, batch "
+                     f"{src['batch_size']}: {g['nodes']} functions, parameters "
+                     f"{format_bytes(g['param_bytes'])}"
+                     + (f" ({'; '.join(how)}{took})" if how else f" (recorded{took})"))
+    else:
+        lines.append(f"{src.get('graph', 'graph')}: {g['nodes']} functions, batch "
+                     f"{g['batch_size']}"
+                     + (" (the authors' format)" if src.get("format") == "authors" else ""))
+    what = ("the whole iteration: parameters, gradients, optimizer state, activations, "
+            "temporaries" if b["scope"] == "total" else
+            "activations and their gradients (the paper's model); parameters, their "
+            "gradients, optimizer state and temporaries come on top")
+    budget = (f"least (= {format_bytes(b['bytes'])}, the least feasible)" if b["text"] == "least"
+              else f"{b['text']} (= {format_bytes(b['bytes'])})")
+    lines.append(f"budget {budget} for {what}; solver {b['solver']}, strategy {b['strategy']}")
+    lines.append("")
+    runs = {r["label"]: r for r in report.get("runs", [])}
+    measured = bool(runs)
+    head = ["", "peak (predicted)"] + (["peak (measured)"] if measured else []) + \
+        ["saving", "recompute", "blocks", "solve"] + (["time/iter"] if measured else [])
+    rows = []
+    plain = report["plain"]
+    vanilla = runs.get("vanilla")
+
+    def meas(run: Optional[Dict[str, Any]]) -> List[str]:
+        if not measured:
+            return []
+        return [format_bytes(run["measured_peak_bytes"]) if run and run.get(
+            "measured_peak_bytes") is not None else "-"]
+
+    def tcol(run: Optional[Dict[str, Any]]) -> List[str]:
+        if not measured:
+            return []
+        if not run:
+            return ["-"]
+        text = f"{run['time_s']:.3f} s"
+        if vanilla and run is not vanilla and vanilla["time_s"]:
+            text += f" ({100 * (run['time_s'] / vanilla['time_s'] - 1):+.0f}%)"
+        return [text]
+
+    rows.append(["plain backprop", format_bytes(plain["predicted_peak_bytes"])] + meas(vanilla)
+                + ["-", "0%", "1", "-"] + tcol(vanilla))
+    plan = report["plan"]
+    label = "plan at the least feasible budget" if b["text"] == "least" else f"plan for {b['text']}"
+    rows.append([label, format_bytes(plan["predicted_peak_bytes"])] + meas(None)
+                + [_pct(plan["saving_fraction"]), _pct(plan["overhead_fraction"])
+                   if plan["recompute"] else "0%",
+                   str(plan["n_blocks"]), f"{plan['solve_time_s']:.2f} s"] + tcol(None))
+    for name, run in runs.items():
+        rp = run.get("plan")
+        if name == "vanilla" or not rp:
+            continue
+        pred = rp.get("predicted_peak_bytes")
+        saving = (1.0 - pred / plain["predicted_peak_bytes"]
+                  if pred and plain["predicted_peak_bytes"] else None)
+        rows.append([f"  as run ({name})", format_bytes(pred) if pred else "-"] + meas(run)
+                    + [_pct(saving), _pct(rp.get("overhead_fraction")) if rp.get("recompute")
+                       else "0%", str(rp.get("n_blocks")), f"{rp.get('solve_time_s') or 0:.2f} s"]
+                    + tcol(run))
+    least = report.get("least")
+    if least is not None and b["text"] != "least":
+        rows.append([f"least feasible ({format_bytes_up(least['budget_bytes'])})",
+                     format_bytes(least["predicted_peak_bytes"])] + (["-"] if measured else [])
+                    + [_pct(least["saving_fraction"]), _pct(least["overhead_fraction"])
+                       if least["recompute"] else "0%", str(least["n_blocks"]),
+                       f"{least['solve_time_s']:.2f} s"] + (["-"] if measured else []))
+    widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
+    for r in [head] + rows:
+        lines.append("  ".join(c.ljust(widths[0]) if i == 0 else c.rjust(widths[i])
+                               for i, c in enumerate(r)).rstrip())
+    lines.append("")
+    lines.append("saving: against plain backprop's predicted peak; recompute: extra forward "
+                 f"work in % of one forward ({g['cost_model']} costs)")
+    if not plan["recompute"]:
+        lines.append(f"plain backprop fits in {b['text']}: the plan recomputes nothing.")
+    if b["scope"] == "activations":
+        lines.append(f"the whole iteration, replayed: plain backprop "
+                     f"{format_bytes(plain['replayed_peak_bytes'])}, the plan "
+                     f"{format_bytes(plan['replayed_peak_bytes'])} (--budget-scope total "
+                     f"bounds that figure)")
+    if measured:
+        lines.append("as run: the plan apply() made from its own recording of the model "
+                     "(first iteration recorded, second planned), measured over the later ones; "
+                     "plain backprop over all but the first")
+    if "gradients_identical" in report:
+        lines.append(f"loss and gradients identical to plain backprop: "
+                     f"{report['gradients_identical']}")
+    if report.get("next_command"):
+        lines.append(f"next: {report['next_command']}")
+    return "\n".join(lines)
+
+
+def _next_command(args: argparse.Namespace, report: Dict[str, Any]) -> str:
+    base = [PROG] + [a for a in _argv_of(args)]
+    plan, least = report["plan"], report.get("least")
+
+    def cmd(replace_budget: Optional[str] = None, extra: Sequence[str] = ()) -> str:
+        argv = list(base)
+        if replace_budget is not None:
+            i = argv.index("--budget")
+            argv[i + 1] = replace_budget
+        return " ".join(shlex.quote(a) for a in argv + list(extra))
+
+    if args.iterations:
+        budget = report["budget"]["text"]
+        if budget == "least":
+            budget = _typed(report["budget"]["bytes"])
+        return (f"in a training script: model = chainer_recompute.apply(model, "
+                f"budget={budget!r}) (PrintReport can show chainer_recompute.extensions."
+                f"RecomputeReport's keys)")
+    if not plan["recompute"] and least is not None and least["recompute"]:
+        dry = ["--dry-run"] if args.dry_run else []
+        return (f"{cmd(_typed(least['budget_bytes']), dry)}   # the least feasible budget: "
+                f"{_pct(least['saving_fraction'])} less than plain backprop")
+    if args.graph:
+        return cmd(extra=["--out", "plan"]) + "   # memory.png and schedule.png"
+    run = ["--iterations", "3", "--vanilla"]
+    if not args.small and args.model not in ("mlp",):
+        run = ["--small", "--batch-size", "4"] + run
+        return (cmd(extra=run) + "   # measure the plan on the reduced network "
+                "(the full one is slow on a CPU)")
+    return cmd(extra=run) + "   # measure the plan against plain Chainer"
+
+
+def _write_json(report: Dict[str, Any], path: str) -> None:
+    try:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1, default=_json_default)
+    except OSError as e:
+        raise UsageError(f"cannot write {path} ({e.strerror})") from None
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    if hasattr(value, "item"):
+        return value.item()
+    return str(value)
+
+
+def _draw(report: Dict[str, Any], out_dir: str) -> List[str]:
+    from ..plotting import MissingMatplotlib, draw_report
+    try:
+        return draw_report(report, out_dir)
+    except MissingMatplotlib as e:
+        print(f"note: {e}", file=sys.stderr)
+        return []

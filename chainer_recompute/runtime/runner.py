@@ -642,14 +642,14 @@ class Recompute:
 
     def _plan_when_backward_ends(self, entry: _Entry, hook: IterationHook,
                                  link: Optional[chainer.Link]) -> None:
-        """When the model keeps the recorded graph in its attributes (a loss
-        link's ``self.loss``), plan as soon as the recorded backward has run
-        every function, still inside it: the graph then lives into the next
-        call, where the planner's own memory would come on top of it in the
-        first planned iteration, which the budget bounds; the recorded
-        iteration runs as plain Chainer and is not under the budget.
-        Otherwise the next call plans (the graph is gone by then). An error
-        is raised at the next call."""
+        """Plan as soon as the recorded backward has run every function,
+        still inside it: the recorded iteration runs as plain Chainer and is
+        not under the budget, so the planner's own memory lands there and
+        not in the first planned iteration, which the budget bounds. When
+        the model keeps the recorded graph in its attributes (a loss link's
+        ``self.loss``), that graph, which lives into the next call, then
+        releases what the plan drops. Without a Link to plan for, the next
+        call plans. An error is raised at the next call."""
         link_ref = weakref.ref(link) if link is not None else None
         before = hook.on_backward_done
 
@@ -662,16 +662,17 @@ class Recompute:
             if rec is not h or entry.error is not None:
                 return
             lk = link_ref() if link_ref is not None else None
-            if lk is None or not _keeps_graph(lk, h):
+            if lk is None:
                 return
             try:
                 s = self._plan_recorded(entry, lk)
             except Exception as e:  # noqa: BLE001 - not from inside the user's backward
                 entry.error = e
                 return
-            # the graph lives into the next step: it holds no more than a
-            # planned one from now on
-            h.release_as_planned(s.program)
+            if _keeps_graph(lk, h):
+                # the graph lives into the next step: it holds no more than
+                # a planned one from now on
+                h.release_as_planned(s.program)
         hook.on_backward_done = plan
 
     def _recorded(self, entry: _Entry, link: Optional[chainer.Link]) -> "_Recording":

@@ -38,7 +38,14 @@ def _keeps_graph(link: chainer.Link, hook: Any) -> bool:
 class PlanningMixin:
     """The :class:`~.Recompute` methods that make its plans."""
 
-    def _solve(self, graph: Graph) -> Any:
+    # ------------------------------------------- public: for a coordinator
+    def solve(self, graph: Graph) -> Any:
+        """``graph`` solved here, for this runner's budget and options (what
+        a coordinator's root calls; :meth:`plan` asks the coordinator).
+
+        Raises:
+            InfeasibleBudgetError: the budget cannot be met (said once on
+                the report logger while a training call would raise)."""
         from ...core.budget import plan_for_budget
         budget: Any = "least" if self.budget_least else self.budget_bytes
         try:
@@ -80,16 +87,48 @@ class PlanningMixin:
                                        strategy=self.strategy, scope=self.budget_scope,
                                        exact=self.workspace_exact, **self.solver_options)[1]
         except InfeasibleBudgetError:
-            return bounded_graph(graph, None)  # _solve reports it
+            return bounded_graph(graph, None)  # solve reports it
 
+    def plan(self, graph: Graph) -> Any:
+        """A plan for ``graph``: solved here, or, with a coordinator, the
+        one it gives (``coordinator.plan(graph, self.solve)``)."""
+        return (self.solve(graph) if self.coordinator is None
+                else self.coordinator.plan(graph, self.solve))
+
+    def planned_graphs(self) -> List[Graph]:
+        """The graph of every planned structure of every signature (each
+        once), most recently used signature last."""
+        seen: Dict[int, Graph] = {}
+        for entry in self._entries.values():
+            for s in entry.structures:
+                seen.setdefault(id(s.graph), s.graph)
+        return list(seen.values())
+
+    def adopt(self, graph: Graph, plan: Any, *, replacing: Graph) -> None:
+        """Run ``plan`` (made elsewhere, for ``graph``: a coordinator's
+        collective re-plan) in place of every structure planned for
+        ``replacing`` (one of :meth:`planned_graphs`); ``graph`` is
+        ``replacing`` with other measurements (a correction)."""
+        for entry in list(self._entries.values()):
+            for s in list(entry.structures):
+                if s.graph is not replacing:
+                    continue
+                entry.structures.remove(s)
+                self._add(entry, graph, s.program.param_refs, s.program.multi_backward,
+                          time.perf_counter(), plan=plan, adopted=True)
+
+    # ------------------------------------------------------------ plans
     def _add(self, entry: _Entry, graph: Graph, param_refs: Dict[int, Any],
              multi_backward: bool, t0: float, plan: Any = None,
-             backward_known: bool = False) -> _Structure:
-        if plan is None:
+             backward_known: bool = False, adopted: bool = False) -> _Structure:
+        """A new structure of ``entry`` (first), for ``graph`` and ``plan``
+        (None: planned now; ``adopted``: a plan made elsewhere for ``graph``
+        before its workspace bound)."""
+        if plan is None or adopted:
             if self.workspace is not None:  # the convolutions' bound, chosen with the plan
                 graph = self._bound(graph)
-            plan = (self._solve(graph) if self.coordinator is None
-                    else self.coordinator.plan(graph, self._solve))
+            if plan is None:
+                plan = self.plan(graph)
         program = Program(graph, plan.lower_sets, frozenset(plan.kept), param_refs=param_refs)
         program.multi_backward = multi_backward
         program.backward_known = backward_known

@@ -86,7 +86,10 @@ class Recompute(PlanningMixin, MeteringMixin):
             (``state``: ``'record'``, ``'capture'``, ``'plan'``, ``'run'`` or
             ``'plain'``; ``'plan'`` and ``'capture'`` calls call
             ``coordinator.plan`` exactly once before the forward).
-            See :mod:`chainer_recompute.runtime.distributed`.
+            A coordinator uses the runner through :meth:`solve`, :meth:`plan`,
+            :meth:`call_state`, :meth:`plans_before_forward`,
+            :meth:`planned_graphs` and :meth:`adopt` only. See
+            :mod:`chainer_recompute.runtime.distributed`.
         verbose: print one line when the first plan is made (through the
             ``chainer_recompute.report`` logger, visible by default);
             warnings and errors are printed either way.
@@ -229,6 +232,32 @@ class Recompute(PlanningMixin, MeteringMixin):
             self._entries.move_to_end(sig)
         return entry
 
+    @staticmethod
+    def signature(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Hashable:
+        """The input signature of a call with ``args`` and ``kwargs``: each
+        signature has plans of its own (see :mod:`.signatures`)."""
+        return _signature(args, kwargs)
+
+    def call_state(self, signature: Hashable) -> Optional[str]:
+        """What the training call in progress with ``signature`` does:
+        ``'plain'`` (runs plain Chainer), ``'plan'`` (plans its recorded
+        iteration, then runs under the plan), ``'run'`` (runs under a
+        plan), ``'capture'`` (the first call with ``capture_batch``: plans
+        from a separate capture first) or ``'record'`` (runs plainly while
+        its graph is recorded); None for a signature it has not seen."""
+        entry = self._entries.get(signature)
+        if entry is None:
+            return None
+        return ("plain" if entry.plain else "plan" if entry.pending is not None
+                else "run" if entry.structures
+                else "capture" if self.capture_batch is not None and entry.calls == 1
+                else "record")
+
+    def plans_before_forward(self, signature: Hashable) -> bool:
+        """Whether the training call in progress with ``signature`` calls
+        :meth:`plan` (so ``coordinator.plan``) before its forward."""
+        return self.call_state(signature) in ("plan", "capture")
+
     def plan_for(self, *args: Any, **kwargs: Any) -> Any:
         """The plan for these inputs: the current one, or one made now from
         a separate capture that leaves no trace."""
@@ -255,11 +284,7 @@ class Recompute(PlanningMixin, MeteringMixin):
         entry.calls += 1
         entry.batch = batch_size_of(args, kwargs)
         if self.coordinator is not None:
-            state = ("plain" if entry.plain else "plan" if entry.pending is not None
-                     else "run" if entry.structures
-                     else "capture" if self.capture_batch is not None and entry.calls == 1
-                     else "record")
-            self.coordinator.on_call(self, sig, state)
+            self.coordinator.on_call(self, sig, self.call_state(sig))
         if entry.plain:
             self.last_stats = IterationStats(path="plain")
             return self.fn(*args, **kwargs)

@@ -329,7 +329,7 @@ class PlanningMixin:
         if (self.budget_scope != "total" or self.workspace is not None
                 or self.coordinator is not None):
             return None
-        from ...core.budget import MARGIN
+        from ...core.budget import limit_of
         from ...core.execution import ExecutionPlan
         from ...core.replay import replay
         planned = [e for e in self._entries.values()
@@ -347,7 +347,7 @@ class PlanningMixin:
             if budget is None:
                 continue
             peak = replay(graph, ep).peak_bytes
-            if peak <= budget * (1 - MARGIN):
+            if peak <= limit_of(budget):
                 info = dict(s.plan.info, reused_from=list(e.dims))
                 return dataclasses.replace(s.plan, predicted_peak_bytes=int(peak),
                                            budget_bytes=budget, info=info)
@@ -457,7 +457,7 @@ class PlanningMixin:
         iteration, a GAN's generator graph, else ``checkpoints``). In the
         activations scope: ``all`` for such a graph, ``checkpoints`` where it
         costs no peak."""
-        from ...core.budget import MARGIN
+        from ...core.budget import limit_of
         from ...core.replay import replay
         budget = s.plan.budget_bytes
         modes = ["all", "checkpoints"] if s.program.multi_backward else ["checkpoints"]
@@ -472,8 +472,7 @@ class PlanningMixin:
                 s.program.release_mode = "checkpoints"
         else:
             for mode in modes:
-                if replay(s.graph, s.program, release_mode=mode).peak_bytes <= \
-                        budget * (1 - MARGIN):
+                if replay(s.graph, s.program, release_mode=mode).peak_bytes <= limit_of(budget):
                     s.program.release_mode = mode
                     break
         s.program.release_mode_decided = s.program.multi_backward

@@ -13,9 +13,7 @@ from .. import _chainer  # noqa: F401
 import chainer
 
 from ...core.errors import InfeasibleBudgetError
-from ...core.units import format_bytes
 from ..executor import IterationHook, IterationStats
-from .log import report
 from .state import _Entry, _Structure
 
 if TYPE_CHECKING:
@@ -280,20 +278,17 @@ class MeteringMixin:
 
     def _check(self, entry: _Entry, s: _Structure, stats: IterationStats,
                measured: int) -> None:
-        budget = s.plan.budget_bytes
-        if self.budget_scope != "total" or budget is None or measured <= budget:
+        """A peak over the budget (total scope): the memory model corrected
+        by what the plan missed, and the structure planned again."""
+        if self.budget_scope != "total":
             return
-        excess = int(measured - (s.plan.predicted_peak_bytes or 0))
-        if not self._warned_over:
-            self._warned_over = True
-            report.warning(
-                "the measured peak %s is over the budget %s (predicted %s); "
-                "correcting the memory model by %s and planning again",
-                format_bytes(measured), format_bytes(budget),
-                format_bytes(s.plan.predicted_peak_bytes or 0), format_bytes(max(excess, 0)))
+        correction = self._correction.overshoot(measured, s.plan.budget_bytes,
+                                                s.plan.predicted_peak_bytes)
+        if not correction:
+            return
         graph = s.graph
         meta = dict(graph.meta)
-        meta["correction_bytes"] = int(meta.get("correction_bytes", 0)) + max(excess, 1)
+        meta["correction_bytes"] = int(meta.get("correction_bytes", 0)) + correction
         graph = graph.replace(meta=meta)
         t0 = time.perf_counter()
         entry.structures.remove(s)

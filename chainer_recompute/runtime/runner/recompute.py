@@ -12,6 +12,7 @@ import chainer
 from ...core.errors import InfeasibleBudgetError, RecomputeError
 from ...core.units import format_bytes, parse_bytes
 from ..capture import batch_size_of
+from ..correction import Correction
 from ..executor import IterationHook, IterationStats
 from ..workspace import bounded
 from .log import logger, report
@@ -191,7 +192,7 @@ class Recompute(PlanningMixin, MeteringMixin):
             on_infeasible=on_infeasible, **solver_options)
         self.verbose = verbose
         self.coordinator = coordinator
-        self._warned_over = False
+        self._correction = Correction(report)  # a measured overshoot: warned once
         self._reported_plan = False
         self._reported_infeasible = False
         self._said_unsafe: set = set()  # unsafe-function warnings given (one each)

@@ -63,7 +63,9 @@ class Recompute(PlanningMixin, MeteringMixin):
             with repeated layers or steps, else ``approx``), ``hier``,
             ``approx``, ``exact``, ``chen``, ``chen-greedy`` or ``none``
             (plain Chainer).
-        strategy: ``tc`` (least recomputation) or ``mc`` (least memory).
+        strategy: ``tc`` (least recomputation) or ``mc`` (coarsest blocks:
+            the most recomputation, each array dropped early; see
+            docs/algorithm.md).
         cost: cost model for the solver: ``measured`` (profiled times),
             ``flops`` or ``paper``.
         max_plans: how many input signatures keep their plans.

@@ -264,7 +264,7 @@ class Recompute(PlanningMixin, MeteringMixin):
     def plan_for(self, *args: Any, **kwargs: Any) -> Any:
         """The plan for these inputs: the current one, or one made now from
         a separate capture that leaves no trace."""
-        entry = self._entry(_signature(args, kwargs))
+        entry = self._entry(self.signature(args, kwargs))
         if entry.pending is not None:
             self._plan_pending(entry, args, kwargs)
         if not entry.structures and not self._plan_separately(entry, args, kwargs):
@@ -280,7 +280,7 @@ class Recompute(PlanningMixin, MeteringMixin):
         # The previous iteration (its update included) is over: checked
         # before anything else runs (planning's memory is in no iteration).
         self._close_step()
-        sig = _signature(args, kwargs)
+        sig = self.signature(args, kwargs)
         entry = self._entry(sig)
         if entry.error is not None:
             self._infeasible(entry, entry.error)  # raises, or runs this signature plainly

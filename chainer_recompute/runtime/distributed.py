@@ -77,7 +77,7 @@ import logging
 import pickle
 import time
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 from ..core.errors import RecomputeError
 from ..core.graph import Graph
@@ -188,6 +188,34 @@ def _add_note(exc: BaseException, note: str) -> BaseException:
     return exc
 
 
+class _CallMessage(NamedTuple):
+    """What each rank tells the others at a training call (allgathered)."""
+
+    model: str  # the applied model's name
+    options: str  # its planning options (see _options_digest)
+    state: str  # the runner's call state (Recompute.call_state)
+    will_plan: bool  # whether this call plans before its forward
+    signature: str  # a digest of the call's input signature
+    corrections: Dict[str, int]  # structure key -> correction bytes measured here
+    call: int  # this rank's count of training calls
+
+
+class _Solved(NamedTuple):
+    """The root's plan for one structure (broadcast in a round)."""
+
+    plan: Any
+    structure: Tuple[Any, ...]  # what it was made for (structure_of)
+    correction: int  # the correction bytes it was solved with
+
+
+class _Failed(NamedTuple):
+    """The root could not plan one structure (broadcast in a round): raised
+    on every rank."""
+
+    error: BaseException
+    ranks: List[int]  # the ranks whose graph it was
+
+
 class _Graph:
     """A graph with its structure and key, computed once."""
 
@@ -257,7 +285,6 @@ class Coordinator:
         self._plans: "collections.OrderedDict[str, Tuple[Any, int]]" = collections.OrderedDict()
         self._corrections: Dict[str, _Graph] = {}  # over-budget graphs waiting for a round
         self._expect: Optional[int] = None  # id of the runner whose next plan() is collective
-        self._preset: Optional[Any] = None  # plan handed to runner._add in a correction
         self._keys: "weakref.WeakKeyDictionary[Graph, str]" = weakref.WeakKeyDictionary()
 
     def __reduce__(self) -> Any:
@@ -281,34 +308,31 @@ class Coordinator:
         every rank: agree on what every rank is about to do."""
         self.calls += 1
         self._expect = None  # an expectation left by a call that raised before planning
-        will_plan = self._will_plan(runner, signature, state)
+        will_plan = state == "capture" or runner.plans_before_forward(signature)
         corrections = {k: int(g.graph.meta.get("correction_bytes", 0))
                        for k, g in self._corrections.items()}
-        mine = (_model_name(runner), _options_digest(runner), state, will_plan,
-                hashlib.sha1(repr(signature).encode()).hexdigest()[:12], corrections,
-                self.calls)
+        mine = _CallMessage(_model_name(runner), _options_digest(runner), state, will_plan,
+                            hashlib.sha1(repr(signature).encode()).hexdigest()[:12],
+                            corrections, self.calls)
         t0 = time.perf_counter()
         everyone = self._allgather(mine)
         self.sync_s += time.perf_counter() - t0
         self._check_agreement(everyone)
-        if any(m[5] for m in everyone):
+        if any(m.corrections for m in everyone):
             self._correction_round(runner, everyone)
-        planners = [r for r, m in enumerate(everyone) if m[3]]
+        planners = [r for r, m in enumerate(everyone) if m.will_plan]
         if planners:
             logger.debug("rank %d: ranks %s plan in this call (states %s)", self.rank,
-                         planners, [m[2] for m in everyone])
+                         planners, [m.state for m in everyone])
             if will_plan:
                 self._expect = id(runner)  # plan() takes part in the round
             else:
-                self._round({}, runner._solve, planners)
+                self._round({}, runner.solve, planners)
 
     def plan(self, graph: Graph, solve: Callable[[Graph], Any]) -> Any:
         """Called by the runner instead of ``solve(graph)``: the root's plan
         for this graph's structure."""
         runner = getattr(solve, "__self__", None)
-        if self._preset is not None:
-            plan, self._preset = self._preset, None
-            return plan
         g = _Graph(graph)
         self._keys[graph] = g.key
         if self._expect is not None and (runner is None or self._expect == id(runner)):
@@ -333,35 +357,18 @@ class Coordinator:
         return plan
 
     # ------------------------------------------------------- decisions
-    @staticmethod
-    def _will_plan(runner: Any, signature: Any, state: str) -> bool:
-        """Whether this call of the runner will call :meth:`plan` before its
-        forward (mirrors ``Recompute.__call__``): a recorded signature
-        (``'plan'``), or the first call with ``capture_batch`` (``'capture'``,
-        or ``'record'`` from runners that do not tell it apart)."""
-        if state == "capture":
-            return True
-        entry = runner._entries.get(signature)
-        if entry is None:
-            return False
-        if state == "plan":
-            return True
-        if state == "record":
-            return runner.capture_batch is not None and entry.calls == 1
-        return False
-
-    def _check_agreement(self, everyone: List[Any]) -> None:
-        names = {m[0] for m in everyone}
+    def _check_agreement(self, everyone: List[_CallMessage]) -> None:
+        names = {m.model for m in everyone}
         if len(names) > 1:
             raise DistributedError(
                 "the ranks are calling different applied models in the same step ("
-                + ", ".join(f"rank {r}: {m[0]}" for r, m in enumerate(everyone))
+                + ", ".join(f"rank {r}: {m.model}" for r, m in enumerate(everyone))
                 + "); every rank must make the same training calls")
-        options = {m[1] for m in everyone}
+        options = {m.options for m in everyone}
         if len(options) > 1:
             raise DistributedError(
                 "apply() options differ between ranks ("
-                + "; ".join(f"rank {r}: {m[1]}" for r, m in enumerate(everyone))
+                + "; ".join(f"rank {r}: {m.options}" for r, m in enumerate(everyone))
                 + "); give every rank the same budget, solver, strategy, cost and "
                   "capture_batch")
 
@@ -406,20 +413,20 @@ class Coordinator:
                 results = self._solve_all(mine, keys, received, solve)
                 pickle.dumps(results)  # what cannot travel must not stop the broadcast
             except Exception as e:
-                results = {"": ("error", _portable(e), everyone)}
+                results = {"": _Failed(_portable(e), everyone)}
         results = self._bcast(results)
-        failed = [(k, r) for k, r in results.items() if r[0] == "error"]
+        failed = [r for r in results.values() if isinstance(r, _Failed)]
         if failed:
-            key, (_, exc, ranks) = failed[0]
-            raise _add_note(exc, f"(planned collectively on rank {self.root} for the graph of "
-                                 f"rank(s) {ranks}; raised on every rank)")
+            raise _add_note(failed[0].error, f"(planned collectively on rank {self.root} for "
+                                             f"the graph of rank(s) {failed[0].ranks}; raised "
+                                             f"on every rank)")
         # every rank checks its graph against the structure of its plan
         verdict = None
         for k, g in mine.items():
             if k not in results:
                 verdict = f"rank {self.rank} got no plan for its graph from rank {self.root}"
                 continue
-            _, plan, structure, _ = results[k]
+            structure = results[k].structure
             if structure != g.structure:
                 verdict = (f"rank {self.rank}'s graph does not match the plan broadcast by "
                            f"rank {self.root} for its structure: "
@@ -429,9 +436,9 @@ class Coordinator:
         if bad:
             raise DistributedError("; ".join(bad))
         plans = {}
-        for k, (_, plan, _, correction) in results.items():
-            self._remember(k, plan, correction)
-            plans[k] = plan
+        for k, solved in results.items():
+            self._remember(k, solved.plan, solved.correction)
+            plans[k] = solved.plan
         self.last_round = {"planners": planners, "keys": [sorted(ks) for ks in keys],
                            "senders": dict(senders), "plans": plans}
         return plans
@@ -439,7 +446,8 @@ class Coordinator:
     def _solve_all(self, mine: Dict[str, _Graph], keys: List[Dict[str, int]],
                    received: List[Dict[str, Any]], solve: Callable[[Graph], Any]
                    ) -> Dict[str, Any]:
-        """On the root: solve each distinct structure once."""
+        """On the root: solve each distinct structure once (a _Solved or a
+        _Failed for each)."""
         graphs: Dict[str, _Graph] = dict(mine)
         results: Dict[str, Any] = {}
         holders: Dict[str, List[int]] = collections.defaultdict(list)
@@ -449,19 +457,19 @@ class Coordinator:
         for d in received:
             for k, gd in (d or {}).items():
                 if isinstance(gd, BaseException):
-                    results[k] = ("error", gd, holders[k])
+                    results[k] = _Failed(gd, holders[k])
                     continue
                 try:
                     graphs[k] = _Graph(graph_from_dict(gd, source=f"rank {holders[k][0]}"))
                 except Exception as e:
-                    results[k] = ("error", _portable(e), holders[k])
+                    results[k] = _Failed(_portable(e), holders[k])
         own = next(iter(mine.values()), None)
         for k in holders:
             if k in results:
                 continue
             g = graphs[k]
             if g.key != k:
-                results[k] = ("error", DistributedError(
+                results[k] = _Failed(DistributedError(
                     f"the graph sent by rank {holders[k][0]} has another structure than the "
                     f"digest it announced"), holders[k])
                 continue
@@ -482,9 +490,9 @@ class Coordinator:
             try:
                 plan = solve(graph)
                 self.solves += 1
-                results[k] = ("ok", plan, g.structure, correction)
+                results[k] = _Solved(plan, g.structure, correction)
             except Exception as e:
-                results[k] = ("error", _portable(e), holders[k])
+                results[k] = _Failed(_portable(e), holders[k])
         return results
 
     def _remember(self, key: str, plan: Any, correction: int) -> None:
@@ -493,34 +501,27 @@ class Coordinator:
         while len(self._plans) > self.MAX_PLANS:
             self._plans.popitem(last=False)
 
-    def _correction_round(self, runner: Any, everyone: List[Any]) -> None:
+    def _correction_round(self, runner: Any, everyone: List[_CallMessage]) -> None:
         """Some rank measured a peak over the budget: re-plan those
         structures with the largest correction and install the plans on
         every rank that has them."""
-        wanted = set().union(*(m[5] for m in everyone))
+        wanted = set().union(*(m.corrections for m in everyone))
         mine = {k: g for k, g in self._corrections.items() if k in wanted}
         self._corrections.clear()
-        self._round(mine, runner._solve, None)
+        self._round(mine, runner.solve, None)
         for key in wanted:
             plan, correction = self._plans[key]
             self._install(runner, key, plan, correction)
 
     def _install(self, runner: Any, key: str, plan: Any, correction: int) -> None:
         """Replace this runner's structures of ``key`` by ``plan``."""
-        for entry in list(runner._entries.values()):
-            for s in list(entry.structures):
-                if self._key_of(s.graph) != key:
-                    continue
-                graph = s.graph.replace(meta=dict(s.graph.meta, correction_bytes=correction),
-                                        backward_order=s.graph.backward_order)
-                self._keys[graph] = key
-                entry.structures.remove(s)
-                self._preset = plan
-                try:
-                    runner._add(entry, graph, s.program.param_refs, s.program.multi_backward,
-                                time.perf_counter())
-                finally:
-                    self._preset = None
+        for old in runner.planned_graphs():
+            if self._key_of(old) != key:
+                continue
+            graph = old.replace(meta=dict(old.meta, correction_bytes=correction),
+                                backward_order=old.backward_order)
+            self._keys[graph] = key
+            runner.adopt(graph, plan, replacing=old)
 
     def _key_of(self, graph: Graph) -> str:
         key = self._keys.get(graph)

@@ -1,0 +1,62 @@
+"""What a runner does when a measured step overshoots its budget: warn once
+(per runner), give the bytes by which its memory model is corrected, and
+let the runner plan again with them.
+
+The runner (:class:`~chainer_recompute.runtime.runner.Recompute`) adds the
+correction to its graph's ``correction_bytes`` and solves that graph again;
+``ChainRecompute`` adds it to its predictions and drops its cached plans.
+Both go through :meth:`Correction.overshoot`, so that the test, the amount
+and the warning are the same.
+
+>>> import logging
+>>> c = Correction(logging.getLogger("doctest"))
+>>> c.overshoot(measured=90, budget=100, predicted=80)   # within the budget
+0
+>>> c.overshoot(measured=130, budget=100, predicted=95)  # over it: by what was missed
+35
+>>> c.overshoot(measured=101, budget=100, predicted=120), c.warned  # at least one byte
+(1, True)
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from ..core.units import format_bytes
+
+
+class Correction:
+    """The overshoot check of one runner, which warns once.
+
+    Args:
+        log: where the warning goes (the runner's report logger).
+        prefix: put before the warning (the runner's name, ``'ChainRecompute: '``).
+        corrected: what the warning says is corrected (``'the memory
+            model'``, ``'the prediction'``).
+    """
+
+    def __init__(self, log: logging.Logger, *, prefix: str = "",
+                 corrected: str = "the memory model") -> None:
+        self.log = log
+        self.prefix = prefix
+        self.corrected = corrected
+        self.warned = False  # the warning has been given
+
+    def overshoot(self, measured: int, budget: Optional[int],
+                  predicted: Optional[int]) -> int:
+        """The bytes to add to the predictions after a step that measured
+        ``measured`` bytes under a plan that predicted ``predicted`` for
+        ``budget``: 0 when the step held the budget (or there is no byte
+        budget), else what the prediction missed, at least 1 (a correction
+        always plans again). The first overshoot warns; later ones do not."""
+        if budget is None or measured <= budget:
+            return 0
+        correction = max(int(measured - (predicted or 0)), 1)
+        if not self.warned:
+            self.warned = True
+            self.log.warning("%sthe measured peak %s is over the budget %s (predicted %s); "
+                             "correcting %s by %s and planning again", self.prefix,
+                             format_bytes(measured), format_bytes(budget),
+                             format_bytes(predicted or 0), self.corrected,
+                             format_bytes(correction))
+        return correction

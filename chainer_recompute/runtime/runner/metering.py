@@ -1,0 +1,303 @@
+"""Metering of one planned step: the model's own bytes at the call, the
+allocator's peak from the call to the end of its backward and on through
+the optimizer's update, and the check of that peak against the plan
+(a peak over the budget corrects the memory model and plans again)."""
+from __future__ import annotations
+
+import dataclasses
+import time
+import weakref
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+
+from .. import _chainer  # noqa: F401
+import chainer
+
+from ...core.errors import InfeasibleBudgetError
+from ..executor import IterationHook, IterationStats
+from .state import _Entry, _Structure
+
+if TYPE_CHECKING:
+    from .recompute import Recompute
+
+
+@dataclasses.dataclass(eq=False)
+class _OpenMeter:
+    """The measurement of one planned iteration, from the call to the end
+    of its backward, then (``tail``) on to the end of the optimizer's
+    update of the model's parameters (or the next call)."""
+
+    meter: Any  # a running MemoryMeter
+    entry: "_Entry"
+    stats: Any  # the iteration's IterationStats
+    hook: Any  # a weak reference to the iteration's IterationHook (it holds arrays)
+    own: int  # the model's bytes at the call (state, inputs, the previous graph)
+    level: int  # the meter's level then, those arrays counted
+    new_meter: Any  # makes a meter for the same device
+    tail: bool = False
+    structure: Any = None  # the structure it ran on (set at the end of the backward)
+    waiting: Any = None  # parameter ids whose update is still to come (tail)
+    level_total: Optional[int] = None  # CuPy: the pool's total bytes at the call
+    link_ref: Any = None  # a weak reference to the Link called
+    finalizer: Any = None  # stops the meter if the runner is freed first
+    # The call found the recorded (plain) iteration's graph still held (a
+    # loss link keeps it until its forward): measured, but not checked
+    # against the plan, which that graph is no part of.
+    after_recording: bool = False
+    watcher: Any = None  # the update watcher of a tail
+
+    def measured(self, absolute_peak_bytes: int) -> int:
+        """The model's bytes when the meter read ``absolute_peak_bytes``."""
+        return self.own + absolute_peak_bytes - self.level
+
+
+def _own_arrays(link: Optional[chainer.Link], arrays: List[Any]) -> List[Any]:
+    """The arrays a training call finds that belong to the model: its
+    parameters and their gradients, update-rule state, persistents, and the
+    call's array arguments."""
+    found: List[Any] = []
+
+    def add(a: Any) -> None:
+        if isinstance(a, chainer.Variable):
+            a = a.raw_array
+        if a is not None:
+            found.append(a)
+    if link is not None:
+        for p in link.params():
+            add(p.array)
+            add(p.grad)
+            rule = getattr(p, "update_rule", None)
+            for v in (getattr(rule, "state", None) or {}).values():
+                add(v)
+        for sub in link.links():
+            for name in getattr(sub, "_persistent", ()):
+                add(getattr(sub, name, None))
+    for x in arrays:
+        add(x)
+    return found
+
+
+def _graph_arrays(hook: Any) -> List[Any]:
+    """The arrays a previous iteration's graph still holds: what its
+    function nodes retain (inputs, outputs, attributes) and the arrays of
+    its outputs' live Variables."""
+    from ..capture import attribute_arrays
+    found: List[Any] = []
+    for call in hook.calls:
+        f = call.func()
+        if f is None:
+            continue
+        for node in list(f.inputs or ()) + [r() for r in (f.outputs or ())]:
+            if node is None:
+                continue
+            if node._data is not None:
+                found.append(node._data)
+            var = node.get_variable_or_none()
+            if var is not None and var.raw_array is not None:
+                found.append(var.raw_array)
+        found.extend(f._retained_output_data or ())
+        found.extend(a for _, _, a in attribute_arrays(f))
+    return found
+
+
+def _distinct_bytes(dev: Any, arrays: List[Any]) -> int:
+    """Bytes of ``arrays`` as the allocator holds them: each buffer once
+    (views count their base)."""
+    from ..capture import is_array, root_of
+    seen: set = set()
+    total = 0
+    for a in arrays:
+        if not is_array(a):
+            continue
+        r = root_of(a)
+        if id(r) in seen:
+            continue
+        seen.add(id(r))
+        total += dev.allocation_bytes(getattr(r, "nbytes", a.nbytes))
+    return total
+
+
+def _abandon(meter: Any) -> None:
+    """The runner was freed with a meter running: stop it (tracing off)."""
+    if getattr(meter, "_running", False):
+        meter.stop()
+
+
+def _update_targets(link_ref: Any) -> Optional[set]:
+    """The ids of the parameters an optimizer will update (those of the
+    iteration's Link with an update rule); None when the Link is not known
+    (a callable): then the tail lasts until the next call or until the
+    graph is freed."""
+    link = link_ref() if link_ref is not None else None
+    if link is None:
+        return None
+    return {id(p) for p in link.params() if getattr(p, "update_rule", None) is not None}
+
+
+def _watch_updates(runner: "Recompute", open_: _OpenMeter) -> None:
+    from ..executor import add_update_watcher
+    ref = weakref.ref(runner)
+
+    def updated(param: Any) -> bool:
+        """After each parameter update; True when done watching."""
+        r = ref()
+        if r is None or r._meter is not open_:
+            return True
+        open_.waiting.discard(id(param))
+        if not open_.waiting:
+            r._stop_meter()
+            return True
+        return False
+    open_.watcher = updated
+    add_update_watcher(updated)
+
+
+def _graph_died(runner_ref: Any, open_: _OpenMeter) -> None:
+    runner = runner_ref()
+    if runner is not None and runner._meter is open_:
+        runner._stop_meter()
+
+
+class MeteringMixin:
+    """The :class:`~.Recompute` methods that measure a planned step and
+    check it against its plan."""
+
+    _meter: Optional["_OpenMeter"] = None
+    _last_hook: Any = None  # a weak reference to the previous call's IterationHook
+
+    def _start_meter(self, entry: _Entry, hook: IterationHook, link: Optional[chainer.Link],
+                     args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        """Measure this iteration's peak, from the call to the end of its
+        backward, then on through the optimizer's update of the model's
+        parameters, while the plans of its signature still need checking
+        (on CuPy always: the pool's hook is cheap).
+
+        What is counted is this model's own iteration: the arrays it holds
+        at the call (parameters, gradients, optimizer state, persistents,
+        inputs, and the previous iteration's graph, which a loss link keeps
+        until its forward), counted by hand (on NumPy they were made before
+        tracing began, and are adopted by the tracing so that their frees
+        are seen; on CuPy the pool also holds other models' arrays), plus
+        what the allocator holds above its level at the call."""
+        from ..device import device_of
+        arrays = list(args) + list(kwargs.values())
+        dev = device_of(arrays)
+        if not dev.is_gpu and all(s.checked >= self.check_iterations
+                                  for s in entry.structures):
+            return
+        own = _own_arrays(link, arrays)
+        previous = self._last_hook() if self._last_hook is not None else None
+        held: List[Any] = []
+        if previous is not None and previous is not hook and (
+                previous.backward_done or previous.program is None):
+            # (a call whose backward is still to come, a discriminator's
+            # other batch, is another iteration's: not counted here)
+            held = _graph_arrays(previous)
+            own += held
+        meter = dev.meter()
+        meter.start()
+        dev.adopt(meter, own)
+        self._meter = _OpenMeter(meter, entry, hook.stats, weakref.ref(hook),
+                                 _distinct_bytes(dev, own), meter.current_bytes(), dev.meter,
+                                 link_ref=weakref.ref(link) if link is not None else None)
+        self._meter.after_recording = bool(held) and previous.recording
+        self._meter.finalizer = weakref.finalize(self, _abandon, meter)
+        hook.on_backward_done = lambda _hook: self._stop_meter(done=True)
+
+    def _close_step(self) -> None:
+        """The next call: the previous iteration is over; measure and check
+        what is left of it."""
+        if self._meter is not None:
+            self._stop_meter()
+
+    def _stop_meter(self, done: bool = False) -> None:
+        if self._meter is None:
+            return
+        open_, self._meter = self._meter, None
+        if open_.finalizer is not None:
+            open_.finalizer.detach()
+        if open_.watcher is not None:
+            from ..executor import remove_update_watcher
+            remove_update_watcher(open_.watcher)
+        stats = open_.stats
+        if open_.tail:
+            m = open_.meter.stop()
+            s = open_.structure
+            if s is None or s not in open_.entry.structures:
+                return
+            measured = open_.measured(m.absolute_peak_bytes)
+            total = None if m.total_peak_bytes is None or open_.level_total is None else \
+                open_.own + m.total_peak_bytes - open_.level_total
+            if measured > (stats.measured_peak_bytes or 0):
+                stats.measured_peak_bytes = int(measured)
+            if total is not None:
+                stats.measured_pool_total_bytes = int(max(
+                    total, measured, stats.measured_pool_total_bytes or 0))
+            if not open_.after_recording:
+                self._check(open_.entry, s, stats, max(measured, total or 0))
+            return
+        hook = open_.hook()
+        s = next((s for s in open_.entry.structures
+                  if hook is not None and s.program is hook.program), None)
+        tail = None
+        if done and stats.path == "planned" and s is not None:
+            # the rest of the iteration: the optimizer's update (the meter
+            # starts before this one stops, so that the tracing goes on)
+            waiting = _update_targets(open_.link_ref)
+            if waiting is None or waiting:
+                tail = open_.new_meter()
+                tail.start()
+        m = open_.meter.stop()
+        if not done or stats.path != "planned" or s is None:
+            return  # no backward, or the iteration left its plan: nothing to check
+        measured = open_.measured(m.absolute_peak_bytes)
+        if not open_.after_recording:
+            s.checked += 1
+        stats.measured_peak_bytes = int(measured)
+        stats.predicted_peak_bytes = s.plan.predicted_peak_bytes
+        stats.budget_bytes = s.plan.budget_bytes
+        if m.total_peak_bytes is not None:
+            # what the budget bounds on CuPy: the pool's blocks added for this
+            # iteration too (cached and split ones)
+            total = open_.own + m.total_peak_bytes - m.start_total_bytes - \
+                (open_.level - m.start_bytes)
+            measured = max(measured, total)
+            stats.measured_pool_total_bytes = int(measured)
+        if tail is not None:
+            self._meter = _OpenMeter(tail, open_.entry, stats, open_.hook, open_.own,
+                                     open_.level, open_.new_meter, tail=True, structure=s,
+                                     waiting=waiting, level_total=m.start_total_bytes,
+                                     link_ref=open_.link_ref,
+                                     after_recording=open_.after_recording)
+            self._meter.finalizer = weakref.finalize(self, _abandon, tail)
+            if waiting is not None:
+                _watch_updates(self, self._meter)
+            else:  # a callable's parameters are not known: to the next call
+                weakref.finalize(hook, _graph_died, weakref.ref(self), self._meter)
+        if not open_.after_recording:
+            self._check(open_.entry, s, stats, measured)
+
+    def _check(self, entry: _Entry, s: _Structure, stats: IterationStats,
+               measured: int) -> None:
+        """A peak over the budget (total scope): the memory model corrected
+        by what the plan missed, and the structure planned again."""
+        if self.budget_scope != "total":
+            return
+        correction = self._correction.overshoot(measured, s.plan.budget_bytes,
+                                                s.plan.predicted_peak_bytes)
+        if not correction:
+            return
+        graph = s.graph
+        meta = dict(graph.meta)
+        meta["correction_bytes"] = int(meta.get("correction_bytes", 0)) + correction
+        graph = graph.replace(meta=meta)
+        t0 = time.perf_counter()
+        entry.structures.remove(s)
+        if self._meter is not None and self._meter.structure is s:
+            self._meter.structure = None  # its tail is not checked against the old plan
+        try:
+            self._add(entry, graph, s.program.param_refs, s.program.multi_backward, t0,
+                      backward_known=s.program.backward_known)
+        except InfeasibleBudgetError as e:
+            # Not from inside the user's backward: at the next call, before
+            # anything runs.
+            entry.error = e

@@ -1,0 +1,508 @@
+"""Planning for a runner: solving a graph for the budget (under the
+workspace bound), plans from a recorded iteration, from a separate
+capture or from the shape family, and what the executor releases after
+a backward pass."""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import time
+import weakref
+from typing import Any, Dict, List, Optional, Tuple
+
+from .. import _chainer  # noqa: F401
+import chainer
+
+from ...core.errors import InfeasibleBudgetError
+from ...core.graph import Graph
+from ...core.units import format_bytes
+from ..capture import batch_size_of, leave_no_trace, state_bytes
+from ..executor import IterationHook, Program
+from .log import logger, report
+from .state import _Active, _Entry, _Recording, _Structure
+
+
+def _keeps_graph(link: chainer.Link, hook: Any) -> bool:
+    """Whether ``link`` (or a Link in it) keeps a Variable of the graph
+    ``hook`` recorded in an attribute (``L.Classifier``'s ``loss``, ``y``)."""
+    for sub in link.links():
+        for v in vars(sub).values():
+            if isinstance(v, chainer.Variable) and not isinstance(v, chainer.Parameter) \
+                    and v.node in hook.array_of:
+                return True
+    return False
+
+
+
+class PlanningMixin:
+    """The :class:`~.Recompute` methods that make its plans."""
+
+    # ------------------------------------------- public: for a coordinator
+    def solve(self, graph: Graph) -> Any:
+        """``graph`` solved here, for this runner's budget and options (what
+        a coordinator's root calls; :meth:`plan` asks the coordinator).
+
+        Raises:
+            InfeasibleBudgetError: the budget cannot be met (said once on
+                the report logger while a training call would raise)."""
+        from ...core.budget import plan_for_budget
+        budget: Any = "least" if self.budget_least else self.budget_bytes
+        try:
+            return plan_for_budget(graph, budget, solver=self.solver, strategy=self.strategy,
+                                   scope=self.budget_scope, **self.solver_options)
+        except InfeasibleBudgetError as e:
+            if not self._reported_infeasible and self._raising():
+                self._reported_infeasible = True
+                report.error("%s", e)
+            raise
+
+    def _raising(self) -> bool:
+        """Whether an infeasible budget raises from a training call now."""
+        return self.on_infeasible == "raise" or (self.on_infeasible == "auto"
+                                                 and not self._ran_planned)
+
+    def _infeasible(self, entry: _Entry, e: InfeasibleBudgetError) -> None:
+        """A training call's budget cannot be met: raise, or say so once and
+        run this signature plainly (see ``on_infeasible``)."""
+        if self._raising():
+            raise e
+        entry.plain, entry.pending, entry.error = True, None, None
+        entry.structures.clear()
+        level = logging.INFO if self._reported_infeasible else logging.WARNING
+        self._reported_infeasible = True
+        report.log(level, "%s; this input signature runs without recomputation, its peak "
+                   "not bounded by the budget (on_infeasible='raise' raises instead)", e)
+
+    def _bound(self, graph: Graph) -> Graph:
+        """``graph`` with its convolutions' transients under the workspace
+        bound (for ``'auto'``, the bound whose plan fits best)."""
+        from ...core.workspace import bounded_graph, plan_with_workspace
+        if self.workspace != "auto" or self.budget_scope != "total":
+            limit = None if self.workspace == "auto" else self.workspace
+            return bounded_graph(graph, limit, self.workspace_exact)
+        budget: Any = "least" if self.budget_least else self.budget_bytes
+        try:
+            return plan_with_workspace(graph, budget, "auto", solver=self.solver,
+                                       strategy=self.strategy, scope=self.budget_scope,
+                                       exact=self.workspace_exact, **self.solver_options)[1]
+        except InfeasibleBudgetError:
+            return bounded_graph(graph, None)  # solve reports it
+
+    def plan(self, graph: Graph) -> Any:
+        """A plan for ``graph``: solved here, or, with a coordinator, the
+        one it gives (``coordinator.plan(graph, self.solve)``)."""
+        return (self.solve(graph) if self.coordinator is None
+                else self.coordinator.plan(graph, self.solve))
+
+    def planned_graphs(self) -> List[Graph]:
+        """The graph of every planned structure of every signature (each
+        once), most recently used signature last."""
+        seen: Dict[int, Graph] = {}
+        for entry in self._entries.values():
+            for s in entry.structures:
+                seen.setdefault(id(s.graph), s.graph)
+        return list(seen.values())
+
+    def adopt(self, graph: Graph, plan: Any, *, replacing: Graph) -> None:
+        """Run ``plan`` (made elsewhere, for ``graph``: a coordinator's
+        collective re-plan) in place of every structure planned for
+        ``replacing`` (one of :meth:`planned_graphs`); ``graph`` is
+        ``replacing`` with other measurements (a correction)."""
+        for entry in list(self._entries.values()):
+            for s in list(entry.structures):
+                if s.graph is not replacing:
+                    continue
+                entry.structures.remove(s)
+                self._add(entry, graph, s.program.param_refs, s.program.multi_backward,
+                          time.perf_counter(), plan=plan, adopted=True)
+
+    # ------------------------------------------------------------ plans
+    def _add(self, entry: _Entry, graph: Graph, param_refs: Dict[int, Any],
+             multi_backward: bool, t0: float, plan: Any = None,
+             backward_known: bool = False, adopted: bool = False) -> _Structure:
+        """A new structure of ``entry`` (first), for ``graph`` and ``plan``
+        (None: planned now; ``adopted``: a plan made elsewhere for ``graph``
+        before its workspace bound)."""
+        if plan is None or adopted:
+            if self.workspace is not None:  # the convolutions' bound, chosen with the plan
+                graph = self._bound(graph)
+            if plan is None:
+                plan = self.plan(graph)
+        program = Program(graph, plan.lower_sets, frozenset(plan.kept), param_refs=param_refs)
+        program.multi_backward = multi_backward
+        program.backward_known = backward_known
+        s = _Structure(graph, plan, program, time.perf_counter() - t0)
+        if plan.recompute:
+            self._decide_release(s)
+        entry.structures.insert(0, s)
+        del entry.structures[self.max_structures:]
+        level = logging.INFO if (self.verbose and not self._reported_plan) else logging.DEBUG
+        self._reported_plan = True
+        report.log(level, "%s", describe_plan(graph, plan, s.planning_time_s))
+        if program.unsafe:
+            kinds = collections.Counter(
+                f"{graph.nodes[v].op} ({graph.nodes[v].attrs.get('unsafe_reason')})"
+                for v in program.unsafe)
+            n = len(program.unsafe)
+            said = "%d function%s cannot be recomputed safely and %s kept: %s%s" % (
+                n, "" if n == 1 else "s", "is" if n == 1 else "are", ", ".join(
+                    kind + (f" x{count}" if count > 1 else "")
+                    for kind, count in list(kinds.items())[:5]),
+                ", ..." if len(kinds) > 5 else "")
+            if said not in self._said_unsafe:  # not again for each plan of the same graph
+                self._said_unsafe.add(said)
+                report.warning("%s", said)
+        return s
+
+    def _plan_pending(self, entry: _Entry, args: Tuple[Any, ...],
+                      kwargs: Dict[str, Any]) -> None:
+        self._plan_recorded(entry, self._link(args))
+
+    def _plan_when_backward_ends(self, entry: _Entry, hook: IterationHook,
+                                 link: Optional[chainer.Link]) -> None:
+        """Plan as soon as the recorded backward has run every function,
+        still inside it: the recorded iteration runs as plain Chainer and is
+        not under the budget, so the planner's own memory lands there and
+        not in the first planned iteration, which the budget bounds. When
+        the model keeps the recorded graph in its attributes (a loss link's
+        ``self.loss``), that graph, which lives into the next call, then
+        releases what the plan drops. Without a Link to plan for, the next
+        call plans. An error is raised at the next call."""
+        link_ref = weakref.ref(link) if link is not None else None
+        before = hook.on_backward_done
+
+        def plan(h: IterationHook) -> None:
+            if before is not None:
+                before(h)
+            rec = entry.pending
+            if isinstance(rec, _Recording):  # made into a graph for a sibling shape
+                rec = rec.hook()
+            if rec is not h or entry.error is not None:
+                return
+            lk = link_ref() if link_ref is not None else None
+            if lk is None:
+                return
+            try:
+                s = self._plan_recorded(entry, lk)
+            except Exception as e:  # noqa: BLE001 - not from inside the user's backward
+                entry.error = e
+                return
+            if _keeps_graph(lk, h):
+                # the graph lives into the next step: it holds no more than
+                # a planned one from now on
+                h.release_as_planned(s.program)
+        hook.on_backward_done = plan
+
+    def _recorded(self, entry: _Entry, link: Optional[chainer.Link]) -> "_Recording":
+        """The graph of ``entry``'s recorded iteration (made from its hook
+        once, the hook then held weakly)."""
+        rec = entry.pending
+        if isinstance(rec, _Recording):
+            return rec
+        hook = rec
+        graph = hook.graph(cost_model=self.cost, batch_size=entry.batch,
+                           name=type(link).__name__ if link is not None else "model",
+                           meta={"state_bytes": state_bytes(link)} if link is not None else None,
+                           fill=hook.program.graph if hook.program is not None else None)
+        if hook.backward_during_forward:
+            # chainer.grad inside the forward (a gradient penalty): planned as
+            # usual; from the moment such a backward starts, the executor
+            # releases nothing more and regenerates what it needs.
+            logger.info("the model's forward runs a backward (chainer.grad?); arrays are "
+                        "not released after it starts")
+        # backward_known: its backward ran to the end before planning, so a
+        # graph backpropagated again after an update is seen by it (and
+        # passed on to the plan); otherwise parameters are saved before
+        # updates on probation.
+        entry.pending = rec = _Recording(graph, hook.param_refs, hook.multi_backward,
+                                         hook.backward_done, weakref.ref(hook))
+        return rec
+
+    def _plan_recorded(self, entry: _Entry, link: Optional[chainer.Link]) -> _Structure:
+        t0 = time.perf_counter()
+        rec = self._recorded(entry, link)
+        entry.pending = None
+        s = self._add(entry, rec.graph, rec.param_refs, rec.multi_backward, t0,
+                      plan=self._family_plan(entry, rec.graph),
+                      backward_known=rec.backward_known)
+        hook = rec.hook()
+        if hook is not None:
+            # a second backward pass through the recorded graph, after this,
+            # is learned by the plan
+            hook.planned = s.program
+        return s
+
+    def _plan_separately(self, entry: _Entry, args: Tuple[Any, ...],
+                         kwargs: Dict[str, Any]) -> bool:
+        """Plan from a separate capture that leaves no trace. With
+        ``capture_batch`` below the real batch: two small captures (at
+        ``capture_batch`` and twice it), every size that differs between
+        them scaled linearly to the real batch (a reshape that folds the
+        batch into another axis included). A model those two captures do
+        not describe (its structure depends on the batch size, a size not
+        linear in it) is planned from its first call instead, with a
+        warning; False then."""
+        from ...core.errors import GraphError
+        t0 = time.perf_counter()
+        batch = batch_size_of(args, kwargs)
+        small = self.capture_batch
+        if small is None or batch is None or small >= batch:
+            graph, hook = self._capture_at(args, kwargs, batch, batch)
+            self._add(entry, graph, hook.param_refs, hook.multi_backward, t0)
+            return True
+        other = min(2 * small, batch - 1)
+        if other <= small:  # batch = capture_batch + 1: capture it whole
+            graph, hook = self._capture_at(args, kwargs, batch, batch)
+            self._add(entry, graph, hook.param_refs, hook.multi_backward, t0)
+            return True
+        g1, hook = self._capture_at(args, kwargs, batch, small)
+        g2, _ = self._capture_at(args, kwargs, batch, other)
+        try:
+            graph = g1.scale_between(g2, batch)
+        except GraphError as e:
+            self._refusal = f"capture_batch={small} cannot plan {self._name(args)}: {e}"
+            level = logging.INFO if self._said_capture else logging.WARNING
+            self._said_capture = True
+            report.log(level, "%s; its first call at batch %d runs plainly (not bounded by the "
+                       "budget) and the next ones run under a plan made from it",
+                       self._refusal, batch)
+            return False
+        self._add(entry, graph, hook.param_refs, hook.multi_backward, t0)
+        return True
+
+    def _capture_at(self, args: Tuple[Any, ...], kwargs: Dict[str, Any], batch: Optional[int],
+                    small: Optional[int]) -> Tuple[Graph, IterationHook]:
+        """One recorded iteration on the first ``small`` rows of the batch
+        arguments (all of them when ``small`` is the batch), leaving no
+        trace, and its graph."""
+        link = self._link(args)
+        cut_args, cut_kwargs = args, kwargs
+        if small is not None and batch is not None and small < batch:
+            def cut(x: Any) -> Any:
+                arr = x.raw_array if isinstance(x, chainer.Variable) else x
+                if isinstance(arr, chainer.get_array_types()) and arr.ndim and \
+                        arr.shape[0] == batch:
+                    return x[:small]
+                return x
+            cut_args = tuple(cut(a) for a in args)
+            cut_kwargs = {k: cut(v) for k, v in kwargs.items()}
+        with leave_no_trace(link if link is not None else self.fn):
+            hook = IterationHook(link=link, args=list(cut_args) + list(cut_kwargs.values()))
+            with _Active(), hook:
+                out = self.fn(*cut_args, **cut_kwargs)
+            hook.finish(out)
+            from ..capture import first_variable
+            loss = first_variable(out)
+            if loss is not None and loss.requires_grad:
+                if loss.size != 1:
+                    loss = chainer.functions.sum(loss)
+                loss.grad_var = None
+                if link is not None:
+                    link.cleargrads()  # as a training loop does (restored after)
+                loss.backward()
+            del out, loss
+        graph = hook.graph(cost_model=self.cost, batch_size=small,
+                           name=type(link).__name__ if link is not None else "model",
+                           meta={"state_bytes": state_bytes(link)} if link is not None else None)
+        return graph, hook
+
+    def _family_graphs(self, entry: _Entry, link: Optional[chainer.Link]
+                       ) -> List[Tuple[_Entry, Graph]]:
+        """The other signatures of ``entry``'s family with a graph: planned
+        (their current structure's) or recorded and waiting to be planned."""
+        out = []
+        for e in list(self._entries.values()):
+            if e is entry or e.family != entry.family or e.plain:
+                continue
+            if e.structures:
+                out.append((e, e.structures[0].graph))
+            elif e.pending is not None:
+                out.append((e, self._recorded(e, link).graph))
+        return out
+
+    def _family_plan(self, entry: _Entry, graph: Graph) -> Any:
+        """A plan of ``entry``'s family that fits ``graph`` under the
+        budget (for ``'least'``: the least budget of the shape it was made
+        for), its replayed peak on ``graph`` as its prediction (no solver
+        run); None when none does (or in the activations scope, with
+        workspace bounds or a coordinator: those plan each graph)."""
+        if (self.budget_scope != "total" or self.workspace is not None
+                or self.coordinator is not None):
+            return None
+        from ...core.budget import limit_of
+        from ...core.execution import ExecutionPlan
+        from ...core.replay import replay
+        planned = [e for e in self._entries.values()
+                   if e is not entry and e.family == entry.family and e.structures
+                   and not e.plain and e.structures[0].graph.n == graph.n
+                   and [n.op for n in e.structures[0].graph.nodes] == [n.op for n in graph.nodes]]
+        # the plan of the largest shape first (its blocks hold the most)
+        planned.sort(key=lambda e: -e.structures[0].graph.activation_bytes)
+        for e in planned[:2]:
+            s = e.structures[0]
+            ep = (ExecutionPlan(graph, s.plan.lower_sets, frozenset(s.plan.kept))
+                  if s.plan.recompute else None)
+            # 'least': the least budget of the larger shape the plan was made for
+            budget = self.budget_bytes if self.budget_bytes is not None else s.plan.budget_bytes
+            if budget is None:
+                continue
+            peak = replay(graph, ep).peak_bytes
+            if peak <= limit_of(budget):
+                info = dict(s.plan.info, reused_from=list(e.dims))
+                return dataclasses.replace(s.plan, predicted_peak_bytes=int(peak),
+                                           budget_bytes=budget, info=info)
+        return None
+
+    def _plan_from_family(self, entry: _Entry, args: Tuple[Any, ...],
+                          kwargs: Dict[str, Any]) -> bool:
+        """Plan a new input shape before its first call, from two recorded
+        shapes of its family (see the class docstring). False when there
+        are not two such shapes or they do not describe this one: the call
+        is then recorded (with one warning when a plan exists and a byte
+        budget is set)."""
+        from ...core.errors import GraphError
+        link = self._link(args)
+        sibs = self._family_graphs(entry, link)
+        if not sibs:
+            return False
+        t0 = time.perf_counter()
+        v = entry.dims
+        graph = None
+        why = "only one other shape of it has been recorded"
+        for e1, g1 in sorted(sibs, key=lambda p: not p[0].structures):  # planned first
+            if e1.dims == v:  # another value of a number argument: the same shapes
+                graph, src = g1, e1
+                break
+        pairs = [] if graph is not None else \
+            [(a, b) for i, a in enumerate(sibs) for b in sibs[i + 1:]]
+        # the nearest recorded shapes first
+        pairs.sort(key=lambda p: sum(abs(x - y) for x, y in zip(v, p[0][0].dims))
+                   + sum(abs(x - y) for x, y in zip(v, p[1][0].dims)))
+        for (e1, g1), (e2, g2) in pairs:
+            v1, v2 = e1.dims, e2.dims
+            k = next((j for j, (x, y) in enumerate(zip(v1, v2)) if x != y), None)
+            if k is None:
+                continue
+            num, den = v[k] - v1[k], v2[k] - v1[k]
+            if any((c - a) * den != (b - a) * num for a, b, c in zip(v1, v2, v)):
+                why = "the recorded shapes do not vary along the same line as this one"
+                continue
+            try:
+                graph = g1.interpolate(g2, num, den, where=f"at input dimensions {v1} and {v2}",
+                                       target=f"input dimensions {v}")
+            except GraphError as e:
+                why = str(e)
+                continue
+            src = e1
+            break
+        batch = entry.batch
+        if graph is None and batch is not None:
+            # a last partial batch: only the batch dimension of the inputs
+            # changed, and the graph scales with it (checked as it runs)
+            for e1, g1 in sibs:
+                if g1.batch_size and g1.batch_size != batch and all(
+                        x == y or (x == g1.batch_size and y == batch)
+                        for x, y in zip(e1.dims, v)):
+                    graph, src = g1.scale_batch(batch), e1
+                    break
+        if graph is None:
+            if self.budget_bytes is not None and not self._said_new_shape:
+                self._said_new_shape = True
+                report.warning("a new input shape of %s (dimensions %s) is recorded plainly: "
+                               "its first call is not bounded by the budget (%s); later new "
+                               "shapes are planned before they run once two of the same "
+                               "structure are recorded", self._name(args), v, why)
+            return False
+        self.shapes_derived += 1
+        if src.dims == v and src.structures:
+            # the same shapes (a number argument's new value): the same
+            # graph, plan and program, nothing solved or replayed
+            # (one structure object: its measurements count for both)
+            entry.structures.insert(0, src.structures[0])
+            return True
+        meta = dict(graph.meta)
+        meta["derived_from"] = list(src.dims)
+        graph = graph.replace(batch_size=batch, meta=meta)
+        if src.structures:
+            program = src.structures[0].program
+            refs, multi, known = program.param_refs, program.multi_backward, \
+                program.backward_known
+        else:
+            rec = self._recorded(src, link)
+            refs, multi, known = rec.param_refs, rec.multi_backward, rec.backward_known
+        plan = self._family_plan(entry, graph)
+        if plan is None:
+            # plan the largest recorded shape, if larger: its plan serves
+            # this shape and the smaller ones to come
+            big, g = max(sibs, key=lambda p: p[1].activation_bytes)
+            if not big.structures and big.pending is not None and \
+                    g.activation_bytes > graph.activation_bytes:
+                rec = self._recorded(big, link)
+                big.pending = None
+                try:
+                    self._add(big, rec.graph, rec.param_refs, rec.multi_backward,
+                              time.perf_counter(), backward_known=rec.backward_known)
+                except InfeasibleBudgetError:
+                    big.pending = rec
+                else:
+                    plan = self._family_plan(entry, graph)
+        self._add(entry, graph, refs, multi, t0, plan=plan, backward_known=known)
+        return True
+
+    def _decide_release(self, s: _Structure) -> None:
+        """What the executor keeps after a node's last backward reader
+        (replay.RELEASE_MODES): the mode that makes a second backward pass
+        cheapest among those whose replayed peak fits the budget (total
+        scope; ``all`` only for a graph known to be backpropagated twice per
+        iteration, a GAN's generator graph, else ``checkpoints``). In the
+        activations scope: ``all`` for such a graph, ``checkpoints`` where it
+        costs no peak."""
+        from ...core.budget import limit_of
+        from ...core.replay import replay
+        budget = s.plan.budget_bytes
+        modes = ["all", "checkpoints"] if s.program.multi_backward else ["checkpoints"]
+        s.program.release_mode = "none"
+        if self.budget_scope != "total" or budget is None:
+            # The paper's model does not bound the real peak: keep what a
+            # second pass needs, or checkpoints where that costs nothing.
+            base = replay(s.graph, s.program, release_mode="none").peak_bytes
+            if s.program.multi_backward:
+                s.program.release_mode = "all"
+            elif replay(s.graph, s.program, release_mode="checkpoints").peak_bytes <= base:
+                s.program.release_mode = "checkpoints"
+        else:
+            for mode in modes:
+                if replay(s.graph, s.program, release_mode=mode).peak_bytes <= limit_of(budget):
+                    s.program.release_mode = mode
+                    break
+        s.program.release_mode_decided = s.program.multi_backward
+        if s.program.release_mode != "none" and self.budget_scope == "total":
+            # what the plan will really hold: its prediction in that mode
+            peak = replay(s.graph, s.program, release_mode=s.program.release_mode).peak_bytes
+            s.plan = dataclasses.replace(s.plan, predicted_peak_bytes=peak)
+        if s.program.multi_backward:
+            logger.info("the graph is backpropagated more than once per iteration; after each "
+                        "backward pass %s", {
+                            "all": "regenerated arrays are kept for the next",
+                            "checkpoints": "checkpoints are kept, regenerated arrays released",
+                            "none": "everything is released (keeping more would exceed the "
+                                    "budget)"}[s.program.release_mode])
+
+
+def describe_plan(graph: Graph, plan: Any, planning_time_s: float) -> str:
+    """One line on a plan: what it saves and what it costs."""
+    name = graph.meta.get("model", "model")
+    head = f"planned {name} ({graph.n} functions, batch {graph.batch_size})"
+    if not plan.recompute:
+        return (f"{head}: plain backprop fits the budget {format_bytes(plan.budget_bytes)} "
+                f"(predicted peak {format_bytes(plan.predicted_peak_bytes)}); nothing recomputed "
+                f"[{planning_time_s:.2f} s]")
+    vanilla = plan.info.get("vanilla_peak_bytes")
+    saving = (f", plain Chainer {format_bytes(vanilla)} "
+              f"(-{100 * (1 - plan.predicted_peak_bytes / vanilla):.0f}%)" if vanilla else "")
+    scope = plan.info.get("memory_scope", "activations")
+    return (f"{head}: predicted peak {format_bytes(plan.predicted_peak_bytes)} ({scope}) for "
+            f"budget {format_bytes(plan.budget_bytes)}{saving}; recomputes "
+            f"{100 * (plan.overhead_fraction or 0):.0f}% of a forward in {plan.n_blocks} blocks "
+            f"[{planning_time_s:.2f} s]")

@@ -1,0 +1,370 @@
+"""The :class:`Recompute` runner: its options, its signatures' plans and
+the training call that records, plans or runs a step under its plan."""
+from __future__ import annotations
+
+import collections
+import weakref
+from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple
+
+from .. import _chainer  # noqa: F401
+import chainer
+
+from ...core.errors import InfeasibleBudgetError, RecomputeError
+from ...core.units import format_bytes, parse_bytes
+from ..capture import batch_size_of
+from ..correction import Correction
+from ..executor import IterationHook, IterationStats
+from ..workspace import bounded
+from .log import logger, report
+from .metering import MeteringMixin
+from .planning import PlanningMixin
+from .signatures import _family, _signature
+from .state import _Active, _depth, _Entry
+
+
+def _solver_keywords(solver: str) -> List[str]:
+    """The keyword options ``solver`` takes besides those the runner sets."""
+    import inspect
+    from ...core.solvers import REGISTRY
+    names = {"max_lower_sets"}  # read by the budget search itself
+    for name in (("approx", "hier") if solver == "auto" else (solver,)):
+        for p in inspect.signature(REGISTRY[name]).parameters.values():
+            if p.kind is p.KEYWORD_ONLY:
+                names.add(p.name)
+    return sorted(names - {"strategy", "model"})
+
+
+def _check_solver_options(solver: str, options: Dict[str, Any]) -> None:
+    """Refuse, at once, a keyword that neither the runner nor the solver
+    takes (else a TypeError from inside the solver at the first plan)."""
+    import inspect
+    known = _solver_keywords(solver)
+    runner = [p.name for p in inspect.signature(Recompute.__init__).parameters.values()
+              if p.kind is p.KEYWORD_ONLY]
+    unknown = sorted(k for k in options if k not in known)
+    if unknown:
+        raise RecomputeError(
+            f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+            f"apply() and Recompute take {', '.join(runner)}, and solver {solver!r} "
+            f"takes {', '.join(known)}")
+
+
+class Recompute(PlanningMixin, MeteringMixin):
+    """A callable that runs ``fn`` with recomputation.
+
+    Args:
+        fn: a callable applying Chainer functions (a Link's ``__call__``, a
+            loss function); it may return anything (a Variable, a tuple, a
+            dict, a ``chainer.Distribution``).
+        budget: memory budget (``'8G'``, bytes, ...; see :func:`parse_bytes`),
+            or ``'least'``: the solver's least feasible budget, found when
+            planning.
+        solver: ``auto`` (default: ``hier`` on graphs of 1,000+ functions
+            with repeated layers or steps, else ``approx``), ``hier``,
+            ``approx``, ``exact``, ``chen``, ``chen-greedy`` or ``none``
+            (plain Chainer).
+        strategy: ``tc`` (least recomputation) or ``mc`` (coarsest blocks:
+            the most recomputation, each array dropped early; see
+            docs/algorithm.md).
+        cost: cost model for the solver: ``measured`` (profiled times),
+            ``flops`` or ``paper``.
+        max_plans: how many input signatures keep their plans.
+        max_structures: how many graph structures one signature keeps
+            plans for.
+        capture_batch: plan before the first call, from a separate capture
+            at this batch size scaled linearly to the real batch (the budget
+            then holds from the first step); default: plan from the first
+            call, which runs plainly.
+        verify: checksum the parameters and inputs that regeneration reads,
+            so that an in-place change between forward and backward is
+            reported instead of giving a different gradient.
+        budget_scope: ``'total'`` (default): the budget bounds everything
+            the device holds in an iteration (parameters, gradients,
+            optimizer state, activations, temporaries); ``'activations'``:
+            the paper's model only.
+        coordinator: plans collectively across processes (data-parallel
+            training); an object with ``plan(graph, solve) -> Plan``, called
+            instead of solving locally (``solve(graph)`` solves here), and
+            ``on_call(runner, signature, state)`` at each training call
+            (``state``: ``'record'``, ``'capture'``, ``'plan'``, ``'run'`` or
+            ``'plain'``; ``'plan'`` and ``'capture'`` calls call
+            ``coordinator.plan`` exactly once before the forward).
+            A coordinator uses the runner through :meth:`solve`, :meth:`plan`,
+            :meth:`call_state`, :meth:`plans_before_forward`,
+            :meth:`planned_graphs` and :meth:`adopt` only. See
+            :mod:`chainer_recompute.runtime.distributed`.
+        verbose: print one line when the first plan is made (through the
+            ``chainer_recompute.report`` logger, visible by default);
+            warnings and errors are printed either way.
+        workspace: a bound on one convolution call's temporary memory
+            (``'64M'``, bytes), ``'auto'`` (the planner chooses it with the
+            plan), or ``None`` (default: Chainer's own kernels). Calls over
+            it run :mod:`~chainer_recompute.runtime.workspace`'s kernels and
+            the planner sees their transients. ``workspace_exact`` (default
+            True): bit-identical one-call kernels only (a column buffer
+            built in one copy instead of Chainer's two); False: chunked to
+            fit the bound, not bit-identical on OpenBLAS (README).
+        check_iterations: how many planned iterations per plan have their
+            peak measured by the allocator (NumPy: tracemalloc, slower
+            while on) and checked against the budget; on CuPy every
+            iteration is measured (the pool hook is cheap). A peak over the
+            budget warns once, corrects the model by what was measured, and
+            plans again.
+        on_infeasible: what a training call does when its budget cannot be
+            met (a new input shape or structure too large for it, a plan
+            corrected after a measured overshoot): ``'raise'``:
+            :class:`InfeasibleBudgetError` from that call, before anything
+            runs; ``'warn'``: one warning (with the least feasible budget),
+            and that signature runs plainly, its peak not bounded;
+            ``'auto'`` (default): ``'raise'`` until the first planned
+            iteration has run (a budget that cannot be met from the start is
+            a setting to fix before training goes on), ``'warn'`` from then
+            on (one unusual batch does not stop a run in progress).
+        **solver_options: passed to the solver.
+
+    Input shapes that change from call to call (a batch padded to its
+    longest sequence or molecule, a last partial batch): once two shapes of
+    the same structure have been recorded, a call at a new shape is planned
+    before it runs, from a graph scaled from those two (each size linear in
+    the input's dimensions); the plan of the largest recorded shape is
+    reused when its replayed peak at the new shape fits the budget (with
+    ``'least'``: that shape's least budget; no solver run), else the scaled
+    graph is solved. A new value of a number argument (an ``np.float32``
+    schedule value) with the same shapes reuses the graph, plan and
+    program as they are. The executor checks the
+    scaled graph against the call as for any plan; a call that does not
+    match it is recorded and planned from its recording. The second shape
+    is recorded plainly, with one warning when a byte budget is set.
+
+    >>> runner = Recompute(loss_fn, budget='2G')            # doctest: +SKIP
+    >>> loss = runner(x, t); loss.backward()                # doctest: +SKIP
+    """
+
+    #: A plan that drops nothing, once checked, runs as plain Chainer (no
+    #: hook); False keeps the executor's hook on (to measure its cost).
+    plain_when_nothing_dropped = True
+
+    #: A signature whose structure changed this many times, and on more
+    #: than half of its calls, runs plain Chainer from then on.
+    PLAIN_AFTER = 6
+
+    def __init__(self, fn: Callable[..., Any], budget: Any, *, solver: str = "auto",
+                 strategy: str = "tc", cost: str = "measured", max_plans: int = 8,
+                 max_structures: int = 4, capture_batch: Optional[int] = None,
+                 verify: bool = True, budget_scope: str = "total", check_iterations: int = 3,
+                 verbose: bool = True, coordinator: Any = None, workspace: Any = None,
+                 workspace_exact: bool = True, on_infeasible: str = "auto",
+                 **solver_options: Any) -> None:
+        from ...core.budget import check_scope
+        from ...core.costs import COST_MODELS
+        from ...core.solvers import check_solver
+        check_scope(budget_scope)
+        from ...core.workspace import parse_workspace
+        try:
+            self.workspace = parse_workspace(workspace)
+        except ValueError as e:
+            raise RecomputeError(str(e)) from None
+        self.workspace_exact = bool(workspace_exact)
+        self.budget_least = isinstance(budget, str) and budget.strip().lower() == "least"
+        self.budget_bytes: Optional[int] = None if self.budget_least else parse_bytes(budget)
+        check_solver(solver, strategy)
+        _check_solver_options(solver, solver_options)
+        if on_infeasible not in ("auto", "warn", "raise"):
+            raise RecomputeError(f"on_infeasible must be 'auto', 'warn' or 'raise', got "
+                                 f"{on_infeasible!r}")
+        self.on_infeasible = on_infeasible
+        if cost not in COST_MODELS:
+            raise RecomputeError(f"unknown cost model {cost!r}; known: {sorted(COST_MODELS)}")
+        if capture_batch is not None and (not isinstance(capture_batch, int) or capture_batch < 1):
+            raise RecomputeError(f"capture_batch must be a positive int or None, got "
+                                 f"{capture_batch!r}")
+        self.fn = fn
+        self.solver, self.strategy, self.cost = solver, strategy, cost
+        self.solver_options = solver_options
+        self.max_plans, self.max_structures = max_plans, max_structures
+        self.capture_batch = capture_batch
+        self.verify = verify
+        self.budget_scope = budget_scope
+        self.check_iterations = check_iterations
+        self.options: Dict[str, Any] = dict(
+            budget=budget, solver=solver, strategy=strategy, cost=cost, max_plans=max_plans,
+            max_structures=max_structures, capture_batch=capture_batch, verify=verify,
+            budget_scope=budget_scope, check_iterations=check_iterations, verbose=verbose,
+            coordinator=coordinator, workspace=workspace, workspace_exact=workspace_exact,
+            on_infeasible=on_infeasible, **solver_options)
+        self.verbose = verbose
+        self.coordinator = coordinator
+        self._correction = Correction(report)  # a measured overshoot: warned once
+        self._reported_plan = False
+        self._reported_infeasible = False
+        self._said_unsafe: set = set()  # unsafe-function warnings given (one each)
+        self._said_capture = False  # capture_batch refused a model (warned once)
+        self._said_new_shape = False  # a new input shape recorded plainly (warned once)
+        self._ran_planned = False  # a planned iteration has run
+        self.shapes_derived = 0  # signatures planned from their family's graphs
+        self._refusal = ""
+        self._entries: "collections.OrderedDict[Hashable, _Entry]" = collections.OrderedDict()
+        self.last_stats: Optional[IterationStats] = None
+
+    def _name(self, args: Tuple[Any, ...]) -> str:
+        link = self._link(args)
+        return type(link).__name__ if link is not None else \
+            getattr(self.fn, "__qualname__", "the model")
+
+    @staticmethod
+    def _link(args: Tuple[Any, ...]) -> Optional[chainer.Link]:
+        return args[0] if args and isinstance(args[0], chainer.Link) else None
+
+    # ------------------------------------------------------------ plans
+    @property
+    def plans(self) -> Dict[Hashable, Any]:
+        """The plan of each signature's most recently used structure."""
+        return {k: e.structures[0].plan for k, e in self._entries.items() if e.structures}
+
+    def clear(self) -> None:
+        """Forget every plan."""
+        self._entries.clear()
+
+    def _entry(self, sig: Hashable) -> _Entry:
+        entry = self._entries.get(sig)
+        if entry is None:
+            entry = self._entries[sig] = _Entry(*_family(sig))
+            while len(self._entries) > self.max_plans:
+                self._entries.popitem(last=False)
+        else:
+            self._entries.move_to_end(sig)
+        return entry
+
+    @staticmethod
+    def signature(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Hashable:
+        """The input signature of a call with ``args`` and ``kwargs``: each
+        signature has plans of its own (see :mod:`.signatures`)."""
+        return _signature(args, kwargs)
+
+    def call_state(self, signature: Hashable) -> Optional[str]:
+        """What the training call in progress with ``signature`` does:
+        ``'plain'`` (runs plain Chainer), ``'plan'`` (plans its recorded
+        iteration, then runs under the plan), ``'run'`` (runs under a
+        plan), ``'capture'`` (the first call with ``capture_batch``: plans
+        from a separate capture first) or ``'record'`` (runs plainly while
+        its graph is recorded); None for a signature it has not seen."""
+        entry = self._entries.get(signature)
+        if entry is None:
+            return None
+        return ("plain" if entry.plain else "plan" if entry.pending is not None
+                else "run" if entry.structures
+                else "capture" if self.capture_batch is not None and entry.calls == 1
+                else "record")
+
+    def plans_before_forward(self, signature: Hashable) -> bool:
+        """Whether the training call in progress with ``signature`` calls
+        :meth:`plan` (so ``coordinator.plan``) before its forward."""
+        return self.call_state(signature) in ("plan", "capture")
+
+    def plan_for(self, *args: Any, **kwargs: Any) -> Any:
+        """The plan for these inputs: the current one, or one made now from
+        a separate capture that leaves no trace."""
+        entry = self._entry(self.signature(args, kwargs))
+        if entry.pending is not None:
+            self._plan_pending(entry, args, kwargs)
+        if not entry.structures and not self._plan_separately(entry, args, kwargs):
+            raise RecomputeError(self._refusal)
+        return entry.structures[0].plan
+
+    # ------------------------------------------------------------- call
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not (chainer.config.train and chainer.config.enable_backprop) or _depth() > 0:
+            if _depth() == 0:
+                self._close_step()  # an evaluation between two steps is not in either
+            return self.fn(*args, **kwargs)
+        # The previous iteration (its update included) is over: checked
+        # before anything else runs (planning's memory is in no iteration).
+        self._close_step()
+        sig = self.signature(args, kwargs)
+        entry = self._entry(sig)
+        if entry.error is not None:
+            self._infeasible(entry, entry.error)  # raises, or runs this signature plainly
+        entry.calls += 1
+        entry.batch = batch_size_of(args, kwargs)
+        if self.coordinator is not None:
+            self.coordinator.on_call(self, sig, self.call_state(sig))
+        if entry.plain:
+            self.last_stats = IterationStats(path="plain")
+            return self.fn(*args, **kwargs)
+        try:
+            if entry.pending is not None:
+                self._plan_pending(entry, args, kwargs)
+            elif not entry.structures and entry.calls == 1:
+                if self.capture_batch is not None:
+                    self._plan_separately(entry, args, kwargs)
+                elif self.coordinator is None:
+                    self._plan_from_family(entry, args, kwargs)
+        except InfeasibleBudgetError as e:
+            self._infeasible(entry, e)
+            self.last_stats = IterationStats(path="plain")
+            return self.fn(*args, **kwargs)
+        for s in entry.structures:
+            if s.program.multi_backward and not s.program.release_mode_decided:
+                self._decide_release(s)
+        link = self._link(args)
+        if len(entry.structures) == 1 and not entry.structures[0].program.dropped and \
+                entry.structures[0].checked >= self.check_iterations and \
+                self.plain_when_nothing_dropped:
+            # A plan that drops nothing, checked against the allocator: plain
+            # Chainer, no hook (its structure is no longer followed).
+            self._last_hook = None
+            s = entry.structures[0]
+            stats = self.last_stats = IterationStats(0, path="planned")
+            stats.n_nodes, stats.release_mode = s.program.n, s.program.release_mode
+            stats.predicted_peak_bytes = s.plan.predicted_peak_bytes
+            stats.budget_bytes = s.plan.budget_bytes
+            return self.fn(*args, **kwargs)
+        # Fewest functions first (most recently used first among equals): a
+        # forward that goes on past a plan's last function switches to a
+        # longer plan that matches it, while one that stops before a plan's
+        # end could not switch back (a loss with and without its box term).
+        programs = sorted((s.program for s in entry.structures), key=lambda p: p.n)
+        hook = IterationHook(programs, link=link,
+                             args=list(args) + list(kwargs.values()), verify=self.verify)
+        if entry.structures:
+            self._start_meter(entry, hook, link, args, kwargs)
+        self._last_hook = weakref.ref(hook)
+        limit = entry.structures[0].graph.meta.get("workspace_bytes") \
+            if entry.structures else None
+        with _Active(), hook, bounded(limit, self.workspace_exact):
+            out = self.fn(*args, **kwargs)
+        hook.finish(out)
+        self.last_stats = hook.stats
+        if hook.stats.path == "planned":
+            self._ran_planned = True
+        for s in entry.structures:
+            if s.program is hook.program:
+                hook.stats.predicted_peak_bytes = s.plan.predicted_peak_bytes
+                hook.stats.budget_bytes = s.plan.budget_bytes
+        if hook.recording:
+            entry.pending = hook
+            if self.coordinator is None:
+                self._plan_when_backward_ends(entry, hook, link)
+            if entry.structures:
+                entry.recorded += 1
+                logger.info("the model's graph changed for the same input signature (%s); this "
+                            "iteration keeps what it had not released and the next call plans "
+                            "the new structure", hook.stats.mismatch)
+                if entry.recorded >= self.PLAIN_AFTER and 2 * entry.recorded > entry.calls:
+                    entry.plain, entry.pending = True, None
+                    entry.structures.clear()
+                    report.warning(
+                        "the graph of %s changed on %d of its %d calls "
+                        "with the same input signature; running it without recomputation "
+                        "from now on", self._name(args),
+                        entry.recorded, entry.calls)
+        else:
+            used = hook.program
+            entry.structures.sort(key=lambda s: s.program is not used)
+        return out
+
+
+    def __repr__(self) -> str:
+        budget = "least" if self.budget_least else format_bytes(self.budget_bytes)
+        return (f"Recompute(budget={budget}, solver={self.solver!r}, strategy={self.strategy!r}, "
+                f"signatures={len(self._entries)})")

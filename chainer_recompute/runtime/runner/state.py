@@ -1,0 +1,60 @@
+"""What a runner keeps per input signature (its planned structures, a
+recorded iteration waiting to be planned, counters) and whether a
+runner's forward is running (inner runners then pass through)."""
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Any, Hashable, List, Optional, Tuple
+
+from ...core.graph import Graph
+from ..executor import IterationHook, Program
+
+_local = threading.local()
+
+
+def _depth() -> int:
+    return getattr(_local, "depth", 0)
+
+
+class _Active:
+    """Marks a runner's forward as running (inner runners then pass through)."""
+
+    def __enter__(self) -> None:
+        _local.depth = _depth() + 1
+
+    def __exit__(self, *exc: Any) -> None:
+        _local.depth = _depth() - 1
+
+
+_Recording = collections.namedtuple(
+    "_Recording", "graph param_refs multi_backward backward_known hook")
+
+
+class _Structure:
+    """One planned graph of a signature."""
+
+    __slots__ = ("graph", "plan", "program", "planning_time_s", "checked")
+
+    def __init__(self, graph: Graph, plan: Any, program: Program, planning_time_s: float):
+        self.graph, self.plan, self.program = graph, plan, program
+        self.planning_time_s = planning_time_s
+        self.checked = 0  # planned iterations whose peak was measured
+
+
+class _Entry:
+    """What a signature has: its plans (most recently used first), a
+    recorded iteration waiting to be planned, and counters."""
+
+    __slots__ = ("structures", "pending", "calls", "recorded", "plain", "error", "family",
+                 "dims", "batch")
+
+    def __init__(self, family: Hashable = None, dims: Tuple[int, ...] = ()) -> None:
+        self.family, self.dims = family, dims  # see _family
+        self.batch: Optional[int] = None  # the batch size of its calls
+        self.error: Optional[Exception] = None  # raised at the next call
+        self.structures: List[_Structure] = []
+        self.pending: Optional[IterationHook] = None
+        self.calls = 0
+        self.recorded = 0
+        self.plain = False

@@ -52,7 +52,7 @@ def test_dry_run_table(capsys):
                  "--budget", "8G", "-q"]) == 0
     out = capsys.readouterr().out
     assert "budget 8G (= 8.00 GiB)" in out  # echoed as typed, in binary units
-    assert "recorded at batch 1, scaled" in out
+    assert "recorded at batch 2, scaled" in out
     for column in ("peak (predicted)", "saving", "recompute", "blocks", "solve"):
         assert column in out
     assert "plain backprop fits in 8G" in out  # nothing to recompute at that budget
@@ -72,7 +72,7 @@ def test_dry_run_every_network(name, capsys, tmp_path):
     assert rc == 0
     assert "plain backprop" in out and "plan at the least feasible budget" in out
     report = json.loads((tmp_path / "r.json").read_text())
-    assert report["source"]["capture"]["capture_batch"] == 1
+    assert report["source"]["capture"]["capture_batch"] == 2
     plain = report["plain"]["predicted_peak_bytes"]
     plan = report["plan"]["predicted_peak_bytes"]
     assert 0 < plan <= plain
@@ -247,6 +247,29 @@ def test_extrapolation_refuses_a_changing_graph():
     b = Graph.from_edges([4, 4, 4], [(0, 1), (1, 2)])
     with pytest.raises(CaptureError, match="changes with the input size"):
         bench.extrapolate_input_size([(20, a), (12, b)], 100)
+
+
+def test_default_capture_batch_predicts_the_full_batch():
+    """The CLI's default capture batch, scaled, predicts the small U-Net's
+    plain peak at batch 8 as a batch-8 recording does (a batch-1 recording
+    under-counts it: Chainer's convolution makes one column buffer fewer
+    at batch 1)."""
+    from chainer_recompute import bench
+    from chainer_recompute.core.replay import replay
+    cb = build_parser().parse_args(["--model", "unet", "--small"]).capture_batch
+    scaled, _ = bench.dry_run_graph("unet", 8, small=True, capture_batch=cb)
+    direct, _ = bench.dry_run_graph("unet", 8, small=True, capture_batch=8)
+    assert replay(scaled).peak_bytes == pytest.approx(replay(direct).peak_bytes, rel=1e-3)
+
+
+def test_run_prints_the_measured_saving(capsys):
+    """With --vanilla the command says the measured peaks of plain Chainer
+    and the plan, the saving, and the budget apply() planned for."""
+    assert main(["--model", "mlp", "--iterations", "2", "--vanilla", "-q"]) == 0
+    out = capsys.readouterr().out
+    line = [s for s in out.splitlines() if s.startswith("measured against plain Chainer")]
+    assert len(line) == 1 and "% less" in line[0] and "apply() planned for" in line[0]
+    assert "OVER" not in line[0]
 
 
 def test_batch_scaling_keeps_parameter_gradients():

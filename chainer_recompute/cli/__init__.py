@@ -4,12 +4,12 @@ show what it saves, and optionally run and measure it.
 ::
 
     chainer-recompute --model resnet152 --budget 8G --dry-run
-    chainer-recompute --model resnet50 --small --batch-size 8 --iterations 3 --vanilla
+    chainer-recompute --model pspnet --small --batch-size 8 --iterations 3 --vanilla
     chainer-recompute --graph cg_unet.txt --solver exact --budget 6GB
     chainer-recompute plot out/report.json
 
 (``.venv/bin/python scripts/run_schedule.py`` is the same command without
-installing.) Sizes are binary throughout: ``8G`` is 8 GiB, as a GPU's
+installing.) Its sizes are binary: ``8G`` is 8 GiB, as a GPU's
 memory is counted; ``8GB`` is 8·10^9 bytes. Bad input exits with code 2
 and one line naming the problem and the accepted forms (``-v`` adds the
 traceback); errors of the library (:class:`~chainer_recompute.core.errors.RecomputeError`)

@@ -117,6 +117,23 @@ def format_report(report: Dict[str, Any]) -> str:
         lines.append("as run: the plan apply() made from its own recording of the model "
                      "(first iteration recorded, second planned), measured over the later ones; "
                      "plain backprop over all but the first")
+    for name, run in runs.items():
+        rp = run.get("plan") or {}
+        if name == "vanilla" or not vanilla or not vanilla.get("measured_peak_bytes") \
+                or not run.get("measured_peak_bytes"):
+            continue
+        before, after = vanilla["measured_peak_bytes"], run["measured_peak_bytes"]
+        text = (f"measured against plain Chainer ({name}): peak {format_bytes(before)} -> "
+                f"{format_bytes(after)}, {100 * (1 - after / before):.0f}% less")
+        if vanilla.get("time_s") and run.get("time_s"):
+            text += f", time per iteration {100 * (run['time_s'] / vanilla['time_s'] - 1):+.0f}%"
+        if rp.get("budget_bytes"):
+            ran = format_bytes(rp["budget_bytes"])
+            text += (f"; apply() planned for {ran}"
+                     + (" (its own least feasible budget)" if b["text"] == "least" else ""))
+            if after > rp["budget_bytes"]:
+                text += " - the measured peak is OVER that budget"
+        lines.append(text)
     if "gradients_identical" in report:
         lines.append(f"loss and gradients identical to plain backprop: "
                      f"{report['gradients_identical']}")

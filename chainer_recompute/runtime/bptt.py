@@ -90,7 +90,7 @@ from .bptt_cell import (_arrays, _Cell, _detached, _input_bytes, _iter_arrays, _
 from .bptt_measure import _measure, _Measured, measure_step, recurrent_mask
 from .capture import state_bytes
 from .device import RandomStates, device_of, recording_random
-from .memory import MemoryMeasurement, MemoryMeter
+from .memory import MemoryMeasurement, MemoryMeter, parameter_bytes
 
 #: Accepted ``budget_scope`` values of :class:`ChainRecompute`.
 SCOPES = ("total", "call")
@@ -462,13 +462,7 @@ class ChainRecompute:
 
     def _grad_bytes(self) -> int:
         """Parameter gradients live now (the previous iteration's)."""
-        seen, total = set(), 0
-        for p in self._params():
-            g = p.grad
-            if g is not None and id(g) not in seen:
-                seen.add(id(g))
-                total += int(g.nbytes)
-        return total
+        return parameter_bytes(self._params(), estimate_state=False)["grads"]
 
     def _update_transient(self, measured: _Measured) -> int:
         """The largest temporary of an optimizer update (one parameter's
@@ -488,11 +482,8 @@ class ChainRecompute:
             sb = state_bytes(self.model)
             fixed = sb["params"] + sb["optimizer_state"] + sb["persistents"]
         else:
-            fixed = _nbytes([p.array for p in measured.params if p.array is not None])
-            for p in measured.params:
-                rule = getattr(p, "update_rule", None)
-                for v in (getattr(rule, "state", None) or {}).values():
-                    fixed += int(getattr(v, "nbytes", 0) or 0)
+            pb = parameter_bytes(measured.params, estimate_state=False)
+            fixed = pb["params"] + pb["optimizer_state"]
         return int(fixed + _input_bytes(seqs) + _nbytes([v for v in state0 if v is not None])
                    + grads_before + outputs_before)
 

@@ -24,5 +24,5 @@ from .trace import leave_no_trace
 
 __all__ = ["Analysis", "Call", "Recorder", "analyse_function", "attribute_arrays",
            "batch_size_of", "capture", "fingerprint", "first_variable", "function_op",
-           "leave_no_trace", "owner_of", "persistent_array_ids", "root_of", "same_array",
-           "state_bytes"]
+           "leave_no_trace", "owner_of", "persistent_array_ids", "root_of",
+           "same_array", "state_bytes"]

@@ -80,7 +80,7 @@ from . import _chainer  # noqa: F401
 import chainer
 from chainer import backend
 
-from ..core.budget import MARGIN
+from ..core.budget import MARGIN, least_for, limit_of
 from ..core.errors import BudgetError, GraphError, InfeasibleBudgetError, RecomputeError
 from ..core.solvers import chain as chain_solver
 from ..core.solvers.chain import ByteSizes
@@ -513,7 +513,7 @@ class ChainRecompute:
                 state0_grads=state0_live)
 
         budget = self.budget_bytes
-        limit = None if budget is None else int(budget * (1 - MARGIN))
+        limit = None if budget is None else limit_of(budget)
         if self.slots is not None:
             chain_solver.check_chain(self.policy, t, self.slots, alpha)
             m = self.slots
@@ -531,7 +531,7 @@ class ChainRecompute:
             low_peak = peak(least)
             if low_peak > limit:
                 plain = plain_peak()
-                need = -(-low_peak // 1) if MARGIN == 0 else int(-(-low_peak // (1 - MARGIN)))
+                need = least_for(low_peak)
                 raise InfeasibleBudgetError(
                     f"budget {format_bytes(budget)} cannot hold the {self.policy.upper()} "
                     f"schedule of t={t} steps even with {least} slot(s): it needs at least "

@@ -54,7 +54,7 @@ end saves nothing, so that its update adds no memory (a loss link keeps
 the graph, and anything saved, into the next step). If such a graph is
 backpropagated after an update after all, the update count of the
 parameter's rule says so and the regeneration raises
-:class:`~chainer_recompute.core.errors.RecomputeError` (the next iterations
+:class:`~chainer_recompute.core.errors.UnsafeRecomputeError` (the next iterations
 save the values); any other in-place change of a parameter or input that a
 regeneration would read is detected by its checksum (``verify``) and
 raises too, rather than give a gradient different from plain Chainer's.
@@ -81,7 +81,7 @@ from . import _chainer  # noqa: F401
 import chainer
 from chainer import backend
 
-from ..core.errors import RecomputeError
+from ..core.errors import RecomputeError, UnsafeRecomputeError
 from .capture import Call, Recorder, fingerprint, owner_of
 from .param_updates import (_LIVE, _add_live, _update_count, add_update_watcher,  # noqa: F401
                             remove_update_watcher)
@@ -570,7 +570,7 @@ class IterationHook(Recorder):
             if self.program is not None:
                 self.program.multi_backward = True  # the next iterations save it
             name = self.arrays[a].name or a
-            raise RecomputeError(
+            raise UnsafeRecomputeError(
                 f"parameter {name} was updated by an optimizer after the forward pass and "
                 f"before the backward that recomputes node {u} ({self.calls[u].op}) (the graph "
                 f"is backpropagated again after an update); its values were not saved, so "
@@ -590,7 +590,7 @@ class IterationHook(Recorder):
                         else f"input array {info.name or a}")
                 if self.program is not None:
                     self.program.multi_backward = True  # the next iterations keep a copy
-                raise RecomputeError(
+                raise UnsafeRecomputeError(
                     f"{what} was modified in place between the forward pass and the backward "
                     f"that recomputes node {u} ({self.calls[u].op}); recomputing it would give "
                     f"a result different from plain Chainer's. If an optimizer updated it "

@@ -22,6 +22,7 @@ from .core.graph import ArrayInfo, Graph, HeldArray, Node  # noqa: F401
 from .core.io import load_authors_graph, load_graph, save_graph  # noqa: F401
 from .core.plan import Plan  # noqa: F401
 from .core.search import largest_batch_size, least_feasible_budget  # noqa: F401
+from .core.budget import least_total_budget  # noqa: F401
 from .core.planner import solve  # noqa: F401
 from .core.solvers import REGISTRY  # noqa: F401
 from .core.units import format_bytes, parse_bytes  # noqa: F401

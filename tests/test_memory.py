@@ -234,6 +234,47 @@ def test_model_state_bytes_shared_array_counted_once() -> None:
     assert model_state_bytes(chain)["params"] == 16 * 4 + 2 * 4 * 4
 
 
+def test_tied_parameters_counted_once_by_every_model_state_count() -> None:
+    """One Parameter reached under two names (tied weights) is one array:
+    state_bytes, model_state_bytes and parameter_bytes (which the BPTT
+    driver's constant bytes use) count its value, gradient and optimizer
+    state once, before and after an update."""
+    import chainer
+    import chainer.functions as F
+    import chainer.links as L
+    import chainer.optimizers as O
+    from chainer_recompute.runtime.capture import state_bytes
+    from chainer_recompute.runtime.memory import parameter_bytes
+
+    class Tied(chainer.Chain):
+        def __init__(self) -> None:
+            super().__init__()
+            with self.init_scope():
+                self.enc = L.Linear(4, 6)
+                self.dec = L.Linear(6, 4)
+                self.again = self.enc  # the same Linear under a second name
+
+        def __call__(self, x: Any) -> Any:
+            return self.dec(self.again(x))
+
+    model = Tied()
+    opt = O.MomentumSGD()
+    opt.setup(model)
+    assert len(list(model.params())) == 6  # Chainer yields the tied ones twice
+    params = (4 * 6 + 6 + 6 * 4 + 4) * 4
+    sb = state_bytes(model)
+    assert (sb["params"], sb["param_grads"], sb["optimizer_state"]) == (params, params, params)
+    assert model_state_bytes(model, opt) == {"params": params, "grads": params, "optimizer_state": 0}
+    model.cleargrads()
+    F.sum(model(np.ones((2, 4), np.float32))).backward()
+    opt.update()
+    assert state_bytes(model)["optimizer_state"] == params
+    assert model_state_bytes(model, opt) == {"params": params, "grads": params,
+                                             "optimizer_state": params}
+    pb = parameter_bytes(model.params(), estimate_state=False, nbytes=int)
+    assert (pb["params"], pb["grads"], pb["optimizer_state"]) == (params, params, params)
+
+
 # --------------------------------------------------------------------------
 # GPU path, with a fake CuPy and with the real one.
 

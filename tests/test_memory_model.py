@@ -155,6 +155,27 @@ def test_total_budget_search_fits_and_reports_the_least():
     assert paper.info.get("memory_scope", "activations") == "activations"
 
 
+def test_least_total_budget_is_the_figure_the_total_scope_accepts():
+    """cr.least_feasible_budget is the activations scope's figure, which a
+    total budget refuses, and the refusal names least_total_budget, whose
+    figure is accepted (and one byte less refused)."""
+    from chainer_recompute.models.small import SMALL_MODELS
+    link, args = SMALL_MODELS["convnet"](0)
+    link(*args)
+    g = capture(link, *args, backward=True)
+    paper = cr.least_feasible_budget(g, solver="approx")
+    total = cr.least_total_budget(g, solver="approx")
+    assert total == BudgetSearch(g, "approx", "tc").least_budget()
+    assert plan_for_budget(g, total, solver="approx").feasible
+    with pytest.raises(cr.InfeasibleBudgetError):
+        plan_for_budget(g, total - 1, solver="approx")
+    assert paper < total
+    with pytest.raises(cr.InfeasibleBudgetError) as info:
+        plan_for_budget(g, paper, solver="approx")
+    assert "least_total_budget(graph)" in str(info.value)
+    assert info.value.least_feasible_bytes == total
+
+
 def test_least_budget_looks_past_the_strategys_own_plans():
     """The DPs' formula over-counts some plans much more than others: on a
     transformer block no ``tc`` plan replays below about 7.4 MB while an

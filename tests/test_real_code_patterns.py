@@ -421,6 +421,21 @@ def test_change_to_a_dropped_blocks_parameter_between_forward_and_backward(chang
               dict(budget="least", cost="flops", verbose=False), between=tamper)
 
 
+def test_change_to_a_parameter_before_recomputation_is_an_unsafe_recompute_error():
+    """The refusal to recompute from a parameter changed in place is an
+    UnsafeRecomputeError (a RecomputeError)."""
+    batches = mlp_data(n=6)
+
+    def tamper(model: chainer.Link, k: int) -> None:
+        if k == 4:
+            W = _dropped_weight(model).array
+            W[3, 2] = np.nextafter(W[3, 2], np.float32(np.inf))
+
+    with pytest.raises(cr.UnsafeRecomputeError, match=r"parameter /.*/W was modified in place"):
+        train(lambda: MLP(width=128, depth=6), batches,
+              dict(budget="least", cost="flops", verbose=False), between=tamper)
+
+
 def test_numpy_scalar_argument_planned_not_recorded_every_call():
     """A schedule value passed as a new np.float32 each call (its value
     changing): planned from the third call on, identical."""

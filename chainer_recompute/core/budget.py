@@ -44,7 +44,7 @@ from .units import format_bytes, format_bytes_up, parse_bytes
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BudgetSearch", "plan_for_budget", "check_scope"]
+__all__ = ["BudgetSearch", "plan_for_budget", "check_scope", "least_total_budget"]
 
 #: Relative precision of the search over the DPs' own budget.
 SEARCH_TOL = 0.005
@@ -281,7 +281,9 @@ class BudgetSearch:
                 f"{self.solver!r} (total peak: parameters, gradients, optimizer state, "
                 f"activations and temporaries; plain Chainer needs "
                 f"{format_bytes_up(least_for(van_peak))}); raise the budget to at least "
-                f"{format_bytes_up(least)} or reduce the batch size",
+                f"{format_bytes_up(least)} or reduce the batch size (this figure is "
+                f"least_total_budget(graph); least_feasible_budget(graph) is the "
+                f"activations scope's, which this total scope does not accept)",
                 budget_bytes=budget_bytes, least_feasible_bytes=least,
                 vanilla_bytes=least_for(van_peak))
         b = max(ok)
@@ -355,6 +357,31 @@ def _releasable(graph: Graph) -> np.ndarray:
 
 
 _RELEASABLE: Dict[int, Tuple[Any, np.ndarray]] = {}
+
+
+def least_total_budget(graph: Graph, solver: str = "auto", strategy: str = "tc",
+                       **solver_options: Any) -> int:
+    """The least feasible budget of the ``total`` scope, ``apply()``'s
+    default: the least replayed total peak (parameters, gradients,
+    optimizer state, activations and temporaries) with :data:`MARGIN` of
+    headroom, the figure ``plan_for_budget(graph, 'least')`` plans for.
+
+    :func:`~chainer_recompute.core.search.least_feasible_budget` is the
+    ``activations`` scope's (the paper's model), lower: a total budget set
+    to it is refused.
+
+    Args:
+        graph: a recorded graph (with measured transients and lifetimes).
+        solver, strategy, **solver_options: as in :func:`plan_for_budget`.
+
+    >>> g = Graph.from_edges([4, 4, 4, 4], [(0, 1), (1, 2), (2, 3)])
+    >>> least_total_budget(g, 'exact') >= least_feasible_budget(g, 'exact')
+    True
+    """
+    check_solver(solver, strategy)
+    if solver == "none":
+        return least_for(BudgetSearch(graph, "approx", strategy).vanilla()[1])
+    return BudgetSearch(graph, solver, strategy, **solver_options).least_budget()
 
 
 def plan_for_budget(graph: Graph, budget: Union[str, int, float], *, solver: str = "auto",

@@ -58,8 +58,10 @@ class CaptureError(RecomputeError):
 
 
 class UnsafeRecomputeError(RecomputeError):
-    """A recomputation would not reproduce the first run: a step run again
-    drew other random numbers than the first time."""
+    """A recomputation would not reproduce the first run, and is refused: a
+    step run again drew other random numbers than the first time, or an
+    array a regeneration reads (a parameter, an input) was changed in place
+    between the forward and the backward that recomputes from it."""
 
 
 class DistributedError(RecomputeError):

@@ -49,6 +49,13 @@ def least_feasible_budget(graph: Graph, solver: str = "auto", strategy: str = "t
     """The least budget (bytes, under ``model``, the paper's memory model
     by default) for which ``solver`` finds a plan.
 
+    This is the ``activations`` scope's figure (the paper's model: the
+    activations the plan keeps, no parameters, gradients, optimizer state
+    or temporaries). ``apply()``'s default ``total`` scope refuses a budget
+    this low; its least feasible budget is
+    :func:`~chainer_recompute.core.budget.least_total_budget` (what
+    ``plan_for_budget(graph, 'least')`` and ``apply(budget='least')`` use).
+
     For the DPs this is a bisection on the budget over a feasibility-only
     DP (one state per lower set: the least retained memory), exact to the
     byte with ``rel_tol=0`` (the default; ~35 cheap DP runs). It starts

@@ -80,7 +80,7 @@ from . import _chainer  # noqa: F401
 import chainer
 from chainer import backend
 
-from ..core.budget import MARGIN
+from ..core.budget import MARGIN, least_for, limit_of
 from ..core.errors import BudgetError, GraphError, InfeasibleBudgetError, RecomputeError
 from ..core.solvers import chain as chain_solver
 from ..core.solvers.chain import ByteSizes
@@ -90,7 +90,7 @@ from .bptt_cell import (_arrays, _Cell, _detached, _input_bytes, _iter_arrays, _
 from .bptt_measure import _measure, _Measured, measure_step, recurrent_mask
 from .capture import state_bytes
 from .device import RandomStates, device_of, recording_random
-from .memory import MemoryMeasurement, MemoryMeter
+from .memory import MemoryMeasurement, MemoryMeter, parameter_bytes
 
 #: Accepted ``budget_scope`` values of :class:`ChainRecompute`.
 SCOPES = ("total", "call")
@@ -462,13 +462,7 @@ class ChainRecompute:
 
     def _grad_bytes(self) -> int:
         """Parameter gradients live now (the previous iteration's)."""
-        seen, total = set(), 0
-        for p in self._params():
-            g = p.grad
-            if g is not None and id(g) not in seen:
-                seen.add(id(g))
-                total += int(g.nbytes)
-        return total
+        return parameter_bytes(self._params(), estimate_state=False)["grads"]
 
     def _update_transient(self, measured: _Measured) -> int:
         """The largest temporary of an optimizer update (one parameter's
@@ -488,11 +482,8 @@ class ChainRecompute:
             sb = state_bytes(self.model)
             fixed = sb["params"] + sb["optimizer_state"] + sb["persistents"]
         else:
-            fixed = _nbytes([p.array for p in measured.params if p.array is not None])
-            for p in measured.params:
-                rule = getattr(p, "update_rule", None)
-                for v in (getattr(rule, "state", None) or {}).values():
-                    fixed += int(getattr(v, "nbytes", 0) or 0)
+            pb = parameter_bytes(measured.params, estimate_state=False)
+            fixed = pb["params"] + pb["optimizer_state"]
         return int(fixed + _input_bytes(seqs) + _nbytes([v for v in state0 if v is not None])
                    + grads_before + outputs_before)
 
@@ -522,7 +513,7 @@ class ChainRecompute:
                 state0_grads=state0_live)
 
         budget = self.budget_bytes
-        limit = None if budget is None else int(budget * (1 - MARGIN))
+        limit = None if budget is None else limit_of(budget)
         if self.slots is not None:
             chain_solver.check_chain(self.policy, t, self.slots, alpha)
             m = self.slots
@@ -540,7 +531,7 @@ class ChainRecompute:
             low_peak = peak(least)
             if low_peak > limit:
                 plain = plain_peak()
-                need = -(-low_peak // 1) if MARGIN == 0 else int(-(-low_peak // (1 - MARGIN)))
+                need = least_for(low_peak)
                 raise InfeasibleBudgetError(
                     f"budget {format_bytes(budget)} cannot hold the {self.policy.upper()} "
                     f"schedule of t={t} steps even with {least} slot(s): it needs at least "

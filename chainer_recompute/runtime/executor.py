@@ -54,7 +54,7 @@ end saves nothing, so that its update adds no memory (a loss link keeps
 the graph, and anything saved, into the next step). If such a graph is
 backpropagated after an update after all, the update count of the
 parameter's rule says so and the regeneration raises
-:class:`~chainer_recompute.core.errors.RecomputeError` (the next iterations
+:class:`~chainer_recompute.core.errors.UnsafeRecomputeError` (the next iterations
 save the values); any other in-place change of a parameter or input that a
 regeneration would read is detected by its checksum (``verify``) and
 raises too, rather than give a gradient different from plain Chainer's.
@@ -65,198 +65,30 @@ The hook holds no strong reference to function or variable nodes, so the
 graph is freed by reference counting as in plain Chainer. Everything goes
 through the array module of the arrays, so NumPy and CuPy take the same
 path.
+
+:class:`Program`, :class:`IterationStats` and the wiring checks live in
+:mod:`~chainer_recompute.runtime.program`, the patched optimizer update in
+:mod:`~chainer_recompute.runtime.param_updates`; both are importable from
+here as before.
 """
 from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from . import _chainer  # noqa: F401
 import chainer
 from chainer import backend
 
-from ..core.errors import RecomputeError
-from ..core.execution import ExecutionPlan
-from ..core.graph import Graph
+from ..core.errors import RecomputeError, UnsafeRecomputeError
 from .capture import Call, Recorder, fingerprint, owner_of
+from .param_updates import (_LIVE, _add_live, _update_count, add_update_watcher,  # noqa: F401
+                            remove_update_watcher)
+from .program import (PROBATION, IterationStats, Program, _after_mismatch,  # noqa: F401
+                      _after_update, _matches_after, _matches_before)
 
 logger = logging.getLogger(__name__)
-
-
-class Program(ExecutionPlan):
-    """An :class:`~chainer_recompute.core.execution.ExecutionPlan` with the
-    very parameters it was planned for (wiring checks) and what the runtime
-    learned about it.
-
-    Args:
-        graph, lower_sets, kept: see ``ExecutionPlan``.
-        param_refs: weak references to the parameters, by array id.
-    """
-
-    def __init__(self, graph: Graph, lower_sets: Sequence[FrozenSet[int]],
-                 kept: FrozenSet[int], param_refs: Optional[Dict[int, Any]] = None) -> None:
-        super().__init__(graph, lower_sets, kept)
-        self.param_refs: Dict[int, Any] = dict(param_refs or {})
-        # learned: the graph is backpropagated more than once per iteration
-        self.multi_backward = False
-        # what stays after a node's last backward reader (replay.RELEASE_MODES):
-        # chosen by the runner from the replayed peaks and the budget
-        self.release_mode = "none"
-        self.release_mode_decided = False
-        # Updates of parameters while a graph of this plan was alive, after
-        # which it died without another backward pass: after PROBATION of
-        # them, parameters are no longer saved before updates.
-        self.clean_updates = 0
-        # The plan was made from an iteration whose backward pass(es) had all
-        # run (multi_backward is then what that iteration did): its graphs
-        # are not expected to be backpropagated after an optimizer update,
-        # and no parameter is saved before one unless they are found to be.
-        self.backward_known = False
-
-    @property
-    def saves_parameters(self) -> bool:
-        """Whether an optimizer update of a parameter that a released block
-        was computed from first saves the parameter's values: a graph known
-        to be backpropagated twice that regenerates in between, or, while
-        that is not known (a plan made before its recorded graph's backward
-        ran, or from a separate capture), during the first ``PROBATION``
-        updates."""
-        if self.multi_backward and self.release_mode != "all":
-            return True
-        return not self.backward_known and self.clean_updates < PROBATION
-
-
-class IterationStats:
-    """Counters of one iteration, kept by the runner after the iteration's
-    arrays are gone (it references no array or graph object).
-
-    Attributes:
-        path: ``planned`` (the iteration followed a plan), ``recorded``
-            (it ran plainly while its graph was recorded: the first call of
-            a signature, or a structure not seen before), ``mismatch`` (it
-            started on a plan and stopped matching it), ``plain`` (the
-            signature fell back to plain Chainer).
-        n_dropped: nodes the plan drops.
-        n_released: arrays released at the moment (all dropped ones after
-            the forward).
-        recomputed_nodes: function forwards re-run during backward.
-        n_nodes: functions in the planned graph.
-        release_mode: what is kept after a node's last backward reader
-            (``none``, ``checkpoints``, ``all``; see ``core.replay``).
-        mismatch: why the iteration stopped matching its plan.
-        measured_peak_bytes / predicted_peak_bytes / budget_bytes: set by
-            the runner when it measures the iteration (see ``apply``).
-        measured_pool_total_bytes: on CuPy, the same with the blocks the
-            memory pool added for the iteration (its cached and split
-            blocks included); None on NumPy.
-    """
-
-    __slots__ = ("path", "n_dropped", "n_released", "recomputed_nodes", "mismatch",
-                 "measured_peak_bytes", "predicted_peak_bytes", "budget_bytes", "n_nodes",
-                 "release_mode", "measured_pool_total_bytes")
-
-    def __init__(self, n_dropped: int = 0, path: str = "planned") -> None:
-        self.path = path
-        self.n_dropped = n_dropped
-        self.n_released = 0
-        self.recomputed_nodes = 0
-        self.mismatch: Optional[str] = None
-        self.measured_peak_bytes: Optional[int] = None
-        self.measured_pool_total_bytes: Optional[int] = None
-        self.predicted_peak_bytes: Optional[int] = None
-        self.budget_bytes: Optional[int] = None
-        self.n_nodes = 0
-        self.release_mode = "none"
-
-    def __repr__(self) -> str:
-        return (f"IterationStats(path={self.path!r}, dropped={self.n_dropped}, "
-                f"released={self.n_released}, recomputed_nodes={self.recomputed_nodes}, "
-                f"mismatch={self.mismatch!r}, measured_peak_bytes={self.measured_peak_bytes}, "
-                f"predicted_peak_bytes={self.predicted_peak_bytes})")
-
-
-# Hooks whose released blocks were computed from parameters that an
-# optimizer update must save first (snapshot-on-update, see the module
-# docstring). ``UpdateRule.update`` is patched only while one is alive.
-_LIVE: "weakref.WeakSet[IterationHook]" = weakref.WeakSet()
-_LIVE_COUNT = [0]
-_ORIGINAL_UPDATE: List[Any] = []  # the unpatched UpdateRule.update while patched
-
-
-_WATCHERS: List[Callable[[Any], bool]] = []  # called after each update (True: done)
-
-
-def _update(self: Any, param: Any) -> Any:
-    """``UpdateRule.update`` while patched: save ``param``'s values for the
-    live iterations that may still regenerate from it, update, and tell the
-    watchers (the runner's measurement of the update)."""
-    if _LIVE:
-        saved: List[Any] = []
-
-        def copy() -> Any:  # one copy, shared by every live iteration
-            if not saved:
-                saved.append(param.array.copy())
-            return saved[0]
-        for hook in list(_LIVE):
-            hook.before_param_update(param, copy)
-    out = _ORIGINAL_UPDATE[0](self, param)
-    if _WATCHERS:
-        for w in list(_WATCHERS):
-            if w(param) and w in _WATCHERS:
-                _WATCHERS.remove(w)
-        if not _WATCHERS and _LIVE_COUNT[0] <= 0:
-            _unpatch_update_rule()
-    return out
-
-
-def add_update_watcher(watcher: Callable[[Any], bool]) -> None:
-    """Call ``watcher(param)`` after each optimizer update of a parameter
-    until it returns True or is removed (``UpdateRule.update`` is patched
-    meanwhile)."""
-    _patch_update_rule()
-    _WATCHERS.append(watcher)
-
-
-def remove_update_watcher(watcher: Callable[[Any], bool]) -> None:
-    if watcher in _WATCHERS:
-        _WATCHERS.remove(watcher)
-    if not _WATCHERS and _LIVE_COUNT[0] <= 0:
-        _unpatch_update_rule()
-
-
-def _patch_update_rule() -> None:
-    """Patch ``UpdateRule.update`` (once) while an iteration may need it."""
-    if _ORIGINAL_UPDATE:
-        return
-    original = chainer.optimizer.UpdateRule.update
-    _ORIGINAL_UPDATE.append(original)
-    _update.__wrapped__ = original  # type: ignore[attr-defined]
-    chainer.optimizer.UpdateRule.update = _update
-
-
-def _unpatch_update_rule() -> None:
-    """Put ``UpdateRule.update`` back (unless someone patched it over ours,
-    then ours stays and passes through)."""
-    if _ORIGINAL_UPDATE and chainer.optimizer.UpdateRule.update is _update:
-        chainer.optimizer.UpdateRule.update = _ORIGINAL_UPDATE.pop()
-
-
-def _add_live(hook: "IterationHook") -> None:
-    if hook in _LIVE:
-        return
-    _patch_update_rule()
-    _LIVE.add(hook)
-    _LIVE_COUNT[0] += 1
-    weakref.finalize(hook, _live_died)
-
-
-def _live_died() -> None:
-    _LIVE_COUNT[0] -= 1
-    if _LIVE_COUNT[0] <= 0:
-        _LIVE_COUNT[0] = 0
-        if not _WATCHERS:
-            _unpatch_update_rule()
 
 
 class IterationHook(Recorder):
@@ -738,7 +570,7 @@ class IterationHook(Recorder):
             if self.program is not None:
                 self.program.multi_backward = True  # the next iterations save it
             name = self.arrays[a].name or a
-            raise RecomputeError(
+            raise UnsafeRecomputeError(
                 f"parameter {name} was updated by an optimizer after the forward pass and "
                 f"before the backward that recomputes node {u} ({self.calls[u].op}) (the graph "
                 f"is backpropagated again after an update); its values were not saved, so "
@@ -758,7 +590,7 @@ class IterationHook(Recorder):
                         else f"input array {info.name or a}")
                 if self.program is not None:
                     self.program.multi_backward = True  # the next iterations keep a copy
-                raise RecomputeError(
+                raise UnsafeRecomputeError(
                     f"{what} was modified in place between the forward pass and the backward "
                     f"that recomputes node {u} ({self.calls[u].op}); recomputing it would give "
                     f"a result different from plain Chainer's. If an optimizer updated it "
@@ -785,96 +617,3 @@ class IterationHook(Recorder):
                 setattr(owner, name, original)
             f._input_indexes_to_retain, f._output_indexes_to_retain = keep_in, keep_out
         return outs
-
-
-#: Updates of parameters after which a plan's graph died without another
-#: backward pass, before parameters are no longer saved for one.
-PROBATION = 1
-
-
-def _update_count(param: Any) -> int:
-    """How many times an optimizer has updated ``param`` (its update
-    rule's ``t``; -1 without an update rule)."""
-    rule = getattr(param, "update_rule", None)
-    t = getattr(rule, "t", None)
-    return int(t) if t is not None else -1
-
-
-def _after_update(program_ref: Any, state: Dict[str, bool]) -> None:
-    """A graph that saw a parameter update died: count the update as
-    clean when no backward pass came after it."""
-    program = program_ref()
-    if program is not None and not state["again"]:
-        program.clean_updates += 1
-
-
-def _matches_before(p: Program, call: Call, in_data: Tuple[Any, ...]) -> bool:
-    """The call's function class, input shapes, arguments and parameters
-    (a parameter's input is its very array) are the planned node's."""
-    i = call.index
-    if i >= p.n:
-        return False
-    node = p.graph.nodes[i]
-    if node.op != call.op or len(node.inputs) != len(call.in_shapes):
-        return False
-    arrays = p.graph.arrays
-    for a, shape, arg, x in zip(node.inputs, call.in_shapes, call.in_args, in_data):
-        info = arrays[a]
-        if info.shape is not None and tuple(info.shape) != shape:
-            return False
-        if info.kind == "input" and (info.name or None) != arg:
-            return False
-        if info.kind == "param":
-            ref = p.param_refs.get(a)
-            param = ref() if ref is not None else None
-            if param is None or param.array is not x:
-                return False
-    return True
-
-
-def _after_mismatch(p: Program, call: Call, param_refs: Dict[int, Any]) -> str:
-    """What differs between a call and its planned node (the first
-    difference :func:`_matches_after` finds), in words."""
-    i = call.index
-    node = p.graph.nodes[i]
-    head = f"function #{i} ({call.op})"
-    in_ids, out_ids = call.in_ids or (), call.out_ids or ()
-    if in_ids != node.inputs:
-        return (f"{head} reads arrays {in_ids}, but the plan has it read {node.inputs} (the "
-                f"model's wiring depends on the data?)")
-    if len(out_ids) != len(node.outputs):
-        return f"{head} makes {len(out_ids)} outputs, the plan {len(node.outputs)}"
-    for a in in_ids:
-        planned = p.param_refs.get(a)
-        if planned is not None:
-            ref = param_refs.get(a)
-            if ref is None or ref() is not planned():
-                return f"{head} reads another parameter than the plan's as array {a}"
-    for a, (shape, _, _, _) in zip(node.outputs, call.out_meta):
-        planned_shape = p.graph.arrays[a].shape
-        if planned_shape is not None and tuple(planned_shape) != shape:
-            return (f"{head} makes array {a} of shape {shape}, the plan one of shape "
-                    f"{tuple(planned_shape)}")
-    return f"{head} retains other arrays for its backward than the plan's"
-
-
-def _matches_after(p: Program, call: Call, param_refs: Dict[int, Any]) -> bool:
-    """The call's wiring (which recorded array each input is, the very
-    parameters), outputs and retention are the planned node's."""
-    i = call.index
-    node = p.graph.nodes[i]
-    in_ids, out_ids = call.in_ids or (), call.out_ids or ()
-    if in_ids != node.inputs or len(out_ids) != len(node.outputs):
-        return False
-    for a in in_ids:
-        planned = p.param_refs.get(a)
-        if planned is not None:
-            ref = param_refs.get(a)
-            if ref is None or ref() is not planned():
-                return False
-    arrays = p.graph.arrays
-    for a, (shape, _, _, _) in zip(node.outputs, call.out_meta):
-        if arrays[a].shape is not None and tuple(arrays[a].shape) != shape:
-            return False
-    return (sorted(in_ids[j] for j in call.keep_in) == sorted(node.retained_inputs) and
-            sorted(out_ids[k] for k in call.keep_out) == sorted(node.retained_outputs))

@@ -32,7 +32,7 @@ import logging
 import sys
 import sysconfig
 import tracemalloc
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional
 
 from ..core.errors import RecomputeError
 from ..core.units import format_bytes
@@ -40,7 +40,7 @@ from ..core.units import format_bytes
 logger = logging.getLogger(__name__)
 
 __all__ = ["MemoryMeasurement", "MemoryMeter", "measure_memory", "model_state_bytes",
-           "format_memory_report", "NUMPY_TRACEMALLOC_DOMAIN"]
+           "parameter_bytes", "format_memory_report", "NUMPY_TRACEMALLOC_DOMAIN"]
 
 #: The tracemalloc domain of NumPy's data allocations (``np.lib.tracemalloc_domain``).
 NUMPY_TRACEMALLOC_DOMAIN = 389047
@@ -463,10 +463,82 @@ def _nbytes(array: Any) -> int:
     return int(getattr(array, "nbytes", 0) or 0)
 
 
+def parameter_bytes(params: Iterable[Any], *, nbytes: Callable[[int], int] = int,
+                    estimate_state: bool = True) -> Dict[str, int]:
+    """Bytes of parameters and what goes with them, each array counted once:
+    a Parameter reached under two names or through two links (tied weights)
+    counts once, and so does an array that several Parameters share.
+
+    Args:
+        params: ``chainer.Parameter`` objects (``link.params()``);
+            uninitialised ones count nothing.
+        estimate_state: before an update rule has made its state (the first
+            update), count the copies its kind keeps (``_STATE_COPIES``);
+            otherwise count only the state arrays that exist.
+        nbytes: what an array of ``n`` bytes takes (its ``nbytes`` by
+            default; :meth:`~chainer_recompute.runtime.device.Device.allocation_bytes`
+            for what its device allocates).
+
+    Returns:
+        ``params``; ``grads`` (the gradient arrays held now);
+        ``optimizer_state``; ``update_transient`` (the largest parameter:
+        the largest temporary of an update).
+
+    >>> import chainer.links as L
+    >>> lin = L.Linear(3, 2)
+    >>> parameter_bytes(list(lin.params()) * 2)["params"]  # tied: counted once
+    32
+    """
+    seen_params: set = set()
+    distinct = []
+    for p in params:
+        if p.array is not None and id(p) not in seen_params:
+            seen_params.add(id(p))
+            distinct.append(p)
+    nb = nbytes
+    seen: set = set()
+
+    def count(a: Any) -> int:
+        if a is None or not hasattr(a, "nbytes") or id(a) in seen:
+            return 0
+        seen.add(id(a))
+        return nb(a.nbytes)
+
+    out = {"params": 0, "grads": 0, "optimizer_state": 0, "update_transient": 0}
+    for p in distinct:
+        size = count(p.array)
+        out["params"] += size
+        out["update_transient"] = max(out["update_transient"], nb(p.array.nbytes))
+    for p in distinct:
+        out["grads"] += count(p.grad)
+    for p in distinct:
+        rule = getattr(p, "update_rule", None)
+        if rule is None:
+            continue
+        st = getattr(rule, "state", None)
+        if st:
+            out["optimizer_state"] += sum(count(v) for v in st.values())
+        elif estimate_state:
+            out["optimizer_state"] += _STATE_COPIES.get(type(rule).__name__, 2) * nb(
+                p.array.nbytes)
+    return out
+
+
+#: Arrays of a parameter's size that each of Chainer's update rules keeps
+#: (used before the first update, when the state does not exist yet).
+_STATE_COPIES = {
+    "SGDRule": 0, "MomentumSGDRule": 1, "CorrectedMomentumSGDRule": 1, "NesterovAGRule": 1,
+    "AdaGradRule": 1, "RMSpropRule": 1, "RMSpropGravesRule": 3, "AdaDeltaRule": 2,
+    "AdamRule": 2, "MSVAGRule": 2, "SMORMS3Rule": 3,
+}
+
+
+
 def model_state_bytes(link: Any, optimizer: Any = None) -> Dict[str, int]:
     """Bytes of a model's parameters, gradients and optimizer state, apart.
 
-    Arrays shared by several parameters are counted once. Optimizer state
+    Arrays shared by several parameters are counted once
+    (:func:`parameter_bytes`). Optimizer state
     is read from each parameter's ``update_rule.state`` (Chainer >= 2) and
     from an ``optimizer._states`` dict where one exists; it is empty until
     the first ``update()``.
@@ -483,26 +555,17 @@ def model_state_bytes(link: Any, optimizer: Any = None) -> Dict[str, int]:
     >>> model_state_bytes(L.Linear(3, 2))
     {'params': 32, 'grads': 32, 'optimizer_state': 0}
     """
-    seen: set = set()
-
-    def count(array: Any) -> int:
-        if array is None or not hasattr(array, "nbytes") or id(array) in seen:
-            return 0
-        seen.add(id(array))
-        return _nbytes(array)
-
-    params = sum(count(p.array) for p in link.params())
-    grads = sum(count(p.grad) for p in link.params())
-    state = 0
+    own = parameter_bytes(link.params(), estimate_state=False)
+    params, grads, state = own["params"], own["grads"], 0
     if optimizer is not None:
         target = getattr(optimizer, "target", None) or link
-        for p in target.params():
-            rule = getattr(p, "update_rule", None)
-            for value in (getattr(rule, "state", None) or {}).values():
-                state += count(value)
+        state = parameter_bytes(target.params(), estimate_state=False)["optimizer_state"]
+        seen: set = set()
         for states in (getattr(optimizer, "_states", None) or {}).values():
-            values = states.values() if isinstance(states, dict) else [states]
-            state += sum(count(v) for v in values)
+            for v in (states.values() if isinstance(states, dict) else [states]):
+                if hasattr(v, "nbytes") and id(v) not in seen:
+                    seen.add(id(v))
+                    state += _nbytes(v)
     return {"params": params, "grads": grads, "optimizer_state": state}
 
 

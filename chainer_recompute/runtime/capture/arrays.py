@@ -1,0 +1,145 @@
+"""What the recorder inspects in Chainer's objects: the arrays a function
+keeps in its attributes, which array owns a view's memory, content
+checksums, and the arrays of a call's arguments and of a forward's result."""
+from __future__ import annotations
+
+from typing import Any, Iterator, List, Optional, Tuple
+
+from .. import _chainer  # noqa: F401  (NumPy 2 compatibility before chainer)
+import chainer
+
+from ..device import device_of
+
+# FunctionNode bookkeeping attributes that are not arrays the function keeps.
+_SKIP_ATTRS = frozenset({
+    "_retained_output_data", "inputs", "outputs", "stack", "_input_layouts",
+    "_output_layouts", "rank", "lazy_grad_sum", "_input_indexes_to_retain",
+    "_output_indexes_to_retain", "_output_count", "_function", "forward",
+    "local_function_hooks", "_local_function_hooks", "_n_local_function_hooks",
+    "_is_chainerx_fallback_mode", "chainerx_device", "_chainerx_retained_inputs",
+    "_chainerx_retained_outputs", "_supports_static_optimizations", "_static_forward",
+})
+
+
+
+def function_op(f: chainer.FunctionNode) -> str:
+    """The class name of a function (of the wrapped one for old-style)."""
+    inner = getattr(f, "_function", None)
+    return type(inner).__name__ if inner is not None else type(f).__name__
+
+
+def _attr_owners(f: chainer.FunctionNode) -> List[Any]:
+    owners = [f]
+    inner = getattr(f, "_function", None)
+    if inner is not None:
+        owners.append(inner)
+    return owners
+
+
+def attribute_arrays(f: chainer.FunctionNode) -> List[Tuple[Any, str, Any]]:
+    """``(owner, name, array)`` for every ndarray kept in the attributes of
+    ``f`` (and of the old-style Function it wraps)."""
+    array_types = chainer.get_array_types()
+    found = []
+    for owner in _attr_owners(f):
+        for name, value in list(vars(owner).items()):
+            if name in _SKIP_ATTRS:
+                continue
+            if isinstance(value, array_types):
+                found.append((owner, name, value))
+    return found
+
+
+def owner_of(f: Any, name: str) -> Any:
+    """The object (``f`` or the old-style Function it wraps) holding attribute ``name``."""
+    inner = getattr(f, "_function", None)
+    if inner is not None and name in vars(inner):
+        return inner
+    return f
+
+
+def is_array(x: Any) -> bool:
+    return isinstance(x, chainer.get_array_types())
+
+
+def root_of(a: Any) -> Any:
+    """The object that owns the memory of array ``a`` (``a`` unless a view)."""
+    while True:
+        b = getattr(a, "base", None)
+        if b is None:
+            return a
+        a = b
+
+
+def same_array(a: Any, b: Any) -> bool:
+    """Bitwise equality of two arrays (NaN equal to NaN)."""
+    return device_of([a, b]).same(a, b)
+
+
+def fingerprint(a: Any) -> Tuple[Any, ...]:
+    """A content checksum of ``a`` (:meth:`~chainer_recompute.runtime.device.Device.checksum`)."""
+    return device_of([a]).checksum(a)
+
+
+def buffer_print(a: Any) -> Tuple[Any, ...]:
+    """The :func:`fingerprint` of the memory ``a`` lives in: its base
+    buffer when that is contiguous (no copy of a strided view)."""
+    r = root_of(a)
+    if is_array(r) and r.flags.c_contiguous:
+        return fingerprint(r)
+    return fingerprint(a)
+
+
+def _arrays_in(x: Any, path: str) -> Iterator[Tuple[str, Any]]:
+    """The arrays of a call argument (Variables, arrays, nested tuples,
+    lists and dicts), with a path naming each."""
+    if isinstance(x, chainer.Variable):
+        arr = x.raw_array
+        if arr is not None:
+            yield path, arr
+    elif is_array(x):
+        yield path, x
+    elif isinstance(x, (tuple, list)):
+        for k, y in enumerate(x):
+            yield from _arrays_in(y, f"{path}.{k}")
+    elif isinstance(x, dict):
+        for k, y in x.items():
+            yield from _arrays_in(y, f"{path}.{k}")
+
+
+def persistent_array_ids(link: chainer.Link) -> set:
+    """ids of the parameter arrays and persistent arrays of ``link``."""
+    ids = {id(p.array) for p in link.params() if p.array is not None}
+    for sub in link.links():
+        for name in getattr(sub, "_persistent", ()):
+            v = getattr(sub, name, None)
+            if is_array(v):
+                ids.add(id(v))
+    return ids
+
+
+
+def _variables_in(result: Any) -> Iterator[chainer.Variable]:
+    if isinstance(result, chainer.Variable):
+        yield result
+    elif isinstance(result, dict):
+        for v in result.values():
+            yield from _variables_in(v)
+    elif isinstance(result, (tuple, list)):
+        for v in result:
+            yield from _variables_in(v)
+
+
+def first_variable(result: Any) -> Optional[chainer.Variable]:
+    """The first ``chainer.Variable`` in a forward's result (a Variable, a
+    tuple, list or dict of them)."""
+    if isinstance(result, chainer.Variable):
+        return result
+    if isinstance(result, dict):
+        result = list(result.values())
+    if isinstance(result, (tuple, list)):
+        for r in result:
+            v = first_variable(r)
+            if v is not None:
+                return v
+    return None

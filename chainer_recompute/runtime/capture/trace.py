@@ -1,0 +1,99 @@
+"""Leave no trace: run an extra forward (and backward) and put back
+everything plain Chainer would not have changed.
+
+The global random states, the persistent values and attributes of every
+Link reached (not only the model), lazily created parameters and gradients
+are restored.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Dict, Iterator
+
+from .. import _chainer  # noqa: F401  (NumPy 2 compatibility before chainer)
+import chainer
+
+from ..device import RandomStates
+from .arrays import is_array
+
+def _uninitialize(param: chainer.Parameter) -> None:
+    """Put a lazily initialised parameter back to its uninitialised state."""
+    param._data[0] = None
+    param._node._update_data_info(None)
+    param.grad = None
+
+
+def _grad_copy(p: chainer.Parameter) -> Any:
+    try:
+        g = p.grad
+    except RuntimeError:  # uninitialised, its gradient never cleared
+        return None
+    return None if g is None else g.copy()
+
+
+class _LinkSnapshot:
+    __slots__ = ("link", "attrs", "arrays", "params")
+
+    def __init__(self, link: chainer.Link) -> None:
+        self.link = link
+        self.attrs = dict(vars(link))
+        self.arrays = {}
+        for name in getattr(link, "_persistent", ()):
+            v = getattr(link, name, None)
+            if is_array(v):
+                self.arrays[name] = (v, v.copy())
+        own = [getattr(link, name) for name in sorted(getattr(link, "_params", ()))]
+        self.params = [(p, p.array is None, _grad_copy(p))
+                       for p in own]  # its own: each Link is snapshotted on its own
+
+    def restore(self) -> None:
+        for name, (arr, saved) in self.arrays.items():
+            arr[...] = saved
+        vars(self.link).clear()
+        vars(self.link).update(self.attrs)
+        for p, was_uninit, grad in self.params:
+            if was_uninit:
+                _uninitialize(p)
+            elif grad is None:
+                p.grad = None
+            elif p.grad is not None and p.grad.shape == grad.shape:
+                p.grad[...] = grad
+            else:
+                p.grad = grad
+
+
+class _LinkWatcher(chainer.LinkHook):
+    """Snapshots every Link the moment its forward is first called."""
+
+    def __init__(self, snapshots: Dict[int, _LinkSnapshot]) -> None:
+        self.name = f"chainer_recompute.LinkWatcher-{id(self):x}"
+        self.snapshots = snapshots
+
+    def forward_preprocess(self, args: Any) -> None:
+        link = args.link
+        if id(link) not in self.snapshots:
+            self.snapshots[id(link)] = _LinkSnapshot(link)
+
+
+@contextlib.contextmanager
+def leave_no_trace(model: Any) -> Iterator[None]:
+    """Run a block (an extra forward, and backward) and put back everything
+    plain Chainer would not have changed: the global random states (NumPy,
+    CuPy), the persistent values and attributes (an ``L.LSTM``'s state, a
+    BatchNorm's statistics and counters) of every Link called in the block
+    and of every Link under ``model``, lazily created parameters, and the
+    gradients of the parameters."""
+    rng = RandomStates.save_generators()
+    snapshots: Dict[int, _LinkSnapshot] = {}
+    link = model if isinstance(model, chainer.Link) else getattr(model, "__self__", None)
+    if isinstance(link, chainer.Link):
+        for sub in link.links():
+            snapshots[id(sub)] = _LinkSnapshot(sub)
+    watcher = _LinkWatcher(snapshots)
+    try:
+        with watcher:
+            yield
+    finally:
+        for snap in snapshots.values():
+            snap.restore()
+        RandomStates.restore_generators(rng)

@@ -1,0 +1,189 @@
+"""The static part of a planned execution and the checks of a running
+iteration against it: :class:`Program` (an ``ExecutionPlan`` with its
+parameters and what the runtime learned of it), the per-iteration counters
+:class:`IterationStats`, and whether a recorded call matches its planned
+node before and after it runs."""
+from __future__ import annotations
+
+from typing import Any, Dict, FrozenSet, Optional, Sequence, Tuple
+
+from ..core.execution import ExecutionPlan
+from ..core.graph import Graph
+from .capture import Call
+
+#: Updates of parameters after which a plan's graph died without another
+#: backward pass, before parameters are no longer saved for one.
+PROBATION = 1
+
+
+class Program(ExecutionPlan):
+    """An :class:`~chainer_recompute.core.execution.ExecutionPlan` with the
+    very parameters it was planned for (wiring checks) and what the runtime
+    learned about it.
+
+    Args:
+        graph, lower_sets, kept: see ``ExecutionPlan``.
+        param_refs: weak references to the parameters, by array id.
+    """
+
+    def __init__(self, graph: Graph, lower_sets: Sequence[FrozenSet[int]],
+                 kept: FrozenSet[int], param_refs: Optional[Dict[int, Any]] = None) -> None:
+        super().__init__(graph, lower_sets, kept)
+        self.param_refs: Dict[int, Any] = dict(param_refs or {})
+        # learned: the graph is backpropagated more than once per iteration
+        self.multi_backward = False
+        # what stays after a node's last backward reader (replay.RELEASE_MODES):
+        # chosen by the runner from the replayed peaks and the budget
+        self.release_mode = "none"
+        self.release_mode_decided = False
+        # Updates of parameters while a graph of this plan was alive, after
+        # which it died without another backward pass: after PROBATION of
+        # them, parameters are no longer saved before updates.
+        self.clean_updates = 0
+        # The plan was made from an iteration whose backward pass(es) had all
+        # run (multi_backward is then what that iteration did): its graphs
+        # are not expected to be backpropagated after an optimizer update,
+        # and no parameter is saved before one unless they are found to be.
+        self.backward_known = False
+
+    @property
+    def saves_parameters(self) -> bool:
+        """Whether an optimizer update of a parameter that a released block
+        was computed from first saves the parameter's values: a graph known
+        to be backpropagated twice that regenerates in between, or, while
+        that is not known (a plan made before its recorded graph's backward
+        ran, or from a separate capture), during the first ``PROBATION``
+        updates."""
+        if self.multi_backward and self.release_mode != "all":
+            return True
+        return not self.backward_known and self.clean_updates < PROBATION
+
+
+class IterationStats:
+    """Counters of one iteration, kept by the runner after the iteration's
+    arrays are gone (it references no array or graph object).
+
+    Attributes:
+        path: ``planned`` (the iteration followed a plan), ``recorded``
+            (it ran plainly while its graph was recorded: the first call of
+            a signature, or a structure not seen before), ``mismatch`` (it
+            started on a plan and stopped matching it), ``plain`` (the
+            signature fell back to plain Chainer).
+        n_dropped: nodes the plan drops.
+        n_released: arrays released at the moment (all dropped ones after
+            the forward).
+        recomputed_nodes: function forwards re-run during backward.
+        n_nodes: functions in the planned graph.
+        release_mode: what is kept after a node's last backward reader
+            (``none``, ``checkpoints``, ``all``; see ``core.replay``).
+        mismatch: why the iteration stopped matching its plan.
+        measured_peak_bytes / predicted_peak_bytes / budget_bytes: set by
+            the runner when it measures the iteration (see ``apply``).
+        measured_pool_total_bytes: on CuPy, the same with the blocks the
+            memory pool added for the iteration (its cached and split
+            blocks included); None on NumPy.
+    """
+
+    __slots__ = ("path", "n_dropped", "n_released", "recomputed_nodes", "mismatch",
+                 "measured_peak_bytes", "predicted_peak_bytes", "budget_bytes", "n_nodes",
+                 "release_mode", "measured_pool_total_bytes")
+
+    def __init__(self, n_dropped: int = 0, path: str = "planned") -> None:
+        self.path = path
+        self.n_dropped = n_dropped
+        self.n_released = 0
+        self.recomputed_nodes = 0
+        self.mismatch: Optional[str] = None
+        self.measured_peak_bytes: Optional[int] = None
+        self.measured_pool_total_bytes: Optional[int] = None
+        self.predicted_peak_bytes: Optional[int] = None
+        self.budget_bytes: Optional[int] = None
+        self.n_nodes = 0
+        self.release_mode = "none"
+
+    def __repr__(self) -> str:
+        return (f"IterationStats(path={self.path!r}, dropped={self.n_dropped}, "
+                f"released={self.n_released}, recomputed_nodes={self.recomputed_nodes}, "
+                f"mismatch={self.mismatch!r}, measured_peak_bytes={self.measured_peak_bytes}, "
+                f"predicted_peak_bytes={self.predicted_peak_bytes})")
+
+
+
+def _after_update(program_ref: Any, state: Dict[str, bool]) -> None:
+    """A graph that saw a parameter update died: count the update as
+    clean when no backward pass came after it."""
+    program = program_ref()
+    if program is not None and not state["again"]:
+        program.clean_updates += 1
+
+
+def _matches_before(p: Program, call: Call, in_data: Tuple[Any, ...]) -> bool:
+    """The call's function class, input shapes, arguments and parameters
+    (a parameter's input is its very array) are the planned node's."""
+    i = call.index
+    if i >= p.n:
+        return False
+    node = p.graph.nodes[i]
+    if node.op != call.op or len(node.inputs) != len(call.in_shapes):
+        return False
+    arrays = p.graph.arrays
+    for a, shape, arg, x in zip(node.inputs, call.in_shapes, call.in_args, in_data):
+        info = arrays[a]
+        if info.shape is not None and tuple(info.shape) != shape:
+            return False
+        if info.kind == "input" and (info.name or None) != arg:
+            return False
+        if info.kind == "param":
+            ref = p.param_refs.get(a)
+            param = ref() if ref is not None else None
+            if param is None or param.array is not x:
+                return False
+    return True
+
+
+def _after_mismatch(p: Program, call: Call, param_refs: Dict[int, Any]) -> str:
+    """What differs between a call and its planned node (the first
+    difference :func:`_matches_after` finds), in words."""
+    i = call.index
+    node = p.graph.nodes[i]
+    head = f"function #{i} ({call.op})"
+    in_ids, out_ids = call.in_ids or (), call.out_ids or ()
+    if in_ids != node.inputs:
+        return (f"{head} reads arrays {in_ids}, but the plan has it read {node.inputs} (the "
+                f"model's wiring depends on the data?)")
+    if len(out_ids) != len(node.outputs):
+        return f"{head} makes {len(out_ids)} outputs, the plan {len(node.outputs)}"
+    for a in in_ids:
+        planned = p.param_refs.get(a)
+        if planned is not None:
+            ref = param_refs.get(a)
+            if ref is None or ref() is not planned():
+                return f"{head} reads another parameter than the plan's as array {a}"
+    for a, (shape, _, _, _) in zip(node.outputs, call.out_meta):
+        planned_shape = p.graph.arrays[a].shape
+        if planned_shape is not None and tuple(planned_shape) != shape:
+            return (f"{head} makes array {a} of shape {shape}, the plan one of shape "
+                    f"{tuple(planned_shape)}")
+    return f"{head} retains other arrays for its backward than the plan's"
+
+
+def _matches_after(p: Program, call: Call, param_refs: Dict[int, Any]) -> bool:
+    """The call's wiring (which recorded array each input is, the very
+    parameters), outputs and retention are the planned node's."""
+    i = call.index
+    node = p.graph.nodes[i]
+    in_ids, out_ids = call.in_ids or (), call.out_ids or ()
+    if in_ids != node.inputs or len(out_ids) != len(node.outputs):
+        return False
+    for a in in_ids:
+        planned = p.param_refs.get(a)
+        if planned is not None:
+            ref = param_refs.get(a)
+            if ref is None or ref() is not planned():
+                return False
+    arrays = p.graph.arrays
+    for a, (shape, _, _, _) in zip(node.outputs, call.out_meta):
+        if arrays[a].shape is not None and tuple(arrays[a].shape) != shape:
+            return False
+    return (sorted(in_ids[j] for j in call.keep_in) == sorted(node.retained_inputs) and
+            sorted(out_ids[k] for k in call.keep_out) == sorted(node.retained_outputs))

@@ -89,6 +89,7 @@ from .bptt_cell import (_arrays, _Cell, _detached, _input_bytes, _iter_arrays, _
                         _Run)
 from .bptt_measure import _measure, _Measured, measure_step, recurrent_mask
 from .capture import state_bytes
+from .correction import Correction
 from .device import RandomStates, device_of, recording_random
 from .memory import MemoryMeasurement, MemoryMeter, parameter_bytes
 
@@ -261,7 +262,8 @@ class ChainRecompute:
         self._open_meter: Optional[MemoryMeter] = None
         self._correction: Dict[Hashable, int] = {}
         self._grads_cleared = True
-        self._warned_over = False
+        self._overshoot = Correction(logger, prefix="ChainRecompute: ",
+                                     corrected="the prediction")
         self._error: Optional[Exception] = None
         self.last_stats: Optional[BPTTStats] = None
 
@@ -620,18 +622,12 @@ class ChainRecompute:
         stats = check.stats
         measured = above + (stats.constant_bytes if stats.budget_scope == "total" else 0)
         stats.measured_peak_bytes = int(measured)
-        budget = self.budget_bytes
-        if budget is None or measured <= budget:
+        c = self._overshoot.overshoot(int(measured), self.budget_bytes,
+                                      stats.predicted_peak_bytes)
+        if not c:
             return
-        excess = int(measured - stats.predicted_peak_bytes)
-        if not self._warned_over:
-            self._warned_over = True
-            logger.warning("ChainRecompute: the measured peak %s is over the budget %s "
-                           "(predicted %s); correcting the prediction by %s and planning "
-                           "again", format_bytes(measured), format_bytes(budget),
-                           format_bytes(stats.predicted_peak_bytes), format_bytes(max(excess, 1)))
         k = check.plan_key[:2]
-        self._correction[k] = self._correction.get(k, 0) + max(excess, 1)
+        self._correction[k] = self._correction.get(k, 0) + c
         for key in [key for key in self._plans if key[:2] == k]:
             del self._plans[key]
         self._need_check = True

@@ -167,8 +167,9 @@ class PlanningMixin:
         not in the first planned iteration, which the budget bounds. When
         the model keeps the recorded graph in its attributes (a loss link's
         ``self.loss``), that graph, which lives into the next call, then
-        releases what the plan drops. Without a Link to plan for, the next
-        call plans. An error is raised at the next call."""
+        releases what the plan drops. Without a Link to plan for, or with
+        ``plan_at='call'`` for a model that keeps no graph, the next call
+        plans. An error is raised at the next call."""
         link_ref = weakref.ref(link) if link is not None else None
         before = hook.on_backward_done
 
@@ -183,12 +184,15 @@ class PlanningMixin:
             lk = link_ref() if link_ref is not None else None
             if lk is None:
                 return
+            keeps = _keeps_graph(lk, h)
+            if self.plan_at != "backward" and not keeps:
+                return
             try:
                 s = self._plan_recorded(entry, lk)
             except Exception as e:  # noqa: BLE001 - not from inside the user's backward
                 entry.error = e
                 return
-            if _keeps_graph(lk, h):
+            if keeps:
                 # the graph lives into the next step: it holds no more than
                 # a planned one from now on
                 h.release_as_planned(s.program)

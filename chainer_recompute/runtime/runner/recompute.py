@@ -120,6 +120,19 @@ class Recompute(PlanningMixin, MeteringMixin):
             iteration has run (a budget that cannot be met from the start is
             a setting to fix before training goes on), ``'warn'`` from then
             on (one unusual batch does not stop a run in progress).
+        plan_at: when a recorded iteration is planned. ``'backward'``
+            (default): at the end of its own backward, so that the planner's
+            memory lands in that plain, recorded step and never in a step the
+            budget bounds (that step then peaks above plain Chainer's by the
+            planner's memory, host memory on a GPU). ``'call'``: at the next
+            call, before its meter starts (the recorded step is plain
+            Chainer's to the byte; the planner's memory comes at the start
+            of the first planned call, below that call's peak when
+            activations dominate, above it on tiny models). A model that
+            keeps the recorded graph in an attribute (``L.Classifier``'s
+            ``loss``) is always planned at the end of its backward, and that
+            graph then releases what the plan drops; a bare callable (no
+            Link) always at its next call.
         **solver_options: passed to the solver.
 
     Input shapes that change from call to call (a batch padded to its
@@ -154,7 +167,7 @@ class Recompute(PlanningMixin, MeteringMixin):
                  verify: bool = True, budget_scope: str = "total", check_iterations: int = 3,
                  verbose: bool = True, coordinator: Any = None, workspace: Any = None,
                  workspace_exact: bool = True, on_infeasible: str = "auto",
-                 **solver_options: Any) -> None:
+                 plan_at: str = "backward", **solver_options: Any) -> None:
         from ...core.budget import check_scope
         from ...core.costs import COST_MODELS
         from ...core.solvers import check_solver
@@ -173,6 +186,9 @@ class Recompute(PlanningMixin, MeteringMixin):
             raise RecomputeError(f"on_infeasible must be 'auto', 'warn' or 'raise', got "
                                  f"{on_infeasible!r}")
         self.on_infeasible = on_infeasible
+        if plan_at not in ("backward", "call"):
+            raise RecomputeError(f"plan_at must be 'backward' or 'call', got {plan_at!r}")
+        self.plan_at = plan_at
         if cost not in COST_MODELS:
             raise RecomputeError(f"unknown cost model {cost!r}; known: {sorted(COST_MODELS)}")
         if capture_batch is not None and (not isinstance(capture_batch, int) or capture_batch < 1):
@@ -191,7 +207,7 @@ class Recompute(PlanningMixin, MeteringMixin):
             max_structures=max_structures, capture_batch=capture_batch, verify=verify,
             budget_scope=budget_scope, check_iterations=check_iterations, verbose=verbose,
             coordinator=coordinator, workspace=workspace, workspace_exact=workspace_exact,
-            on_infeasible=on_infeasible, **solver_options)
+            on_infeasible=on_infeasible, plan_at=plan_at, **solver_options)
         self.verbose = verbose
         self.coordinator = coordinator
         self._correction = Correction(report)  # a measured overshoot: warned once

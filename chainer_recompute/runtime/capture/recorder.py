@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy
 
@@ -39,6 +39,14 @@ from .safety import _WRITES_INPUTS, _config_key, analyse_function
 logger = logging.getLogger(__name__)
 
 
+class _Before(NamedTuple):
+    """A recorded call's state before its forward ran."""
+    attrs: Dict[Tuple[int, str], Any]  # fingerprints of the arrays it held
+    inputs: List[Any]  # buffer prints of its inputs (None: not checked)
+    rng: Any  # NumPy's global random state
+    meter: Any  # its memory meter, or None
+
+
 class Call:
     """What the recorder knows of one top-level function application."""
 
@@ -46,7 +54,7 @@ class Call:
         "index", "func", "op", "label", "in_shapes", "in_args", "out_meta", "out_view",
         "keep_in", "keep_out", "held", "in_ids", "out_ids", "has_backward", "measured",
         "time_s", "fwd_transient", "recomputable", "reason", "bwd_time_s", "bwd_transient",
-        "bwd_alloc", "_out", "_pre", "_func_strong")
+        "bwd_alloc", "_out", "_before", "_func_strong")
 
     def __init__(self, index: int, func: Any, in_data: Tuple[Any, ...],
                  in_args: Tuple[Optional[str], ...]) -> None:
@@ -74,7 +82,7 @@ class Call:
         self.bwd_alloc: Optional[int] = None
         self._out: Optional[Tuple[Any, ...]] = None  # the outputs, until mapped
         self._func_strong: Any = None  # the function node, until mapped
-        self._pre: Any = None  # measurement state between pre- and postprocess
+        self._before: Optional[_Before] = None  # the state before its forward ran
 
 
 class _ArrayRecord:
@@ -170,9 +178,9 @@ class Recorder(chainer.FunctionHook):
             return
         out = call._out or ()
         vars(function).pop("forward", None)
-        if call._pre is not None:
-            self._stop_measure(call, function, in_data, out)
-        self._describe(call, function, in_data, out)
+        roles = (self._stop_measure(call, function, in_data, out)
+                 if call._before is not None else {})
+        self._describe(call, function, in_data, out, roles)
         function.add_hook(self)  # to see its backward
         # Held until its inputs and outputs are mapped at the next function:
         # a result thrown away at once would take its node with it.
@@ -191,9 +199,9 @@ class Recorder(chainer.FunctionHook):
             f = call.func()
             if f is not None:
                 vars(f).pop("forward", None)
-            if isinstance(call._pre, tuple) and call._pre[3] is not None:
-                call._pre[3].stop()
-            call._pre = None
+            if call._before is not None and call._before.meter is not None:
+                call._before.meter.stop()
+            call._before = None
         self._top.clear()
         self._depth = 0
 
@@ -229,7 +237,7 @@ class Recorder(chainer.FunctionHook):
             dev = device_of(in_data)
             self.on_cupy = self.on_cupy or dev.is_gpu
             meter = dev.meter() if measure else None
-            call._pre = (attrs_before, inputs_before, numpy.random.get_state(), meter)
+            call._before = _Before(attrs_before, inputs_before, numpy.random.get_state(), meter)
 
         def wrapped(inputs: Tuple[Any, ...], _f: Any = function, _call: Call = call) -> Any:
             if measure:
@@ -247,9 +255,12 @@ class Recorder(chainer.FunctionHook):
             meter.start()
 
     def _stop_measure(self, call: Call, function: Any, in_data: Tuple[Any, ...],
-                      out: Optional[Tuple[Any, ...]]) -> None:
-        attrs_before, inputs_before, rng_before, meter = call._pre
-        call._pre = None
+                      out: Optional[Tuple[Any, ...]]) -> Dict[str, str]:
+        """What the forward did (its memory, whether it wrote its inputs or
+        attributes, drew random numbers, can be recomputed): the role of
+        each attribute it holds."""
+        attrs_before, inputs_before, rng_before, meter = call._before
+        call._before = None
         if meter is not None:
             m = meter.stop()
             call.fwd_transient = max(0, m.peak_bytes - max(0, m.retained_bytes))
@@ -281,14 +292,12 @@ class Recorder(chainer.FunctionHook):
             if drew:
                 call.recomputable = False
                 call.reason = "its forward draws from the global random state"
-        call._pre = roles
+        return roles
 
     def _describe(self, call: Call, function: Any, in_data: Tuple[Any, ...],
-                  out: Tuple[Any, ...]) -> None:
-        """Retention, held attributes and views, from the function after its
-        forward (arrays are looked at, not kept)."""
-        roles = call._pre if isinstance(call._pre, dict) else {}
-        call._pre = None
+                  out: Tuple[Any, ...], roles: Dict[str, str]) -> None:
+        """Retention, held attributes (their ``roles``) and views, from the
+        function after its forward (arrays are looked at, not kept)."""
         call.keep_in = tuple(function._input_indexes_to_retain or ())
         call.keep_out = tuple(function._output_indexes_to_retain or ())
         io = {id(x) for x in tuple(in_data) + out if is_array(x)}

@@ -8,7 +8,7 @@ Each row runs ``scripts/run_schedule.py ... --dry-run -q`` as a subprocess
 and reads its peak RSS from ``resource.getrusage(RUSAGE_CHILDREN)`` (the
 largest child so far: rows are run from the lightest, so each row's figure
 is its own, checked against /usr/bin/time -v where available) and the table
-it printed. Targets (issue 9): resnet152 under 60 s and 2 GB RSS; unet and
+it printed. Targets: resnet152 under 60 s and 2 GB RSS; unet and
 pspnet under 3 min and 4 GB.
 """
 from __future__ import annotations

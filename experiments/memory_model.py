@@ -1,4 +1,4 @@
-"""The memory model against the allocator (issue 8).
+"""The memory model against the allocator.
 
 For each model: plain Chainer, the plan at the least feasible total budget,
 and the plan at the budget halfway between that and plain Chainer's

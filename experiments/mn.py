@@ -88,7 +88,7 @@ def mib(b: Any) -> str:
 
 def render(compare: Dict[int, Any], largest: Dict[str, Any], over: Dict[str, Any],
            log: List[str], elapsed: float) -> str:
-    out = ["# ChainerMN: recomputation on 2 ranks (issue 13)", "",
+    out = ["# ChainerMN: recomputation on 2 ranks", "",
            "Measured with `experiments/mn.py` (it runs the commands below and writes this "
            "file) on this project's CPU machine: "
            f"{os.cpu_count()} cores shared by the 2 ranks and by other jobs, "

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The paper's headline table at the paper's batch and input sizes, its
 solver rows on the authors' graphs and ours, and the poster's runtime plots
-(issue 11). Long-running and resumable; every finished cell is a JSON file
+Long-running and resumable; every finished cell is a JSON file
 under experiments/results/ at once.
 
     # the table: 7 networks x {vanilla, Chen, approx TC/MC, exact TC/MC}
@@ -19,7 +19,7 @@ under experiments/results/ at once.
     # the Markdown tables of experiments/README.md, from the JSON files
     .venv/bin/python experiments/reproduce.py --report
 
-Measurement protocol (as experiments/memory_model.py, issue 8): each cell
+Measurement protocol (as experiments/memory_model.py): each cell
 runs in a process of its own; tracemalloc (restricted to NumPy's domain,
 ``MemoryMeter``) starts before anything of the model exists, so the
 measured peak is every NumPy array of the iteration: parameters, their
@@ -201,7 +201,7 @@ def worker(net: str, method: str, batch: int, *, measured: int, optimizer: str, 
                      runtime_measured_bytes=st.measured_peak_bytes,
                      replanned=bool(i >= warm - 1 and structure is not None
                                     and now is not structure))
-            # a re-plan after an over-budget measurement (issue 8): the
+            # a re-plan after an over-budget measurement: the
             # iteration it happened in is not a steady one; one more call
             if c["replanned"] and extra < 2:
                 n_calls += 1

@@ -1,5 +1,5 @@
 """Chainer v7.8.1's own example scripts, plain against the one line
-``chainer_recompute.apply(model, budget='least')``, bit for bit (issue 7).
+``chainer_recompute.apply(model, budget='least')``, bit for bit.
 
 The scripts are vendored unmodified under tests/chainer_examples/;
 tests/chainer_examples/harness.py runs each one's ``main()`` on seeded random

@@ -1,6 +1,6 @@
 """The pure-core parts of experiments/reproduce.py that make published
 figures: the runtime sweep's largest batches and simulated curves
-(issue 11), on a small captured graph."""
+on a small captured graph."""
 from __future__ import annotations
 
 import sys

@@ -1,4 +1,4 @@
-"""The measured memory model (issue 8): views cost nothing, transients are
+"""The measured memory model: views cost nothing, transients are
 measured, the replayed peak matches the allocator, budgets hold, and a
 misprediction is corrected at run time."""
 from __future__ import annotations
@@ -350,7 +350,7 @@ def test_planning_leaves_no_arrays_for_the_cyclic_gc(solver, engine, monkeypatch
     when it returns. A reference cycle (the lower-set family caching an
     object that points back to it) kept a large lattice's arrays alive until
     the cyclic collector ran, which can be many iterations later: 103 MB
-    inside GoogLeNet's first planned iteration at batch 32 (issue 11)."""
+    inside GoogLeNet's first planned iteration at batch 32."""
     import gc
 
     from chainer_recompute.core.solvers import _dp

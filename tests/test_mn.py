@@ -1,4 +1,4 @@
-"""ChainerMN data-parallel training with collective planning (issue 13).
+"""ChainerMN data-parallel training with collective planning.
 
 Two harnesses run the same scenarios on 2 ranks:
 

@@ -1,4 +1,4 @@
-"""Property test (issue 7): random small define-by-run models trained a few
+"""Property test: random small define-by-run models trained a few
 steps with ``chainer_recompute`` at a tight budget are bit-identical to
 plain Chainer.
 

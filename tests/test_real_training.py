@@ -1,6 +1,6 @@
-"""Real training code against plain Chainer (issue 7).
+"""Real training code against plain Chainer.
 
-Every pattern of issue 7 runs twice from the same seeds: once with plain
+Every pattern runs twice from the same seeds: once with plain
 Chainer and once with ``chainer_recompute`` applied (``apply`` /
 ``Recompute``) at a tight budget, over at least 3 optimizer steps. After
 every backward and every update the two runs are compared bit for bit

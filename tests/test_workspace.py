@@ -1,4 +1,4 @@
-"""Bounded convolution workspaces (issue 25): the kernels of
+"""Bounded convolution workspaces: the kernels of
 runtime/workspace.py against Chainer's own, bit for bit; their transients
 against core/workspace.py's formulas; apply(workspace=...) on a small VGG-like
 block; the planner's 'auto' choice against brute force."""

@@ -141,33 +141,7 @@ class ReplayContext:
         g_rec, g_extra, g_after = [], [], []
         for w in order:
             node = nodes[w]
-            targets = [a for a in dict.fromkeys(node.inputs) if arrays[a].producer is not None
-                       and nodes[arrays[a].producer].has_backward]
-            params = [a for a in dict.fromkeys(node.inputs) if arrays[a].kind == "param"]
-            first = [a for a in params if a not in made]
-            made.update(first)
-            param_new = sum(arrays[a].nbytes for a in first)
-            fresh = [a for a in targets if not grads.has(a)]
-            accumulated = [a for a in targets if grads.has(a)]
-            extra = node.backward_transient_bytes
-            if extra is None:
-                extra = sum(arrays[a].nbytes for a in accumulated)
-            acc_net = sum(grads.replace(a, arrays[a].nbytes) for a in accumulated)
-            if node.backward_alloc_bytes is not None:
-                act = max(0, node.backward_alloc_bytes - param_new - acc_net)
-            else:
-                act = sum(arrays[a].nbytes for a in fresh)
-            out_bufs = grads.buffers_of(node.outputs)
-            left = act
-            for a in sorted(fresh, key=lambda x: -arrays[x].nbytes):
-                nb_ = arrays[a].nbytes
-                if left >= nb_ // 2 or not out_bufs:
-                    grads.new(a, min(nb_, left) if left < nb_ else nb_)
-                    left -= min(nb_, left)
-                else:
-                    grads.share(a, out_bufs)
-            if left > 0 and fresh:
-                grads.new(fresh[0], left)
+            param_new, extra = helpers.backward_gradients(node, arrays, nodes, grads, made)
             lv.alloc(None, param_new)
             g_rec.append(lv.level)
             g_extra.append(int(extra))

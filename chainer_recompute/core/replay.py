@@ -246,6 +246,52 @@ class _Gradients:
                     del self.refs[b]
 
 
+def backward_gradients(node: Any, arrays: Any, nodes: Any, grads: "_Gradients",
+                       made: set) -> Tuple[int, int]:
+    """The gradients one backward call makes, entered into ``grads``: the
+    new parameter gradients' bytes (``made``: the parameters that already
+    have one, updated) and the call's transient bytes beyond them. Used by
+    the replay and, once per graph, by the compiled replay's context."""
+    # Inputs that get a gradient: arrays made by a function with a
+    # backward (an array computed only from inputs that need no
+    # gradient, such as a reshape of the data, gets none).
+    targets = [a for a in dict.fromkeys(node.inputs)
+               if arrays[a].producer is not None and nodes[arrays[a].producer].has_backward]
+    params = [a for a in dict.fromkeys(node.inputs) if arrays[a].kind == "param"]
+    first = [a for a in params if a not in made]
+    made.update(first)
+    param_new = sum(arrays[a].nbytes for a in first)
+    fresh = [a for a in targets if not grads.has(a)]
+    accumulated = [a for a in targets if grads.has(a)]
+    extra = node.backward_transient_bytes
+    if extra is None:  # a sum is made before its parts go
+        extra = sum(arrays[a].nbytes for a in accumulated)
+    # An accumulated gradient becomes a new array, the sum; its parts
+    # are let go (freeing what nothing else shares).
+    acc_net = sum(grads.replace(a, arrays[a].nbytes) for a in accumulated)
+    if node.backward_alloc_bytes is not None:
+        # measured: the input gradients it made, net of sums it replaced
+        act = max(0, node.backward_alloc_bytes - param_new - acc_net)
+    else:
+        act = sum(arrays[a].nbytes for a in fresh)
+    # Inputs that get new arrays, the largest first, as far as the
+    # measured allocation goes; the others get the output gradient
+    # itself or a view of it (Add returns gy for both inputs, Reshape
+    # a view), sharing its buffer.
+    out_bufs = grads.buffers_of(node.outputs)
+    left = act
+    for a in sorted(fresh, key=lambda x: -arrays[x].nbytes):
+        nb = arrays[a].nbytes
+        if left >= nb // 2 or not out_bufs:
+            grads.new(a, min(nb, left) if left < nb else nb)
+            left -= min(nb, left)
+        else:
+            grads.share(a, out_bufs)
+    if left > 0 and fresh:  # more than the gradients' sizes: keep it on the first
+        grads.new(fresh[0], left)
+    return param_new, extra
+
+
 def _caller_input(info: Any) -> bool:
     """An array the caller passed in (counted in the constant)."""
     return info.kind == "input" and bool(info.name)
@@ -503,43 +549,7 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
             missing = [u for u in plan.needs.get(w, ()) if u in released]
             if missing:
                 regenerate(w, missing)
-        # Inputs that get a gradient: arrays made by a function with a
-        # backward (an array computed only from inputs that need no
-        # gradient, such as a reshape of the data, gets none).
-        targets = [a for a in dict.fromkeys(node.inputs)
-                   if arrays[a].producer is not None and nodes[arrays[a].producer].has_backward]
-        params = [a for a in dict.fromkeys(node.inputs) if arrays[a].kind == "param"]
-        first = [a for a in params if a not in grads_made]
-        grads_made.update(first)
-        param_new = sum(arrays[a].nbytes for a in first)
-        fresh = [a for a in targets if not grads.has(a)]
-        accumulated = [a for a in targets if grads.has(a)]
-        extra = node.backward_transient_bytes
-        if extra is None:  # a sum is made before its parts go
-            extra = sum(arrays[a].nbytes for a in accumulated)
-        # An accumulated gradient becomes a new array, the sum; its parts
-        # are let go (freeing what nothing else shares).
-        acc_net = sum(grads.replace(a, arrays[a].nbytes) for a in accumulated)
-        if node.backward_alloc_bytes is not None:
-            # measured: the input gradients it made, net of sums it replaced
-            act = max(0, node.backward_alloc_bytes - param_new - acc_net)
-        else:
-            act = sum(arrays[a].nbytes for a in fresh)
-        # Inputs that get new arrays, the largest first, as far as the
-        # measured allocation goes; the others get the output gradient
-        # itself or a view of it (Add returns gy for both inputs, Reshape
-        # a view), sharing its buffer.
-        out_bufs = grads.buffers_of(node.outputs)
-        left = act
-        for a in sorted(fresh, key=lambda x: -arrays[x].nbytes):
-            nb = arrays[a].nbytes
-            if left >= nb // 2 or not out_bufs:
-                grads.new(a, min(nb, left) if left < nb else nb)
-                left -= min(nb, left)
-            else:
-                grads.share(a, out_bufs)
-        if left > 0 and fresh:  # more than the gradients' sizes: keep it on the first
-            grads.new(fresh[0], left)
+        param_new, extra = backward_gradients(node, arrays, nodes, grads, grads_made)
         mem.alloc(("param grads", w), param_new)
         mem.record(f"backward {w} {node.op}", extra)
         grads.drop(node.outputs)

@@ -67,6 +67,36 @@ def test_hier_against_flat_exact_on_repeated_random_segments(seed):
     assert not solve_hier(g, hier_least - 1).feasible
 
 
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("engine", ["numba", "numpy"])
+def test_tc_tables_bounded_by_earlier_chains_give_the_same_plans(seed, engine):
+    # a problem that has solved smaller budgets skips the tc states that
+    # cannot reach those chains' time; each plan is a fresh problem's
+    g = repeated_graph(seed, n_seg=12, costs=True)
+    shared = HierProblem(g)
+    lo, van = least_feasible_budget(g, "hier"), vanilla_bytes(g)
+    for b in np.linspace(lo, van, 8).astype(int).tolist():
+        if b % 2:
+            shared.solve(b, "mc", engine)  # an mc chain bounds the tc table too
+        assert shared.solve(b, "tc", engine) == HierProblem(g).solve(b, "tc", engine)
+    assert len(shared.reached) >= 8
+
+
+def test_least_m_compiled_and_vectorised_agree():
+    from chainer_recompute.core.solvers import _hier_kernel as kern
+    numba = pytest.importorskip("numba")
+    for seed in range(8):
+        p = HierProblem(repeated_graph(seed, n_seg=12, costs=True))
+        P = len(p.cuts) - 1
+        for bc in np.linspace(0, p.vanilla_bytes(), 12).astype(int).tolist():
+            out = []
+            for fn in (kern._least_numpy, numba.njit(kern._least_loops)):
+                least, back = np.empty(P + 1, np.int64), np.empty((P + 1, 2), np.int64)
+                fn(P, p.step, p.dm, *p._flat_options(), bc, least, back)
+                out.append((least.tolist(), back[least >= 0].tolist()))
+            assert out[0] == out[1]
+
+
 def test_hier_matches_flat_on_a_chain_and_layers():
     # a chain and transformer-like layers under the paper's costs: the
     # same least budget and overhead as the flat approximate DP

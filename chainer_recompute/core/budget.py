@@ -193,22 +193,23 @@ class BudgetSearch:
         than ``tc`` ones whose formula is the same."""
         if self._candidates is not None:
             return self._candidates
-        out = [self.vanilla()]
-        for b in self._grid():
-            out.append(self.at(b))
+        coarse = []
         if self.family is not None or self.solver == "hier":
+            # solved first: the hierarchical DP bounds its tc tables of
+            # larger budgets by the chains it found (they come out the same)
             hier = self.solver == "hier"
             grid = self._grid(HIER_GRID_STEPS if hier else GRID_STEPS)
             peaks = []
             for b in grid:
                 plan, peak = self.at(b, "mc")
-                out.append((plan, peak))
+                coarse.append((plan, peak))
                 peaks.append(math.inf if peak is None else peak)
             i = min(range(len(grid)), key=peaks.__getitem__)
             lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
             refine = HIER_REFINE_STEPS if hier else REFINE_STEPS
             for j in range(1, refine + 1):
-                out.append(self.at(lo + (hi - lo) * j // (refine + 1), "mc"))
+                coarse.append(self.at(lo + (hi - lo) * j // (refine + 1), "mc"))
+        out = [self.vanilla()] + [self.at(b) for b in self._grid()] + coarse
         self._candidates = [(plan, peak) for plan, peak in out
                             if plan is not None and peak is not None]
         return self._candidates

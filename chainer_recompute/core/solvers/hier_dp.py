@@ -60,6 +60,7 @@ from ..schedule import entry_cost
 from ..segments import Segments, detect_segments, menu_offsets, node_signatures, \
     prefix_boundary_bytes
 from ._dp import chain_cost, run_dp
+from ._hier_kernel import kernel, least_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +123,10 @@ class HierProblem:
         self.ok = _usable(self.segments, graph.n)
         self.cuts: np.ndarray = np.array([0, graph.n], dtype=np.int64)
         self.setup_time_s = 0.0
+        #: ``(budget, time units)`` of every chain found: the time a chain
+        #: can reach within a budget (a bound for the tc table of larger ones)
+        self.reached: List[Tuple[int, int]] = []
+        self._flat: Optional[Tuple[np.ndarray, np.ndarray, np.ndarray]] = None
         self.n_distinct_pieces = 0
         if self.ok:
             self._build(max_positions)
@@ -337,30 +342,22 @@ class HierProblem:
         """Least retained memory reaching each position within ``bc``
         (``-1``: unreachable) and the back-pointers ``(j, option)``."""
         P = len(self.cuts) - 1
-        inf = np.iinfo(np.int64).max // 4
-        least = np.full(P + 1, inf, dtype=np.int64)
-        least[0] = 0
-        back: List[Tuple[int, int]] = [(-1, -1)] * (P + 1)
-        for q in range(1, P + 1):
-            lj = least[:q]
-            ok = (lj < inf) & (lj + self.step[:q, q] <= bc)
-            best, arg = inf, (-1, -1)
-            if ok.any():
-                cand = np.where(ok, lj + self.dm[:q, q], inf)
-                j = int(np.argmin(cand))
-                best, arg = int(cand[j]), (j, -1)
-            lp = least[q - 1]
-            if lp < inf:
-                o = self.piece_options[q - 1]
-                fit = lp + o.peak <= bc
-                if fit.any():
-                    i = int(np.argmin(np.where(fit, o.keep, inf)))
-                    if lp + int(o.keep[i]) < best:
-                        best, arg = lp + int(o.keep[i]), (q - 1, i)
-            least[q] = best
-            back[q] = arg
-        out = np.where(least < inf, least, -1)
-        return out, back
+        ptr, o_peak, o_keep = self._flat_options()
+        least = np.empty(P + 1, dtype=np.int64)
+        back = np.empty((P + 1, 2), dtype=np.int64)
+        least_kernel()(P, self.step, self.dm, ptr, o_peak, o_keep, bc, least, back)
+        return least, [(int(j), int(o)) for j, o in back]
+
+    def _flat_options(self) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every piece's options in one array each: piece ``j``'s are
+        ``ptr[j]:ptr[j + 1]`` of ``peak`` and ``keep``."""
+        if self._flat is None:
+            ptr = np.zeros(len(self.piece_options) + 1, dtype=np.int64)
+            for j, o in enumerate(self.piece_options):
+                ptr[j + 1] = ptr[j] + len(o.peak)
+            self._flat = (ptr, np.concatenate([o.peak for o in self.piece_options]).astype(np.int64),
+                          np.concatenate([o.keep for o in self.piece_options]).astype(np.int64))
+        return self._flat
 
     def chain_masks(self, steps: List[Tuple[int, int, int]]) -> List[int]:
         """The lower sets (bitsets) of a chain of steps ``(j, q, option)``
@@ -436,11 +433,7 @@ def _chain_dp(prob: HierProblem, bc: int, strategy: str,
     nonsink = float(sum(g.node_cost[v] for v in range(g.n) if g.succs[v]))
     scale = U / nonsink if nonsink > 0 else 0.0
     dt = np.round(prob.dt * scale).astype(np.int64)
-    ptr = np.zeros(P + 1, dtype=np.int64)
-    for j, o in enumerate(prob.piece_options):
-        ptr[j + 1] = ptr[j] + len(o.peak)
-    o_peak = np.concatenate([o.peak for o in prob.piece_options]).astype(np.int64)
-    o_keep = np.concatenate([o.keep for o in prob.piece_options]).astype(np.int64)
+    ptr, o_peak, o_keep = prob._flat_options()
     o_dt = np.round(np.concatenate(prob.piece_times) * scale).astype(np.int64)
     # a chain has at most P steps, each rounded by at most half a unit
     U = U + P // 2 + 1
@@ -457,13 +450,24 @@ def _chain_dp(prob: HierProblem, bc: int, strategy: str,
     src.fill(-1)
     how.fill(-2)
     best[0, 0] = 0
-    kern = _kernel(engine)
-    kern(P, U, prob.step, prob.dm, dt, ptr, o_peak, o_keep, o_dt, bc, best, src, how,
-         strategy == "tc")
+    # Branch and bound (tc): a chain found at a budget no larger than this
+    # one retains ``lb`` units, so the optimum retains at least as much; a
+    # state of row q retaining t units leads at best to t + most[q] (every
+    # later step's time, memory ignored), so one with t < lb - most[q] is
+    # not used as a source. Every state on an optimal chain stays, and with
+    # it the chain the full table gives (the same sources, in the same order).
+    need = np.full(P + 1, -1, dtype=np.int64)
+    if strategy == "tc":
+        lb = max((t for b, t in prob.reached if b <= bc), default=-1)
+        if lb > 0:
+            need = lb - _most_time(dt, o_dt, ptr)
+    kernel(engine)(P, U, prob.step, prob.dm, dt, ptr, o_peak, o_keep, o_dt, bc, best, src,
+                   how, strategy == "tc", need)
     fin = np.flatnonzero(best[P] < inf)
     if len(fin) == 0:
         return None
     t = int(fin[-1] if strategy == "tc" else fin[0])
+    prob.reached.append((bc, t))
     steps = []
     q = P
     while q > 0:
@@ -474,133 +478,18 @@ def _chain_dp(prob: HierProblem, bc: int, strategy: str,
     return steps[::-1]
 
 
-def _dp_numpy(P, U, step, dm, dt, ptr, o_peak, o_keep, o_dt, bc, best, src, how, tc):
-    """The chain DP's table (see module doc), vectorised over the time
-    units."""
-    inf = np.iinfo(np.int64).max // 4
-    for q in range(1, P + 1):
-        row_q = best[q]
-        for j in range(q):
-            st = step[j, q]
-            if st > bc:
-                continue
-            row = best[j]
-            d = int(dt[j, q])
-            ok = (row < inf) & (row + st <= bc)
-            if d > 0:
-                ok[U - d + 1:] = False
-            idx = np.flatnonzero(ok)
-            if len(idx) == 0:
-                continue
-            cand = row[idx] + dm[j, q]
-            tgt = idx + d
-            better = cand < row_q[tgt]
-            row_q[tgt[better]] = cand[better]
-            src[q, tgt[better]] = j
-            how[q, tgt[better]] = -1
-        j = q - 1
-        row = best[j]
-        for h in range(ptr[j], ptr[j + 1]):
-            d = int(o_dt[h])
-            ok = (row < inf) & (row + o_peak[h] <= bc)
-            if d > 0:
-                ok[U - d + 1:] = False
-            idx = np.flatnonzero(ok)
-            if len(idx) == 0:
-                continue
-            cand = row[idx] + o_keep[h]
-            tgt = idx + d
-            better = cand < row_q[tgt]
-            row_q[tgt[better]] = cand[better]
-            src[q, tgt[better]] = j
-            how[q, tgt[better]] = h
-
-
-_COMPILED: Dict[str, Any] = {}
-
-
-def _kernel(engine: Optional[str]):
-    from ._dp import ENGINE, numba_available
-    engine = ENGINE if engine is None else engine
-    if engine == "numpy" or not numba_available():
-        return _dp_numpy
-    k = _COMPILED.get("dp")
-    if k is None:
-        import numba
-        k = _COMPILED["dp"] = numba.njit(cache=True, nogil=True)(_dp_loops)
-    return k
-
-
-def _dp_loops(P, U, step, dm, dt, ptr, o_peak, o_keep, o_dt, bc, best, src, how, tc):
-    """The chain DP's table, as loops (compiled by numba). Each finished
-    row keeps only its non-dominated states as sources: for tc a state
-    with less time and more memory than another can only lead to worse
-    plans, for mc one with more time and more memory."""
-    inf = 2305843009213693951  # np.iinfo(np.int64).max // 4
-    ft = np.empty((P + 1) * (U + 1), dtype=np.int64)
-    fm = np.empty((P + 1) * (U + 1), dtype=np.int64)
-    fp = np.zeros(P + 2, dtype=np.int64)
-    ft[0] = 0
-    fm[0] = 0
-    fp[1] = 1
-    least = np.full(P + 1, inf, dtype=np.int64)
-    least[0] = 0
-    for q in range(1, P + 1):
-        for j in range(q):
-            if least[j] >= inf:
-                continue
-            st = step[j, q]
-            if least[j] + st > bc:
-                continue
-            d = dt[j, q]
-            add = dm[j, q]
-            for k in range(fp[j], fp[j + 1]):
-                v = fm[k]
-                t = ft[k]
-                if v + st <= bc and t + d <= U:
-                    c = v + add
-                    if c < best[q, t + d]:
-                        best[q, t + d] = c
-                        src[q, t + d] = j
-                        how[q, t + d] = -1
-        j = q - 1
-        if least[j] < inf:
-            for h in range(ptr[j], ptr[j + 1]):
-                d = o_dt[h]
-                pk = o_peak[h]
-                if least[j] + pk > bc:
-                    continue
-                add = o_keep[h]
-                for k in range(fp[j], fp[j + 1]):
-                    v = fm[k]
-                    t = ft[k]
-                    if v + pk <= bc and t + d <= U:
-                        c = v + add
-                        if c < best[q, t + d]:
-                            best[q, t + d] = c
-                            src[q, t + d] = j
-                            how[q, t + d] = h
-        # the row's frontier
-        n = fp[q]
-        run = inf
-        if tc:
-            for t in range(U, -1, -1):
-                v = best[q, t]
-                if v < run:
-                    run = v
-                    ft[n] = t
-                    fm[n] = v
-                    n += 1
-        else:
-            for t in range(U + 1):
-                v = best[q, t]
-                if v < run:
-                    run = v
-                    ft[n] = t
-                    fm[n] = v
-                    n += 1
-        fp[q + 1] = n
-        least[q] = run
+def _most_time(dt: np.ndarray, o_dt: np.ndarray, ptr: np.ndarray) -> np.ndarray:
+    """The most time units a chain from each position to the last can
+    retain, memory ignored: ``most[j]``, the longest path from ``j`` over
+    long blocks ``dt[j, q]`` and options ``o_dt``."""
+    P = len(ptr) - 1
+    most = np.zeros(P + 1, dtype=np.int64)
+    for j in range(P - 1, -1, -1):
+        best = int((dt[j, j + 1:] + most[j + 1:]).max())
+        if ptr[j + 1] > ptr[j]:
+            best = max(best, int(o_dt[ptr[j]:ptr[j + 1]].max()) + int(most[j + 1]))
+        most[j] = best
+    return most
 
 
 def _plan_piece(wg: Graph, wm: MemoryModel, L: int) -> _Options:

@@ -1,0 +1,214 @@
+"""The hierarchical DP's chain table (:func:`~.hier_dp._chain_dp`), in
+loops compiled by numba (the ``fast`` extra) or vectorised over the time
+units with numpy. Both fill ``best[q, t]``, ``src`` and ``how`` as the
+module doc of :mod:`~.hier_dp` says; a state of row ``q`` whose retained
+time is below ``need[q]`` is not used as a source (branch and bound, see
+:func:`~.hier_dp._chain_dp`)."""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import numpy as np
+
+
+def kernel(engine: Optional[str]):
+    """The table's filler for ``engine`` (``None``: the DPs' default)."""
+    from ._dp import ENGINE, numba_available
+    engine = ENGINE if engine is None else engine
+    if engine == "numpy" or not numba_available():
+        return _dp_numpy
+    k = _COMPILED.get("dp")
+    if k is None:
+        import numba
+        k = _COMPILED["dp"] = numba.njit(cache=True, nogil=True)(_dp_loops)
+    return k
+
+
+def least_kernel():
+    """:func:`_least_loops`, compiled when numba is there."""
+    from ._dp import numba_available
+    if not numba_available():
+        return _least_numpy
+    k = _COMPILED.get("least")
+    if k is None:
+        import numba
+        k = _COMPILED["least"] = numba.njit(cache=True, nogil=True)(_least_loops)
+    return k
+
+
+_COMPILED: Dict[str, Any] = {}
+
+
+def _least_numpy(P, step, dm, ptr, o_peak, o_keep, bc, least, back):
+    """:func:`_least_loops`, vectorised over the sources of each position."""
+    inf = np.iinfo(np.int64).max // 4
+    least[:] = inf
+    least[0] = 0
+    back[:] = -1
+    for q in range(1, P + 1):
+        lj = least[:q]
+        ok = (lj < inf) & (lj + step[:q, q] <= bc)
+        best = inf
+        if ok.any():
+            cand = np.where(ok, lj + dm[:q, q], inf)
+            j = int(np.argmin(cand))
+            best, back[q] = int(cand[j]), (j, -1)
+        lp = least[q - 1]
+        if lp < inf:
+            peak, keep = o_peak[ptr[q - 1]:ptr[q]], o_keep[ptr[q - 1]:ptr[q]]
+            fit = lp + peak <= bc
+            if fit.any():
+                i = int(np.argmin(np.where(fit, keep, inf)))
+                if lp + int(keep[i]) < best:
+                    best, back[q] = lp + int(keep[i]), (q - 1, i)
+        least[q] = best
+    least[least >= inf] = -1
+
+
+def _least_loops(P, step, dm, ptr, o_peak, o_keep, bc, least, back):
+    """The chain DP with one state per position: ``least[q]``, the least
+    memory retained by a chain from ∅ to position ``q`` within ``bc``
+    (``-1``: none), and ``back[q]``, its last step ``(j, option)``
+    (option -1: a long block; the first of equal ones)."""
+    inf = 2305843009213693951  # np.iinfo(np.int64).max // 4
+    least[0] = 0
+    back[0, 0] = -1
+    back[0, 1] = -1
+    for q in range(1, P + 1):
+        best, bj, bo = inf, -1, -1
+        for j in range(q):
+            lj = least[j]
+            if lj < inf and lj + step[j, q] <= bc and lj + dm[j, q] < best:
+                best, bj, bo = lj + dm[j, q], j, -1
+        lp = least[q - 1]
+        if lp < inf:
+            keep, pick = inf, -1
+            for h in range(ptr[q - 1], ptr[q]):
+                if lp + o_peak[h] <= bc and o_keep[h] < keep:
+                    keep, pick = o_keep[h], h - ptr[q - 1]
+            if pick >= 0 and lp + keep < best:
+                best, bj, bo = lp + keep, q - 1, pick
+        least[q] = best
+        back[q, 0] = bj
+        back[q, 1] = bo
+    for q in range(P + 1):
+        if least[q] >= inf:
+            least[q] = -1
+
+
+def _dp_numpy(P, U, step, dm, dt, ptr, o_peak, o_keep, o_dt, bc, best, src, how, tc, need):
+    """The chain DP's table (see module doc), vectorised over the time
+    units."""
+    inf = np.iinfo(np.int64).max // 4
+    for q in range(1, P + 1):
+        row_q = best[q]
+        for j in range(q):
+            st = step[j, q]
+            if st > bc:
+                continue
+            row = best[j]
+            d = int(dt[j, q])
+            ok = (row < inf) & (row + st <= bc)
+            ok[:max(int(need[j]), 0)] = False
+            if d > 0:
+                ok[U - d + 1:] = False
+            idx = np.flatnonzero(ok)
+            if len(idx) == 0:
+                continue
+            cand = row[idx] + dm[j, q]
+            tgt = idx + d
+            better = cand < row_q[tgt]
+            row_q[tgt[better]] = cand[better]
+            src[q, tgt[better]] = j
+            how[q, tgt[better]] = -1
+        j = q - 1
+        row = best[j]
+        for h in range(ptr[j], ptr[j + 1]):
+            d = int(o_dt[h])
+            ok = (row < inf) & (row + o_peak[h] <= bc)
+            ok[:max(int(need[j]), 0)] = False
+            if d > 0:
+                ok[U - d + 1:] = False
+            idx = np.flatnonzero(ok)
+            if len(idx) == 0:
+                continue
+            cand = row[idx] + o_keep[h]
+            tgt = idx + d
+            better = cand < row_q[tgt]
+            row_q[tgt[better]] = cand[better]
+            src[q, tgt[better]] = j
+            how[q, tgt[better]] = h
+
+
+def _dp_loops(P, U, step, dm, dt, ptr, o_peak, o_keep, o_dt, bc, best, src, how, tc, need):
+    """The chain DP's table, as loops (compiled by numba). Each finished
+    row keeps only its non-dominated states as sources: for tc a state
+    with less time and more memory than another can only lead to worse
+    plans, for mc one with more time and more memory."""
+    inf = 2305843009213693951  # np.iinfo(np.int64).max // 4
+    ft = np.empty((P + 1) * (U + 1), dtype=np.int64)
+    fm = np.empty((P + 1) * (U + 1), dtype=np.int64)
+    fp = np.zeros(P + 2, dtype=np.int64)
+    ft[0] = 0
+    fm[0] = 0
+    fp[1] = 1
+    least = np.full(P + 1, inf, dtype=np.int64)
+    least[0] = 0
+    for q in range(1, P + 1):
+        for j in range(q):
+            if least[j] >= inf:
+                continue
+            st = step[j, q]
+            if least[j] + st > bc:
+                continue
+            d = dt[j, q]
+            add = dm[j, q]
+            for k in range(fp[j], fp[j + 1]):
+                v = fm[k]
+                t = ft[k]
+                if v + st <= bc and t + d <= U:
+                    c = v + add
+                    if c < best[q, t + d]:
+                        best[q, t + d] = c
+                        src[q, t + d] = j
+                        how[q, t + d] = -1
+        j = q - 1
+        if least[j] < inf:
+            for h in range(ptr[j], ptr[j + 1]):
+                d = o_dt[h]
+                pk = o_peak[h]
+                if least[j] + pk > bc:
+                    continue
+                add = o_keep[h]
+                for k in range(fp[j], fp[j + 1]):
+                    v = fm[k]
+                    t = ft[k]
+                    if v + pk <= bc and t + d <= U:
+                        c = v + add
+                        if c < best[q, t + d]:
+                            best[q, t + d] = c
+                            src[q, t + d] = j
+                            how[q, t + d] = h
+        # the row's frontier
+        n = fp[q]
+        run = inf
+        if tc:
+            for t in range(U, -1, -1):
+                if t < need[q]:
+                    break
+                v = best[q, t]
+                if v < run:
+                    run = v
+                    ft[n] = t
+                    fm[n] = v
+                    n += 1
+        else:
+            for t in range(U + 1):
+                v = best[q, t]
+                if v < run:
+                    run = v
+                    ft[n] = t
+                    fm[n] = v
+                    n += 1
+        fp[q + 1] = n
+        least[q] = run

@@ -186,7 +186,7 @@ def entry_cost(graph: Graph, entry: np.ndarray,
     ent = np.asarray(entry, dtype=np.int64)
     n = graph.n
     J = int(ent.max()) + 1
-    ed = np.array(graph.edges, dtype=np.int64).reshape(-1, 2)
+    ed = graph.edge_array
     eu, ev = ed[:, 0], ed[:, 1]
     if len(ed) and (ent[ev] < ent[eu]).any():
         raise ValueError("entry must not decrease along an edge (the sets are not lower sets)")

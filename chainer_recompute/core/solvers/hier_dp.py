@@ -127,6 +127,7 @@ class HierProblem:
         #: can reach within a budget (a bound for the tc table of larger ones)
         self.reached: List[Tuple[int, int]] = []
         self._flat: Optional[Tuple[np.ndarray, np.ndarray, np.ndarray]] = None
+        self._nonsink: Optional[float] = None
         self.n_distinct_pieces = 0
         if self.ok:
             self._build(max_positions)
@@ -348,6 +349,14 @@ class HierProblem:
         least_kernel()(P, self.step, self.dm, ptr, o_peak, o_keep, bc, least, back)
         return least, [(int(j), int(o)) for j, o in back]
 
+    def nonsink_cost(self) -> float:
+        """The cost of every node with a successor (the chain DP's time
+        scale), summed once."""
+        if self._nonsink is None:
+            g = self.graph
+            self._nonsink = float(sum(g.node_cost[v] for v in range(g.n) if g.succs[v]))
+        return self._nonsink
+
     def _flat_options(self) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Every piece's options in one array each: piece ``j``'s are
         ``ptr[j]:ptr[j + 1]`` of ``peak`` and ``keep``."""
@@ -429,8 +438,7 @@ def _chain_dp(prob: HierProblem, bc: int, strategy: str,
               engine: Optional[str]) -> Optional[List[Tuple[int, int, int]]]:
     P = len(prob.cuts) - 1
     U = _units(P)
-    g = prob.graph
-    nonsink = float(sum(g.node_cost[v] for v in range(g.n) if g.succs[v]))
+    nonsink = prob.nonsink_cost()
     scale = U / nonsink if nonsink > 0 else 0.0
     dt = np.round(prob.dt * scale).astype(np.int64)
     ptr, o_peak, o_keep = prob._flat_options()

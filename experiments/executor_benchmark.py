@@ -9,7 +9,10 @@ interleaved (plain, then each configuration, round after round), so that a
 change in the machine's load affects all alike; the first two steps of each
 (recording and planning) are left out and the medians of the next
 ``--iterations`` are compared, each as a ratio to plain's median, and as
-the median of the per-round ratios (paired).
+the median of the per-round ratios (paired), for the wall clock and for
+the process's CPU time (``time.process_time``: every thread's; run with
+``OPENBLAS_NUM_THREADS=1`` on a shared machine, so that BLAS threads
+waiting for a core do not count).
 
 Configurations:
 
@@ -82,30 +85,32 @@ def main(argv=None):
         opts[name] = chainer.optimizers.MomentumSGD(lr=1e-4)
         opts[name].setup(model)
     times = {name: [] for name in runs}
+    cpu = {name: [] for name in runs}
     warmup = 2 + 3  # recording, planning and the three checked (measured) steps
     for step in range(warmup + args.iterations):
         for name, model in runs.items():
             gc.collect()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             opts[name].update(model, x, t)
             times[name].append(time.perf_counter() - t0)
-        print(f"round {step}: " + ", ".join(f"{n} {times[n][-1]:.3f} s" for n in runs),
-              flush=True)
+            cpu[name].append(time.process_time() - c0)
+        print(f"round {step}: " + ", ".join(f"{n} {times[n][-1]:.3f} s ({cpu[n][-1]:.3f} s CPU)"
+                                            for n in runs), flush=True)
     print(f"\n{args.model} (small, 3x64x64), batch {args.batch_size}, MomentumSGD; medians of "
           f"steps {warmup}..{warmup + args.iterations - 1} (the first {warmup} left out: "
           f"recording, planning, the runner's checked steps)\n")
-    plain = times["plain"][warmup:]
-    print("| run | dropped | median step | vs plain (medians) | median of paired ratios |")
-    print("|---|---|---|---|---|")
+    print("| run | dropped | clock | median step | vs plain (medians) | median of paired ratios |")
+    print("|---|---|---|---|---|---|")
     for name, model in runs.items():
-        ts = times[name][warmup:]
         runner = cr.runner_of(model)
         st = runner.last_stats if runner is not None else None
         dropped = "" if st is None else str(st.n_dropped)
-        paired = statistics.median(a / b for a, b in zip(ts, plain))
-        print(f"| {name} | {dropped} | {statistics.median(ts):.3f} s | "
-              f"{100 * (statistics.median(ts) / statistics.median(plain) - 1):+.1f}% | "
-              f"{100 * (paired - 1):+.1f}% |")
+        for clock, rec in (("wall", times), ("CPU", cpu)):
+            ts, plain = rec[name][warmup:], rec["plain"][warmup:]
+            paired = statistics.median(a / b for a, b in zip(ts, plain))
+            print(f"| {name} | {dropped} | {clock} | {statistics.median(ts):.3f} s | "
+                  f"{100 * (statistics.median(ts) / statistics.median(plain) - 1):+.1f}% | "
+                  f"{100 * (paired - 1):+.1f}% |")
 
 
 if __name__ == "__main__":

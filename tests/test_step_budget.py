@@ -213,6 +213,54 @@ def test_shared_weights_with_the_loss_kept_by_the_loop():
     check(SharedWeights, vector_batches(), keep_loss=True)
 
 
+class DropoutNet(chainer.Chain):
+    """Dropout in every residual layer: the masks stay in the functions, so a
+    loop that keeps its loss would hold the previous graph's masks (and the
+    recorded graph, everything) through the next forward."""
+
+    def __init__(self, w: int = 128, depth: int = 6) -> None:
+        super().__init__()
+        with self.init_scope():
+            self.inp = L.Linear(64, w)
+            self.layers = chainer.ChainList(*[L.Linear(w, w) for _ in range(depth)])
+            self.out = L.Linear(w, 10)
+
+    def forward(self, x, t):
+        h = F.relu(self.inp(x))
+        for layer in self.layers:
+            h = F.dropout(F.relu(layer(h)), 0.25) + h
+        self.loss = F.softmax_cross_entropy(self.out(h), t)
+        return self.loss
+
+
+def test_dropout_with_the_loss_kept_by_the_loop():
+    """The graphs of earlier calls release what they hold when the model is
+    called again (``free_previous_graph``), the recorded one included."""
+    check(DropoutNet, vector_batches(batch=32), keep_loss=True)
+
+
+def test_backward_through_an_earlier_graph_after_the_next_call():
+    from chainer_recompute.core.errors import UnsafeRecomputeError
+    x, t = vector_batches(1, batch=32)[0]
+    grads = []
+    for free in (True, False):
+        np.random.seed(0)
+        model = cr.apply(DropoutNet(), free_previous_graph=free, **OPTIONS)
+        np.random.seed(1)
+        first = model(x, t)
+        first.backward()
+        grads.append([p.grad.copy() for _, p in sorted(model.namedparams())])
+        model.cleargrads()
+        model(x, t)  # planned: the first graph lets go of its arrays
+        if free:
+            with pytest.raises(UnsafeRecomputeError, match="free_previous_graph=False"):
+                first.backward()
+        else:  # plain Chainer's semantics: the same gradients again
+            first.backward()
+            assert all((a == p.grad).all() for a, (_, p) in
+                       zip(grads[-1], sorted(model.namedparams())))
+
+
 class VAE(chainer.Chain):
     """Chainer's VAE example: an MLP encoder and decoder, the
     reparameterisation ``F.gaussian(mu, ln_var)`` (noise drawn in the

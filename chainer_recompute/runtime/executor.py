@@ -130,6 +130,7 @@ class IterationHook(Recorder):
         #: called once when the backward pass has run every reachable function
         self.on_backward_done: Optional[Any] = None
         self.backward_done = False  # set then
+        self.let_go_done = False  # released by let_go(): no backward through it any more
         #: the plan made from this recorded iteration (it learns a second
         #: backward pass through this graph)
         self.planned: Optional[Program] = None
@@ -336,8 +337,42 @@ class IterationHook(Recorder):
         self.released[u] = (tuple(outs), had_retained)
         self.stats.n_released = len(self.released)
 
+    def let_go(self) -> None:
+        """This iteration's backward has run and the model is called again
+        (``Recompute.free_previous_graph``): release every array its graph
+        still holds (the functions' outputs but those the forward returned,
+        their retained outputs, the arrays in their attributes, the arrays
+        pinned for regeneration), so that a training loop that keeps its
+        ``loss`` holds none of them through the next forward. A backward
+        pass through this graph afterwards raises."""
+        from .capture import attribute_arrays
+        self.let_go_done = True
+        self.kept.clear()
+        self.snapshots.clear()
+        for call in self.calls:
+            f = call.func()
+            if f is None:
+                continue
+            out_ids = call.out_ids or ()
+            for k, ref in enumerate(f.outputs or ()):
+                vnode = ref()
+                if vnode is not None and not (k < len(out_ids) and out_ids[k] in self.returned):
+                    vnode._data = None
+            f._retained_output_data = None
+            for owner, name, _ in attribute_arrays(f):
+                if owner is f:  # (an old-style Function may be called again: left as it is)
+                    setattr(f, name, None)
+
     # ---------------------------------------------------------- backward
     def before_backward(self, i: int, function: Any) -> None:
+        if self.let_go_done:
+            raise UnsafeRecomputeError(
+                f"backward through {type(function).__name__} of an earlier call of the model, "
+                f"whose graph released its arrays when the model was called again for "
+                f"training: run each iteration's backward before the model's next call (as "
+                f"training loops do), or apply(..., free_previous_graph=False) to keep earlier "
+                f"graphs as plain Chainer does (a graph the loop keeps is then not under the "
+                f"budget)")
         if self._update_state["updated"]:
             self._update_state["again"] = True
         if i in self._bw_seen:

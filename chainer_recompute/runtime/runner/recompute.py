@@ -133,6 +133,18 @@ class Recompute(PlanningMixin, MeteringMixin):
             ``loss``) is always planned at the end of its backward, and that
             graph then releases what the plan drops; a bare callable (no
             Link) always at its next call.
+        free_previous_graph: when the model is called again for training,
+            release what the graphs of its earlier calls still hold once
+            their backward has run (their functions' outputs, retained and
+            attribute arrays: dropout masks, the arrays kept for
+            regeneration). True (default): a loop that keeps its ``loss``
+            into the next forward (``loss = model(x, t); loss.backward()``)
+            holds nothing of the previous graph through it, so the budget,
+            which counts no previous graph, holds; a backward pass through
+            such a graph after the model's next call raises
+            :class:`UnsafeRecomputeError`. False: plain Chainer's
+            semantics (an old graph can be backpropagated again), and a
+            graph the loop keeps is not under the budget.
         **solver_options: passed to the solver.
 
     Input shapes that change from call to call (a batch padded to its
@@ -167,7 +179,8 @@ class Recompute(PlanningMixin, MeteringMixin):
                  verify: bool = True, budget_scope: str = "total", check_iterations: int = 3,
                  verbose: bool = True, coordinator: Any = None, workspace: Any = None,
                  workspace_exact: bool = True, on_infeasible: str = "auto",
-                 plan_at: str = "backward", **solver_options: Any) -> None:
+                 plan_at: str = "backward", free_previous_graph: bool = True,
+                 **solver_options: Any) -> None:
         from ...core.budget import check_scope
         from ...core.costs import COST_MODELS
         from ...core.solvers import check_solver
@@ -189,6 +202,7 @@ class Recompute(PlanningMixin, MeteringMixin):
         if plan_at not in ("backward", "call"):
             raise RecomputeError(f"plan_at must be 'backward' or 'call', got {plan_at!r}")
         self.plan_at = plan_at
+        self.free_previous_graph = bool(free_previous_graph)
         if cost not in COST_MODELS:
             raise RecomputeError(f"unknown cost model {cost!r}; known: {sorted(COST_MODELS)}")
         if capture_batch is not None and (not isinstance(capture_batch, int) or capture_batch < 1):
@@ -207,7 +221,8 @@ class Recompute(PlanningMixin, MeteringMixin):
             max_structures=max_structures, capture_batch=capture_batch, verify=verify,
             budget_scope=budget_scope, check_iterations=check_iterations, verbose=verbose,
             coordinator=coordinator, workspace=workspace, workspace_exact=workspace_exact,
-            on_infeasible=on_infeasible, plan_at=plan_at, **solver_options)
+            on_infeasible=on_infeasible, plan_at=plan_at,
+            free_previous_graph=free_previous_graph, **solver_options)
         self.verbose = verbose
         self.coordinator = coordinator
         self._correction = Correction(report)  # a measured overshoot: warned once
@@ -221,6 +236,7 @@ class Recompute(PlanningMixin, MeteringMixin):
         self._refusal = ""
         self._entries: "collections.OrderedDict[Hashable, _Entry]" = collections.OrderedDict()
         self.last_stats: Optional[IterationStats] = None
+        self._graphs: List[Any] = []  # weak references to the hooks of calls not yet let go
 
     def _name(self, args: Tuple[Any, ...]) -> str:
         link = self._link(args)
@@ -296,6 +312,8 @@ class Recompute(PlanningMixin, MeteringMixin):
         # The previous iteration (its update included) is over: checked
         # before anything else runs (planning's memory is in no iteration).
         self._close_step()
+        if self.free_previous_graph:
+            self._let_go_of_finished_graphs()
         sig = self.signature(args, kwargs)
         entry = self._entry(sig)
         if entry.error is not None:
@@ -345,6 +363,7 @@ class Recompute(PlanningMixin, MeteringMixin):
         if entry.structures:
             self._start_meter(entry, hook, link, args, kwargs)
         self._last_hook = weakref.ref(hook)
+        self._graphs.append(self._last_hook)
         limit = entry.structures[0].graph.meta.get("workspace_bytes") \
             if entry.structures else None
         with _Active(), hook, bounded(limit, self.workspace_exact):
@@ -379,6 +398,19 @@ class Recompute(PlanningMixin, MeteringMixin):
             entry.structures.sort(key=lambda s: s.program is not used)
         return out
 
+    def _let_go_of_finished_graphs(self) -> None:
+        """The graphs of earlier calls whose backward has run release what
+        they hold (see ``free_previous_graph``)."""
+        waiting = []
+        for ref in self._graphs:
+            hook = ref()
+            if hook is None:
+                continue
+            if hook.backward_done:
+                hook.let_go()
+            else:  # its backward is still to come (a discriminator's other batch)
+                waiting.append(ref)
+        self._graphs = waiting
 
     def __repr__(self) -> str:
         budget = "least" if self.budget_least else format_bytes(self.budget_bytes)

@@ -55,14 +55,7 @@ def _least_figure(kind):
     return m.group(1)
 
 
-@pytest.mark.parametrize("kind", [
-    "vae",
-    pytest.param("shared", marks=pytest.mark.xfail(strict=True, reason=(
-        "the recording measures each backward call in its own tracemalloc session, so the "
-        "free of a shared parameter's earlier gradient is not seen: the replay predicts one "
-        "weight matrix less than the allocator measures, the runner corrects by it and the "
-        "pasted figure is refused"))),
-])
+@pytest.mark.parametrize("kind", ["vae", "shared"])
 def test_least_figure_pastes_back_and_is_the_same_twice(kind):
     figure = _least_figure(kind)
     assert _least_figure(kind) == figure  # a second recording, the same figure

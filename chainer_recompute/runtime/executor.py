@@ -408,6 +408,7 @@ class IterationHook(Recorder):
             if not self._bw_left:
                 self._bw_left = None
                 self.backward_done = True
+                self.end_session()  # (before planning, which on_backward_done may run)
                 if self.on_backward_done is not None:
                     self.on_backward_done(self)
         if self.program is None:

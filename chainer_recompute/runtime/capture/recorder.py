@@ -29,7 +29,7 @@ import numpy
 from .. import _chainer  # noqa: F401  (NumPy 2 compatibility before chainer)
 import chainer
 
-from ...core.errors import CaptureError
+from ...core.errors import CaptureError, RecomputeError
 from ...core.graph import ArrayInfo, Graph, HeldArray, Node
 from ..device import Device, RandomStates, device_of
 from .arrays import (_arrays_in, _variables_in, attribute_arrays, buffer_print, fingerprint,
@@ -149,6 +149,12 @@ class Recorder(chainer.FunctionHook):
         if link is not None:
             self._param_names = {id(p): path for path, p in link.namedparams()}
             self._external_ids = persistent_array_ids(link)
+        self._link_ref = weakref.ref(link) if link is not None else None
+        # The recorded backward's tracing session (see _begin_session).
+        self._session: Any = None
+        self._session_end: Any = None
+        # A new call: the backward of an earlier recording is over.
+        end_backward_sessions()
         self._arg_names: Dict[int, str] = {}
         self._arg_ids: Dict[str, int] = {}  # argument path -> its array id
         for k, a in enumerate(args):
@@ -415,6 +421,8 @@ class Recorder(chainer.FunctionHook):
         if self.recording:
             self.backward_order.append(i)
             dev = device_of(tuple(in_data) + tuple(out_grad))
+            if self.measure:
+                self._begin_session(dev)
             meter = dev.meter() if self.measure else None
             if meter is not None:
                 dev.synchronize()
@@ -438,6 +446,43 @@ class Recorder(chainer.FunctionHook):
                 call.bwd_transient = max(0, m.peak_bytes - m.retained_bytes)
             self.calls[i].bwd_time_s = time.perf_counter() - t0
         self.after_backward(i, function)
+
+    def _begin_session(self, dev: Device) -> None:
+        """On NumPy, one tracing session from the first recorded backward
+        call to the end of the recorded backward (:meth:`end_session`), in
+        which each call's meter is nested. A meter that starts the tracing
+        sees no free of an array allocated before it (tracemalloc knows
+        only what it traced), and a backward call frees arrays that earlier
+        calls made: a parameter used several times gets its gradient summed
+        at each later use and the previous sum freed, an activation's
+        gradient is summed with the one another reader gave. Measured each
+        in its own session, such a call's net allocation comes out as large
+        as the new sum (its peak above its end a sum too small), where the
+        allocator's is nothing. The parameters' gradients already there (a
+        loop that does not clear them) are adopted by the session, so that
+        their frees at their first use are seen too. CuPy's pool sees every
+        free: no session."""
+        if dev.is_gpu or self._session is not None:
+            return
+        session = dev.meter()
+        session.start()
+        link = self._link_ref() if self._link_ref is not None else None
+        if link is not None:
+            dev.adopt(session, [p.grad for p in link.params() if p.grad is not None])
+        self._session = session
+        self._session_end = weakref.finalize(self, _end_meter, session)
+        _SESSIONS.add(self)
+
+    def end_session(self) -> None:
+        """End the recorded backward's tracing session, if open (the
+        backward is over; a new call, :meth:`graph`)."""
+        session, self._session = self._session, None
+        if session is None:
+            return
+        _SESSIONS.discard(self)
+        self._session_end.detach()
+        self._session_end = None
+        _end_meter(session)
 
     def before_backward(self, i: int, function: Any) -> None:
         """Called before the backward of recorded function ``i`` (executor)."""
@@ -464,6 +509,7 @@ class Recorder(chainer.FunctionHook):
             CaptureError: nothing was recorded.
         """
         self._map_pending()
+        self.end_session()
         if not self.calls:
             raise CaptureError("the model applied no Chainer function with backprop enabled; "
                                "there is no graph to record")
@@ -520,6 +566,25 @@ class Recorder(chainer.FunctionHook):
         order = self.backward_order or None
         return Graph(arrays, nodes, batch_size=batch_size, cost_model=cost_model, meta=m,
                      backward_order=_first_pass(order) if order else None)
+
+
+#: Recorders whose backward's tracing session is open.
+_SESSIONS: "weakref.WeakSet[Recorder]" = weakref.WeakSet()
+
+
+def end_backward_sessions() -> None:
+    """End every open tracing session of a recorded backward (a new call
+    begins: a meter started now must own the tracing to see the frees of
+    the arrays it adopts)."""
+    for rec in list(_SESSIONS):
+        rec.end_session()
+
+
+def _end_meter(meter: Any) -> None:
+    try:
+        meter.stop()
+    except RecomputeError:  # already stopped
+        pass
 
 
 def _first_pass(order: Sequence[int]) -> List[int]:

@@ -331,7 +331,7 @@ class GraphRegressor(chainer.Chain):
             m = F.matmul(F.reshape(adj, (B * R, N, N)), m).reshape(B, R, N, -1)
             m = F.sum(m, axis=1).reshape(B * N, -1)
             h = self.gru(h.reshape(B * N, -1), m).reshape(B, N, -1)
-        self.loss = F.mean_squared_error(self.out(F.sum(h, axis=1)), t)
+        self.loss = F.mean_squared_error(self.out(F.mean(h, axis=1)), t)
         return self.loss
 
 

@@ -67,13 +67,12 @@ class Run:
 Built = Tuple[chainer.Link, Callable[[], None], Callable[[], Dict[str, Any]], Callable[[], int]]
 
 
-def train(build: Callable[[], Built], steps: int, applied: bool) -> Run:
-    """``build()`` makes the model and its training loop: ``(model, step,
-    record, excluded)``; ``apply()`` is called on the model here, before
-    ``step`` first runs (a DQN's target network is copied from it inside
-    ``build``, so it is applied there instead: ``model`` comes back as is);
-    ``excluded()``, after each step, the bytes of that step's peak that are
-    no part of the model's iteration."""
+def train(build: Callable[[], Built], steps: int) -> Run:
+    """``build()`` makes the model (applied or not, before its optimizer and
+    loop are set up, as a training script does) and its training loop:
+    ``(model, step, record, excluded)``: ``step()`` runs one optimizer step
+    as the library's loop does, ``record()`` its records, ``excluded()`` the
+    bytes of the step's peak that are no part of the model's iteration."""
     run = Run()
     outer = MemoryMeter()
     outer.start()
@@ -88,8 +87,7 @@ def train(build: Callable[[], Built], steps: int, applied: bool) -> Run:
             run.peaks.append(m.result.absolute_peak_bytes)
             run.excluded.append(excluded())
             rec = record()
-            state = random.getstate()
-            rec["python random"] = state
+            rec["python random"] = random.getstate()
             run.records.append(rec)
             runner = cr.runner_of(model)
             st = runner.last_stats if runner is not None else None
@@ -212,12 +210,12 @@ def test_chainer_chemistry_regressor_with_concat_mols(chemistry, kind):
     counts (several shapes), at the least feasible budget."""
     data = molecules(kind)
     shapes: List[Tuple[int, ...]] = []
-    plain = train(chemistry_build(kind, data, False, shapes), 10, False)
+    plain = train(chemistry_build(kind, data, False, shapes), 10)
     seen = sorted(set(shapes))
     assert len(seen) >= 2, seen  # shape-varying batches
     shapes.clear()
     with Said() as said:
-        ours = train(chemistry_build(kind, data, True, shapes), 10, True)
+        ours = train(chemistry_build(kind, data, True, shapes), 10)
     assert sorted(set(shapes)) == seen
     check(f"chainer-chemistry {kind}", plain, ours, said)
 
@@ -286,7 +284,7 @@ def test_chainerrl_dqn_own_update_loop():
     rs = np.random.RandomState(7)
     obs = [rs.rand(ND).astype(np.float32) for _ in range(WARM + STEPS)]
     rewards = rs.rand(WARM + STEPS).tolist()
-    plain = train(dqn_build(False, obs, rewards), STEPS, False)
+    plain = train(dqn_build(False, obs, rewards), STEPS)
     with Said() as said:
-        ours = train(dqn_build(True, obs, rewards), STEPS, True)
+        ours = train(dqn_build(True, obs, rewards), STEPS)
     check("chainerrl DQN", plain, ours, said, overshoot_once=True)

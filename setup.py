@@ -37,6 +37,12 @@ setup(
         # ChainerMN (shipped with Chainer) over MPI (runtime/distributed.py): needs
         # a system MPI to build mpi4py (Debian: openmpi-bin, libopenmpi-dev).
         "mn": ["mpi4py>=3"],
+        # Third-party Chainer libraries trained by their own training code in
+        # tests/test_third_party.py (slow tests, skipped without them):
+        # chainer-chemistry imports pandas (<2.3 works with NumPy 1.26);
+        # chainerrl 0.8.0 imports gym.wrappers.Monitor, gone after gym 0.22.
+        "thirdparty": ["chainer-chemistry==0.7.1", "pandas>=1.5,<2.3",
+                       "chainerrl==0.8.0", "gym==0.22.0"],
     },
     entry_points={"console_scripts": [
         "chainer-recompute=chainer_recompute.cli:main",

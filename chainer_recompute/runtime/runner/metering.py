@@ -78,10 +78,15 @@ def _own_arrays(link: Optional[chainer.Link], arrays: List[Any]) -> List[Any]:
 
 def _graph_arrays(hook: Any) -> List[Any]:
     """The arrays a previous iteration's graph still holds: what its
-    function nodes retain (inputs, outputs, attributes) and the arrays of
-    its outputs' live Variables."""
+    function nodes retain (inputs, outputs, attributes), the arrays of its
+    outputs' live Variables, and what its hook holds for another backward
+    pass through it (the arrays pinned or regenerated for a dropped block,
+    the parameter values saved before an update). All of these are freed
+    with the graph, often early in the next forward: left out, they would
+    be taken off the step's peak as someone else's bytes."""
     from ..capture import attribute_arrays
-    found: List[Any] = []
+    found: List[Any] = list(getattr(hook, "kept", {}).values())
+    found.extend(getattr(hook, "snapshots", {}).values())
     for call in hook.calls:
         f = call.func()
         if f is None:

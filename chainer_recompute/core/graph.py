@@ -280,12 +280,10 @@ class Graph:
     def edges(self) -> List[Tuple[int, int]]:
         return [(u, v) for v, ps in enumerate(self.preds) for u in ps]
 
-    @functools.cached_property
     def edge_array(self) -> np.ndarray:
-        """:attr:`edges` as a read-only ``(E, 2)`` int64 array (made once)."""
-        a = np.array(self.edges, dtype=np.int64).reshape(-1, 2)
-        a.flags.writeable = False
-        return a
+        """:attr:`edges` as an ``(E, 2)`` int64 array (made on each call: a
+        graph keeps no array of its own that would outlive its planning)."""
+        return np.array(self.edges, dtype=np.int64).reshape(-1, 2)
 
     def with_cost_model(self, cost_model: str) -> "Graph":
         """The same graph under another cost model."""

@@ -364,7 +364,7 @@ def _derived_words(graph: Graph, words: np.ndarray, chunk: int = 1 << 14,
         return kn.derive(np.ascontiguousarray(words), sw, pw)
     n = graph.n
     nw = words.shape[1]
-    edges = graph.edge_array
+    edges = graph.edge_array()
     eu, ev = edges[:, 0], edges[:, 1]
     bnd = np.zeros_like(words)
     a = np.zeros_like(words)

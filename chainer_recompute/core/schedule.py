@@ -164,8 +164,8 @@ def strategy_cost(graph: Graph, lower_sets: Sequence,
                         block_peaks_bytes=tuple(int(p) for p in peaks), checkpoints=ups)
 
 
-def entry_cost(graph: Graph, entry: np.ndarray,
-               model: Optional["MemoryModel"] = None) -> StrategyCost:
+def entry_cost(graph: Graph, entry: np.ndarray, model: Optional["MemoryModel"] = None,
+               edges: Optional[np.ndarray] = None) -> StrategyCost:
     """:func:`strategy_cost` of the chain given by each node's block: node
     ``v`` enters at ``L_{entry[v]}`` (blocks numbered from 0, each block
     non-empty, ``entry`` non-decreasing along every edge). Linear in the
@@ -173,7 +173,8 @@ def entry_cost(graph: Graph, entry: np.ndarray,
     ``v ∈ ∂(L_i)`` for ``entry[v] <= i < max entry of its successors``,
     ``v ∈ A_i`` for ``min entry of its predecessors <= i < entry[v]`` and
     ``u ∈ B_i`` for ``min over successors w of min entry of w's
-    predecessors <= i < entry[u]``, each an interval of blocks.
+    predecessors <= i < entry[u]``, each an interval of blocks. ``edges``:
+    :meth:`Graph.edge_array`, made by the caller for several calls.
 
     >>> g = Graph.from_edges([1, 2, 1], [(0, 1), (1, 2)])
     >>> c = entry_cost(g, np.array([0, 0, 1]))
@@ -186,7 +187,7 @@ def entry_cost(graph: Graph, entry: np.ndarray,
     ent = np.asarray(entry, dtype=np.int64)
     n = graph.n
     J = int(ent.max()) + 1
-    ed = graph.edge_array
+    ed = graph.edge_array() if edges is None else edges
     eu, ev = ed[:, 0], ed[:, 1]
     if len(ed) and (ent[ev] < ent[eu]).any():
         raise ValueError("entry must not decrease along an edge (the sets are not lower sets)")

@@ -128,6 +128,7 @@ class HierProblem:
         self.reached: List[Tuple[int, int]] = []
         self._flat: Optional[Tuple[np.ndarray, np.ndarray, np.ndarray]] = None
         self._nonsink: Optional[float] = None
+        self._edges: Optional[np.ndarray] = None
         self.n_distinct_pieces = 0
         if self.ok:
             self._build(max_positions)
@@ -348,6 +349,13 @@ class HierProblem:
         back = np.empty((P + 1, 2), dtype=np.int64)
         least_kernel()(P, self.step, self.dm, ptr, o_peak, o_keep, bc, least, back)
         return least, [(int(j), int(o)) for j, o in back]
+
+    def edges(self) -> np.ndarray:
+        """The graph's :meth:`~Graph.edge_array`, made once (it dies with
+        this problem, held weakly by :func:`hier_problem`)."""
+        if self._edges is None:
+            self._edges = self.graph.edge_array()
+        return self._edges
 
     def nonsink_cost(self) -> float:
         """The cost of every node with a successor (the chain DP's time
@@ -627,7 +635,7 @@ def solve_hier(graph: Graph, budget_bytes: Optional[int], *, strategy: str = "tc
         entry = np.empty(graph.n, dtype=np.int64)
         for b, nodes in enumerate(blocks):
             entry[nodes] = b
-        cost = entry_cost(graph, entry, mdl)
+        cost = entry_cost(graph, entry, mdl, edges=prob.edges())
         if budget_bytes is None or cost.peak_bytes <= budget_bytes:
             break
         # the options' figures are conservative; this is a safety net

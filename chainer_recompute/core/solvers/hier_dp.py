@@ -127,7 +127,7 @@ class HierProblem:
         #: can reach within a budget (a bound for the tc table of larger ones)
         self.reached: List[Tuple[int, int]] = []
         self._flat: Optional[Tuple[np.ndarray, np.ndarray, np.ndarray]] = None
-        self._nonsink: Optional[float] = None
+        self._times: Optional[Tuple[np.ndarray, np.ndarray, np.ndarray]] = None
         self._edges: Optional[np.ndarray] = None
         self.n_distinct_pieces = 0
         if self.ok:
@@ -357,13 +357,19 @@ class HierProblem:
             self._edges = self.graph.edge_array()
         return self._edges
 
-    def nonsink_cost(self) -> float:
-        """The cost of every node with a successor (the chain DP's time
-        scale), summed once."""
-        if self._nonsink is None:
+    def time_units(self) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The chain DP's retained times in integer units (``TIME_UNITS``
+        for every node with a successor), made once: long blocks ``dt``,
+        options ``o_dt`` (as :meth:`_flat_options`) and the most a chain
+        from each position on can retain (:func:`_most_time`)."""
+        if self._times is None:
             g = self.graph
-            self._nonsink = float(sum(g.node_cost[v] for v in range(g.n) if g.succs[v]))
-        return self._nonsink
+            nonsink = float(sum(g.node_cost[v] for v in range(g.n) if g.succs[v]))
+            scale = _units(len(self.cuts) - 1) / nonsink if nonsink > 0 else 0.0
+            dt = np.round(self.dt * scale).astype(np.int64)
+            o_dt = np.round(np.concatenate(self.piece_times) * scale).astype(np.int64)
+            self._times = (dt, o_dt, _most_time(dt, o_dt, self._flat_options()[0]))
+        return self._times
 
     def _flat_options(self) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Every piece's options in one array each: piece ``j``'s are
@@ -446,11 +452,8 @@ def _chain_dp(prob: HierProblem, bc: int, strategy: str,
               engine: Optional[str]) -> Optional[List[Tuple[int, int, int]]]:
     P = len(prob.cuts) - 1
     U = _units(P)
-    nonsink = prob.nonsink_cost()
-    scale = U / nonsink if nonsink > 0 else 0.0
-    dt = np.round(prob.dt * scale).astype(np.int64)
+    dt, o_dt, most = prob.time_units()
     ptr, o_peak, o_keep = prob._flat_options()
-    o_dt = np.round(np.concatenate(prob.piece_times) * scale).astype(np.int64)
     # a chain has at most P steps, each rounded by at most half a unit
     U = U + P // 2 + 1
     inf = np.iinfo(np.int64).max // 4
@@ -462,9 +465,7 @@ def _chain_dp(prob: HierProblem, bc: int, strategy: str,
                                  np.empty((P + 1, U + 1), dtype=np.int32),
                                  np.empty((P + 1, U + 1), dtype=np.int32))
     best, src, how = tables
-    best.fill(inf)
-    src.fill(-1)
-    how.fill(-2)
+    best.fill(inf)  # (src and how are read only where best is finite, written with it)
     best[0, 0] = 0
     # Branch and bound (tc): a chain found at a budget no larger than this
     # one retains ``lb`` units, so the optimum retains at least as much; a
@@ -476,7 +477,7 @@ def _chain_dp(prob: HierProblem, bc: int, strategy: str,
     if strategy == "tc":
         lb = max((t for b, t in prob.reached if b <= bc), default=-1)
         if lb > 0:
-            need = lb - _most_time(dt, o_dt, ptr)
+            need = lb - most
     kernel(engine)(P, U, prob.step, prob.dm, dt, ptr, o_peak, o_keep, o_dt, bc, best, src,
                    how, strategy == "tc", need)
     fin = np.flatnonzero(best[P] < inf)

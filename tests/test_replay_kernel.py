@@ -39,7 +39,14 @@ GRAPHS = {
     # views, a Gaussian sample, returned outputs
     "vae": lambda: _captured("vae"),
     "transformer": lambda: _captured("transformer"),
+    # the model keeps the graph (a loss link's ``self.loss``): what it still
+    # holds stays through the update
+    "vae_kept": lambda: _kept(_captured("vae")),
 }
+
+
+def _kept(g):
+    return g.replace(meta=dict(g.meta, kept_after_backward=True))
 
 
 def _some_plans(g, k=5):
@@ -92,3 +99,19 @@ def test_unknown_engine_and_mode_are_refused():
         replay(g, None, engine="fortran")
     with pytest.raises(ValueError, match="release mode"):
         replay(g, None, release_mode="some")
+
+
+@pytest.mark.parametrize("engine", ["python", "numba"])
+def test_a_graph_the_model_keeps_holds_its_arrays_through_the_update(engine):
+    """Only the returned loss outlives the forward, so the graph goes at the
+    update, unless the model keeps it (``meta['kept_after_backward']``):
+    then the update's temporary comes on top of what plain Chainer's graph
+    still holds (every retained array, the Gaussian's noise)."""
+    g = GRAPHS["vae"]()
+    gone = replay(g, None, engine=engine)
+    kept = replay(_kept(g), None, engine=engine)
+    assert gone.events[-1] == kept.events[-1] == "update"
+    assert np.array_equal(gone.memory_bytes[:-1], kept.memory_bytes[:-1])
+    held = kept.memory_bytes[-1] - gone.memory_bytes[-1]
+    state = sum(h.nbytes for node in g.nodes for h in node.held if h.role == "state")
+    assert held > state > 0

@@ -116,7 +116,6 @@ class ReplayContext:
         # what ExecutionPlan finds for every plan of this graph
         derived = {node.id: tuple(h.name for h in node.held if h.role == "derived")
                    for node in nodes}
-        returned = set(graph.meta.get("returned", ()))
         rel = releasable_nodes(graph)
         self.releasable = np.zeros(n, dtype=np.bool_)
         self.releasable[list(rel)] = True
@@ -127,9 +126,7 @@ class ReplayContext:
         self.constant = state_constant_bytes(graph)
         self.old_grads = param_grad_bytes(graph) if graph.meta.get("grads_in_forward", True) \
             else 0
-        self.free_all = bool(returned) and not any(
-            a.producer is not None and a.dies_at is None and a.id not in returned
-            for a in arrays)
+        self.free_all = helpers.graph_gone_at_update(graph)
         self.update_transient = int(graph.state_bytes.get("update_transient", 0))
         # the gradients: the same for every plan
         order = list(graph.backward_order) if graph.backward_order else \

@@ -292,6 +292,21 @@ def backward_gradients(node: Any, arrays: Any, nodes: Any, grads: "_Gradients",
     return param_new, extra
 
 
+def graph_gone_at_update(graph: Graph) -> bool:
+    """Whether nothing of the graph is left at the optimizer's update: the
+    caller held nothing of it but what the forward returned (the loss;
+    ``optimizer.update`` drops it after the backward), and the model keeps
+    no output of it either (``meta['kept_after_backward']``: a loss link's
+    ``self.loss``, which keeps the whole graph and what its functions still
+    hold, dropout masks included, into the next call). A model that keeps
+    another output (``Classifier.y``) keeps it alive too."""
+    returned = set(graph.meta.get("returned", ()))
+    if not returned or graph.meta.get("kept_after_backward", False):
+        return False
+    return not any(a.producer is not None and a.dies_at is None and a.id not in returned
+                   for a in graph.arrays)
+
+
 def _caller_input(info: Any) -> bool:
     """An array the caller passed in (counted in the constant)."""
     return info.kind == "input" and bool(info.name)
@@ -561,13 +576,9 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
                     if (remaining.get(u, 0) <= 0 and u in plan.releasable and u not in released
                             and (release_mode == "none" or u in dropped) and regenerable(u)):
                         release(u)
-    # The optimizer update: if the caller held nothing of the graph but what
-    # the forward returned (the loss), the graph is gone by then
-    # (``optimizer.update`` drops the loss after the backward); a model
-    # that keeps outputs (``Classifier.y``) keeps it alive.
-    returned = set(graph.meta.get("returned", ()))
-    if returned and not any(a.producer is not None and a.dies_at is None and a.id not in returned
-                            for a in arrays):
+    # The optimizer update: the graph is gone by then, or it still holds
+    # what nothing released (see graph_gone_at_update).
+    if graph_gone_at_update(graph):
         for buf in list(mem.holders):
             mem.free(("buf", buf), arrays[buf].nbytes)
         mem.holders.clear()

@@ -342,9 +342,11 @@ class IterationHook(Recorder):
         (``Recompute.free_previous_graph``): release every array its graph
         still holds (the functions' outputs but those the forward returned,
         their retained outputs, the arrays in their attributes, the arrays
-        pinned for regeneration), so that a training loop that keeps its
-        ``loss`` holds none of them through the next forward. A backward
-        pass through this graph afterwards raises."""
+        pinned for regeneration, and the retained inputs of the functions'
+        own nodes of raw arrays: the caller's previous batch), so that a
+        training loop that keeps its ``loss`` holds none of them through
+        the next forward. A backward pass through this graph afterwards
+        raises."""
         from .capture import attribute_arrays
         self.let_go_done = True
         self.kept.clear()
@@ -359,6 +361,14 @@ class IterationHook(Recorder):
                 if vnode is not None and not (k < len(out_ids) and out_ids[k] in self.returned):
                     vnode._data = None
             f._retained_output_data = None
+            for xnode in f.inputs or ():
+                # a node Chainer made for a raw array (the caller's input, a
+                # constant): this function's own; not a Parameter's, nor a
+                # Variable the caller passed (another graph may read it)
+                if (xnode._data is not None and xnode.creator_node is None
+                        and not xnode.requires_grad and xnode not in self.arg_nodes
+                        and xnode.get_variable_or_none() is None):
+                    xnode._data = None
             for owner, name, _ in attribute_arrays(f):
                 if owner is f:  # (an old-style Function may be called again: left as it is)
                     setattr(f, name, None)

@@ -157,6 +157,10 @@ class Recorder(chainer.FunctionHook):
         end_backward_sessions()
         self._arg_names: Dict[int, str] = {}
         self._arg_ids: Dict[str, int] = {}  # argument path -> its array id
+        # the nodes of the Variables the caller passed (other graphs may
+        # share them; a raw array argument gets a node of each function's own)
+        self.arg_nodes: "weakref.WeakSet[Any]" = weakref.WeakSet(
+            v.node for v in _variables_in(list(args)))
         for k, a in enumerate(args):
             for path, arr in _arrays_in(a, str(k)):
                 self._arg_names.setdefault(id(arr), path)

@@ -167,6 +167,9 @@ class MeteringMixin:
     check it against its plan."""
 
     _meter: Optional["_OpenMeter"] = None
+    # structures measured over their budget, to plan again at the next call:
+    # id(structure) -> (entry, structure, correction bytes)
+    _corrections: Optional[Dict[int, Tuple[_Entry, _Structure, int]]] = None
     _last_hook: Any = None  # a weak reference to the previous call's IterationHook
 
     def _start_meter(self, entry: _Entry, hook: IterationHook, link: Optional[chainer.Link],
@@ -283,26 +286,41 @@ class MeteringMixin:
 
     def _check(self, entry: _Entry, s: _Structure, stats: IterationStats,
                measured: int) -> None:
-        """A peak over the budget (total scope): the memory model corrected
-        by what the plan missed, and the structure planned again."""
+        """A peak over the budget (total scope): the memory model is to be
+        corrected by what the plan missed, and the structure planned again
+        at the model's next call (:meth:`_apply_corrections`): the check
+        runs inside the step (at the end of its backward, or of the
+        optimizer's update), and planning there would add the planner's
+        memory to the step the budget bounds."""
         if self.budget_scope != "total":
             return
         correction = self._correction.overshoot(measured, s.plan.budget_bytes,
                                                 s.plan.predicted_peak_bytes)
         if not correction:
             return
-        graph = s.graph
-        meta = dict(graph.meta)
-        meta["correction_bytes"] = int(meta.get("correction_bytes", 0)) + correction
-        graph = graph.replace(meta=meta)
-        t0 = time.perf_counter()
-        entry.structures.remove(s)
-        if self._meter is not None and self._meter.structure is s:
-            self._meter.structure = None  # its tail is not checked against the old plan
-        try:
-            self._add(entry, graph, s.program.param_refs, s.program.multi_backward, t0,
-                      backward_known=s.program.backward_known)
-        except InfeasibleBudgetError as e:
-            # Not from inside the user's backward: at the next call, before
-            # anything runs.
-            entry.error = e
+        if self._corrections is None:
+            self._corrections = {}
+        # the backward's and the update's checks of one step: the larger miss
+        _, _, before = self._corrections.get(id(s), (entry, s, 0))
+        self._corrections[id(s)] = (entry, s, max(before, correction))
+
+    def _apply_corrections(self) -> None:
+        """At a training call, before its meter starts: the structures that
+        overshot their budget planned again with the memory model corrected
+        by what they missed. A budget the corrected model cannot meet is
+        raised (or warned about) by the call of that signature."""
+        pending, self._corrections = self._corrections, None
+        for entry, s, correction in (pending or {}).values():
+            if s not in entry.structures:
+                continue
+            graph = s.graph
+            meta = dict(graph.meta)
+            meta["correction_bytes"] = int(meta.get("correction_bytes", 0)) + correction
+            graph = graph.replace(meta=meta)
+            t0 = time.perf_counter()
+            entry.structures.remove(s)
+            try:
+                self._add(entry, graph, s.program.param_refs, s.program.multi_backward, t0,
+                          backward_known=s.program.backward_known)
+            except InfeasibleBudgetError as e:
+                entry.error = e

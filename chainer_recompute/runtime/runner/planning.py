@@ -205,9 +205,16 @@ class PlanningMixin:
         if isinstance(rec, _Recording):
             return rec
         hook = rec
+        meta = None
+        if link is not None:
+            # a model that keeps an output of its graph (a loss link's
+            # ``self.loss``) keeps the graph through the optimizer's update:
+            # the replay counts what it still holds then
+            meta = {"state_bytes": state_bytes(link),
+                    "kept_after_backward": _keeps_graph(link, hook)}
         graph = hook.graph(cost_model=self.cost, batch_size=entry.batch,
                            name=type(link).__name__ if link is not None else "model",
-                           meta={"state_bytes": state_bytes(link)} if link is not None else None,
+                           meta=meta,
                            fill=hook.program.graph if hook.program is not None else None)
         if hook.backward_during_forward:
             # chainer.grad inside the forward (a gradient penalty): planned as

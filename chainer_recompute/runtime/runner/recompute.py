@@ -109,7 +109,8 @@ class Recompute(PlanningMixin, MeteringMixin):
             while on) and checked against the budget; on CuPy every
             iteration is measured (the pool hook is cheap). A peak over the
             budget warns once, corrects the model by what was measured, and
-            plans again.
+            plans again at the model's next call, before that call's meter
+            starts (not inside the step that overshot).
         on_infeasible: what a training call does when its budget cannot be
             met (a new input shape or structure too large for it, a plan
             corrected after a measured overshoot): ``'raise'``:
@@ -137,7 +138,8 @@ class Recompute(PlanningMixin, MeteringMixin):
             release what the graphs of its earlier calls still hold once
             their backward has run (their functions' outputs, retained and
             attribute arrays: dropout masks, the arrays kept for
-            regeneration). True (default): a loop that keeps its ``loss``
+            regeneration, the caller's arrays they retained: the previous
+            batch). True (default): a loop that keeps its ``loss``
             into the next forward (``loss = model(x, t); loss.backward()``)
             holds nothing of the previous graph through it, so the budget,
             which counts no previous graph, holds; a backward pass through
@@ -296,6 +298,8 @@ class Recompute(PlanningMixin, MeteringMixin):
     def plan_for(self, *args: Any, **kwargs: Any) -> Any:
         """The plan for these inputs: the current one, or one made now from
         a separate capture that leaves no trace."""
+        if self._corrections:
+            self._apply_corrections()
         entry = self._entry(self.signature(args, kwargs))
         if entry.pending is not None:
             self._plan_pending(entry, args, kwargs)
@@ -314,6 +318,8 @@ class Recompute(PlanningMixin, MeteringMixin):
         self._close_step()
         if self.free_previous_graph:
             self._let_go_of_finished_graphs()
+        if self._corrections:  # planned here, where no step's meter runs
+            self._apply_corrections()
         sig = self.signature(args, kwargs)
         entry = self._entry(sig)
         if entry.error is not None:

@@ -192,10 +192,10 @@ class PlanningMixin:
             except Exception as e:  # noqa: BLE001 - not from inside the user's backward
                 entry.error = e
                 return
-            # the graph may live into the next step (a loss link's
-            # ``self.loss``, the training loop's own ``loss``): it holds no
-            # more than a planned one from now on
-            h.release_as_planned(s.program)
+            if keeps:
+                # the graph lives into the next step: it holds no more than
+                # a planned one from now on
+                h.release_as_planned(s.program)
         hook.on_backward_done = plan
 
     def _recorded(self, entry: _Entry, link: Optional[chainer.Link]) -> "_Recording":

@@ -26,6 +26,7 @@ from chainer_recompute.core.io import graph_from_dict, graph_to_dict
 from chainer_recompute.core.memory_model import measured_model
 from chainer_recompute.core.replay import replay
 from chainer_recompute.runtime.capture import capture
+from test_step_budget import DropoutNet  # noqa: E402 (a dropout + residual net that keeps its loss)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -341,26 +342,6 @@ def test_summed_gradients_are_predicted_to_the_byte():
                                            s.plan.info["vanilla_peak_bytes"])
 
 
-class _DropoutResidual(chainer.Chain):
-    """Linear layers with dropout and residual adds; the loss is kept in
-    ``self.loss`` (until the next forward replaces it), so the graph, with
-    the dropout masks its functions hold, lives through the update."""
-
-    def __init__(self, w: int = 128, depth: int = 6) -> None:
-        super().__init__()
-        with self.init_scope():
-            self.inp = L.Linear(64, w)
-            self.layers = chainer.ChainList(*[L.Linear(w, w) for _ in range(depth)])
-            self.out = L.Linear(w, 10)
-
-    def forward(self, x, t):
-        h = F.relu(self.inp(x))
-        for layer in self.layers:
-            h = F.dropout(F.relu(layer(h)), 0.25) + h
-        self.loss = F.softmax_cross_entropy(self.out(h), t)
-        return self.loss
-
-
 #: The previous step's loss, which the model keeps until its forward ends:
 #: counted by the runner (the previous graph at the call), not in the replay.
 _PREVIOUS_LOSS_BYTES = 4
@@ -383,7 +364,7 @@ def test_dropout_residual_net_that_keeps_its_loss_is_predicted_to_the_byte(keep_
     batches = [(rs.randn(32, 64).astype(np.float32), rs.randint(0, 10, 32).astype(np.int32))
                for _ in range(4)]
     np.random.seed(0)
-    link = _DropoutResidual()
+    link = DropoutNet()
     cr.apply(link, budget="least", cost="flops", verbose=False)
     opt = chainer.optimizers.MomentumSGD(0.01)
     opt.setup(link)

@@ -31,6 +31,7 @@ import chainer.links as L
 
 import chainer_recompute as cr
 from chainer_recompute.runtime.memory import MemoryMeter
+from test_executor import ResNet  # noqa: E402
 
 STEPS = 7
 OPTIONS = {"budget": "least", "cost": "flops", "verbose": False}
@@ -151,27 +152,16 @@ def check(make: Callable[[], chainer.Link], batches: List[Tuple[Any, ...]],
 
 
 # ------------------------------------------------------------- models
-class WideResNet(chainer.Chain):
-    """Residual blocks on small feature maps with many channels: the
-    parameters outweigh the activations of a small batch (as a ResNet50 at
-    64x64 does)."""
+class WideResNet(ResNet):
+    """test_executor's residual blocks on small feature maps with many
+    channels: the parameters outweigh the activations of a small batch (as
+    a ResNet50 at 64x64 does)."""
 
     def __init__(self, c: int = 96, blocks: int = 3) -> None:
-        super().__init__()
-        with self.init_scope():
-            self.stem = L.Convolution2D(3, c, 3, pad=1)
-            self.convs = chainer.ChainList(*[L.Convolution2D(c, c, 3, pad=1, nobias=True)
-                                             for _ in range(2 * blocks)])
-            self.bns = chainer.ChainList(*[L.BatchNormalization(c) for _ in range(2 * blocks)])
-            self.fc = L.Linear(c, 10)
+        super().__init__(c, blocks)
 
     def forward(self, x):
-        h = F.relu(self.stem(x))
-        for i in range(0, len(self.convs), 2):
-            r = F.relu(self.bns[i](self.convs[i](h)))
-            r = self.bns[i + 1](self.convs[i + 1](r))
-            h = F.relu(h + r)
-        return self.fc(F.average(h, axis=(2, 3)))
+        return self.logits(x)
 
 
 def image_batches(n: int = STEPS, batch: int = 2, size: int = 6, seed: int = 3):

@@ -304,11 +304,7 @@ def _replay_loop(n, owner, owned, nbytes, pc, constown, producer, dies_at, retby
             if not pc[a]:
                 level += _hold(a, RET, reasons, count, owner, owned, constown)
         for k in range(held_p[i], held_p[i + 1]):
-            key = held_key[k]
-            if not attr_on[key]:
-                attr_on[key] = True
-                attr_nb[key] = held_nb[k]
-                level += held_nb[k]
+            level += _attr_hold(held_key[k], held_nb[k], attr_on, attr_nb)
         if ne == cap:
             trace, kinds, ev_u, ev_w, cap = _grow(trace, kinds, ev_u, ev_w, cap)
         trace[ne] = level + ftr[i]
@@ -418,11 +414,7 @@ def _replay_loop(n, owner, owned, nbytes, pc, constown, producer, dies_at, retby
                             nv += 1
                     for k in range(held_p[u], held_p[u + 1]):
                         if held_der[k]:
-                            key = held_key[k]
-                            if not attr_on[key]:
-                                attr_on[key] = True
-                                attr_nb[key] = held_nb[k]
-                                level += held_nb[k]
+                            level += _attr_hold(held_key[k], held_nb[k], attr_on, attr_nb)
                     if ne == cap:
                         trace, kinds, ev_u, ev_w, cap = _grow(trace, kinds, ev_u, ev_w, cap)
                     trace[ne] = level + grad + ftr[u]
@@ -499,6 +491,15 @@ def _grow(trace, kinds, ev_u, ev_w, cap):
     u2[:cap] = ev_u
     w2[:cap] = ev_w
     return t2, k2, u2, w2, cap2
+
+
+def _attr_hold(key, nb, attr_on, attr_nb):
+    """An attribute array comes alive (if it was not): the bytes added."""
+    if attr_on[key]:
+        return 0
+    attr_on[key] = True
+    attr_nb[key] = nb
+    return nb
 
 
 def _hold(a, bit, reasons, count, owner, owned, constown):
@@ -585,7 +586,7 @@ def _jit_helpers() -> None:
     functions in the loop's globals)."""
     import numba
     g = globals()
-    for name in ("_grow", "_hold", "_drop", "_release", "_regenerable"):
+    for name in ("_grow", "_attr_hold", "_hold", "_drop", "_release", "_regenerable"):
         f = g[name]
         if not hasattr(f, "py_func"):
             g[name] = numba.njit(cache=True, nogil=True)(f)

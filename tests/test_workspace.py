@@ -66,6 +66,28 @@ def test_convolution_kernels_bit_identical(case):
     assert ran == {"conv": want, "deconv": want, "gradw": want}
 
 
+@pytest.mark.parametrize("case", CONV_CASES + [(2, 3, 4, 5, 1, 3, 3, 4, 2, False)],
+                         ids=lambda c: "x".join(map(str, c)))
+def test_compiled_columns_are_numpys(case):
+    """The compiled column copy (numba) writes what NumPy's strided copies
+    write, with padding larger than the kernel, a stride larger than it,
+    dilation, a channel slice (not contiguous) and float64."""
+    pytest.importorskip("numba")
+    n, c, h, w, _, k, s, p, d, cover_all = case
+    x = np.random.RandomState(1).randn(n, c + 2, h, w)
+    for x in (x[:, 1:c + 1], x[:, :c].astype(np.float32)):
+        oh = ws._out_size(h, k, s, p, cover_all, d)
+        ow = ws._out_size(w, k, s, p, cover_all, d)
+        compiled = ws._columns(np, x, k, k, s, s, p, p, d, d, oh, ow)
+        fill, ws._compiled_fill = ws._compiled_fill, False
+        try:
+            numpys = ws._columns(np, x, k, k, s, s, p, p, d, d, oh, ow)
+        finally:
+            ws._compiled_fill = fill
+        assert k == 1 or fill, "the compiled copy did not run"
+        assert compiled.dtype == numpys.dtype and np.array_equal(compiled, numpys)
+
+
 @pytest.mark.parametrize("case", DECONV_CASES, ids=lambda c: "x".join(map(str, c)))
 def test_deconvolution_kernels_bit_identical(case):
     n, ci, h, w, co, k, s, p = case

@@ -42,6 +42,8 @@ import threading
 import weakref
 from typing import Any, Iterator, Optional, Tuple
 
+import numpy
+
 from chainer import backend
 from chainer.functions.connection import convolution_2d as _conv
 from chainer.functions.connection import deconvolution_2d as _deconv
@@ -122,12 +124,54 @@ def _out_size(size: int, k: int, s: int, p: int, cover_all: bool, d: int) -> int
     return _conv_utils.get_conv_outsize(size, k, s, p, cover_all=cover_all, d=d)
 
 
+def _fill_columns(x: Any, col: Any, sy: int, sx: int, ph: int, pw: int,
+                  dy: int, dx: int) -> None:
+    """:func:`_columns`' copy as one loop over ``col`` in its memory order
+    (compiled by numba): the writes are sequential and the reads stay
+    within ``kh`` rows of each channel, where NumPy's strided copies read
+    one element per cache line (a transposing copy)."""
+    n, c, h, w = x.shape
+    oh, ow, kh, kw = col.shape[1], col.shape[2], col.shape[4], col.shape[5]
+    for b in range(n):
+        for p in range(oh):
+            for q in range(ow):
+                for ch in range(c):
+                    for j in range(kh):
+                        r = p * sy - ph + j * dy
+                        for i in range(kw):
+                            s = q * sx - pw + i * dx
+                            if 0 <= r < h and 0 <= s < w:
+                                col[b, p, q, ch, j, i] = x[b, ch, r, s]
+                            else:
+                                col[b, p, q, ch, j, i] = 0
+
+
+_compiled_fill: Any = None
+
+
+def _compiled_columns() -> Any:
+    """:func:`_fill_columns` compiled, or None without numba."""
+    global _compiled_fill
+    if _compiled_fill is None:
+        from ..core.solvers._dp import numba_available
+        _compiled_fill = False
+        if numba_available():
+            import numba
+            _compiled_fill = numba.njit(cache=True, nogil=True)(_fill_columns)
+    return _compiled_fill or None
+
+
 def _columns(xp: Any, x: Any, kh: int, kw: int, sy: int, sx: int, ph: int, pw: int,
              dy: int, dx: int, oh: int, ow: int) -> Any:
     """im2col in the GEMM's layout ``(n, oh, ow, C, kh, kw)``, one copy:
     ``col[b, p, q, c, j, i] = x[b, c, p*sy - ph + j*dy, q*sx - pw + i*dx]``
     (0 outside ``x``), the values of Chainer's ``im2col``."""
     n, c, h, w = x.shape
+    fill = _compiled_columns() if xp is numpy and kh * kw > 1 else None
+    if fill is not None:  # (a 1x1 kernel's copy is one transpose: NumPy's is as fast)
+        col = numpy.empty((n, oh, ow, c, kh, kw), dtype=x.dtype)
+        fill(x, col, sy, sx, ph, pw, dy, dx)
+        return col
     col = xp.zeros((n, oh, ow, c, kh, kw), dtype=x.dtype)
     xt = x.transpose(0, 2, 3, 1)
 

@@ -544,6 +544,47 @@ def test_target_network_and_loss_between_forward_and_backward():
                      zip(plain.peaks, ours.peaks, ours.stats)])
 
 
+def test_what_the_loop_holds_into_the_backward_is_measured_once():
+    """A loop that clears the gradients, then computes a loss outside the
+    model that keeps a 1 MiB array for its backward (a tanh's output): the
+    recorded graph holds that array from the backward on, not less by the
+    gradients cleared in between (the replay frees those before the
+    backward already), and the peak above the return covers the matmul's
+    output beside it and the tanh's backward. A recorded call that no backward follows enters
+    nothing of what the loop does before the next call."""
+    rng = np.random.RandomState(6)
+    x = rng.rand(64, 32).astype(np.float32)
+    w = rng.rand(6, 4096).astype(np.float32)
+    model = QNet()
+    cr.apply(model, budget="least", cost="flops", verbose=False)
+    grads = sum(p.grad.nbytes for p in model.params())
+    assert grads > 100_000  # Chainer made them with the parameters
+    q = model(x)
+    model.cleargrads()
+    loss = F.sum(F.tanh(F.matmul(q, w)))
+    loss.backward()
+    del q, loss
+    runner = cr.runner_of(model)
+    (entry,) = runner._entries.values()
+    meta = entry.structures[0].graph.meta  # planned as its backward ended
+    mib = 64 * 4096 * 4
+    held = mib + x.shape[0] * 6 * 4  # and the gradient of the model's output
+    assert held <= meta["outside_held_bytes"] < held + 1024, meta
+    # the matmul's and the tanh's outputs, and the tanh's backward beside
+    # them, less the gradients cleared before (the replay's previous
+    # gradients are still there at the end of the forward)
+    assert 3 * mib - grads <= meta["outside_peak_bytes"] < 3 * mib - grads + 4096, meta
+
+    model = QNet()
+    cr.apply(model, budget="least", cost="flops", verbose=False)
+    model(x)  # recorded, no backward
+    kept = [np.ones(mib, np.uint8)]  # the loop's own, before the next call
+    model(x)  # planned from the recording
+    (entry,) = cr.runner_of(model)._entries.values()
+    assert not [k for k in entry.structures[0].graph.meta if k.startswith("outside")]
+    del kept
+
+
 def test_capture_batch_with_a_reshape_of_the_batch_axis():
     """capture_batch=2 on a model that folds the batch into the rows of its
     projections: the graph scaled from captures at 2 and 4 equals the one

@@ -271,3 +271,20 @@ def test_summary_mentions_the_figures():
     g = Graph.from_edges([2 ** 20, 2 ** 20], [(0, 1)])
     s = g.summary()
     assert "2 nodes" in s and "2.00 MiB" in s
+
+
+def test_the_callers_work_scales_with_the_graph():
+    """What the caller allocates between the forward and the backward (a
+    target network's forward over the batch) scales with the batch, as the
+    transients do, and is interpolated between two recorded shapes."""
+    def at(batch, peak, held):
+        return Graph.from_edges([8 * batch, 8 * batch], [(0, 1)]).replace(
+            batch_size=batch, meta=dict(outside_peak_bytes=peak, outside_held_bytes=held))
+    g2 = at(2, 1000, 200)
+    assert g2.scale_batch(6).meta["outside_peak_bytes"] == 3000
+    assert g2.scale_batch(6).meta["outside_held_bytes"] == 600
+    g4 = at(4, 1800, 200)
+    g = g2.scale_between(g4, 8)
+    assert (g.meta["outside_peak_bytes"], g.meta["outside_held_bytes"]) == (3400, 200)
+    assert "outside_peak_bytes" not in Graph.from_edges([8], []).replace(
+        batch_size=2).scale_batch(4).meta

@@ -42,7 +42,15 @@ GRAPHS = {
     # the model keeps the graph (a loss link's ``self.loss``): what it still
     # holds stays through the update
     "vae_kept": lambda: _kept(_captured("vae")),
+    # the caller's work between the forward and the backward (a target
+    # network's forward, a loss): a transient at the forward's end, and
+    # what it holds from the backward on
+    "vae_outside": lambda: _outside(_captured("vae")),
 }
+
+
+def _outside(g, peak=300_000, held=7_000):
+    return g.replace(meta=dict(g.meta, outside_peak_bytes=peak, outside_held_bytes=held))
 
 
 def _kept(g):
@@ -115,3 +123,22 @@ def test_a_graph_the_model_keeps_holds_its_arrays_through_the_update(engine):
     held = kept.memory_bytes[-1] - gone.memory_bytes[-1]
     state = sum(h.nbytes for node in g.nodes for h in node.held if h.role == "state")
     assert held > state > 0
+
+
+@pytest.mark.parametrize("engine", ["python", "numba"])
+def test_the_callers_work_between_forward_and_backward_is_where_it_was_measured(engine):
+    """``meta['outside_peak_bytes']`` is a transient at the end of the
+    forward (no other event changes), ``meta['outside_held_bytes']`` is held
+    from the backward on, the update included."""
+    g = GRAPHS["vae"]()
+    ep = ExecutionPlan(g, *(lambda p: (p.lower_sets, frozenset(p.kept)))(_some_plans(g)[0]))
+    for plan in (None, ep):
+        base = replay(g, plan, engine=engine)
+        both = replay(_outside(g), plan, engine=engine)
+        peak = replay(_outside(g, held=0), plan, engine=engine)
+        assert base.events == both.events == peak.events
+        end = base.events.index("end of forward")
+        diff = peak.memory_bytes - base.memory_bytes
+        assert diff[end] == 300_000 and not diff[:end].any() and not diff[end + 1:].any()
+        diff = both.memory_bytes - peak.memory_bytes
+        assert not diff[:end + 1].any() and (diff[end + 1:] == 7_000).all()

@@ -101,11 +101,10 @@ def train(build: Callable[[], Built], steps: int) -> Run:
     return run
 
 
-def check(name: str, plain: Run, ours: Run, said: Said, overshoot_once: bool = False) -> str:
+def check(name: str, plain: Run, ours: Run, said: Said) -> str:
     """Identical every step; at least five planned steps that drop and
-    recompute; every planned step at or under its budget (with
-    ``overshoot_once``: the first planned step may be over it, said once,
-    the plan corrected, every later step under); the runner's measured
+    recompute; every planned step at or under its budget, nothing said
+    over it; the runner's measured
     peak of each checked step not under the step's by more than 1%; steady
     state not above plain Chainer's by more than 1%."""
     assert len(plain.records) == len(ours.records)
@@ -125,16 +124,15 @@ def check(name: str, plain: Run, ours: Run, said: Said, overshoot_once: bool = F
         for k, (p, a, x, s) in enumerate(zip(plain.peaks, ours.peaks, ours.excluded,
                                              ours.stats)))
     over = [k for k in planned if model_peaks[k] > ours.stats[k]["budget"]]
-    if overshoot_once and over == planned[:1]:
-        assert [m for m in said.messages if "over the budget" in m], table
-    else:
-        assert not over, f"{name}: planned steps {over} over their budget:\n{table}"
+    assert not over, f"{name}: planned steps {over} over their budget:\n{table}"
+    assert not [m for m in said.messages if "over the budget" in m], said.messages
     for k in planned:  # the runner's own check sees the step's peak, not less
         measured = ours.stats[k]["measured"]
         if measured is not None:
             assert measured >= 0.99 * model_peaks[k], f"{name}, step {k}: the runner's check:\n{table}"
     steady_plain, steady_ours = max(plain.peaks[2:]), max(ours.peaks[2:])
     assert steady_ours <= 1.01 * steady_plain, f"{name}: above plain Chainer's:\n{table}"
+    print(table)
     worst = max(model_peaks[k] for k in planned)
     line = (f"{name}: plain peak {max(plain.peaks)} B (steady {steady_plain}), applied "
             f"{max(ours.peaks)} B (planned steps {worst}, steady {steady_ours}), budget "
@@ -275,10 +273,11 @@ def test_chainerrl_dqn_own_update_loop():
     """chainerrl's DQN trains its Q-function in its own act_and_train /
     update loop (loss, target network and explorer outside the model's
     forward) at the least feasible budget: identical to plain Chainer. What
-    the agent computes outside the Q-function's forward (the target
-    network's forward, the TD loss) is not in the recorded graph: the first
-    planned step may be over the budget once, said and corrected; every
-    later one is under it."""
+    the agent computes between the Q-function's forward and its backward
+    (the target network's forward, the TD loss) is measured in the recorded
+    step: every planned step, the first included, is under the budget.
+    Before it was, the first planned step measured 1.50 MiB against a
+    budget of 1.38 MiB, was said over it and corrected."""
     pytest.importorskip("chainerrl", reason="chainerrl is not installed: "
                         "pip install -e '.[thirdparty]'")
     rs = np.random.RandomState(7)
@@ -287,4 +286,4 @@ def test_chainerrl_dqn_own_update_loop():
     plain = train(dqn_build(False, obs, rewards), STEPS)
     with Said() as said:
         ours = train(dqn_build(True, obs, rewards), STEPS)
-    check("chainerrl DQN", plain, ours, said, overshoot_once=True)
+    check("chainerrl DQN", plain, ours, said)

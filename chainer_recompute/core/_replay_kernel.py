@@ -128,6 +128,7 @@ class ReplayContext:
             else 0
         self.free_all = helpers.graph_gone_at_update(graph)
         self.update_transient = int(graph.state_bytes.get("update_transient", 0))
+        self.outside_peak, self.outside_held = helpers.outside_bytes(graph)
         # the gradients: the same for every plan
         order = list(graph.backward_order) if graph.backward_order else \
             [v for v in range(n - 1, -1, -1) if nodes[v].has_backward]
@@ -223,7 +224,8 @@ def run_kernel(ctx: ReplayContext, dropped: Optional[np.ndarray], block_of: Opti
         c.dies_p, c.dies_i, c.tmp_p, c.tmp_i, c.held_p, c.held_key, c.held_nb, c.held_der,
         c.n_keys, c.ftr, c.order, c.g_rec, c.g_extra, c.g_after, c.releasable,
         c.needs_p, c.needs_i, c.done_p, c.done_i, c.last, c.constant, c.old_grads,
-        c.free_all, c.update_transient, has_plan, np.asarray(dropped, dtype=np.bool_),
+        c.free_all, c.update_transient, c.outside_peak, c.outside_held, has_plan,
+        np.asarray(dropped, dtype=np.bool_),
         np.asarray(block_of, dtype=np.int64), MODES[release_mode])
 
 
@@ -232,7 +234,8 @@ def _replay_loop(n, owner, owned, nbytes, pc, constown, producer, dies_at, retby
                  dies_p, dies_i, tmp_p, tmp_i, held_p, held_key, held_nb, held_der,
                  n_keys, ftr, order, g_rec, g_extra, g_after, releasable,
                  needs_p, needs_i, done_p, done_i, last, constant, old_grads,
-                 free_all, update_transient, has_plan, dropped, block_of, mode):
+                 free_all, update_transient, outside_peak, outside_held, has_plan, dropped,
+                 block_of, mode):
     VAR, RET, PIN, VAL = 1, 2, 4, 8
     n_arrays = owner.shape[0]
     reasons = np.zeros(n_arrays, dtype=np.uint8)
@@ -326,12 +329,13 @@ def _replay_loop(n, owner, owned, nbytes, pc, constown, producer, dies_at, retby
                               count, owner, owned, attr_on, attr_nb, released)
     if ne == cap:
         trace, kinds, ev_u, ev_w, cap = _grow(trace, kinds, ev_u, ev_w, cap)
-    trace[ne] = level
+    trace[ne] = level + outside_peak
     kinds[ne] = 1
     ev_u[ne] = -1
     ev_w[ne] = -1
     ne += 1
     level -= old_grads
+    level += outside_held
 
     # ----------------------------------------------------------- backward
     remaining = np.zeros(n, dtype=np.int64)

@@ -25,6 +25,10 @@ from .errors import GraphError
 from .units import format_bytes
 
 ARRAY_KINDS = ("input", "param", "intermediate", "output")
+#: ``meta`` keys of what the caller's own work allocates between the forward
+#: and the backward (see :func:`~chainer_recompute.core.replay.outside_bytes`):
+#: scaled with the graph, as its transients are.
+OUTSIDE_KEYS = ("outside_peak_bytes", "outside_held_bytes")
 
 
 @dataclass(frozen=True)
@@ -422,6 +426,9 @@ class Graph:
                 backward_time_s=None if node.backward_time_s is None else node.backward_time_s * ratio))
         meta = dict(self.meta)
         meta.setdefault("scaled_from", old)
+        for key in OUTSIDE_KEYS:  # the caller's work, as the transients
+            if key in meta:
+                meta[key] = int(meta[key]) * batch_size // old
         return self.replace(arrays=arrays, nodes=nodes, batch_size=batch_size, meta=meta)
 
     def scale_between(self, other: "Graph", batch_size: int) -> "Graph":
@@ -565,7 +572,14 @@ class Graph:
                 backward_alloc_bytes=lin(node.backward_alloc_bytes, o.backward_alloc_bytes, what),
                 forward_time_s=timed(big.forward_time_s),
                 backward_time_s=timed(big.backward_time_s)))
-        return self.replace(arrays=arrays, nodes=nodes)
+        meta = dict(self.meta)
+        for key in OUTSIDE_KEYS:  # the caller's work, as the transients
+            v = max(0, lin(int(self.meta.get(key, 0)), int(other.meta.get(key, 0)), key))
+            if v:
+                meta[key] = v
+            else:
+                meta.pop(key, None)
+        return self.replace(arrays=arrays, nodes=nodes, meta=meta)
 
     # ------------------------------------------------------------ export
     def to_networkx(self):

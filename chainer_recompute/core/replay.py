@@ -29,7 +29,11 @@ array, from the recorded graph:
   ``StandardUpdater`` clears them only after the forward, right before the
   backward; ``meta['grads_in_forward']`` records what the recorded
   iteration did), each parameter's new gradient from the first backward
-  that reads it, and the optimizer update's largest temporary at the end.
+  that reads it, and the optimizer update's largest temporary at the end;
+- the caller's own work between the forward and the backward (its loss, a
+  target network's forward: ``meta['outside_peak_bytes']``, a transient at
+  the end of the forward, and ``meta['outside_held_bytes']``, held from the
+  backward on), as the recording measured it.
 
 :func:`replay` gives the peak and the whole timeline; with ``plan=None`` it
 replays plain Chainer.
@@ -109,6 +113,17 @@ def state_constant_bytes(graph: Graph) -> int:
                  if a.kind == "input" and a.name and a.view_of is None)
     return int(params + sb.get("optimizer_state", 0) + sb.get("persistents", 0) + inputs
                + int(graph.meta.get("correction_bytes", 0)))
+
+
+def outside_bytes(graph: Graph) -> Tuple[int, int]:
+    """What the caller's own work between the model's forward and its
+    backward allocates (a loss computed outside the model, a target
+    network's forward), as the recording measured it: the peak above the
+    level at the forward's end, and what is still held when the backward
+    begins (kept until the iteration's end: the caller's graph lives
+    through the update). Both 0 where nothing was measured there."""
+    return (int(graph.meta.get("outside_peak_bytes", 0)),
+            int(graph.meta.get("outside_held_bytes", 0)))
 
 
 def param_grad_bytes(graph: Graph) -> int:
@@ -459,8 +474,12 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
     if plan is not None:
         for u in plan.release_at.get(n, ()):
             release(u)
-    mem.record("end of forward")
+    outside_peak, outside_held = outside_bytes(graph)
+    # the caller's work between the forward and the backward, with the
+    # previous gradients still there as when it was measured
+    mem.record("end of forward", outside_peak)
     mem.free("old grads", old_grads)  # cleared before the backward
+    mem.alloc("outside", outside_held)  # held by the caller's graph to the end
     grads_made: Set[int] = set()
     grads = _Gradients(mem)
 

@@ -153,6 +153,10 @@ class Recorder(chainer.FunctionHook):
         # The recorded backward's tracing session (see _begin_session).
         self._session: Any = None
         self._session_end: Any = None
+        # The caller's work between the forward's return and the backward
+        # (see watch_outside): the meter while it runs, then (peak, held).
+        self._outside_watch: Any = None
+        self.outside: Optional[Tuple[int, int]] = None
         # A new call: the backward of an earlier recording is over.
         end_backward_sessions()
         self._arg_names: Dict[int, str] = {}
@@ -419,6 +423,8 @@ class Recorder(chainer.FunctionHook):
         i = self.index_of.get(id(function))
         if i is None:
             return
+        if self._outside_watch is not None:
+            self.end_outside()
         if not self.forward_done:
             self.backward_during_forward = True
         self.before_backward(i, function)
@@ -479,7 +485,10 @@ class Recorder(chainer.FunctionHook):
 
     def end_session(self) -> None:
         """End the recorded backward's tracing session, if open (the
-        backward is over; a new call, :meth:`graph`)."""
+        backward is over; a new call, :meth:`graph`), and the watch of the
+        caller's work before it (no backward came)."""
+        if self._outside_watch is not None:
+            self.end_outside(backward=False)
         session, self._session = self._session, None
         if session is None:
             return
@@ -490,6 +499,68 @@ class Recorder(chainer.FunctionHook):
 
     def before_backward(self, i: int, function: Any) -> None:
         """Called before the backward of recorded function ``i`` (executor)."""
+
+    # ----------------------------------- the caller's work after the forward
+    def watch_outside(self, dev: Device) -> None:
+        """The recorded forward has returned: measure what the caller
+        allocates, outside the recorded functions, until the backward of
+        the first of them begins, while the graph is alive: its loss, a
+        target network's forward under ``no_backprop_mode`` (a DQN agent's
+        update), their gradients. :attr:`outside` then holds the peak above
+        the level at the return and what is still held when the backward
+        begins, with the allocator's view that a planned step's meter has
+        (NumPy's tracemalloc domain; CuPy's pool), or stays None where that
+        view would count Python objects too (someone else traces
+        everything).
+
+        The model's parameter gradients that the caller clears in between
+        (``cleargrads()``) are freed by the replay before its backward: their
+        frees are taken back out of what is held (on NumPy the meter adopts
+        them when it owns the tracing, so that their frees are seen; under
+        an outer tracer they are taken to be traced by it). The recording's
+        own work comes later: the backward's tracing session starts, and a
+        plan is made, only once the backward has begun."""
+        if not (self.recording and self.measure) or self._outside_watch is not None \
+                or self.backward_order:
+            return
+        from ..memory import SCOPE_CUPY, SCOPE_NUMPY
+        meter = dev.meter()
+        meter.start()
+        if meter.scope not in (SCOPE_NUMPY, SCOPE_CUPY):
+            meter.stop()
+            return
+        link = self._link_ref() if self._link_ref is not None else None
+        grads: Dict[int, Any] = {}
+        if link is not None:
+            for p in link.params():
+                if p.grad is not None:
+                    grads.setdefault(id(p.grad), (p, p.grad))
+        dev.adopt(meter, [g for _, g in grads.values()])
+        level = meter.current_bytes()
+        watched = [(_gone_watch(p, g), dev.allocation_bytes(g.nbytes))
+                   for p, g in grads.values()]
+        end = weakref.finalize(self, _end_meter, meter)
+        self._outside_watch = (meter, level, watched, end)
+        _SESSIONS.add(self)
+
+    def end_outside(self, backward: bool = True) -> None:
+        """End :meth:`watch_outside`'s measurement: the backward begins
+        (``backward``), or none came (the model is called again, its graph
+        is made): then nothing was between a forward and its backward, and
+        nothing is kept of it."""
+        watch, self._outside_watch = self._outside_watch, None
+        if watch is None:
+            return
+        meter, level, watched, end = watch
+        end.detach()
+        if self._session is None:
+            _SESSIONS.discard(self)
+        m = meter.stop()
+        if not backward:
+            return
+        freed = sum(nb for gone, nb in watched if gone())
+        held = max(0, m.end_bytes - level + freed)
+        self.outside = (max(0, m.absolute_peak_bytes - level, held), held)
 
     def after_backward(self, i: int, function: Any) -> None:
         """Called after the backward of recorded function ``i`` (executor)."""
@@ -564,6 +635,14 @@ class Recorder(chainer.FunctionHook):
                 forward_transient_bytes=fwd_t, backward_transient_bytes=bwd_t,
                 backward_alloc_bytes=bwd_a, has_backward=c.has_backward))
         m: Dict[str, Any] = {"model": name, "returned": list(self.returned)}
+        peak, held = self.outside or (0, 0)
+        if peak >= OUTSIDE_FLOOR_BYTES:
+            # the caller's arrays between the forward and the backward (the
+            # replay's transient at the end of the forward, and what stays
+            # from there on)
+            m["outside_peak_bytes"] = int(peak)
+            if held >= OUTSIDE_FLOOR_BYTES:
+                m["outside_held_bytes"] = int(held)
         if self.on_cupy:
             m["allocator"] = "cupy"  # the replay models its pool (core.pool)
         m.update(meta or {})
@@ -572,7 +651,31 @@ class Recorder(chainer.FunctionHook):
                      backward_order=_first_pass(order) if order else None)
 
 
-#: Recorders whose backward's tracing session is open.
+#: What the caller allocates between the recorded forward and its backward
+#: is entered into the graph from this many bytes on: below it (the loss's
+#: gradient, a scalar or two) it is left to the budget's 1% headroom, so that
+#: a loop that does nothing there plans as before.
+OUTSIDE_FLOOR_BYTES = 1024
+
+
+def _gone_watch(param: Any, grad: Any) -> Callable[[], bool]:
+    """Whether ``grad`` (``param``'s gradient now) has been freed, later:
+    by a weak reference to it, or where the array takes none, by
+    ``param`` no longer holding it."""
+    try:
+        ref = weakref.ref(grad)
+    except TypeError:
+        pref, gid = weakref.ref(param), id(grad)
+
+        def cleared() -> bool:
+            p = pref()
+            return p is None or p.grad is None or id(p.grad) != gid
+        return cleared
+    return lambda: ref() is None
+
+
+#: Recorders whose backward's tracing session (or watch of the caller's
+#: work before it) is open.
 _SESSIONS: "weakref.WeakSet[Recorder]" = weakref.WeakSet()
 
 

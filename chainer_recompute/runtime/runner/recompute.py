@@ -402,6 +402,12 @@ class Recompute(PlanningMixin, MeteringMixin):
         else:
             used = hook.program
             entry.structures.sort(key=lambda s: s.program is not used)
+        if hook.recording:
+            # what the caller's own work allocates before this graph's
+            # backward (its loss, a target network's forward) is measured
+            # into the recorded graph (the last thing before the return)
+            from ..device import device_of
+            hook.watch_outside(device_of(list(args) + list(kwargs.values())))
         return out
 
     def _let_go_of_finished_graphs(self) -> None:

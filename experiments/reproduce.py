@@ -73,6 +73,10 @@ APPLY = {
     # chunked as well (workspace_exact=False): equal to rounding only
     "approx-tc-wsc": dict(solver="approx", strategy="tc", budget_scope="total",
                           workspace="auto", workspace_exact=False),
+    # chunked, planned from a separate capture at batch 2, scaled (VGG19 at
+    # batch 32 without its 12.3 GB plain iteration)
+    "approx-tc-wsc-cb2": dict(solver="approx", strategy="tc", budget_scope="total",
+                              workspace="auto", workspace_exact=False, capture_batch=2),
     # chunked at a fixed bound of 8 MiB (every large call in chunks)
     "approx-tc-wsc-8m": dict(solver="approx", strategy="tc", budget_scope="total",
                              workspace="8M", workspace_exact=False),

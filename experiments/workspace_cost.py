@@ -17,7 +17,8 @@ they share the machine's load):
 2. **kernels**: in one process, the same model's plain forward + backward
    (no recomputation) under no bound, under the one-copy kernels
    (``bounded(1)``) and under the chunked bound that part 1's chunked cell
-   chose, alternating, ``iterations`` times each: the kernels' own cost,
+   chose (and the one-copy kernels with NumPy's column copy instead of the
+   compiled one, when numba is installed), alternating, ``iterations`` times each: the kernels' own cost,
    with nothing else changed. The results of all three are compared bit
    for bit with the plain ones.
 """
@@ -74,7 +75,10 @@ def kernels(net: str, batch: int, small: bool, limit: int, iterations: int) -> d
     link = spec.link
     x, t = spec.make_inputs(batch, seed=0)
     variants = {"plain": (None, True), "one-copy": (1, True), "chunked": (limit, False)}
+    if ws._compiled_columns() is not None:  # the column copy without numba, as a variant
+        variants["one-copy-numpy"] = (1, True)
     times: dict = {k: [] for k in variants}
+    cpu: dict = {k: [] for k in variants}  # process CPU time (less load-sensitive)
     grads: dict = {}
     for i in range(iterations + 1):  # the first round warms up
         for k in (list(variants) if i % 2 == 0 else list(variants)[::-1]):
@@ -83,15 +87,21 @@ def kernels(net: str, batch: int, small: bool, limit: int, iterations: int) -> d
             numpy.random.seed(1)  # VGG19's dropout: the same masks in every run
             gc.collect()
             before = dict(ws.chunked_calls)
-            t0 = time.perf_counter()
-            with ws.bounded(bound, exact):
-                loss = link(x, t)
-            loss.backward()
-            dt = time.perf_counter() - t0
+            compiled, ws._compiled_fill = ws._compiled_fill, \
+                (False if k == "one-copy-numpy" else ws._compiled_fill)
+            t0, c0 = time.perf_counter(), time.process_time()
+            try:
+                with ws.bounded(bound, exact):
+                    loss = link(x, t)
+                loss.backward()
+            finally:
+                ws._compiled_fill = compiled
+            dt, dc = time.perf_counter() - t0, time.process_time() - c0
             ran = {n: ws.chunked_calls[n] - before[n] for n in before}
             del loss
             if i:
                 times[k].append(dt)
+                cpu[k].append(dc)
             else:
                 grads[k] = {n: p.grad.copy() for n, p in link.namedparams()}
                 print(f"{k}: our kernels ran {ran}", flush=True)
@@ -100,9 +110,18 @@ def kernels(net: str, batch: int, small: bool, limit: int, iterations: int) -> d
     diff = {k: max(float(numpy.abs(grads["plain"][n] - g).max()
                          / (numpy.abs(grads["plain"][n]).max() or 1))
                    for n, g in grads[k].items()) for k in grads}
-    med = {k: statistics.median(v) for k, v in times.items()}
-    return {"limit": limit, "times_s": times, "median_s": med,
-            "vs_plain": {k: med[k] / med["plain"] - 1 for k in med},
+    def versus(ts: dict) -> tuple:
+        med = {k: statistics.median(v) for k, v in ts.items()}
+        # paired: each round's time against plain's in the same round, the median
+        paired = {k: statistics.median(a / b - 1 for a, b in zip(v, ts["plain"]))
+                  for k, v in ts.items()}
+        return med, {k: med[k] / med["plain"] - 1 for k in med}, paired
+
+    med, vs, paired = versus(times)
+    cmed, cvs, cpaired = versus(cpu)
+    return {"limit": limit, "times_s": times, "median_s": med, "vs_plain": vs,
+            "vs_plain_paired": paired, "cpu_s": cpu, "cpu_median_s": cmed,
+            "cpu_vs_plain": cvs, "cpu_vs_plain_paired": cpaired,
             "bit_identical_grads": same, "max_rel_diff": diff}
 
 
@@ -117,6 +136,7 @@ def main() -> int:
     ap.add_argument("--iterations", type=int, default=3)
     ap.add_argument("--skip-cells", action="store_true", help="part 2 only (from the saved cells)")
     ap.add_argument("--limit", help="part 2's chunked bound ('8M'; default: the chunked cell's)")
+    ap.add_argument("--tag", default="", help="added to the summary file's name")
     args = ap.parse_args()
     summary_path = OUT / f"{args.net}_b{args.batch}__summary.json"
     if args.skip_cells:
@@ -150,6 +170,8 @@ def main() -> int:
         summary_path = OUT / f"{args.net}_b{args.batch}__summary_L{args.limit}.json"
     if limit and args.iterations:
         summary["kernels"] = kernels(args.net, args.batch, args.small, limit, args.iterations)
+    if args.tag:
+        summary_path = summary_path.with_name(f"{summary_path.stem}_{args.tag}.json")
     R.write_json(summary_path, summary)
     print(json.dumps({k: v for k, v in summary.items()}, indent=1, default=str)[:6000])
     return 0

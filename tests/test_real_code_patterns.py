@@ -213,6 +213,37 @@ def gnn_batches(sizes: Sequence[int], batch: int = 8) -> List[Any]:
     return out
 
 
+class PairNet(chainer.Chain):
+    """Pairwise interactions of each batch's N points (SchNet-like): every
+    pair's features summed, flattened to (B*N*N, H) rows for a Linear, then
+    summed over the partners: a size quadratic in N."""
+
+    def __init__(self, n_in: int = 8, hidden: int = 64, layers: int = 3):
+        super().__init__()
+        with self.init_scope():
+            self.embed = L.Linear(n_in, hidden)
+            self.pairs = chainer.ChainList(*[L.Linear(hidden, hidden) for _ in range(layers)])
+            self.out = L.Linear(hidden, 1)
+
+    def forward(self, x: Any, t: Any) -> Any:
+        B, N, _ = x.shape
+        h = F.tanh(self.embed(x.reshape(B * N, -1))).reshape(B, N, -1)
+        H = h.shape[2]
+        for lin in self.pairs:
+            p = F.broadcast_to(F.expand_dims(h, 2), (B, N, N, H)) + \
+                F.broadcast_to(F.expand_dims(h, 1), (B, N, N, H))
+            m = F.tanh(lin(p.reshape(B * N * N, H))).reshape(B, N, N, H)
+            h = F.sum(m, axis=2) / N + h
+        return F.mean_squared_error(self.out(F.mean(h, axis=1)), t)
+
+
+def pair_batches(shapes: Sequence[Any]) -> List[Any]:
+    """``(batch, N)`` each."""
+    rng = np.random.RandomState(1)
+    return [(rng.rand(b, n, 8).astype(np.float32), rng.rand(b, 1).astype(np.float32))
+            for b, n in shapes]
+
+
 class ShiftedSoftplus(MLP):
     """SchNet's shifted softplus through F.where: the condition (x > 20) is
     all False for these inputs, and Where holds it as an attribute."""
@@ -341,6 +372,41 @@ def test_padded_graph_network_at_several_sizes_under_a_byte_budget():
         assert [m for m in said.messages if "over the budget" in m], ours.stats
     assert_within_budget(plain, ours)
     print(report_line("padded GNN", plain, ours))
+
+
+def test_sizes_quadratic_in_the_input_planned_from_three_recorded_shapes():
+    """Sizes quadratic in an input dimension (N points' pairs flattened to
+    B*N*N rows) at a new N almost every call, a byte budget. The third
+    shape's graph, linear through the two recorded ones, does not match
+    the call: said once (not held to the budget), the step falls back and
+    records its structure. From then on each new shape is planned before
+    it runs from the three recorded ones (a quadratic fit) and matches,
+    every planned step at or under its budget. A last partial batch whose
+    pair rows do not scale with the batch does not match either: not said
+    again. Identical to plain Chainer every step."""
+    shapes = [(8, n) for n in (6, 8, 10, 7, 9, 12, 11)] + [(5, 9)]
+    batches = pair_batches(shapes)
+    plain = train(PairNet, batches)
+    budget = int(0.6 * max(plain.peaks))
+    with Said() as said:
+        ours = train(PairNet, batches, dict(budget=budget, cost="flops", verbose=False))
+    assert_identical(plain, ours)
+    paths = [s["path"] for s in ours.stats]
+    assert paths == ["recorded", "recorded", "mismatch"] + ["planned"] * 4 + ["mismatch"], \
+        (paths, [s["mismatch"] for s in ours.stats])
+    assert "Reshape" in ours.stats[2]["mismatch"] and "(800, 64)" in ours.stats[2]["mismatch"]
+    assert all(ours.stats[k]["n_dropped"] for k in range(3, 7)), ours.stats
+    runner = cr.runner_of(ours.model)
+    assert runner.shapes_derived == 6  # 10, 7, 9, 12, 11 and the partial batch
+    off = [m for m in said.messages if "graph changed from its plan" in m]
+    assert len(off) == 1, said.messages
+    assert "not held to the budget" in off[0] and "(800, 64)" in off[0]
+    assert len([m for m in said.messages if "new input shape" in m]) == 1
+    assert_within_budget(plain, ours)
+    for k, (shape, p, a, st) in enumerate(zip(shapes, plain.peaks, ours.peaks, ours.stats)):
+        print(f"step {k} (batch, N) {shape}: plain {p}, applied {a}, {st['path']}, budget "
+              f"{st['budget_bytes']}, predicted {st['predicted_peak_bytes']}")
+    print(report_line("pairs quadratic in N", plain, ours))
 
 
 def test_padded_graph_network_infeasible_shape_warns_once_and_runs_plainly():

@@ -686,6 +686,9 @@ def _through(at: Sequence[Fraction], values: Sequence[int], x: Fraction) -> Tupl
     if all(v == v0 for v in values):
         return Fraction(v0), 0
     m = len(values)
+    if m == 2:  # a line (the common case, in integers where it is whole)
+        n, d = (values[1] - v0) * (x - at[0]), at[1] - at[0]
+        return v0 + n / d, 1
     coef = [Fraction(v) for v in values]
     for j in range(1, m):
         for i in range(m - 1, j - 1, -1):

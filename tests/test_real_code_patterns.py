@@ -409,6 +409,38 @@ def test_sizes_quadratic_in_the_input_planned_from_three_recorded_shapes():
     print(report_line("pairs quadratic in N", plain, ours))
 
 
+def test_planning_a_new_shape_inside_its_call_is_said_when_over_the_budget():
+    """A model of a few hundred KiB whose new shapes need a solve inside
+    their call (no recorded shape's plan fits them): the planner's memory,
+    in no plan, sets those steps' peaks above a byte budget. Said once,
+    at or before the first planned step over its budget, with the
+    planner's and the model's bytes; identical to plain Chainer."""
+    shapes = [(4, n) for n in (6, 8, 10, 7, 9, 12, 11)]
+    batches = pair_batches(shapes)
+
+    def make() -> chainer.Link:
+        return PairNet(hidden=24)
+    plain = train(make, batches)
+    budget = int(np.median(plain.peaks))
+    said_by: List[int] = []  # messages said by each step's forward
+    with Said() as said:
+        ours = train(make, batches, dict(budget=budget, cost="flops", verbose=False),
+                     between=lambda model, k: said_by.append(len(said.messages)))
+    assert_identical(plain, ours)
+    over = [k for k, st in enumerate(ours.stats)
+            if st["path"] == "planned" and ours.peaks[k] > st["budget_bytes"]]
+    assert over, (ours.peaks, ours.stats)  # by the planner's memory
+    planning = [i for i, m in enumerate(said.messages) if "planner's memory" in m]
+    assert len(planning) == 1, said.messages
+    assert min(k for k, n in enumerate(said_by) if n > planning[0]) <= over[0], \
+        (said_by, planning, over)
+    assert "over the budget" in said.messages[planning[0]]
+    for k, (shape, p, a, st) in enumerate(zip(shapes, plain.peaks, ours.peaks, ours.stats)):
+        print(f"step {k} (batch, N) {shape}: plain {p}, applied {a}, {st['path']}, budget "
+              f"{st['budget_bytes']}, predicted {st['predicted_peak_bytes']}, runner measured "
+              f"{st['measured_peak_bytes']}")
+
+
 def test_padded_graph_network_infeasible_shape_warns_once_and_runs_plainly():
     """A budget a later, larger shape cannot meet: one warning, that shape
     runs plainly (identical), training goes on; on_infeasible='raise'

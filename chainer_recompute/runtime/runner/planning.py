@@ -434,6 +434,39 @@ class PlanningMixin:
                                            budget_bytes=budget, info=info)
         return None
 
+    def _plan_in_call(self, entry: _Entry, args: Tuple[Any, ...],
+                      kwargs: Dict[str, Any]) -> None:
+        """:meth:`_plan_from_family` inside a training call, before its meter
+        starts: where no recorded plan fits the new shape, its graph is
+        solved there, and the planner's memory is in that step and in no
+        plan. On NumPy under a byte budget it is measured; when it and the
+        model's own arrays (parameters, gradients, optimizer state, inputs)
+        are over the budget, that step is, and it is said once."""
+        from ..device import device_of
+        from .metering import _distinct_bytes, _own_arrays
+        arrays = list(args) + list(kwargs.values())
+        dev = device_of(arrays)
+        if self.budget_bytes is None or dev.is_gpu or self._said_planning:
+            self._plan_from_family(entry, args, kwargs)
+            return
+        meter = dev.meter()
+        meter.start()
+        try:
+            self._plan_from_family(entry, args, kwargs)
+        finally:
+            planner = meter.stop().peak_bytes
+        own = _distinct_bytes(dev, _own_arrays(self._link(args), arrays))
+        if own + planner > self.budget_bytes:
+            self._said_planning = True
+            report.warning(
+                "planning a new input shape of %s (dimensions %s) inside its call took %s "
+                "(the planner's memory, in no plan) on top of the model's own %s (parameters, "
+                "gradients, optimizer state, inputs): this step peaks at %s or more, over the "
+                "budget %s (a first call at the largest shape is planned in its own recorded "
+                "step, and its plan serves the smaller shapes)", self._name(args), entry.dims,
+                format_bytes(planner), format_bytes(own), format_bytes(own + planner),
+                format_bytes(self.budget_bytes))
+
     def _plan_from_family(self, entry: _Entry, args: Tuple[Any, ...],
                           kwargs: Dict[str, Any]) -> bool:
         """Plan a new input shape before its first call, from the recorded

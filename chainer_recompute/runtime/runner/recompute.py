@@ -238,6 +238,7 @@ class Recompute(PlanningMixin, MeteringMixin):
         self._said_capture = False  # capture_batch refused a model (warned once)
         self._said_new_shape = False  # a new input shape recorded plainly (warned once)
         self._said_mismatch = False  # a call off its plan under a byte budget (warned once)
+        self._said_planning = False  # a step over the budget by planning in it (warned once)
         self._ran_planned = False  # a planned iteration has run
         self.shapes_derived = 0  # signatures planned from their family's graphs
         self._refusal = ""
@@ -343,7 +344,7 @@ class Recompute(PlanningMixin, MeteringMixin):
                 if self.capture_batch is not None:
                     self._plan_separately(entry, args, kwargs)
                 elif self.coordinator is None:
-                    self._plan_from_family(entry, args, kwargs)
+                    self._plan_in_call(entry, args, kwargs)
         except InfeasibleBudgetError as e:
             self._infeasible(entry, e)
             self.last_stats = IterationStats(path="plain")

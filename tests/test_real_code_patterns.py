@@ -441,6 +441,43 @@ def test_planning_a_new_shape_inside_its_call_is_said_when_over_the_budget():
               f"{st['measured_peak_bytes']}")
 
 
+def test_lazily_initialised_parameter_under_a_byte_budget_at_several_shapes():
+    """A Linear that takes its input size at the first call (its parameter
+    has no array, and no gradient may be read, until then) in a model whose
+    shape changes between calls, under a byte budget, trained by
+    ``optimizer.update(model, ...)`` (which clears the gradients after the
+    forward, as Chainer's updaters do): every step runs and is identical to
+    plain Chainer."""
+    class Lazy(PaddedGNN):
+        def __init__(self) -> None:
+            super().__init__()
+            del self.embed
+            with self.init_scope():
+                self.embed = L.Linear(None, 48)
+
+    batches = gnn_batches([12, 14, 16, 13, 15, 16])
+    budget = int(np.median(train(Lazy, batches).peaks))
+
+    def run(apply_kw: Optional[Dict[str, Any]]) -> List[Any]:
+        np.random.seed(0)
+        model = Lazy()
+        if apply_kw is not None:
+            cr.apply(model, **apply_kw)
+        opt = chainer.optimizers.MomentumSGD(0.01)
+        opt.setup(model)
+        out = []
+        for args in batches:
+            opt.update(model, *args)
+            out.append([(path, _kept(p.array)) for path, p in sorted(model.namedparams())])
+            runner = cr.runner_of(model)
+            out[-1].append(runner.last_stats.path if runner is not None else None)
+        return out
+    ours = run(dict(budget=budget, cost="flops", verbose=False))
+    plain = run(None)
+    assert [s[:-1] for s in ours] == [s[:-1] for s in plain]
+    assert [s[-1] for s in ours][-3:] == ["planned"] * 3, [s[-1] for s in ours]
+
+
 def test_padded_graph_network_infeasible_shape_warns_once_and_runs_plainly():
     """A budget a later, larger shape cannot meet: one warning, that shape
     runs plainly (identical), training goes on; on_infeasible='raise'

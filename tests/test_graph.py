@@ -1,4 +1,5 @@
 """The pure graph model: construction, cost models, export, io."""
+import dataclasses
 import json
 import subprocess
 import sys
@@ -288,3 +289,66 @@ def test_the_callers_work_scales_with_the_graph():
     assert (g.meta["outside_peak_bytes"], g.meta["outside_held_bytes"]) == (3400, 200)
     assert "outside_peak_bytes" not in Graph.from_edges([8], []).replace(
         batch_size=2).scale_batch(4).meta
+
+
+# ------------------------------------------------ a model at several shapes
+def pair_graph(n: int, b: int = 2, h: int = 3, rows: int = None) -> Graph:
+    """A pairwise model recorded at ``n`` points: its input (b, n, h), the
+    pairs flattened to (b*n*n, h) rows (``rows`` instead of b*n*n: a
+    made-up size), their sum per point (b, n, h); the flattening's
+    transient is quadratic in n too, the sum's backward leaves b*n*h*4
+    bytes."""
+    rows = b * n * n if rows is None else rows
+    arrays = [ArrayInfo(0, (b, n, h), "float32", 4 * b * n * h, "input"),
+              ArrayInfo(1, (rows, h), "float32", 4 * rows * h, "intermediate", producer=0),
+              ArrayInfo(2, (b, n, h), "float32", 4 * b * n * h, "output", producer=1)]
+    nodes = [Node(0, "Pairs", (0,), (1,), forward_transient_bytes=4 * rows * h,
+                  forward_time_s=1e-6 * rows),
+             Node(1, "Sum", (1,), (2,), retained_inputs=(1,), backward_alloc_bytes=4 * b * n * h)]
+    return Graph(arrays, nodes, batch_size=b, meta={"model": "pairs"})
+
+
+def test_fit_through_three_shapes_gets_a_quadratic_size_the_linear_rule_misses():
+    exact = pair_graph(7)
+    # through two recorded shapes every size is linear: the pair rows are wrong
+    two = Graph.fit([pair_graph(3), pair_graph(4)], [3, 4], 7)
+    assert two.arrays[1].shape == (2 * (9 + 4 * 7), 3) != exact.arrays[1].shape  # 74 rows, not 98
+    assert pair_graph(3).interpolate(pair_graph(4), 4, 1).arrays[1].shape == two.arrays[1].shape
+    # through three, the polynomial of least degree: quadratic in n where it
+    # is (extrapolated and between the points), linear where it is
+    for at, points in ((7, (3, 4, 5)), (7, (5, 3, 4)), (4, (2, 3, 6)), (7, (2, 3, 4, 5))):
+        g = Graph.fit([pair_graph(n) for n in points], points, at)
+        truth = pair_graph(at)
+        assert [a.shape for a in g.arrays] == [a.shape for a in truth.arrays], (at, points)
+        assert [a.nbytes for a in g.arrays] == [a.nbytes for a in truth.arrays]
+        assert [n.forward_transient_bytes for n in g.nodes] == \
+            [n.forward_transient_bytes for n in truth.nodes]
+        assert g.nodes[1].backward_alloc_bytes == truth.nodes[1].backward_alloc_bytes
+        assert g.nodes[0].forward_time_s == pytest.approx(truth.nodes[0].forward_time_s)
+        assert list(g.node_bytes) == list(truth.node_bytes)
+    # the rest is the first graph's (put the nearest first)
+    assert Graph.fit([pair_graph(5), pair_graph(3), pair_graph(4)], [5, 3, 4], 6).meta == \
+        pair_graph(5).meta
+
+
+def test_fit_refuses_a_size_that_is_not_whole_at_the_new_shape():
+    # rows 18, 32, 56 at n = 3, 4, 6 (not b*n*n): a quadratic through them
+    # is not whole at n = 5
+    graphs = [pair_graph(3, rows=18), pair_graph(4, rows=32), pair_graph(6, rows=56)]
+    with pytest.raises(GraphError, match=r"dimension 0 of array 1 \(intermediate\) is 18, 32 "
+                                         r"and 56 at the three shapes: not a whole number at "
+                                         r"n = 5 \(44\.6667\) as quadratic in the input's size"):
+        Graph.fit(graphs, [3, 4, 6], 5, where="at the three shapes", target="n = 5")
+    with pytest.raises(GraphError, match=r"is 18 and 56 .* \(43\.3333\) as linear"):
+        Graph.fit(graphs[::2], [3, 6], 5)
+
+
+def test_fit_refuses_other_structures_and_bad_positions():
+    other = pair_graph(4)
+    other = other.replace(nodes=[other.nodes[0], dataclasses.replace(other.nodes[1], op="Mean")])
+    with pytest.raises(GraphError, match=r"differ \(function #1 \(Sum\) is Sum reading .* Mean"):
+        Graph.fit([pair_graph(2), pair_graph(3), other], [2, 3, 4], 5)
+    with pytest.raises(GraphError, match="two graphs or more"):
+        Graph.fit([pair_graph(2)], [2], 5)
+    with pytest.raises(GraphError, match="distinct positions"):
+        Graph.fit([pair_graph(2), pair_graph(3)], [2, 2], 5)

@@ -213,6 +213,37 @@ def gnn_batches(sizes: Sequence[int], batch: int = 8) -> List[Any]:
     return out
 
 
+class PairNet(chainer.Chain):
+    """Pairwise interactions of each batch's N points (SchNet-like): every
+    pair's features summed, flattened to (B*N*N, H) rows for a Linear, then
+    summed over the partners: a size quadratic in N."""
+
+    def __init__(self, n_in: int = 8, hidden: int = 64, layers: int = 3):
+        super().__init__()
+        with self.init_scope():
+            self.embed = L.Linear(n_in, hidden)
+            self.pairs = chainer.ChainList(*[L.Linear(hidden, hidden) for _ in range(layers)])
+            self.out = L.Linear(hidden, 1)
+
+    def forward(self, x: Any, t: Any) -> Any:
+        B, N, _ = x.shape
+        h = F.tanh(self.embed(x.reshape(B * N, -1))).reshape(B, N, -1)
+        H = h.shape[2]
+        for lin in self.pairs:
+            p = F.broadcast_to(F.expand_dims(h, 2), (B, N, N, H)) + \
+                F.broadcast_to(F.expand_dims(h, 1), (B, N, N, H))
+            m = F.tanh(lin(p.reshape(B * N * N, H))).reshape(B, N, N, H)
+            h = F.sum(m, axis=2) / N + h
+        return F.mean_squared_error(self.out(F.mean(h, axis=1)), t)
+
+
+def pair_batches(shapes: Sequence[Any]) -> List[Any]:
+    """``(batch, N)`` each."""
+    rng = np.random.RandomState(1)
+    return [(rng.rand(b, n, 8).astype(np.float32), rng.rand(b, 1).astype(np.float32))
+            for b, n in shapes]
+
+
 class ShiftedSoftplus(MLP):
     """SchNet's shifted softplus through F.where: the condition (x > 20) is
     all False for these inputs, and Where holds it as an attribute."""
@@ -341,6 +372,115 @@ def test_padded_graph_network_at_several_sizes_under_a_byte_budget():
         assert [m for m in said.messages if "over the budget" in m], ours.stats
     assert_within_budget(plain, ours)
     print(report_line("padded GNN", plain, ours))
+
+
+def test_sizes_quadratic_in_the_input_planned_from_three_recorded_shapes():
+    """Sizes quadratic in an input dimension (N points' pairs flattened to
+    B*N*N rows) at a new N almost every call, a byte budget. The third
+    shape's graph, linear through the two recorded ones, does not match
+    the call: said once (not held to the budget), the step falls back and
+    records its structure. From then on each new shape is planned before
+    it runs from the three recorded ones (a quadratic fit) and matches,
+    every planned step at or under its budget. A last partial batch whose
+    pair rows do not scale with the batch does not match either: not said
+    again. Identical to plain Chainer every step."""
+    shapes = [(8, n) for n in (6, 8, 10, 7, 9, 12, 11)] + [(5, 9)]
+    batches = pair_batches(shapes)
+    plain = train(PairNet, batches)
+    budget = int(0.6 * max(plain.peaks))
+    with Said() as said:
+        ours = train(PairNet, batches, dict(budget=budget, cost="flops", verbose=False))
+    assert_identical(plain, ours)
+    paths = [s["path"] for s in ours.stats]
+    assert paths == ["recorded", "recorded", "mismatch"] + ["planned"] * 4 + ["mismatch"], \
+        (paths, [s["mismatch"] for s in ours.stats])
+    assert "Reshape" in ours.stats[2]["mismatch"] and "(800, 64)" in ours.stats[2]["mismatch"]
+    assert all(ours.stats[k]["n_dropped"] for k in range(3, 7)), ours.stats
+    runner = cr.runner_of(ours.model)
+    assert runner.shapes_derived == 6  # 10, 7, 9, 12, 11 and the partial batch
+    off = [m for m in said.messages if "graph changed from its plan" in m]
+    assert len(off) == 1, said.messages
+    assert "not held to the budget" in off[0] and "(800, 64)" in off[0]
+    assert len([m for m in said.messages if "new input shape" in m]) == 1
+    assert_within_budget(plain, ours)
+    for k, (shape, p, a, st) in enumerate(zip(shapes, plain.peaks, ours.peaks, ours.stats)):
+        print(f"step {k} (batch, N) {shape}: plain {p}, applied {a}, {st['path']}, budget "
+              f"{st['budget_bytes']}, predicted {st['predicted_peak_bytes']}")
+    print(report_line("pairs quadratic in N", plain, ours))
+
+
+def test_planning_a_new_shape_inside_its_call_is_said_when_over_the_budget(monkeypatch):
+    """A model of a few hundred KiB whose new shapes need a solve inside
+    their call (no recorded shape's plan fits them): the planner's memory,
+    in no plan, sets those steps' peaks above a byte budget. Said once,
+    at or before the first planned step over its budget, with the
+    planner's and the model's bytes; identical to plain Chainer. (The
+    solver's NumPy engine, which a fresh process uses on a graph this
+    small, holds about 0.5 MiB here; the compiled one, once a process has
+    loaded it, less.)"""
+    from chainer_recompute.core.solvers import _dp
+    monkeypatch.setattr(_dp, "ENGINE", "numpy")
+    shapes = [(4, n) for n in (6, 8, 10, 7, 9, 12, 11)]
+    batches = pair_batches(shapes)
+
+    def make() -> chainer.Link:
+        return PairNet(hidden=24)
+    plain = train(make, batches)
+    budget = int(np.median(plain.peaks))
+    said_by: List[int] = []  # messages said by each step's forward
+    with Said() as said:
+        ours = train(make, batches, dict(budget=budget, cost="flops", verbose=False),
+                     between=lambda model, k: said_by.append(len(said.messages)))
+    assert_identical(plain, ours)
+    over = [k for k, st in enumerate(ours.stats)
+            if st["path"] == "planned" and ours.peaks[k] > st["budget_bytes"]]
+    assert over, (ours.peaks, ours.stats)  # by the planner's memory
+    planning = [i for i, m in enumerate(said.messages) if "planner's memory" in m]
+    assert len(planning) == 1, said.messages
+    assert min(k for k, n in enumerate(said_by) if n > planning[0]) <= over[0], \
+        (said_by, planning, over)
+    assert "over the budget" in said.messages[planning[0]]
+    for k, (shape, p, a, st) in enumerate(zip(shapes, plain.peaks, ours.peaks, ours.stats)):
+        print(f"step {k} (batch, N) {shape}: plain {p}, applied {a}, {st['path']}, budget "
+              f"{st['budget_bytes']}, predicted {st['predicted_peak_bytes']}, runner measured "
+              f"{st['measured_peak_bytes']}")
+
+
+def test_lazily_initialised_parameter_under_a_byte_budget_at_several_shapes():
+    """A Linear that takes its input size at the first call (its parameter
+    has no array, and no gradient may be read, until then) in a model whose
+    shape changes between calls, under a byte budget, trained by
+    ``optimizer.update(model, ...)`` (which clears the gradients after the
+    forward, as Chainer's updaters do): every step runs and is identical to
+    plain Chainer."""
+    class Lazy(PaddedGNN):
+        def __init__(self) -> None:
+            super().__init__()
+            del self.embed
+            with self.init_scope():
+                self.embed = L.Linear(None, 48)
+
+    batches = gnn_batches([12, 14, 16, 13, 15, 16])
+    budget = int(np.median(train(Lazy, batches).peaks))
+
+    def run(apply_kw: Optional[Dict[str, Any]]) -> List[Any]:
+        np.random.seed(0)
+        model = Lazy()
+        if apply_kw is not None:
+            cr.apply(model, **apply_kw)
+        opt = chainer.optimizers.MomentumSGD(0.01)
+        opt.setup(model)
+        out = []
+        for args in batches:
+            opt.update(model, *args)
+            out.append([(path, _kept(p.array)) for path, p in sorted(model.namedparams())])
+            runner = cr.runner_of(model)
+            out[-1].append(runner.last_stats.path if runner is not None else None)
+        return out
+    ours = run(dict(budget=budget, cost="flops", verbose=False))
+    plain = run(None)
+    assert [s[:-1] for s in ours] == [s[:-1] for s in plain]
+    assert [s[-1] for s in ours][-3:] == ["planned"] * 3, [s[-1] for s in ours]
 
 
 def test_padded_graph_network_infeasible_shape_warns_once_and_runs_plainly():

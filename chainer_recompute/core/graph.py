@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from fractions import Fraction
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
@@ -469,37 +470,78 @@ class Graph:
         recorded at two input shapes), every size at the point
         ``num / den`` of the way from this graph to ``other`` (beyond it
         when above 1): each array dimension linearly (a whole number, or
-        :class:`GraphError`), an array's bytes from its shape, measured
-        transients and gradient bytes linearly, times with the node's
-        output bytes.
+        :class:`GraphError`); :meth:`fit` through the two graphs.
 
         Raises:
             GraphError: the two graphs differ in structure (functions,
                 wiring, retention, held attributes), or a dimension is not
                 whole at the point.
         """
+        return Graph.fit([self, other], [0, den], num, where=where, target=target)
+
+    @staticmethod
+    def fit(graphs: Sequence["Graph"], at: Sequence[Any], point: Any, *, where: str = "",
+            target: str = "the new shape") -> "Graph":
+        """The same structure as ``graphs`` (one model recorded at several
+        input shapes on one line, ``graphs[i]`` at position ``at[i]`` on
+        it), every size at position ``point``: the polynomial of least
+        degree through the recorded values (exact rational arithmetic; of
+        degree below ``len(graphs)``: linear through two graphs, quadratic
+        sizes such as pairs of atoms once three are recorded). An array
+        dimension must be a whole number at ``point`` (else
+        :class:`GraphError`), and an array's bytes follow from its shape;
+        measured transients and gradient bytes are fitted the same way
+        (rounded, transients at least 0), times scale with the node's
+        output bytes from the graph where they are largest. The rest
+        (lifetimes, metadata) is ``graphs[0]``'s: put the nearest first.
+
+        Raises:
+            GraphError: fewer than two graphs or positions that repeat; the
+                graphs differ in structure (functions, wiring, retention,
+                held attributes); a dimension is not whole at ``point``.
+
+        >>> a, b, c = (Graph.from_edges([8 * n * n, 4 * n], [(0, 1)]) for n in (2, 3, 4))
+        >>> Graph.fit([a, b, c], [2, 3, 4], 6).node_bytes.tolist()
+        [288, 24]
+        """
+        graphs = list(graphs)
+        if len(graphs) < 2 or len(at) != len(graphs):
+            raise GraphError(f"fit needs two graphs or more, each with its position, got "
+                             f"{len(graphs)} graphs and {len(at)} positions")
+        ts = [Fraction(t) for t in at]
+        if len(set(ts)) != len(ts):
+            raise GraphError(f"fit needs graphs at distinct positions, got {list(at)}")
+        x = Fraction(point)
+        first = graphs[0]
+
         def differ(what: str) -> GraphError:
             return GraphError(f"the model's graphs {where} differ ({what}): its structure "
                               f"depends on the input shape, so it cannot be scaled to {target}")
 
-        def lin(v1: Optional[int], v2: Optional[int], what: str, whole: bool = False) -> Any:
-            if v1 is None or v2 is None:
-                return v1 if v2 is None else v2
-            n = (v2 - v1) * num
-            if whole and n % den:
-                raise GraphError(
-                    f"{what} is {v1} and {v2} {where}: not a whole number at {target} if "
-                    f"linear in the input's size, so the graph cannot be scaled to it")
-            return v1 + n // den if whole else int(round(v1 + n / den))
-
-        def shape_of(s1: Optional[Tuple[int, ...]], s2: Optional[Tuple[int, ...]],
-                     what: str) -> Optional[Tuple[int, ...]]:
-            if s1 is None or s2 is None:
+        def value(vals: Sequence[Optional[int]], what: str, whole: bool = False) -> Any:
+            known = [(t, v) for t, v in zip(ts, vals) if v is not None]
+            if not known:
                 return None
-            if len(s1) != len(s2):
-                raise differ(f"{what} has shapes {s1} and {s2}")
-            out = tuple(lin(d1, d2, f"dimension {k} of {what}", whole=True)
-                        for k, (d1, d2) in enumerate(zip(s1, s2)))
+            r, degree = _through([t for t, _ in known], [v for _, v in known], x)
+            if r.denominator == 1:
+                return int(r)
+            if whole:
+                shape = ("linear" if degree == 1 else "quadratic" if degree == 2
+                         else f"a polynomial of degree {degree}")
+                raise GraphError(
+                    f"{what} is {_and(vals)} {where}: not a whole number at {target} "
+                    f"({float(r):.6g}) as {shape} in the input's size, so the graph cannot be "
+                    f"scaled to it")
+            return int(round(r))
+
+        def shape_of(shapes: Sequence[Optional[Tuple[int, ...]]],
+                     what: str) -> Optional[Tuple[int, ...]]:
+            if any(s is None for s in shapes):
+                return None
+            if len({len(s) for s in shapes}) > 1:
+                raise differ(f"{what} has shapes {_and(shapes)}")
+            out = tuple(value(ds, f"dimension {k} of {what}", whole=True)
+                        for k, ds in enumerate(zip(*shapes)))
             if any(d < 0 for d in out):
                 raise GraphError(f"{what} would have shape {out} at {target}")
             return out
@@ -507,56 +549,61 @@ class Graph:
         def size(s: Optional[Tuple[int, ...]]) -> int:
             return int(np.prod(s)) if s is not None else 0
 
-        def bytes_of(n1: int, n2: int, s1: Any, s2: Any, new: Any, what: str) -> int:
-            k1, k2 = size(s1), size(s2)
-            if new is not None and k1 and k2 and n1 % k1 == 0 and n2 == k2 * (n1 // k1):
-                return size(new) * (n1 // k1)  # itemsize x elements (a square grows as one)
-            return max(0, lin(n1, n2, what))
+        def bytes_of(ns: Sequence[int], shapes: Sequence[Any], new: Any, what: str) -> int:
+            ks = [size(s) for s in shapes]
+            if new is not None and all(ks) and ns[0] % ks[0] == 0 and all(
+                    n == k * (ns[0] // ks[0]) for n, k in zip(ns, ks)):
+                return size(new) * (ns[0] // ks[0])  # itemsize x elements
+            return max(0, value(ns, what))
 
-        if self.n != other.n or len(self.arrays) != len(other.arrays):
-            raise differ(f"{self.n} and {other.n} functions, {len(self.arrays)} and "
-                         f"{len(other.arrays)} arrays")
+        for g in graphs[1:]:
+            if first.n != g.n or len(first.arrays) != len(g.arrays):
+                raise differ(f"{first.n} and {g.n} functions, {len(first.arrays)} and "
+                             f"{len(g.arrays)} arrays")
         arrays = []
-        for a, o in zip(self.arrays, other.arrays):
+        for same in zip(*(g.arrays for g in graphs)):
+            a = same[0]
             what = f"array {a.id} ({a.name or a.kind})"
-            if (a.kind, a.producer, a.dtype, a.view_of) != (o.kind, o.producer, o.dtype, o.view_of):
+            if any((o.kind, o.producer, o.dtype, o.view_of) != (a.kind, a.producer, a.dtype,
+                                                               a.view_of) for o in same):
                 raise differ(f"{what} is made differently")
             if a.kind == "param":
-                if (a.shape, a.nbytes) != (o.shape, o.nbytes):
+                if any((o.shape, o.nbytes) != (a.shape, a.nbytes) for o in same):
                     raise differ(f"parameter {a.name or a.id} has another shape")
                 arrays.append(a)
                 continue
-            shape = shape_of(a.shape, o.shape, what)
-            nbytes = bytes_of(a.nbytes, o.nbytes, a.shape, o.shape, shape, what)
+            shape = shape_of([o.shape for o in same], what)
+            nbytes = bytes_of([o.nbytes for o in same], [o.shape for o in same], shape, what)
             buf = a.buffer_bytes
-            if buf is not None and o.buffer_bytes is not None:
-                buf = nbytes if (buf, o.buffer_bytes) == (a.nbytes, o.nbytes) else \
-                    max(0, lin(buf, o.buffer_bytes, what))
+            if all(o.buffer_bytes is not None for o in same):
+                buf = nbytes if all(o.buffer_bytes == o.nbytes for o in same) else \
+                    max(0, value([o.buffer_bytes for o in same], what))
             arrays.append(dataclasses.replace(a, shape=shape, nbytes=nbytes, buffer_bytes=buf))
         nodes = []
-        for node, o in zip(self.nodes, other.nodes):
+        for same in zip(*(g.nodes for g in graphs)):
+            node = same[0]
             what = f"function #{node.id} ({node.op})"
-            if (node.op, node.inputs, node.outputs, node.retained_inputs,
-                    node.retained_outputs) != (o.op, o.inputs, o.outputs, o.retained_inputs,
-                                               o.retained_outputs):
-                raise differ(f"{what} is {node.op} reading {node.inputs} in one, {o.op} "
-                             f"reading {o.inputs} in the other")
-            if [h.name for h in node.held] != [h.name for h in o.held]:
-                raise differ(f"{what} holds other attributes")
+            for o in same[1:]:
+                if (node.op, node.inputs, node.outputs, node.retained_inputs,
+                        node.retained_outputs) != (o.op, o.inputs, o.outputs,
+                                                   o.retained_inputs, o.retained_outputs):
+                    raise differ(f"{what} is {node.op} reading {node.inputs} in one, {o.op} "
+                                 f"reading {o.inputs} in another")
+                if [h.name for h in node.held] != [h.name for h in o.held]:
+                    raise differ(f"{what} holds other attributes")
             held = []
-            for h, g in zip(node.held, o.held):
-                hw = f"{what}'s {h.name}"
-                shape = shape_of(h.shape, g.shape, hw)
-                held.append(dataclasses.replace(h, shape=shape, nbytes=bytes_of(
-                    h.nbytes, g.nbytes, h.shape, g.shape, shape, hw)))
+            for hs in zip(*(o.held for o in same)):
+                hw = f"{what}'s {hs[0].name}"
+                shape = shape_of([h.shape for h in hs], hw)
+                held.append(dataclasses.replace(hs[0], shape=shape, nbytes=bytes_of(
+                    [h.nbytes for h in hs], [h.shape for h in hs], shape, hw)))
 
-            def nonneg(v1: Optional[int], v2: Optional[int]) -> Optional[int]:
-                v = lin(v1, v2, what)
+            def nonneg(vals: Sequence[Optional[int]]) -> Optional[int]:
+                v = value(vals, what)
                 return None if v is None else max(0, v)
 
-            big, bytes_big = max(((node, sum(self.arrays[a].nbytes for a in node.outputs)),
-                                  (o, sum(other.arrays[a].nbytes for a in o.outputs))),
-                                 key=lambda p: p[1])
+            big, bytes_big = max(((o, sum(g.arrays[a].nbytes for a in o.outputs))
+                                  for o, g in zip(same, graphs)), key=lambda p: p[1])
             out_new = sum(arrays[a].nbytes for a in node.outputs)
             ratio = out_new / bytes_big if bytes_big else 1.0
 
@@ -565,21 +612,19 @@ class Graph:
 
             nodes.append(dataclasses.replace(
                 node, held=tuple(held),
-                forward_transient_bytes=nonneg(node.forward_transient_bytes,
-                                               o.forward_transient_bytes),
-                backward_transient_bytes=nonneg(node.backward_transient_bytes,
-                                                o.backward_transient_bytes),
-                backward_alloc_bytes=lin(node.backward_alloc_bytes, o.backward_alloc_bytes, what),
+                forward_transient_bytes=nonneg([o.forward_transient_bytes for o in same]),
+                backward_transient_bytes=nonneg([o.backward_transient_bytes for o in same]),
+                backward_alloc_bytes=value([o.backward_alloc_bytes for o in same], what),
                 forward_time_s=timed(big.forward_time_s),
                 backward_time_s=timed(big.backward_time_s)))
-        meta = dict(self.meta)
+        meta = dict(first.meta)
         for key in OUTSIDE_KEYS:  # the caller's work, as the transients
-            v = max(0, lin(int(self.meta.get(key, 0)), int(other.meta.get(key, 0)), key))
+            v = max(0, value([int(g.meta.get(key, 0)) for g in graphs], key))
             if v:
                 meta[key] = v
             else:
                 meta.pop(key, None)
-        return self.replace(arrays=arrays, nodes=nodes, meta=meta)
+        return first.replace(arrays=arrays, nodes=nodes, meta=meta)
 
     # ------------------------------------------------------------ export
     def to_networkx(self):
@@ -640,3 +685,36 @@ def _topological_order(n: int, edges: Sequence[Tuple[int, int]]) -> List[int]:
                          f"{' ...' if len(stuck) > 10 else ''}: a computational graph "
                          f"must be acyclic")
     return order
+
+
+def _through(at: Sequence[Fraction], values: Sequence[int], x: Fraction) -> Tuple[Fraction, int]:
+    """The value at ``x`` of the polynomial of least degree through the
+    points ``(at[i], values[i])`` (distinct positions), and its degree:
+    Newton's divided differences in exact rational arithmetic (the degree
+    is that of the last coefficient that is not 0).
+
+    >>> _through([Fraction(1), Fraction(2), Fraction(3)], [1, 4, 9], Fraction(5))
+    (Fraction(25, 1), 2)
+    """
+    v0 = values[0]
+    if all(v == v0 for v in values):
+        return Fraction(v0), 0
+    m = len(values)
+    if m == 2:  # a line (the common case, in integers where it is whole)
+        n, d = (values[1] - v0) * (x - at[0]), at[1] - at[0]
+        return v0 + n / d, 1
+    coef = [Fraction(v) for v in values]
+    for j in range(1, m):
+        for i in range(m - 1, j - 1, -1):
+            coef[i] = (coef[i] - coef[i - 1]) / (at[i] - at[i - j])
+    degree = max(i for i in range(m) if coef[i] != 0)
+    r = coef[degree]
+    for i in range(degree - 1, -1, -1):
+        r = r * (x - at[i]) + coef[i]
+    return r, degree
+
+
+def _and(items: Sequence[Any]) -> str:
+    """``a, b and c``."""
+    items = [str(i) for i in items]
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]

@@ -63,6 +63,8 @@ def _own_arrays(link: Optional[chainer.Link], arrays: List[Any]) -> List[Any]:
             found.append(a)
     if link is not None:
         for p in link.params():
+            if p.array is None:  # not initialised yet (no gradient either)
+                continue
             add(p.array)
             add(p.grad)
             rule = getattr(p, "update_rule", None)

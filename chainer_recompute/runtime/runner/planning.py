@@ -332,6 +332,75 @@ class PlanningMixin:
                 out.append((e, self._recorded(e, link).graph))
         return out
 
+    def _recorded_graph(self, e: _Entry, link: Optional[chainer.Link]) -> Optional[Graph]:
+        """The graph recorded at ``e``'s shapes (a planned structure's, or
+        its recording waiting to be planned), not one derived from other
+        shapes; None when it has none."""
+        for s in e.structures:
+            if "derived_from" not in s.graph.meta:
+                return s.graph
+        if e.pending is not None:
+            return self._recorded(e, link).graph
+        return None
+
+    def _fit_family(self, entry: _Entry, link: Optional[chainer.Link]
+                    ) -> Tuple[Optional[Graph], Optional[_Entry], str]:
+        """A graph at ``entry``'s shapes from the graphs recorded at other
+        shapes of its family on one line with it (each input dimension
+        affine along the line): every size the polynomial of least degree
+        through them (:meth:`Graph.fit`): linear from two, a size quadratic
+        in the input's dimensions (pairs of atoms) once three are recorded.
+        All the recorded shapes on a line are tried first, then pairs of
+        them, the nearest first. ``(graph, the entry of the nearest shape it
+        was fitted from, '')``, or ``(None, None, why not)``."""
+        from ...core.errors import GraphError
+        v = entry.dims
+        points: Dict[Tuple[int, ...], Tuple[_Entry, Graph]] = {}
+        for e in list(self._entries.values()):
+            if e is entry or e.family != entry.family or e.plain or e.dims in points \
+                    or e.dims == v:
+                continue
+            g = self._recorded_graph(e, link)
+            if g is not None:
+                points[e.dims] = (e, g)
+        if len(points) < 2:
+            return None, None, "only one other shape of it has been recorded"
+
+        def far(d: Tuple[int, ...]) -> int:
+            return sum(abs(x - y) for x, y in zip(v, d))
+
+        def on_line(v1: Tuple[int, ...], v2: Tuple[int, ...], k: int,
+                    d: Tuple[int, ...]) -> bool:
+            num, den = d[k] - v1[k], v2[k] - v1[k]
+            return all((c - a) * den == (b - a) * num for a, b, c in zip(v1, v2, d))
+
+        pts = sorted(points.values(), key=lambda p: far(p[0].dims))
+        pairs = [(a, b) for i, a in enumerate(pts) for b in pts[i + 1:]]
+        pairs.sort(key=lambda p: far(p[0][0].dims) + far(p[1][0].dims))
+        why = "the recorded shapes do not vary along the same line as this one"
+        tried = set()
+        for a, b in pairs:
+            v1, v2 = a[0].dims, b[0].dims
+            k = next(j for j, (x, y) in enumerate(zip(v1, v2)) if x != y)
+            if not on_line(v1, v2, k, v):
+                continue
+            line = [p for p in pts if on_line(v1, v2, k, p[0].dims)]  # nearest first
+            for group in ([line] if len(line) > 2 else []) + [[a, b]]:
+                key = frozenset(p[0].dims for p in group)
+                if key in tried:
+                    continue
+                tried.add(key)
+                dims = [p[0].dims for p in group]
+                try:
+                    graph = Graph.fit([p[1] for p in group], [d[k] for d in dims], v[k],
+                                      where="at input dimensions " + ", ".join(map(str, dims)),
+                                      target=f"input dimensions {v}")
+                except GraphError as e:
+                    why = str(e)
+                    continue
+                return graph, group[0][0], ""
+        return None, None, why
+
     def _family_plan(self, entry: _Entry, graph: Graph) -> Any:
         """A plan of ``entry``'s family that fits ``graph`` under the
         budget (for ``'least'``: the least budget of the shape it was made
@@ -365,14 +434,46 @@ class PlanningMixin:
                                            budget_bytes=budget, info=info)
         return None
 
+    def _plan_in_call(self, entry: _Entry, args: Tuple[Any, ...],
+                      kwargs: Dict[str, Any]) -> None:
+        """:meth:`_plan_from_family` inside a training call, before its meter
+        starts: where no recorded plan fits the new shape, its graph is
+        solved there, and the planner's memory is in that step and in no
+        plan. On NumPy under a byte budget it is measured; when it and the
+        model's own arrays (parameters, gradients, optimizer state, inputs)
+        are over the budget, that step is, and it is said once."""
+        from ..device import device_of
+        from .metering import _distinct_bytes, _own_arrays
+        arrays = list(args) + list(kwargs.values())
+        dev = device_of(arrays)
+        if self.budget_bytes is None or dev.is_gpu or self._said_planning:
+            self._plan_from_family(entry, args, kwargs)
+            return
+        meter = dev.meter()
+        meter.start()
+        try:
+            self._plan_from_family(entry, args, kwargs)
+        finally:
+            planner = meter.stop().peak_bytes
+        own = _distinct_bytes(dev, _own_arrays(self._link(args), arrays))
+        if own + planner > self.budget_bytes:
+            self._said_planning = True
+            report.warning(
+                "planning a new input shape of %s (dimensions %s) inside its call took %s "
+                "(the planner's memory, in no plan) on top of the model's own %s (parameters, "
+                "gradients, optimizer state, inputs): this step peaks at %s or more, over the "
+                "budget %s (a first call at the largest shape is planned in its own recorded "
+                "step, and its plan serves the smaller shapes)", self._name(args), entry.dims,
+                format_bytes(planner), format_bytes(own), format_bytes(own + planner),
+                format_bytes(self.budget_bytes))
+
     def _plan_from_family(self, entry: _Entry, args: Tuple[Any, ...],
                           kwargs: Dict[str, Any]) -> bool:
-        """Plan a new input shape before its first call, from two recorded
-        shapes of its family (see the class docstring). False when there
-        are not two such shapes or they do not describe this one: the call
-        is then recorded (with one warning when a plan exists and a byte
-        budget is set)."""
-        from ...core.errors import GraphError
+        """Plan a new input shape before its first call, from the recorded
+        shapes of its family (:meth:`_fit_family`; see the class
+        docstring). False when there are not two such shapes or they do not
+        describe this one: the call is then recorded (with one warning when
+        a plan exists and a byte budget is set)."""
         link = self._link(args)
         sibs = self._family_graphs(entry, link)
         if not sibs:
@@ -380,33 +481,12 @@ class PlanningMixin:
         t0 = time.perf_counter()
         v = entry.dims
         graph = None
-        why = "only one other shape of it has been recorded"
         for e1, g1 in sorted(sibs, key=lambda p: not p[0].structures):  # planned first
             if e1.dims == v:  # another value of a number argument: the same shapes
                 graph, src = g1, e1
                 break
-        pairs = [] if graph is not None else \
-            [(a, b) for i, a in enumerate(sibs) for b in sibs[i + 1:]]
-        # the nearest recorded shapes first
-        pairs.sort(key=lambda p: sum(abs(x - y) for x, y in zip(v, p[0][0].dims))
-                   + sum(abs(x - y) for x, y in zip(v, p[1][0].dims)))
-        for (e1, g1), (e2, g2) in pairs:
-            v1, v2 = e1.dims, e2.dims
-            k = next((j for j, (x, y) in enumerate(zip(v1, v2)) if x != y), None)
-            if k is None:
-                continue
-            num, den = v[k] - v1[k], v2[k] - v1[k]
-            if any((c - a) * den != (b - a) * num for a, b, c in zip(v1, v2, v)):
-                why = "the recorded shapes do not vary along the same line as this one"
-                continue
-            try:
-                graph = g1.interpolate(g2, num, den, where=f"at input dimensions {v1} and {v2}",
-                                       target=f"input dimensions {v}")
-            except GraphError as e:
-                why = str(e)
-                continue
-            src = e1
-            break
+        if graph is None:
+            graph, src, why = self._fit_family(entry, link)
         batch = entry.batch
         if graph is None and batch is not None:
             # a last partial batch: only the batch dimension of the inputs

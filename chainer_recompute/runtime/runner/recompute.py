@@ -152,15 +152,19 @@ class Recompute(PlanningMixin, MeteringMixin):
     Input shapes that change from call to call (a batch padded to its
     longest sequence or molecule, a last partial batch): once two shapes of
     the same structure have been recorded, a call at a new shape is planned
-    before it runs, from a graph scaled from those two (each size linear in
-    the input's dimensions); the plan of the largest recorded shape is
+    before it runs, from a graph fitted through the recorded shapes on one
+    line of input shapes with it (each size the polynomial of least degree
+    through them: linear through two; a size quadratic in the input's
+    dimensions, pairs of atoms, is fitted once three are recorded); the
+    plan of the largest recorded shape is
     reused when its replayed peak at the new shape fits the budget (with
     ``'least'``: that shape's least budget; no solver run), else the scaled
     graph is solved. A new value of a number argument (an ``np.float32``
     schedule value) with the same shapes reuses the graph, plan and
     program as they are. The executor checks the
     scaled graph against the call as for any plan; a call that does not
-    match it is recorded and planned from its recording. The second shape
+    match it is recorded and planned from its recording (that step is not
+    held to the budget: one warning under a byte budget). The second shape
     is recorded plainly, with one warning when a byte budget is set.
 
     >>> runner = Recompute(loss_fn, budget='2G')            # doctest: +SKIP
@@ -233,6 +237,8 @@ class Recompute(PlanningMixin, MeteringMixin):
         self._said_unsafe: set = set()  # unsafe-function warnings given (one each)
         self._said_capture = False  # capture_batch refused a model (warned once)
         self._said_new_shape = False  # a new input shape recorded plainly (warned once)
+        self._said_mismatch = False  # a call off its plan under a byte budget (warned once)
+        self._said_planning = False  # a step over the budget by planning in it (warned once)
         self._ran_planned = False  # a planned iteration has run
         self.shapes_derived = 0  # signatures planned from their family's graphs
         self._refusal = ""
@@ -338,7 +344,7 @@ class Recompute(PlanningMixin, MeteringMixin):
                 if self.capture_batch is not None:
                     self._plan_separately(entry, args, kwargs)
                 elif self.coordinator is None:
-                    self._plan_from_family(entry, args, kwargs)
+                    self._plan_in_call(entry, args, kwargs)
         except InfeasibleBudgetError as e:
             self._infeasible(entry, e)
             self.last_stats = IterationStats(path="plain")
@@ -388,9 +394,7 @@ class Recompute(PlanningMixin, MeteringMixin):
                 self._plan_when_backward_ends(entry, hook, link)
             if entry.structures:
                 entry.recorded += 1
-                logger.info("the model's graph changed for the same input signature (%s); this "
-                            "iteration keeps what it had not released and the next call plans "
-                            "the new structure", hook.stats.mismatch)
+                self._mismatched(hook, args)
                 if entry.recorded >= self.PLAIN_AFTER and 2 * entry.recorded > entry.calls:
                     entry.plain, entry.pending = True, None
                     entry.structures.clear()
@@ -409,6 +413,29 @@ class Recompute(PlanningMixin, MeteringMixin):
             from ..device import device_of
             hook.watch_outside(device_of(list(args) + list(kwargs.values())))
         return out
+
+    def _mismatched(self, hook: IterationHook, args: Tuple[Any, ...]) -> None:
+        """A planned call stopped matching its plan: from there it keeps
+        what it has not released, as plain Chainer does, and its structure
+        is recorded for the next calls. Under a byte budget that step is not
+        held to it: a warning, once per runner (else at info level)."""
+        graph = hook.program.graph if hook.program is not None else None
+        derived = graph.meta.get("derived_from") if graph is not None else None
+        if self.budget_bytes is None or self._said_mismatch:
+            logger.info("the model's graph changed for the same input signature (%s); this "
+                        "iteration keeps what it had not released and the next call plans "
+                        "the new structure", hook.stats.mismatch)
+            return
+        self._said_mismatch = True
+        cause = (f"the plan's graph was derived from the shapes recorded nearest to "
+                 f"{tuple(derived)}, and a size of this call does not follow them (a third "
+                 f"recorded shape fits sizes quadratic in the input's)" if derived is not None
+                 else "the model's graph depends on more than its input signature")
+        report.warning("the model's graph changed from its plan's in a call of %s (%s): %s. "
+                       "From there this step keeps what it has not released, as plain Chainer "
+                       "does, and is not held to the budget %s; its structure is recorded and "
+                       "planned for the next calls", self._name(args), hook.stats.mismatch,
+                       cause, format_bytes(self.budget_bytes))
 
     def _let_go_of_finished_graphs(self) -> None:
         """The graphs of earlier calls whose backward has run release what

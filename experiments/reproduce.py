@@ -77,6 +77,8 @@ APPLY = {
     # batch 32 without its 12.3 GB plain iteration)
     "approx-tc-wsc-cb2": dict(solver="approx", strategy="tc", budget_scope="total",
                               workspace="auto", workspace_exact=False, capture_batch=2),
+    "approx-tc-wsc-cb1": dict(solver="approx", strategy="tc", budget_scope="total",
+                              workspace="auto", workspace_exact=False, capture_batch=1),
     # chunked at a fixed bound of 8 MiB (every large call in chunks)
     "approx-tc-wsc-8m": dict(solver="approx", strategy="tc", budget_scope="total",
                              workspace="8M", workspace_exact=False),

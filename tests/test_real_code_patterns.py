@@ -409,6 +409,23 @@ def test_sizes_quadratic_in_the_input_planned_from_three_recorded_shapes():
     print(report_line("pairs quadratic in N", plain, ours))
 
 
+def test_a_first_call_that_plans_nothing_says_nothing_of_planning():
+    """The first call of a model is recorded, not planned: nothing is said
+    about the planner's memory, even under a budget below the model's own
+    bytes (the next call says that budget is infeasible)."""
+    model = MLP()
+    opt = chainer.optimizers.SGD(0.01)
+    opt.setup(model)
+    cr.apply(model, budget=1, verbose=False)
+    x, t = mlp_data(1)[0]
+    with Said() as said:
+        opt.update(model, x, t)
+        assert cr.runner_of(model).last_stats.path == "recorded"
+        with pytest.raises(cr.InfeasibleBudgetError):
+            opt.update(model, x, t)
+    assert not [m for m in said.messages if "planner's memory" in m], said.messages
+
+
 def test_planning_a_new_shape_inside_its_call_is_said_when_over_the_budget(monkeypatch):
     """A model of a few hundred KiB whose new shapes need a solve inside
     their call (no recorded shape's plan fits them): the planner's memory,

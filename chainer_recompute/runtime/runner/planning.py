@@ -451,10 +451,13 @@ class PlanningMixin:
             return
         meter = dev.meter()
         meter.start()
+        planned = False
         try:
-            self._plan_from_family(entry, args, kwargs)
+            planned = self._plan_from_family(entry, args, kwargs)
         finally:
             planner = meter.stop().peak_bytes
+        if not planned:  # recorded instead (said by _plan_from_family)
+            return
         own = _distinct_bytes(dev, _own_arrays(self._link(args), arrays))
         if own + planner > self.budget_bytes:
             self._said_planning = True

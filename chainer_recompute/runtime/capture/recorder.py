@@ -19,6 +19,7 @@ follows. With ``analyse=True`` it also finds what is safe to recompute
 """
 from __future__ import annotations
 
+import gc
 import logging
 import time
 import weakref
@@ -524,6 +525,9 @@ class Recorder(chainer.FunctionHook):
                 or self.backward_order:
             return
         from ..memory import SCOPE_CUPY, SCOPE_NUMPY
+        # garbage already waiting is collected now (once per recording), so
+        # that its finalizers' arrays do not land in the caller's window
+        gc.collect()
         meter = dev.meter()
         meter.start()
         if meter.scope not in (SCOPE_NUMPY, SCOPE_CUPY):

@@ -169,7 +169,7 @@ def test_the_loops_work_before_the_backward_is_measured_by_the_pool():
     backward are measured by the pool in the recorded step, so that the
     first planned step is under its budget. Before, it measured 772,096 B
     against 447,871 B and was corrected."""
-    from test_real_code_patterns import QNet
+    from test_real_code_patterns import QNet, td_step
     rng = np.random.RandomState(5)
     batches = [(rng.rand(64, 32).astype(np.float32), rng.rand(64, 32).astype(np.float32),
                 rng.randint(0, 6, 64).astype(np.int32), rng.rand(64).astype(np.float32))
@@ -184,15 +184,8 @@ def test_the_loops_work_before_the_backward_is_measured_by_the_pool():
         opt = chainer.optimizers.MomentumSGD(0.01)
         opt.setup(model)
         stats = []
-        for x, x_next, action, reward in batches:
-            q = model(x)
-            with chainer.no_backprop_mode():
-                y = reward + np.float32(0.99) * F.max(target(x_next), axis=1)
-            loss = F.mean_squared_error(F.select_item(q, action), y)
-            del y
-            model.cleargrads()
-            loss.backward()
-            opt.update()
+        for batch in batches:
+            td_step(model, target, opt, *batch)
             stats.append(runner_of(model).last_stats)
         (entry,) = runner_of(model)._entries.values()
         meta = entry.structures[0].graph.meta

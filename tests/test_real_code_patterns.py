@@ -45,6 +45,27 @@ class Run:
         self.stats: List[Any] = []
 
 
+def note_step(run: Run, model: chainer.Link, loss: Any, peak: int) -> None:
+    """One step's peak, records (loss, parameters, gradients, optimizer
+    state, the random state) and runner stats, into ``run``."""
+    run.peaks.append(peak)
+    # kept as bytes objects (not arrays): not in the measured domain
+    rec = {"loss": _kept(loss.array)}
+    for path, p in model.namedparams():
+        rec["param" + path] = _kept(p.array)
+        rec["grad" + path] = None if p.grad is None else _kept(p.grad)
+        for key, v in sorted(p.update_rule.state.items()):
+            rec[f"opt{path}/{key}"] = _kept(v)
+    rec["rng"] = _kept(np.random.get_state()[1])
+    run.records.append(rec)
+    runner = cr.runner_of(model)
+    st = runner.last_stats if runner is not None else None
+    run.stats.append(None if st is None else {
+        k: getattr(st, k) for k in ("path", "n_dropped", "recomputed_nodes", "mismatch",
+                                    "n_nodes", "measured_peak_bytes",
+                                    "predicted_peak_bytes", "budget_bytes")})
+
+
 def train(make: Callable[[], chainer.Link], batches: Sequence[Sequence[Any]],
           apply_kw: Optional[Dict[str, Any]] = None, lr: float = 0.01,
           between: Optional[Callable[[chainer.Link, int], None]] = None) -> Run:
@@ -70,22 +91,7 @@ def train(make: Callable[[], chainer.Link], batches: Sequence[Sequence[Any]],
                     between(model, k)
                 loss.backward()
                 opt.update()
-            run.peaks.append(m.result.absolute_peak_bytes)
-            # kept as bytes objects (not arrays): not in the measured domain
-            rec = {"loss": _kept(loss.array)}
-            for path, p in model.namedparams():
-                rec["param" + path] = _kept(p.array)
-                rec["grad" + path] = None if p.grad is None else _kept(p.grad)
-                for key, v in sorted(p.update_rule.state.items()):
-                    rec[f"opt{path}/{key}"] = _kept(v)
-            rec["rng"] = _kept(np.random.get_state()[1])
-            run.records.append(rec)
-            runner = cr.runner_of(model)
-            st = runner.last_stats if runner is not None else None
-            run.stats.append(None if st is None else {
-                k: getattr(st, k) for k in ("path", "n_dropped", "recomputed_nodes", "mismatch",
-                                            "n_nodes", "measured_peak_bytes",
-                                            "predicted_peak_bytes", "budget_bytes")})
+            note_step(run, model, loss, m.result.absolute_peak_bytes)
             del loss
         run.model = model  # type: ignore[attr-defined]
     finally:
@@ -618,6 +624,22 @@ class QNet(MLP):
         return self.out(self.features(x))
 
 
+def td_step(model: chainer.Link, target: chainer.Link, opt: Any, x: Any, x_next: Any,
+            action: Any, reward: Any) -> chainer.Variable:
+    """A DQN-style step: the model's forward, the target network's under
+    ``no_backprop_mode`` and the TD loss outside the model, then the
+    backward and the update; the loss."""
+    q = model(x)
+    with chainer.no_backprop_mode():
+        y = reward + np.float32(0.99) * F.max(target(x_next), axis=1)
+    loss = F.mean_squared_error(F.select_item(q, action), y)
+    del q, y
+    model.cleargrads()
+    loss.backward()
+    opt.update()
+    return loss
+
+
 def train_with_target(batches: Sequence[Sequence[Any]],
                       apply_kw: Optional[Dict[str, Any]] = None) -> Run:
     """A DQN-style update loop: the applied Q-function's forward, then,
@@ -641,30 +663,9 @@ def train_with_target(batches: Sequence[Sequence[Any]],
         for k, (x, x_next, action, reward) in enumerate(batches):
             gc.collect()
             with MemoryMeter() as m:
-                q = model(x)
-                with chainer.no_backprop_mode():
-                    y = reward + np.float32(0.99) * F.max(target(x_next), axis=1)
-                loss = F.mean_squared_error(F.select_item(q, action), y)
-                del y
-                model.cleargrads()
-                loss.backward()
-                opt.update()
-            run.peaks.append(m.result.absolute_peak_bytes)
-            rec = {"loss": _kept(loss.array)}
-            for path, p in model.namedparams():
-                rec["param" + path] = _kept(p.array)
-                rec["grad" + path] = None if p.grad is None else _kept(p.grad)
-                for key, v in sorted(p.update_rule.state.items()):
-                    rec[f"opt{path}/{key}"] = _kept(v)
-            rec["rng"] = _kept(np.random.get_state()[1])
-            run.records.append(rec)
-            runner = cr.runner_of(model)
-            st = runner.last_stats if runner is not None else None
-            run.stats.append(None if st is None else {
-                k: getattr(st, k) for k in ("path", "n_dropped", "recomputed_nodes", "mismatch",
-                                            "n_nodes", "measured_peak_bytes",
-                                            "predicted_peak_bytes", "budget_bytes")})
-            del q, loss
+                loss = td_step(model, target, opt, x, x_next, action, reward)
+            note_step(run, model, loss, m.result.absolute_peak_bytes)
+            del loss
     finally:
         outer.stop()
     return run

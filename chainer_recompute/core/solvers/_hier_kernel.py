@@ -20,6 +20,9 @@ def kernel(engine: Optional[str]):
     k = _COMPILED.get("dp")
     if k is None:
         import numba
+        g = globals()  # the helper the loops call, compiled first (numba needs it so)
+        if not hasattr(g["_relax"], "py_func"):
+            g["_relax"] = numba.njit(cache=True, nogil=True)(_relax)
         k = _COMPILED["dp"] = numba.njit(cache=True, nogil=True)(_dp_loops)
     return k
 
@@ -140,6 +143,22 @@ def _dp_numpy(P, U, step, dm, dt, ptr, o_peak, o_keep, o_dt, bc, best, src, how,
             how[q, tgt[better]] = h
 
 
+def _relax(best, src, how, ft, fm, lo, hi, peak, d, add, q, j, tag, bc, U):
+    """Extend the frontier states ``lo:hi`` of row ``j`` to row ``q`` by one
+    transition (peak above the state's memory, time ``d``, memory kept
+    ``add``; ``tag``: -1 for a block, else its option), where it fits the
+    budget and improves ``best[q]``."""
+    for k in range(lo, hi):
+        v = fm[k]
+        t = ft[k]
+        if v + peak <= bc and t + d <= U:
+            c = v + add
+            if c < best[q, t + d]:
+                best[q, t + d] = c
+                src[q, t + d] = j
+                how[q, t + d] = tag
+
+
 def _dp_loops(P, U, step, dm, dt, ptr, o_peak, o_keep, o_dt, bc, best, src, how, tc, need):
     """The chain DP's table, as loops (compiled by numba). Each finished
     row keeps only its non-dominated states as sources: for tc a state
@@ -161,34 +180,15 @@ def _dp_loops(P, U, step, dm, dt, ptr, o_peak, o_keep, o_dt, bc, best, src, how,
             st = step[j, q]
             if least[j] + st > bc:
                 continue
-            d = dt[j, q]
-            add = dm[j, q]
-            for k in range(fp[j], fp[j + 1]):
-                v = fm[k]
-                t = ft[k]
-                if v + st <= bc and t + d <= U:
-                    c = v + add
-                    if c < best[q, t + d]:
-                        best[q, t + d] = c
-                        src[q, t + d] = j
-                        how[q, t + d] = -1
+            _relax(best, src, how, ft, fm, fp[j], fp[j + 1], st, dt[j, q], dm[j, q], q, j, -1,
+                   bc, U)
         j = q - 1
         if least[j] < inf:
             for h in range(ptr[j], ptr[j + 1]):
-                d = o_dt[h]
-                pk = o_peak[h]
-                if least[j] + pk > bc:
+                if least[j] + o_peak[h] > bc:
                     continue
-                add = o_keep[h]
-                for k in range(fp[j], fp[j + 1]):
-                    v = fm[k]
-                    t = ft[k]
-                    if v + pk <= bc and t + d <= U:
-                        c = v + add
-                        if c < best[q, t + d]:
-                            best[q, t + d] = c
-                            src[q, t + d] = j
-                            how[q, t + d] = h
+                _relax(best, src, how, ft, fm, fp[j], fp[j + 1], o_peak[h], o_dt[h], o_keep[h],
+                       q, j, h, bc, U)
         # the row's frontier
         n = fp[q]
         run = inf

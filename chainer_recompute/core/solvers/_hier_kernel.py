@@ -103,44 +103,31 @@ def _dp_numpy(P, U, step, dm, dt, ptr, o_peak, o_keep, o_dt, bc, best, src, how,
     """The chain DP's table (see module doc), vectorised over the time
     units."""
     inf = np.iinfo(np.int64).max // 4
+
+    def relax(q, j, peak, d, add, tag):
+        # row j's states extended to row q by one transition (see _relax)
+        row, row_q = best[j], best[q]
+        d = int(d)
+        ok = (row < inf) & (row + peak <= bc)
+        ok[:max(int(need[j]), 0)] = False
+        if d > 0:
+            ok[U - d + 1:] = False
+        idx = np.flatnonzero(ok)
+        if len(idx) == 0:
+            return
+        cand = row[idx] + add
+        tgt = idx + d
+        better = cand < row_q[tgt]
+        row_q[tgt[better]] = cand[better]
+        src[q, tgt[better]] = j
+        how[q, tgt[better]] = tag
+
     for q in range(1, P + 1):
-        row_q = best[q]
         for j in range(q):
-            st = step[j, q]
-            if st > bc:
-                continue
-            row = best[j]
-            d = int(dt[j, q])
-            ok = (row < inf) & (row + st <= bc)
-            ok[:max(int(need[j]), 0)] = False
-            if d > 0:
-                ok[U - d + 1:] = False
-            idx = np.flatnonzero(ok)
-            if len(idx) == 0:
-                continue
-            cand = row[idx] + dm[j, q]
-            tgt = idx + d
-            better = cand < row_q[tgt]
-            row_q[tgt[better]] = cand[better]
-            src[q, tgt[better]] = j
-            how[q, tgt[better]] = -1
-        j = q - 1
-        row = best[j]
-        for h in range(ptr[j], ptr[j + 1]):
-            d = int(o_dt[h])
-            ok = (row < inf) & (row + o_peak[h] <= bc)
-            ok[:max(int(need[j]), 0)] = False
-            if d > 0:
-                ok[U - d + 1:] = False
-            idx = np.flatnonzero(ok)
-            if len(idx) == 0:
-                continue
-            cand = row[idx] + o_keep[h]
-            tgt = idx + d
-            better = cand < row_q[tgt]
-            row_q[tgt[better]] = cand[better]
-            src[q, tgt[better]] = j
-            how[q, tgt[better]] = h
+            if step[j, q] <= bc:
+                relax(q, j, step[j, q], dt[j, q], dm[j, q], -1)
+        for h in range(ptr[q - 1], ptr[q]):
+            relax(q, q - 1, o_peak[h], o_dt[h], o_keep[h], h)
 
 
 def _relax(best, src, how, ft, fm, lo, hi, peak, d, add, q, j, tag, bc, U):

@@ -128,6 +128,7 @@ class ReplayContext:
             else 0
         self.free_all = helpers.graph_gone_at_update(graph)
         self.update_transient = int(graph.state_bytes.get("update_transient", 0))
+        self.held_into_next = bool(graph.meta.get("held_into_next_forward", False))
         self.outside_peak, self.outside_held = helpers.outside_bytes(graph)
         # the gradients: the same for every plan
         order = list(graph.backward_order) if graph.backward_order else \
@@ -218,7 +219,7 @@ def run_kernel(ctx: ReplayContext, dropped: Optional[np.ndarray], block_of: Opti
         dropped = np.zeros(n, dtype=np.bool_)
         block_of = np.zeros(n, dtype=np.int64)
     c = ctx
-    return _kernel()(
+    trace, kinds, us, ws, recomputed, held_end = _kernel()(
         n, c.owner, c.owned, c.nbytes, c.pc, c.constown, c.producer, c.dies_at, c.retby,
         c.in_p, c.in_i, c.out_p, c.out_i, c.rout_p, c.rout_i, c.rin_p, c.rin_i,
         c.dies_p, c.dies_i, c.tmp_p, c.tmp_i, c.held_p, c.held_key, c.held_nb, c.held_der,
@@ -227,6 +228,10 @@ def run_kernel(ctx: ReplayContext, dropped: Optional[np.ndarray], block_of: Opti
         c.free_all, c.update_transient, c.outside_peak, c.outside_held, has_plan,
         np.asarray(dropped, dtype=np.bool_),
         np.asarray(block_of, dtype=np.int64), MODES[release_mode])
+    if c.held_into_next:  # the previous call's graph, through this forward
+        trace = trace.copy()
+        trace[:int(np.argmax(kinds == END)) + 1] += held_end
+    return trace, kinds, us, ws, recomputed
 
 
 def _replay_loop(n, owner, owned, nbytes, pc, constown, producer, dies_at, retby,
@@ -462,6 +467,15 @@ def _replay_loop(n, owner, owned, nbytes, pc, constown, producer, dies_at, retby
                                              pc, constown, reasons)):
                         level += _release(u, out_p, out_i, held_p, held_key, held_der, reasons,
                                           count, owner, owned, attr_on, attr_nb, released)
+    # what the graph still holds after its backward (a graph held into the
+    # next call holds it through that call's forward)
+    held_end = 0
+    for b in range(n_arrays):
+        if count[b] > 0:
+            held_end += nbytes[b]
+    for key in range(n_keys):
+        if attr_on[key]:
+            held_end += attr_nb[key]
     # the optimizer update
     if free_all:
         for b in range(n_arrays):
@@ -481,7 +495,7 @@ def _replay_loop(n, owner, owned, nbytes, pc, constown, producer, dies_at, retby
     ev_u[ne] = -1
     ev_w[ne] = -1
     ne += 1
-    return trace[:ne], kinds[:ne], ev_u[:ne], ev_w[:ne], recomputed
+    return trace[:ne], kinds[:ne], ev_u[:ne], ev_w[:ne], recomputed, held_end
 
 
 def _grow(trace, kinds, ev_u, ev_w, cap):

@@ -595,6 +595,10 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
                     if (remaining.get(u, 0) <= 0 and u in plan.releasable and u not in released
                             and (release_mode == "none" or u in dropped) and regenerable(u)):
                         release(u)
+    # What the graph still holds after its backward: a graph held into the
+    # model's next call (``meta['held_into_next_forward']``) holds it
+    # through that call's forward, so the forward's events carry it too.
+    held_end = sum(arrays[buf].nbytes for buf in mem.holders) + sum(mem.attrs.values())
     # The optimizer update: the graph is gone by then, or it still holds
     # what nothing released (see graph_gone_at_update).
     if graph_gone_at_update(graph):
@@ -606,6 +610,10 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
     sb = graph.state_bytes
     mem.record("update", sb.get("update_transient", 0))
     trace = np.asarray(mem.trace, dtype=np.int64)
+    if graph.meta.get("held_into_next_forward", False):
+        end = mem.events.index("end of forward") + 1
+        trace[:end] += held_end
+        mem.used_trace[:end] = [u + held_end for u in mem.used_trace[:end]]
     k = int(np.argmax(trace)) if len(trace) else 0
     return ReplayResult(peak_bytes=int(trace[k]) if len(trace) else constant,
                         peak_event=mem.events[k] if mem.events else "",

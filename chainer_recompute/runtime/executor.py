@@ -131,6 +131,8 @@ class IterationHook(Recorder):
         self.on_backward_done: Optional[Any] = None
         self.backward_done = False  # set then
         self.let_go_done = False  # released by let_go(): no backward through it any more
+        #: called before the forward's first function runs
+        self.on_first_function: Optional[Callable[[], None]] = None
         #: the plan made from this recorded iteration (it learns a second
         #: backward pass through this graph)
         self.planned: Optional[Program] = None
@@ -163,6 +165,8 @@ class IterationHook(Recorder):
 
     # ---------------------------------------------------------- forward
     def before_forward(self, call: Call, function: Any, in_data: Tuple[Any, ...]) -> None:
+        if call.index == 0 and self.on_first_function is not None:
+            self.on_first_function()
         if not self.executing:
             return
         i = call.index

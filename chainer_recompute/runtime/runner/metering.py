@@ -14,6 +14,7 @@ import chainer
 
 from ...core.errors import InfeasibleBudgetError
 from ..executor import IterationHook, IterationStats
+from .log import logger
 from .state import _Entry, _Structure
 
 if TYPE_CHECKING:
@@ -173,6 +174,12 @@ class MeteringMixin:
     # id(structure) -> (entry, structure, correction bytes)
     _corrections: Optional[Dict[int, Tuple[_Entry, _Structure, int]]] = None
     _last_hook: Any = None  # a weak reference to the previous call's IterationHook
+    # the function nodes of the previous call's graph (weak references)
+    # when this call found it alive
+    _held_previous: Optional[List[Any]] = None
+    # whether that graph was still alive at the forward's first function
+    # when last seen (None: never seen)
+    _held_at_start: Optional[bool] = None
 
     def _start_meter(self, entry: _Entry, hook: IterationHook, link: Optional[chainer.Link],
                      args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
@@ -313,16 +320,94 @@ class MeteringMixin:
         raised (or warned about) by the call of that signature."""
         pending, self._corrections = self._corrections, None
         for entry, s, correction in (pending or {}).values():
-            if s not in entry.structures:
+            if s in entry.structures:
+                self._replan(entry, s, correction_bytes=int(
+                    s.graph.meta.get("correction_bytes", 0)) + correction)
+
+    def _check_held_graph(self, entry: _Entry, hook: IterationHook) -> None:
+        """At the end of a planned forward whose call found the previous
+        call's graph alive: a plan that counted that graph through the
+        forward (``held_into_next_forward``, assumed for a model that keeps
+        an output in an attribute) when the model let go of it before its
+        first function (``L.Classifier`` and ``L.LSTM``'s ``reset_state``
+        do) is replayed without it: the same plan, its prediction and
+        plain Chainer's as they are."""
+        funcs, self._held_previous = self._held_previous, None
+        if funcs is None or hook.program is None or getattr(hook, "_held_at_start", True):
+            return  # still held when this forward began: as planned
+        from ...core.replay import replay
+        for s in entry.structures:
+            if s.program is not hook.program or \
+                    not s.graph.meta.get("held_into_next_forward", False):
                 continue
-            graph = s.graph
-            meta = dict(graph.meta)
-            meta["correction_bytes"] = int(meta.get("correction_bytes", 0)) + correction
-            graph = graph.replace(meta=meta)
-            t0 = time.perf_counter()
-            entry.structures.remove(s)
-            try:
-                self._add(entry, graph, s.program.param_refs, s.program.multi_backward, t0,
-                          backward_known=s.program.backward_known)
-            except InfeasibleBudgetError as e:
-                entry.error = e
+            graph = s.graph.replace(meta={**s.graph.meta, "held_into_next_forward": False})
+            peak = replay(graph, s.program if s.plan.recompute else None,
+                          release_mode=s.program.release_mode).peak_bytes
+            info = dict(s.plan.info)
+            if "vanilla_peak_bytes" in info:
+                info["vanilla_peak_bytes"] = replay(graph, None).peak_bytes
+            s.graph = s.program.graph = graph
+            s.plan = dataclasses.replace(s.plan, predicted_peak_bytes=int(peak), info=info)
+            hook.stats.predicted_peak_bytes = s.plan.predicted_peak_bytes
+
+    def _watch_held_graph(self, hook: IterationHook) -> None:
+        """Whether the previous call's graph, alive at this call, is still
+        alive when ``hook``'s forward applies its first function."""
+        funcs = self._held_previous
+        if funcs is None:
+            return
+
+        ref = weakref.ref(hook)  # (no cycle: the hook dies with its graph)
+
+        runner = weakref.ref(self)
+
+        def first() -> None:
+            h, r = ref(), runner()
+            if h is not None and r is not None:
+                h._held_at_start = r._held_at_start = any(f() is not None for f in funcs)
+        hook.on_first_function = first
+
+    def _replan(self, entry: _Entry, s: _Structure, **meta: Any) -> None:
+        """Plan ``s``'s graph again with ``meta`` set (what a measurement
+        added to the memory model), in place of ``s``; a budget that cannot
+        be met then is kept on the entry (raised or warned about by the
+        call of that signature)."""
+        graph = s.graph.replace(meta={**s.graph.meta, **meta})
+        t0 = time.perf_counter()
+        entry.structures.remove(s)
+        try:
+            self._add(entry, graph, s.program.param_refs, s.program.multi_backward, t0,
+                      backward_known=s.program.backward_known)
+        except InfeasibleBudgetError as e:
+            entry.error = e
+
+    def _count_held_graph(self, entry: _Entry) -> None:
+        """The graph of the model's previous call, its backward run, is
+        still alive at this call (the loop keeps its ``loss`` into the next
+        forward, the model keeps an output in an attribute): as in plain
+        Chainer it stays alive through this call's forward. A plan that did
+        not count it is made again, before this step's meter starts, with
+        what such a graph holds after its backward added to the forward
+        (``meta['held_into_next_forward']``, replayed), so that the step
+        stays under the budget. A recorded (plain) graph first releases
+        what its plan drops: a backward pass through it later regenerates
+        them. (A model known to keep its graph is planned so from the
+        start: :meth:`_recorded`, :meth:`_capture_at`.)"""
+        self._held_previous = None
+        if (self.free_previous_graph or self.budget_scope != "total" or not entry.structures
+                or self.coordinator is not None):  # (a coordinator replans collectively)
+            return
+        previous = self._last_hook() if self._last_hook is not None else None
+        if previous is None or not previous.backward_done or previous.let_go_done:
+            return
+        if not any(c.func() is not None for c in previous.calls):
+            return  # freed, as by StandardUpdater (``del loss`` after the backward)
+        if previous.recording and previous.planned is not None:
+            previous.release_as_planned(previous.planned)
+        self._held_previous = [c.func for c in previous.calls]  # (weak references)
+        s = entry.structures[0]
+        if not s.graph.meta.get("held_into_next_forward", False) and \
+                self._held_at_start is not False:  # (not seen let go before its forward)
+            logger.info("the graph of the model's previous call is still held at its next "
+                        "call; planned again with it alive through the forward")
+            self._replan(entry, s, held_into_next_forward=True)

@@ -210,8 +210,9 @@ class PlanningMixin:
             # a model that keeps an output of its graph (a loss link's
             # ``self.loss``) keeps the graph through the optimizer's update:
             # the replay counts what it still holds then
-            meta = {"state_bytes": state_bytes(link),
-                    "kept_after_backward": _keeps_graph(link, hook)}
+            keeps = _keeps_graph(link, hook)
+            meta = {"state_bytes": state_bytes(link), "kept_after_backward": keeps,
+                    "held_into_next_forward": keeps and not self.free_previous_graph}
         graph = hook.graph(cost_model=self.cost, batch_size=entry.batch,
                            name=type(link).__name__ if link is not None else "model",
                            meta=meta,
@@ -313,9 +314,14 @@ class PlanningMixin:
                     link.cleargrads()  # as a training loop does (restored after)
                 loss.backward()
             del out, loss
+            keeps = link is not None and _keeps_graph(link, hook)
+        meta = None
+        if link is not None:
+            meta = {"state_bytes": state_bytes(link), "kept_after_backward": keeps,
+                    "held_into_next_forward": keeps and not self.free_previous_graph}
         graph = hook.graph(cost_model=self.cost, batch_size=small,
                            name=type(link).__name__ if link is not None else "model",
-                           meta={"state_bytes": state_bytes(link)} if link is not None else None)
+                           meta=meta)
         return graph, hook
 
     def _family_graphs(self, entry: _Entry, link: Optional[chainer.Link]

@@ -134,19 +134,19 @@ class Recompute(PlanningMixin, MeteringMixin):
             ``loss``) is always planned at the end of its backward, and that
             graph then releases what the plan drops; a bare callable (no
             Link) always at its next call.
-        free_previous_graph: when the model is called again for training,
-            release what the graphs of its earlier calls still hold once
-            their backward has run (their functions' outputs, retained and
-            attribute arrays: dropout masks, the arrays kept for
-            regeneration, the caller's arrays they retained: the previous
-            batch). True (default): a loop that keeps its ``loss``
-            into the next forward (``loss = model(x, t); loss.backward()``)
-            holds nothing of the previous graph through it, so the budget,
-            which counts no previous graph, holds; a backward pass through
-            such a graph after the model's next call raises
-            :class:`UnsafeRecomputeError`. False: plain Chainer's
-            semantics (an old graph can be backpropagated again), and a
-            graph the loop keeps is not under the budget.
+        free_previous_graph: False (default): the graph of an earlier call
+            lives as long as something holds it, as in plain Chainer (a
+            backward through it works whatever came between: a later call,
+            ``chainer.grad``, a hand-written differentiable backward,
+            ``@static_graph``); what a graph held into the next call still
+            holds is measured at that call and planned for (the step stays
+            under the budget). True (opt-in): when the model is called
+            again for training, release what the graphs of earlier calls
+            whose backward has run still hold (outputs, retained and
+            attribute arrays, the previous batch), so that a loop that keeps
+            its ``loss`` into the next forward holds none of it there: less
+            memory, but a backward through such a graph afterwards raises
+            :class:`UnsafeRecomputeError`.
         **solver_options: passed to the solver.
 
     Input shapes that change from call to call (a batch padded to its
@@ -185,7 +185,7 @@ class Recompute(PlanningMixin, MeteringMixin):
                  verify: bool = True, budget_scope: str = "total", check_iterations: int = 3,
                  verbose: bool = True, coordinator: Any = None, workspace: Any = None,
                  workspace_exact: bool = True, on_infeasible: str = "auto",
-                 plan_at: str = "backward", free_previous_graph: bool = True,
+                 plan_at: str = "backward", free_previous_graph: bool = False,
                  **solver_options: Any) -> None:
         from ...core.budget import check_scope
         from ...core.costs import COST_MODELS
@@ -328,6 +328,7 @@ class Recompute(PlanningMixin, MeteringMixin):
             self._apply_corrections()
         sig = self.signature(args, kwargs)
         entry = self._entry(sig)
+        self._count_held_graph(entry)
         if entry.error is not None:
             self._infeasible(entry, entry.error)  # raises, or runs this signature plainly
         entry.calls += 1
@@ -373,6 +374,7 @@ class Recompute(PlanningMixin, MeteringMixin):
         hook = IterationHook(programs, link=link,
                              args=list(args) + list(kwargs.values()), verify=self.verify)
         if entry.structures:
+            self._watch_held_graph(hook)
             self._start_meter(entry, hook, link, args, kwargs)
         self._last_hook = weakref.ref(hook)
         self._graphs.append(self._last_hook)
@@ -381,6 +383,8 @@ class Recompute(PlanningMixin, MeteringMixin):
         with _Active(), hook, bounded(limit, self.workspace_exact):
             out = self.fn(*args, **kwargs)
         hook.finish(out)
+        if self._held_previous is not None:
+            self._check_held_graph(entry, hook)
         self.last_stats = hook.stats
         if hook.stats.path == "planned":
             self._ran_planned = True

@@ -1,0 +1,203 @@
+"""Code that plain Chainer runs runs the same with ``apply()``'s default
+options: a backward through the graph of an earlier call of the model
+works whatever came between (a later call, ``chainer.grad(...,
+enable_double_backprop=True)``, a hand-written differentiable backward,
+``@static_graph``), bit for bit, over several optimizer steps.
+
+The runs use :func:`test_real_training.compare` (plain and applied from the
+same seeds, every record compared after each backward and update) with no
+option but the budget.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+import chainer
+import chainer.functions as F
+import chainer.links as L
+from chainer.graph_optimizations.static_graph import static_graph
+
+from test_real_training import compare
+
+DEFAULTS = {"budget": "least"}
+
+
+# ------------------------------------------------------------ WGAN-GP
+class TanhCritic(chainer.Chain):
+    """A critic with tanh (whose backward reads its retained output)."""
+
+    def __init__(self, n_in: int = 24, w: int = 48, depth: int = 5) -> None:
+        super().__init__()
+        with self.init_scope():
+            self.layers = chainer.ChainList(*[L.Linear(n_in if k == 0 else w, w)
+                                              for k in range(depth)])
+            self.last = L.Linear(w, 1)
+
+    def forward(self, x):
+        h = x
+        for lin in self.layers:
+            h = F.tanh(lin(h))
+        return self.last(h)
+
+
+def gan_data(steps: int = 5, batch: int = 16, n_in: int = 24):
+    rs = np.random.RandomState(7)
+    return [(np.tanh(rs.randn(batch, n_in)).astype(np.float32),
+             np.tanh(rs.randn(batch, n_in)).astype(np.float32),
+             rs.uniform(0, 1, (batch, 1)).astype(np.float32)) for _ in range(steps)]
+
+
+def test_wgan_gp_penalty_first():
+    """The penalty's ``chainer.grad(..., enable_double_backprop=True)``
+    first, then the critic on the fake and the real batch, then one
+    backward: the penalty's graph reads outputs of the first call after
+    two later calls (it crashed in tanh's backward on the first step)."""
+    data = gan_data()
+
+    def scenario(env):
+        critic = env.apply("critic", TanhCritic(), **DEFAULTS)
+        opt = env.optimizer("main", chainer.optimizers.Adam(1e-4, beta1=0.5), critic)
+        for i, (x_real, x_fake, eps) in enumerate(data):
+            x_hat = chainer.Variable(eps * x_real + (1 - eps) * x_fake)
+            gx, = chainer.grad([F.sum(critic(x_hat))], [x_hat], enable_double_backprop=True)
+            gp = F.mean((F.sqrt(F.batch_l2_norm_squared(gx) + 1e-12) - 1) ** 2)
+            loss = F.mean(critic(x_fake)) - F.mean(critic(x_real)) + 10 * gp
+            critic.cleargrads()
+            loss.backward()
+            env.snap(f"{i} backward", loss=loss)
+            opt.update()
+            env.snap(f"{i} update")
+
+    compare(scenario, **DEFAULTS).assert_recomputed(at_least=3)
+
+
+# ------------------------------------ a critic that keeps its activations
+class KeepingCritic(chainer.Chain):
+    """A critic that keeps its activations in attributes and builds its
+    input gradient by a hand-written differentiable backward over them
+    (the shape of chainer-gan-lib's WGAN-GP discriminators)."""
+
+    def __init__(self, n_in: int = 24, w: int = 48) -> None:
+        super().__init__()
+        with self.init_scope():
+            self.l0 = L.Linear(n_in, w)
+            self.l1 = L.Linear(w, w)
+            self.l2 = L.Linear(w, w)
+            self.l3 = L.Linear(w, 1)
+
+    def forward(self, x):
+        self.x = x
+        self.h0 = F.leaky_relu(self.l0(x), 0.2)
+        self.h1 = F.leaky_relu(self.l1(self.h0), 0.2)
+        self.h2 = F.leaky_relu(self.l2(self.h1), 0.2)
+        return self.l3(self.h2)
+
+    @staticmethod
+    def _bw_linear(g, lin):
+        return F.matmul(g, lin.W)
+
+    @staticmethod
+    def _bw_leaky_relu(h, g, a):
+        xp = chainer.backend.get_array_module(h.array)
+        mask = (h.array > 0).astype(g.dtype) + a * (h.array < 0).astype(g.dtype)
+        return g * xp.asarray(mask)
+
+    def differentiable_backward(self, g):
+        g = self._bw_linear(g, self.l3)
+        g = self._bw_leaky_relu(self.h2, g, 0.2)
+        g = self._bw_linear(g, self.l2)
+        g = self._bw_leaky_relu(self.h1, g, 0.2)
+        g = self._bw_linear(g, self.l1)
+        g = self._bw_leaky_relu(self.h0, g, 0.2)
+        return self._bw_linear(g, self.l0)
+
+
+class Gen(chainer.Chain):
+    def __init__(self, n_z: int = 8, n_out: int = 24) -> None:
+        super().__init__()
+        with self.init_scope():
+            self.l0 = L.Linear(n_z, 32)
+            self.l1 = L.Linear(32, n_out)
+
+    def forward(self, z):
+        return F.tanh(self.l1(F.relu(self.l0(z))))
+
+
+def test_critic_keeping_activations_called_three_times_before_two_backwards():
+    """chainer-gan-lib's WGAN-GP updater: the critic on the real batch, on
+    the generator's batch (the generator's loss backpropagated and updated
+    through it at once), on the mixed batch, then its differentiable
+    backward; then the critic's loss backward (through the first two
+    calls' graphs again) and the penalty's backward."""
+    data = gan_data()
+    rs = np.random.RandomState(3)
+    zs = [rs.randn(16, 8).astype(np.float32) for _ in data]
+
+    def scenario(env):
+        dis = env.apply("dis", KeepingCritic(), **DEFAULTS)
+        gen = env.apply("gen", Gen(), **DEFAULTS)
+        opt_d = env.optimizer("dis", chainer.optimizers.Adam(1e-4, beta1=0.5), dis)
+        opt_g = env.optimizer("gen", chainer.optimizers.Adam(1e-4, beta1=0.5), gen)
+        for i, ((x_real, _, eps), z) in enumerate(zip(data, zs)):
+            batch = len(x_real)
+            y_real = dis(chainer.Variable(x_real))
+            x_fake = gen(chainer.Variable(z))
+            y_fake = dis(x_fake)
+            loss_gen = F.sum(-y_fake) / batch
+            gen.cleargrads()
+            loss_gen.backward()
+            opt_g.update()
+            env.snap(f"{i} gen update", loss=loss_gen)
+            x_fake.unchain_backward()
+            x_mid = chainer.Variable(eps * x_real + (1.0 - eps) * x_fake.array)
+            y_mid = dis(x_mid)
+            dydx = dis.differentiable_backward(np.ones_like(y_mid.array))
+            dydx = F.sqrt(F.sum(dydx ** 2, axis=1))
+            loss_gp = 10 * F.mean_squared_error(dydx, np.ones_like(dydx.array))
+            loss_dis = F.sum(-y_real) / batch + F.sum(y_fake) / batch
+            dis.cleargrads()
+            loss_dis.backward()
+            loss_gp.backward()
+            env.snap(f"{i} dis backward", loss=loss_dis, gp=loss_gp)
+            opt_d.update()
+            env.snap(f"{i} dis update")
+
+    # (the critic's activations are its attributes: nothing of it is worth
+    # dropping even at the least budget; what is checked is that the calls
+    # and backward passes through earlier graphs give plain Chainer's results)
+    compare(scenario, **DEFAULTS)
+
+
+# ------------------------------------------------------- @static_graph
+class StaticMLP(chainer.Chain):
+    """Chainer's static_graph_optimizations MNIST example's network."""
+
+    def __init__(self, n_units: int = 64, n_out: int = 10) -> None:
+        super().__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(None, n_units)
+            self.l2 = L.Linear(None, n_units)
+            self.l3 = L.Linear(None, n_out)
+
+    @static_graph
+    def __call__(self, x):
+        h1 = F.relu(self.l1(x))
+        h2 = F.relu(self.l2(h1))
+        return self.l3(h2)
+
+
+def test_static_graph_classifier_with_adam():
+    """``@static_graph`` under ``L.Classifier`` with Adam, a plain update
+    loop (the example's own): the same results as plain Chainer."""
+    rs = np.random.RandomState(5)
+    data = [(rs.randn(32, 40).astype(np.float32), rs.randint(0, 10, 32).astype(np.int32))
+            for _ in range(6)]
+
+    def scenario(env):
+        model = env.apply("model", L.Classifier(StaticMLP()), **DEFAULTS)
+        opt = env.optimizer("main", chainer.optimizers.Adam(), model)
+        for i, (x, t) in enumerate(data):
+            opt.update(model, x, t)
+            env.snap(f"{i} update", loss=model.loss)
+
+    compare(scenario, **DEFAULTS)

@@ -245,6 +245,23 @@ class PlanningMixin:
             hook.planned = s.program
         return s
 
+    def _captures(self, batch: Optional[int]) -> bool:
+        """Whether the first call of a signature at ``batch`` is planned
+        from a separate capture (see ``capture_batch``)."""
+        if self.capture_batch == "auto":
+            return batch is not None and batch >= 3
+        return self.capture_batch is not None
+
+    def _say_recorded(self, args: Tuple[Any, ...], batch: Optional[int], why: str) -> None:
+        """The first call of a signature runs plainly, recorded: said once
+        (a warning), before it runs."""
+        level = logging.INFO if self._said_capture else logging.WARNING
+        self._said_capture = True
+        report.log(level, "the first call of %s%s runs as plain Chainer while its graph is "
+                   "recorded, not bounded by the budget: %s; the next calls run under a "
+                   "plan made from it", self._name(args),
+                   "" if batch is None else f" at batch {batch}", why)
+
     def _plan_separately(self, entry: _Entry, args: Tuple[Any, ...],
                          kwargs: Dict[str, Any]) -> bool:
         """Plan from a separate capture that leaves no trace. With
@@ -259,6 +276,24 @@ class PlanningMixin:
         t0 = time.perf_counter()
         batch = batch_size_of(args, kwargs)
         small = self.capture_batch
+        if small == "auto":
+            if not self._captures(batch):
+                self._refusal = ("its arguments have no batch dimension" if batch is None else
+                                 "a batch under 3 cannot be planned from smaller captures")
+                self._say_recorded(args, batch, self._refusal)
+                return False
+            small = 1 if batch <= 4 else 2
+            try:
+                g1, hook = self._capture_at(args, kwargs, batch, small)
+                g2, _ = self._capture_at(args, kwargs, batch, 2 * small)
+                graph = g1.scale_between(g2, batch)
+            except Exception as e:  # noqa: BLE001 - said, and the call is recorded instead
+                self._refusal = (f"captures at batch {small} and {2 * small} cannot plan "
+                                 f"it ({type(e).__name__}: {e})")
+                self._say_recorded(args, batch, self._refusal)
+                return False
+            self._add(entry, graph, hook.param_refs, hook.multi_backward, t0)
+            return True
         if small is None or batch is None or small >= batch:
             graph, hook = self._capture_at(args, kwargs, batch, batch)
             self._add(entry, graph, hook.param_refs, hook.multi_backward, t0)
@@ -441,40 +476,47 @@ class PlanningMixin:
         return None
 
     def _plan_in_call(self, entry: _Entry, args: Tuple[Any, ...],
-                      kwargs: Dict[str, Any]) -> None:
-        """:meth:`_plan_from_family` inside a training call, before its meter
-        starts: where no recorded plan fits the new shape, its graph is
-        solved there, and the planner's memory is in that step and in no
-        plan. On NumPy under a byte budget it is measured; when it and the
-        model's own arrays (parameters, gradients, optimizer state, inputs)
-        are over the budget, that step is, and it is said once."""
+                      kwargs: Dict[str, Any]) -> bool:
+        """Plan the first call of a signature inside it, before its meter
+        starts: from the recorded shapes of its family
+        (:meth:`_plan_from_family`), else from a separate capture
+        (:meth:`_plan_separately`); False when neither can (the call is
+        then recorded, said there). The planner's memory (and the
+        captures') is in that step and in no plan: on NumPy under a byte
+        budget it is measured, and when it and the model's own arrays
+        (parameters, gradients, optimizer state, inputs) are over the
+        budget, that step is, and it is said once."""
         from ..device import device_of
         from .metering import _distinct_bytes, _own_arrays
+
+        def plan() -> bool:
+            return bool((self.coordinator is None and self._plan_from_family(entry, args, kwargs))
+                        or (self.capture_batch is not None
+                            and self._plan_separately(entry, args, kwargs)))
         arrays = list(args) + list(kwargs.values())
         dev = device_of(arrays)
         if self.budget_bytes is None or dev.is_gpu or self._said_planning:
-            self._plan_from_family(entry, args, kwargs)
-            return
+            return plan()
         meter = dev.meter()
         meter.start()
         planned = False
         try:
-            planned = self._plan_from_family(entry, args, kwargs)
+            planned = plan()
         finally:
             planner = meter.stop().peak_bytes
-        if not planned:  # recorded instead (said by _plan_from_family)
-            return
+        if not planned:  # recorded instead (said there)
+            return False
         own = _distinct_bytes(dev, _own_arrays(self._link(args), arrays))
         if own + planner > self.budget_bytes:
             self._said_planning = True
             report.warning(
-                "planning a new input shape of %s (dimensions %s) inside its call took %s "
-                "(the planner's memory, in no plan) on top of the model's own %s (parameters, "
+                "planning %s (input dimensions %s) inside its first call took %s (the "
+                "planner's memory, in no plan) on top of the model's own %s (parameters, "
                 "gradients, optimizer state, inputs): this step peaks at %s or more, over the "
-                "budget %s (a first call at the largest shape is planned in its own recorded "
-                "step, and its plan serves the smaller shapes)", self._name(args), entry.dims,
-                format_bytes(planner), format_bytes(own), format_bytes(own + planner),
+                "budget %s", self._name(args), entry.dims, format_bytes(planner),
+                format_bytes(own), format_bytes(own + planner),
                 format_bytes(self.budget_bytes))
+        return True
 
     def _plan_from_family(self, entry: _Entry, args: Tuple[Any, ...],
                           kwargs: Dict[str, Any]) -> bool:
@@ -507,6 +549,8 @@ class PlanningMixin:
                     graph, src = g1.scale_batch(batch), e1
                     break
         if graph is None:
+            if self._captures(batch):
+                return False  # planned from a separate capture instead
             if self.budget_bytes is not None and not self._said_new_shape:
                 self._said_new_shape = True
                 report.warning("a new input shape of %s (dimensions %s) is recorded plainly: "

@@ -71,10 +71,20 @@ class Recompute(PlanningMixin, MeteringMixin):
         max_plans: how many input signatures keep their plans.
         max_structures: how many graph structures one signature keeps
             plans for.
-        capture_batch: plan before the first call, from a separate capture
-            at this batch size scaled linearly to the real batch (the budget
-            then holds from the first step); default: plan from the first
-            call, which runs plainly.
+        capture_batch: how the first call of an input signature is planned.
+            ``'auto'`` (default): before it runs, from two separate captures
+            at a small batch (1 and 2 for a batch of 3 or 4, 2 and 4 above)
+            that leave no trace, every size that differs between them scaled
+            linearly to the real batch; the budget then holds from the first
+            step. A batch under 3, arguments without a batch dimension, or a
+            model the captures do not describe (its structure or a size not
+            linear in the batch) is said once, and that first call runs as
+            plain Chainer while its graph is recorded. An int: captures at
+            that batch and twice it (a batch no larger than it is captured
+            whole). ``None``: the first call runs as plain Chainer and is
+            recorded (not bounded by the budget). Input shapes after the
+            first are planned from the recorded shapes of their family where
+            they can be (below), else captured the same way.
         verify: checksum the parameters and inputs that regeneration reads,
             so that an in-place change between forward and backward is
             reported instead of giving a different gradient.
@@ -181,7 +191,7 @@ class Recompute(PlanningMixin, MeteringMixin):
 
     def __init__(self, fn: Callable[..., Any], budget: Any, *, solver: str = "auto",
                  strategy: str = "tc", cost: str = "measured", max_plans: int = 8,
-                 max_structures: int = 4, capture_batch: Optional[int] = None,
+                 max_structures: int = 4, capture_batch: Any = "auto",
                  verify: bool = True, budget_scope: str = "total", check_iterations: int = 3,
                  verbose: bool = True, coordinator: Any = None, workspace: Any = None,
                  workspace_exact: bool = True, on_infeasible: str = "auto",
@@ -211,8 +221,10 @@ class Recompute(PlanningMixin, MeteringMixin):
         self.free_previous_graph = bool(free_previous_graph)
         if cost not in COST_MODELS:
             raise RecomputeError(f"unknown cost model {cost!r}; known: {sorted(COST_MODELS)}")
-        if capture_batch is not None and (not isinstance(capture_batch, int) or capture_batch < 1):
-            raise RecomputeError(f"capture_batch must be a positive int or None, got "
+        if capture_batch is not None and capture_batch != "auto" and (
+                not isinstance(capture_batch, int) or isinstance(capture_batch, bool)
+                or capture_batch < 1):
+            raise RecomputeError(f"capture_batch must be 'auto', a positive int or None, got "
                                  f"{capture_batch!r}")
         self.fn = fn
         self.solver, self.strategy, self.cost = solver, strategy, cost
@@ -293,7 +305,7 @@ class Recompute(PlanningMixin, MeteringMixin):
             return None
         return ("plain" if entry.plain else "plan" if entry.pending is not None
                 else "run" if entry.structures
-                else "capture" if self.capture_batch is not None and entry.calls == 1
+                else "capture" if entry.calls == 1 and self._captures(entry.batch)
                 else "record")
 
     def plans_before_forward(self, signature: Hashable) -> bool:
@@ -342,10 +354,9 @@ class Recompute(PlanningMixin, MeteringMixin):
             if entry.pending is not None:
                 self._plan_pending(entry, args, kwargs)
             elif not entry.structures and entry.calls == 1:
-                if self.capture_batch is not None:
-                    self._plan_separately(entry, args, kwargs)
-                elif self.coordinator is None:
-                    self._plan_in_call(entry, args, kwargs)
+                # a new shape of a recorded family first (no capture), then
+                # a separate capture
+                self._plan_in_call(entry, args, kwargs)
         except InfeasibleBudgetError as e:
             self._infeasible(entry, e)
             self.last_stats = IterationStats(path="plain")

@@ -1,0 +1,212 @@
+"""With default options a byte budget, or ``'least'``, holds from the very
+first training step: the first call of the model is planned from separate
+small captures (``capture_batch='auto'``) and runs under the plan, the
+optimizer's update (its state made by the first update, its hooks)
+included.
+
+Each run trains twice from the same seeds, plain Chainer and with
+``apply(model, budget=...)`` and nothing else, as Chainer's
+``StandardUpdater`` does (``optimizer.update(model, *batch)``), with one
+tracemalloc meter started before the model is built: the peak of each whole
+step counts everything (parameters, gradients, optimizer state, the graph,
+the update's temporaries, the planner's memory at the first call). After
+every step the two runs are identical bit for bit, and every step, the
+first included, is at or under its budget.
+"""
+from __future__ import annotations
+
+import gc
+from typing import Any, Callable, List, Tuple
+
+import numpy as np
+import pytest
+
+import chainer
+import chainer.functions as F
+import chainer.links as L
+from chainer import optimizer_hooks as H
+
+import chainer_recompute as cr
+from chainer_recompute.runtime.memory import MemoryMeter
+from test_step_budget import _records
+
+STEPS = 5
+
+
+class Run:
+    def __init__(self) -> None:
+        self.peaks: List[int] = []
+        self.records: List[Any] = []
+        self.stats: List[Any] = []
+
+
+def train(make: Callable[[], chainer.Link], setup: Callable[[chainer.Link], Any],
+          batches: List[Tuple[Any, ...]], budget: Any = None) -> Run:
+    """``budget`` None: plain Chainer."""
+    run = Run()
+    gc.collect()
+    outer = MemoryMeter()
+    outer.start()
+    try:
+        np.random.seed(0)
+        model = make()
+        if budget is not None:
+            cr.apply(model, budget=budget, verbose=False)
+        opt = setup(model)
+        for batch in batches:
+            with MemoryMeter() as m:
+                opt.update(model, *batch)
+            run.peaks.append(m.result.absolute_peak_bytes)
+            run.records.append(_records(model, getattr(model, "loss", None)))
+            if budget is not None:
+                st = cr.runner_of(model).last_stats
+                run.stats.append((st.path, st.budget_bytes, st.predicted_peak_bytes,
+                                  st.measured_peak_bytes))
+        del model, opt
+    finally:
+        outer.stop()
+    return run
+
+
+def check(make: Callable[[], chainer.Link], setup: Callable[[chainer.Link], Any],
+          batches: List[Tuple[Any, ...]]) -> Tuple[Run, Run, Run]:
+    """Plain, ``'least'`` and a byte budget halfway between the least
+    figure and plain Chainer's measured peak: identical records, every
+    step under its budget, the first included."""
+    plain = train(make, setup, batches)
+    least = train(make, setup, batches, "least")
+    least_bytes = least.stats[0][1]
+    mid = (least_bytes + max(plain.peaks)) // 2
+    middle = train(make, setup, batches, mid)
+    for name, run in (("least", least), (f"budget {mid}", middle)):
+        table = "\n".join(
+            f"step {k}: plain {p:,}, applied {a:,}, path {s[0]}, budget {s[1]:,}, "
+            f"predicted {s[2]:,}" for k, (p, a, s) in
+            enumerate(zip(plain.peaks, run.peaks, run.stats)))
+        for k, (a, b) in enumerate(zip(plain.records, run.records)):
+            diff = [key for key in a if a[key] != b.get(key)]
+            assert not diff, f"{name}, step {k}: differs from plain Chainer in {diff[:6]}"
+        assert all(s[0] == "planned" for s in run.stats), f"{name}:\n{table}"
+        for k, (peak, s) in enumerate(zip(run.peaks, run.stats)):
+            assert peak <= s[1], f"{name}: step {k} over its budget:\n{table}"
+    assert middle.stats[0][1] == mid
+    return plain, least, middle
+
+
+# ------------------------------------------------------------- models
+class MLP(chainer.Chain):
+    def __init__(self, sizes=(196, 256, 256, 10)) -> None:
+        super().__init__()
+        with self.init_scope():
+            self.ls = chainer.ChainList(*[L.Linear(a, b) for a, b in zip(sizes, sizes[1:])])
+
+    def forward(self, x, t):
+        h = x
+        for lin in list(self.ls)[:-1]:
+            h = F.relu(lin(h))
+        self.loss = F.softmax_cross_entropy(list(self.ls)[-1](h), t)
+        return self.loss
+
+
+def vectors(n=STEPS, batch=256, width=196, seed=1):
+    rs = np.random.RandomState(seed)
+    return [(rs.randn(batch, width).astype(np.float32),
+             rs.randint(0, 10, batch).astype(np.int32)) for _ in range(n)]
+
+
+class ConvBN(chainer.Chain):
+    def __init__(self, c: int = 16) -> None:
+        super().__init__()
+        with self.init_scope():
+            self.c1 = L.Convolution2D(3, c, 3, pad=1)
+            self.b1 = L.BatchNormalization(c)
+            self.c2 = L.Convolution2D(c, c, 3, pad=1)
+            self.b2 = L.BatchNormalization(c)
+            self.c3 = L.Convolution2D(c, c, 3, pad=1)
+            self.b3 = L.BatchNormalization(c)
+            self.fc = L.Linear(c, 10)
+
+    def forward(self, x, t):
+        h = F.relu(self.b1(self.c1(x)))
+        h = F.relu(self.b2(self.c2(h))) + h
+        h = F.relu(self.b3(self.c3(h))) + h
+        h = F.average_pooling_2d(h, h.shape[2])
+        self.loss = F.softmax_cross_entropy(self.fc(h), t)
+        return self.loss
+
+
+def images(n=STEPS, batch=16, size=16, seed=3):
+    rs = np.random.RandomState(seed)
+    return [(rs.randn(batch, 3, size, size).astype(np.float32),
+             rs.randint(0, 10, batch).astype(np.int32)) for _ in range(n)]
+
+
+class LSTMNet(chainer.Chain):
+    def __init__(self, vocab: int = 64, units: int = 256) -> None:
+        super().__init__()
+        with self.init_scope():
+            self.embed = L.EmbedID(vocab, units)
+            self.lstm = L.LSTM(units, units)
+            self.out = L.Linear(units, vocab)
+
+    def forward(self, xs, ts):
+        self.lstm.reset_state()
+        loss = 0
+        for k in range(xs.shape[1]):
+            h = self.lstm(F.dropout(self.embed(xs[:, k]), 0.3))
+            loss += F.softmax_cross_entropy(self.out(h), ts[:, k])
+        return loss
+
+
+def sequences(n=STEPS, batch=64, length=12, vocab=64, seed=4):
+    rs = np.random.RandomState(seed)
+    return [(rs.randint(0, vocab, (batch, length)).astype(np.int32),
+             rs.randint(0, vocab, (batch, length)).astype(np.int32)) for _ in range(n)]
+
+
+def optimizer(make: Callable[[], Any], *hooks: Any) -> Callable[[chainer.Link], Any]:
+    def setup(model: chainer.Link) -> Any:
+        opt = make()
+        opt.setup(model)
+        for h in hooks:
+            opt.add_hook(h)
+        return opt
+    return setup
+
+
+# -------------------------------------------------------------- tests
+@pytest.mark.parametrize("make_opt", [
+    lambda: chainer.optimizers.Adam(),
+    lambda: chainer.optimizers.AdamW(weight_decay_rate=1e-4),
+], ids=["Adam", "AdamW"])
+def test_mlp(make_opt):
+    check(MLP, optimizer(make_opt), vectors())
+
+
+@pytest.mark.parametrize("setup", [
+    optimizer(lambda: chainer.optimizers.MomentumSGD(0.01), H.WeightDecay(1e-4)),
+    optimizer(lambda: chainer.optimizers.RMSprop(), H.GradientClipping(1.0)),
+], ids=["MomentumSGD+WeightDecay", "RMSprop+GradientClipping"])
+def test_conv_bn(setup):
+    check(ConvBN, setup, images())
+
+
+def test_lstm_adagrad_hard_clipping():
+    check(LSTMNet, optimizer(lambda: chainer.optimizers.AdaGrad(),
+                             H.GradientHardClipping(-0.1, 0.1)), sequences())
+
+
+def test_first_step_is_planned_and_said_when_it_cannot_be(caplog):
+    """A batch too small to plan from smaller captures is said before the
+    step runs; that step is recorded plainly, the next ones planned."""
+    model = cr.apply(MLP(), budget="least", verbose=False)
+    opt = chainer.optimizers.SGD()
+    opt.setup(model)
+    x, t = vectors(n=1, batch=2)[0]
+    with caplog.at_level("WARNING", logger="chainer_recompute.report"):
+        opt.update(model, x, t)
+    assert cr.runner_of(model).last_stats.path == "recorded"
+    said = [r.getMessage() for r in caplog.records if "plain Chainer" in r.getMessage()]
+    assert len(said) == 1 and "batch 2" in said[0] and "under 3" in said[0], said
+    opt.update(model, x, t)
+    assert cr.runner_of(model).last_stats.path == "planned"

@@ -210,3 +210,76 @@ def test_first_step_is_planned_and_said_when_it_cannot_be(caplog):
     assert len(said) == 1 and "batch 2" in said[0] and "under 3" in said[0], said
     opt.update(model, x, t)
     assert cr.runner_of(model).last_stats.path == "planned"
+
+
+def test_the_first_line_says_the_saving_as_measured(caplog):
+    """The runner's one line, said at its second measured step (the first
+    with the optimizer's state and the previous gradients), gives that
+    step's measured and predicted peaks, the budget and plain Chainer's
+    peak with the saving; RecomputeReport's keys carry plain's peak and
+    the saving."""
+    from chainer_recompute.extensions import RecomputeReport
+    model = cr.apply(ConvBN(), budget="least")
+    opt = optimizer(lambda: chainer.optimizers.MomentumSGD(0.01))(model)
+    report = RecomputeReport(target=model, unit="B")
+    report._runner = cr.runner_of(model)
+    seen = []
+    with caplog.at_level("INFO", logger="chainer_recompute.report"):
+        for b in images(n=4, batch=32):
+            opt.update(model, *b)
+            seen.append(report.observe())
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("planned ")]
+    assert len(lines) == 1, lines
+    second = seen[1]
+    measured, plain = second["recompute/measured_peak_B"], second["recompute/plain_peak_B"]
+    saving = 100 * (1 - measured / plain)
+    assert second["recompute/saving_percent"] == pytest.approx(saving)
+    assert saving > 0
+    from chainer_recompute.core.units import format_bytes
+    assert f"peak {format_bytes(int(measured))} measured" in lines[0], lines[0]
+    assert f"{saving:.0f}% less than plain Chainer's {format_bytes(int(plain))}" in lines[0]
+    assert "forward and backward measured at batch 2 and 4, scaled" in lines[0], lines[0]
+
+
+def test_graph_network_whose_node_count_changes_every_batch():
+    """A new atom count at every batch under a byte budget: the first
+    shapes planned from captures, the next ones from the recorded shapes
+    of their family, every step under the budget, the first included."""
+    from test_real_code_patterns import PaddedGNN, gnn_batches
+
+    def make():
+        return PaddedGNN(hidden=128)
+    batches = gnn_batches([40, 46, 36, 44, 38, 48, 42], batch=32)
+    setup = optimizer(lambda: chainer.optimizers.Adam())
+    plain = train(make, setup, batches)
+    budget = int(0.8 * max(plain.peaks))
+    ours = train(make, setup, batches, budget)
+    table = "\\n".join(f"step {k}: plain {p:,}, applied {a:,}, {s}"
+                      for k, (p, a, s) in enumerate(zip(plain.peaks, ours.peaks, ours.stats)))
+    for k, (a, b) in enumerate(zip(plain.records, ours.records)):
+        assert not [key for key in a if a[key] != b.get(key)], f"step {k}\\n{table}"
+    assert all(s[0] == "planned" for s in ours.stats), table
+    assert all(p <= budget for p in ours.peaks), table
+
+
+def test_held_memory_does_not_grow_over_300_steps():
+    """What the model holds between steps (after the update, the loss
+    dropped) is the same after 300 steps as after the first few."""
+    model = cr.apply(MLP(sizes=(32, 64, 64, 10)), budget="least", verbose=False)
+    opt = optimizer(lambda: chainer.optimizers.Adam())(model)
+    rs = np.random.RandomState(0)
+    held = []
+    outer = MemoryMeter()
+    outer.start()
+    try:
+        for step in range(300):
+            x = rs.randn(16, 32).astype(np.float32)
+            t = rs.randint(0, 10, 16).astype(np.int32)
+            opt.update(model, x, t)
+            if step in (10, 299):
+                gc.collect()
+                held.append(outer.current_bytes())
+    finally:
+        outer.stop()
+    assert cr.runner_of(model).last_stats.path == "planned"
+    assert held[1] <= held[0], held

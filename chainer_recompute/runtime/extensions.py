@@ -19,6 +19,11 @@ which ``LogReport`` averages over its interval:
   iterations it measures (the first few after planning on NumPy, every one
   on CuPy);
 - ``recompute/budget_MiB``: the budget the plan was made for;
+- ``recompute/plain_peak_MiB`` and ``recompute/saving_percent``: plain
+  Chainer's peak for the same iteration (predicted by the replay, which
+  counts what a first step does not hold yet; its forward and backward
+  are measured, see the runner's first line) and the measured saving
+  against it, on the iterations the runner measures;
 - ``recompute/recomputed``: function forwards re-run during the backward;
 - ``recompute/planned``: 1 when the iteration ran under a plan, 0 when it
   ran plainly (the first call of an input signature records the graph).
@@ -76,7 +81,7 @@ class RecomputeReport(extension.Extension):
         """The observation keys, for ``PrintReport``."""
         u, p = self.unit, self.prefix
         return [f"{p}predicted_peak_{u}", f"{p}measured_peak_{u}", f"{p}budget_{u}",
-                f"{p}recomputed", f"{p}planned"]
+                f"{p}plain_peak_{u}", f"{p}saving_percent", f"{p}recomputed", f"{p}planned"]
 
     def _find_runner(self, trainer: Any) -> Recompute:
         from ..core.errors import RecomputeError
@@ -121,6 +126,10 @@ class RecomputeReport(extension.Extension):
             out[f"{p}predicted_peak_{u}"] = predicted / scale
         if stats.measured_peak_bytes is not None:
             out[f"{p}measured_peak_{u}"] = stats.measured_peak_bytes / scale
+            if stats.plain_peak_bytes:
+                out[f"{p}plain_peak_{u}"] = stats.plain_peak_bytes / scale
+                out[f"{p}saving_percent"] = 100.0 * (
+                    1 - stats.measured_peak_bytes / stats.plain_peak_bytes)
         if budget is not None:
             out[f"{p}budget_{u}"] = budget / scale
         out[f"{p}recomputed"] = float(stats.recomputed_nodes)

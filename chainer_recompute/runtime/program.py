@@ -79,6 +79,9 @@ class IterationStats:
         mismatch: why the iteration stopped matching its plan.
         measured_peak_bytes / predicted_peak_bytes / budget_bytes: set by
             the runner when it measures the iteration (see ``apply``).
+        plain_peak_bytes: plain Chainer's peak for this iteration, measured
+            (on the recorded step, or by the captures, scaled) or else
+            predicted; set with ``measured_peak_bytes``.
         measured_pool_total_bytes: on CuPy, the same with the blocks the
             memory pool added for the iteration (its cached and split
             blocks included); None on NumPy.
@@ -86,7 +89,7 @@ class IterationStats:
 
     __slots__ = ("path", "n_dropped", "n_released", "recomputed_nodes", "mismatch",
                  "measured_peak_bytes", "predicted_peak_bytes", "budget_bytes", "n_nodes",
-                 "release_mode", "measured_pool_total_bytes")
+                 "release_mode", "measured_pool_total_bytes", "plain_peak_bytes")
 
     def __init__(self, n_dropped: int = 0, path: str = "planned") -> None:
         self.path = path
@@ -98,6 +101,7 @@ class IterationStats:
         self.measured_pool_total_bytes: Optional[int] = None
         self.predicted_peak_bytes: Optional[int] = None
         self.budget_bytes: Optional[int] = None
+        self.plain_peak_bytes: Optional[int] = None
         self.n_nodes = 0
         self.release_mode = "none"
 

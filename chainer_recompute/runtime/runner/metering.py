@@ -5,6 +5,7 @@ the optimizer's update, and the check of that peak against the plan
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 import weakref
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
@@ -14,7 +15,7 @@ import chainer
 
 from ...core.errors import InfeasibleBudgetError
 from ..executor import IterationHook, IterationStats
-from .log import logger
+from .log import logger, report
 from .state import _Entry, _Structure
 
 if TYPE_CHECKING:
@@ -174,6 +175,7 @@ class MeteringMixin:
     # id(structure) -> (entry, structure, correction bytes)
     _corrections: Optional[Dict[int, Tuple[_Entry, _Structure, int]]] = None
     _last_hook: Any = None  # a weak reference to the previous call's IterationHook
+    _said_measured: set  # corrections whose plan's first measured step was said
     # the function nodes of the previous call's graph (weak references)
     # when this call found it alive
     _held_previous: Optional[List[Any]] = None
@@ -251,6 +253,7 @@ class MeteringMixin:
                     total, measured, stats.measured_pool_total_bytes or 0))
             if not open_.after_recording:
                 self._check(open_.entry, s, stats, max(measured, total or 0))
+                self._say_measured(s, stats)
             return
         hook = open_.hook()
         s = next((s for s in open_.entry.structures
@@ -292,6 +295,46 @@ class MeteringMixin:
                 weakref.finalize(hook, _graph_died, weakref.ref(self), self._meter)
         if not open_.after_recording:
             self._check(open_.entry, s, stats, measured)
+            if tail is None:
+                self._say_measured(s, stats)
+
+    def _say_measured(self, s: _Structure, stats: IterationStats) -> None:
+        """The first measured step of the runner's first plan, and of each
+        plan corrected after an overshoot: one line with plain Chainer's
+        peak, the plan's predicted and measured peaks and the saving."""
+        from .planning import describe_step, plain_peak
+        if stats.measured_peak_bytes is None:
+            return
+        stats.plain_peak_bytes = plain_peak(s.graph, s.plan)[0]
+        correction = int(s.graph.meta.get("correction_bytes", 0))
+        if correction in self._said_measured or s.checked < min(2, self.check_iterations):
+            return  # (said from the second step: the first has no state, no gradients yet)
+        self._said_measured.add(correction)
+        level = logging.INFO if self.verbose else logging.DEBUG
+        report.log(level, "%s", describe_step(s.graph, s.plan, s.planning_time_s,
+                                              stats.measured_peak_bytes,
+                                              corrected=bool(correction)))
+
+    def _measure_recorded(self, hook: IterationHook, link: Optional[chainer.Link],
+                          arrays: List[Any]) -> None:
+        """Plain Chainer's peak on a recorded (plain) step, from the call to
+        the end of its backward (before the plan made there), as
+        ``hook.plain_measured_bytes``."""
+        from ..device import device_of
+        dev = device_of(arrays)
+        own = _distinct_bytes(dev, _own_arrays(link, arrays))
+        meter = dev.meter()
+        meter.start()
+        finalizer = weakref.finalize(hook, _abandon, meter)
+        before = hook.on_backward_done
+
+
+        def done(h: IterationHook) -> None:
+            finalizer.detach()
+            h.plain_measured_bytes = own + meter.stop().peak_bytes
+            if before is not None:
+                before(h)
+        hook.on_backward_done = done
 
     def _check(self, entry: _Entry, s: _Structure, stats: IterationStats,
                measured: int) -> None:

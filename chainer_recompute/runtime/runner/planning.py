@@ -137,9 +137,9 @@ class PlanningMixin:
             self._decide_release(s)
         entry.structures.insert(0, s)
         del entry.structures[self.max_structures:]
-        level = logging.INFO if (self.verbose and not self._reported_plan) else logging.DEBUG
-        self._reported_plan = True
-        report.log(level, "%s", describe_plan(graph, plan, s.planning_time_s))
+        # said at the end of the first step that runs on it, with what it
+        # measured (:meth:`_say_measured`)
+        logger.debug("%s", describe_plan(graph, plan, s.planning_time_s))
         if program.unsafe:
             kinds = collections.Counter(
                 f"{graph.nodes[v].op} ({graph.nodes[v].attrs.get('unsafe_reason')})"
@@ -213,6 +213,8 @@ class PlanningMixin:
             keeps = _keeps_graph(link, hook)
             meta = {"state_bytes": state_bytes(link), "kept_after_backward": keeps,
                     "held_into_next_forward": keeps and not self.free_previous_graph}
+        if meta is not None and getattr(hook, "plain_measured_bytes", None) is not None:
+            meta["plain_measured_bytes"] = hook.plain_measured_bytes
         graph = hook.graph(cost_model=self.cost, batch_size=entry.batch,
                            name=type(link).__name__ if link is not None else "model",
                            meta=meta,
@@ -287,6 +289,15 @@ class PlanningMixin:
                 g1, hook = self._capture_at(args, kwargs, batch, small)
                 g2, _ = self._capture_at(args, kwargs, batch, 2 * small)
                 graph = g1.scale_between(g2, batch)
+                p1, p2 = g1.meta.get("plain_measured_bytes"), g2.meta.get("plain_measured_bytes")
+                if p1 is not None and p2 is not None:
+                    # plain Chainer's peak as the captures measured it, on
+                    # the line through them (the capture's graph is freed
+                    # by then: what it holds is in the measure)
+                    graph = graph.replace(meta=dict(
+                        graph.meta, plain_measured_bytes=int(p1 + (p2 - p1) * (batch - small)
+                                                             / small),
+                        plain_measured_at=[small, 2 * small]))
             except Exception as e:  # noqa: BLE001 - said, and the call is recorded instead
                 self._refusal = (f"captures at batch {small} and {2 * small} cannot plan "
                                  f"it ({type(e).__name__}: {e})")
@@ -334,6 +345,13 @@ class PlanningMixin:
                 return x
             cut_args = tuple(cut(a) for a in args)
             cut_kwargs = {k: cut(v) for k, v in kwargs.items()}
+        from ..device import device_of
+        from .metering import _distinct_bytes, _own_arrays
+        arrays = list(cut_args) + list(cut_kwargs.values())
+        dev = device_of(arrays)
+        own = _distinct_bytes(dev, _own_arrays(link, arrays))
+        meter = dev.meter()
+        meter.start()
         with leave_no_trace(link if link is not None else self.fn):
             hook = IterationHook(link=link, args=list(cut_args) + list(cut_kwargs.values()))
             with _Active(), hook:
@@ -350,10 +368,14 @@ class PlanningMixin:
                 loss.backward()
             del out, loss
             keeps = link is not None and _keeps_graph(link, hook)
+        peak = meter.stop().peak_bytes
         meta = None
         if link is not None:
-            meta = {"state_bytes": state_bytes(link), "kept_after_backward": keeps,
-                    "held_into_next_forward": keeps and not self.free_previous_graph}
+            sb = state_bytes(link)
+            meta = {"state_bytes": sb, "kept_after_backward": keeps,
+                    "held_into_next_forward": keeps and not self.free_previous_graph,
+                    # plain Chainer's forward and backward at this batch, measured
+                    "plain_measured_bytes": own + peak}
         graph = hook.graph(cost_model=self.cost, batch_size=small,
                            name=type(link).__name__ if link is not None else "model",
                            meta=meta)
@@ -632,6 +654,43 @@ class PlanningMixin:
                             "checkpoints": "checkpoints are kept, regenerated arrays released",
                             "none": "everything is released (keeping more would exceed the "
                                     "budget)"}[s.program.release_mode])
+
+
+def plain_peak(graph: Graph, plan: Any) -> Tuple[Optional[int], str]:
+    """Plain Chainer's peak for ``graph``'s iteration (the replay's
+    prediction: it counts what a first step does not have yet, the
+    optimizer's state, the previous gradients and graph) and what was
+    measured of it: plain Chainer's forward and backward on the recorded
+    step, or on the captures at two small batches, scaled."""
+    vanilla = plan.info.get("vanilla_peak_bytes")
+    measured = graph.meta.get("plain_measured_bytes")
+    if measured is None:
+        return (int(vanilla) if vanilla else None), "predicted"
+    at = graph.meta.get("plain_measured_at")
+    where = f"at batch {at[0]} and {at[1]}, scaled" if at else "on its recorded step"
+    how = f"predicted; its forward and backward measured {where}: {format_bytes(measured)}"
+    return (int(vanilla) if vanilla else int(measured)), how
+
+
+def describe_step(graph: Graph, plan: Any, planning_time_s: float, measured: int,
+                  corrected: bool = False) -> str:
+    """One line on a plan once a step has run on it (``measured``: that
+    step's peak): plain Chainer's peak, the plan's predicted and measured
+    peaks, and the saving measured."""
+    name = graph.meta.get("model", "model")
+    head = (f"{'re' if corrected else ''}planned {name} ({graph.n} functions, batch "
+            f"{graph.batch_size})")
+    plain, how = plain_peak(graph, plan)
+    saving = (f"; {abs(100 * (1 - measured / plain)):.0f}% "
+              f"{'less' if measured <= plain else 'more'} than plain Chainer's "
+              f"{format_bytes(plain)} ({how})" if plain else "")
+    what = (f"recomputes {100 * (plan.overhead_fraction or 0):.0f}% of a forward in "
+            f"{plan.n_blocks} blocks" if plan.recompute else "nothing recomputed (plain "
+            "backprop fits)")
+    return (f"{head}: peak {format_bytes(measured)} measured, "
+            f"{format_bytes(plan.predicted_peak_bytes)} predicted, budget "
+            f"{format_bytes(plan.budget_bytes)}{saving}; {what} [planned in "
+            f"{planning_time_s:.2f} s]")
 
 
 def describe_plan(graph: Graph, plan: Any, planning_time_s: float) -> str:

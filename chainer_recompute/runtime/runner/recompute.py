@@ -244,7 +244,7 @@ class Recompute(PlanningMixin, MeteringMixin):
         self.verbose = verbose
         self.coordinator = coordinator
         self._correction = Correction(report)  # a measured overshoot: warned once
-        self._reported_plan = False
+        self._said_measured: set = set()  # see _say_measured
         self._reported_infeasible = False
         self._said_unsafe: set = set()  # unsafe-function warnings given (one each)
         self._said_capture = False  # capture_batch refused a model (warned once)
@@ -387,6 +387,8 @@ class Recompute(PlanningMixin, MeteringMixin):
         if entry.structures:
             self._watch_held_graph(hook)
             self._start_meter(entry, hook, link, args, kwargs)
+        elif entry.recorded == 0:  # the signature's first recording: plain Chainer's peak
+            self._measure_recorded(hook, link, list(args) + list(kwargs.values()))
         self._last_hook = weakref.ref(hook)
         self._graphs.append(self._last_hook)
         limit = entry.structures[0].graph.meta.get("workspace_bytes") \

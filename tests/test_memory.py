@@ -271,7 +271,7 @@ def test_tied_parameters_counted_once_by_every_model_state_count() -> None:
     assert state_bytes(model)["optimizer_state"] == params
     assert model_state_bytes(model, opt) == {"params": params, "grads": params,
                                              "optimizer_state": params}
-    pb = parameter_bytes(model.params(), estimate_state=False, nbytes=int)
+    pb = parameter_bytes(model.params(), nbytes=int)
     assert (pb["params"], pb["grads"], pb["optimizer_state"]) == (params, params, params)
 
 

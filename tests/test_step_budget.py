@@ -79,12 +79,15 @@ class Run:
 
 def train(make: Callable[[], chainer.Link], batches: List[Tuple[Any, ...]], applied: bool,
           keep_loss: bool = False, lossfun: Callable[..., Any] = None,
-          convert: bool = False) -> Run:
+          convert: bool = False,
+          optimizer: Callable[[], chainer.Optimizer] = lambda: chainer.optimizers.MomentumSGD(0.01)
+          ) -> Run:
     """``keep_loss``: the loop keeps the previous step's loss (as
     ``loss = model(x, t); loss.backward()`` does), so the previous graph is
     alive during the next forward. ``convert``: each step makes its batch
     (copies of the arrays) inside the measured step, as a converter does,
-    while the previous step's graph is still alive."""
+    while the previous step's graph is still alive. ``optimizer`` makes
+    the optimizer (MomentumSGD by default)."""
     run = Run()
     outer = MemoryMeter()
     outer.start()
@@ -93,7 +96,7 @@ def train(make: Callable[[], chainer.Link], batches: List[Tuple[Any, ...]], appl
         model = make()
         if applied:
             cr.apply(model, **OPTIONS)
-        opt = chainer.optimizers.MomentumSGD(0.01)
+        opt = optimizer()
         opt.setup(model)
         loss = None
         for step, batch in enumerate(batches):

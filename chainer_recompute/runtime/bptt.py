@@ -92,6 +92,7 @@ from .capture import state_bytes
 from .correction import Correction
 from .device import RandomStates, device_of, recording_random
 from .memory import MemoryMeasurement, MemoryMeter, parameter_bytes
+from .optimizer_update import UpdateBytes, update_bytes
 
 #: Accepted ``budget_scope`` values of :class:`ChainRecompute`.
 SCOPES = ("total", "call")
@@ -464,28 +465,34 @@ class ChainRecompute:
 
     def _grad_bytes(self) -> int:
         """Parameter gradients live now (the previous iteration's)."""
-        return parameter_bytes(self._params(), estimate_state=False)["grads"]
+        return parameter_bytes(self._params())["grads"]
+
+    def _optimizer_bytes(self, measured: _Measured) -> UpdateBytes:
+        """The optimizer's state and update temporary for the parameters
+        (measured once per model on throw-away copies)."""
+        owner = self.model if self.model is not None else self
+        return update_bytes(self._params(measured), owner=owner)
 
     def _update_transient(self, measured: _Measured) -> int:
-        """The largest temporary of an optimizer update (one parameter's
-        size) when an optimizer is set up on the parameters."""
+        """The largest temporary of an optimizer update (its hooks
+        included) when an optimizer is set up on the parameters."""
         params = [p for p in self._params(measured) if p.array is not None]
         if not any(getattr(p, "update_rule", None) is not None for p in params):
             return 0
-        return max((int(p.array.nbytes) for p in params), default=0)
+        return self._optimizer_bytes(measured).update_transient_bytes
 
     def _constant(self, measured: _Measured, seqs: Sequence[Sequence[Any]],
                   state0: Tuple[Any, ...], grads_before: int, outputs_before: int) -> int:
         """Bytes live when the call starts that the total budget covers:
-        parameters, optimizer state (estimated from the update rules before
-        the first update), persistent arrays, the per-step inputs, the start
+        parameters, optimizer state (before the first update, what the
+        update rules will make), persistent arrays, the per-step inputs, the start
         state, the previous iteration's gradients and the model's outputs."""
         if self.model is not None:
             sb = state_bytes(self.model)
             fixed = sb["params"] + sb["optimizer_state"] + sb["persistents"]
         else:
-            pb = parameter_bytes(measured.params, estimate_state=False)
-            fixed = pb["params"] + pb["optimizer_state"]
+            pb = parameter_bytes(measured.params)
+            fixed = pb["params"] + self._optimizer_bytes(measured).optimizer_state_bytes
         return int(fixed + _input_bytes(seqs) + _nbytes([v for v in state0 if v is not None])
                    + grads_before + outputs_before)
 

@@ -463,26 +463,26 @@ def _nbytes(array: Any) -> int:
     return int(getattr(array, "nbytes", 0) or 0)
 
 
-def parameter_bytes(params: Iterable[Any], *, nbytes: Callable[[int], int] = int,
-                    estimate_state: bool = True) -> Dict[str, int]:
-    """Bytes of parameters and what goes with them, each array counted once:
-    a Parameter reached under two names or through two links (tied weights)
-    counts once, and so does an array that several Parameters share.
+def parameter_bytes(params: Iterable[Any], *,
+                    nbytes: Callable[[int], int] = int) -> Dict[str, int]:
+    """Bytes of parameters and what goes with them now, each array counted
+    once: a Parameter reached under two names or through two links (tied
+    weights) counts once, and so does an array that several Parameters
+    share.
 
     Args:
         params: ``chainer.Parameter`` objects (``link.params()``);
             uninitialised ones count nothing.
-        estimate_state: before an update rule has made its state (the first
-            update), count the copies its kind keeps (``_STATE_COPIES``);
-            otherwise count only the state arrays that exist.
         nbytes: what an array of ``n`` bytes takes (its ``nbytes`` by
             default; :meth:`~chainer_recompute.runtime.device.Device.allocation_bytes`
             for what its device allocates).
 
     Returns:
         ``params``; ``grads`` (the gradient arrays held now);
-        ``optimizer_state``; ``update_transient`` (the largest parameter:
-        the largest temporary of an update).
+        ``optimizer_state`` (the update rules' state arrays that exist now,
+        a ``use_fp32_update`` rule's float32 master copy included; nothing
+        before the first update: the state a rule will make is measured by
+        :func:`~chainer_recompute.runtime.optimizer_update.update_bytes`).
 
     >>> import chainer.links as L
     >>> lin = L.Linear(3, 2)
@@ -504,34 +504,21 @@ def parameter_bytes(params: Iterable[Any], *, nbytes: Callable[[int], int] = int
         seen.add(id(a))
         return nb(a.nbytes)
 
-    out = {"params": 0, "grads": 0, "optimizer_state": 0, "update_transient": 0}
+    out = {"params": 0, "grads": 0, "optimizer_state": 0}
     for p in distinct:
-        size = count(p.array)
-        out["params"] += size
-        out["update_transient"] = max(out["update_transient"], nb(p.array.nbytes))
+        out["params"] += count(p.array)
     for p in distinct:
         out["grads"] += count(p.grad)
     for p in distinct:
         rule = getattr(p, "update_rule", None)
         if rule is None:
             continue
-        st = getattr(rule, "state", None)
-        if st:
-            out["optimizer_state"] += sum(count(v) for v in st.values())
-        elif estimate_state:
-            out["optimizer_state"] += _STATE_COPIES.get(type(rule).__name__, 2) * nb(
-                p.array.nbytes)
+        held = list((getattr(rule, "state", None) or {}).values())
+        fp32 = getattr(rule, "_fp32_param", None)  # use_fp32_update's master copy
+        if fp32 is not None:
+            held.append(fp32.array)
+        out["optimizer_state"] += sum(count(v) for v in held)
     return out
-
-
-#: Arrays of a parameter's size that each of Chainer's update rules keeps
-#: (used before the first update, when the state does not exist yet).
-_STATE_COPIES = {
-    "SGDRule": 0, "MomentumSGDRule": 1, "CorrectedMomentumSGDRule": 1, "NesterovAGRule": 1,
-    "AdaGradRule": 1, "RMSpropRule": 1, "RMSpropGravesRule": 3, "AdaDeltaRule": 2,
-    "AdamRule": 2, "MSVAGRule": 2, "SMORMS3Rule": 3,
-}
-
 
 
 def model_state_bytes(link: Any, optimizer: Any = None) -> Dict[str, int]:
@@ -555,11 +542,11 @@ def model_state_bytes(link: Any, optimizer: Any = None) -> Dict[str, int]:
     >>> model_state_bytes(L.Linear(3, 2))
     {'params': 32, 'grads': 32, 'optimizer_state': 0}
     """
-    own = parameter_bytes(link.params(), estimate_state=False)
+    own = parameter_bytes(link.params())
     params, grads, state = own["params"], own["grads"], 0
     if optimizer is not None:
         target = getattr(optimizer, "target", None) or link
-        state = parameter_bytes(target.params(), estimate_state=False)["optimizer_state"]
+        state = parameter_bytes(target.params())["optimizer_state"]
         seen: set = set()
         for states in (getattr(optimizer, "_states", None) or {}).values():
             for v in (states.values() if isinstance(states, dict) else [states]):

@@ -20,7 +20,7 @@ plain Chainer's by more than 1%; and the runner's own check
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import pytest
@@ -79,12 +79,13 @@ class Run:
 
 def train(make: Callable[[], chainer.Link], batches: List[Tuple[Any, ...]], applied: bool,
           keep_loss: bool = False, lossfun: Callable[..., Any] = None,
-          convert: bool = False) -> Run:
+          convert: bool = False, options: Optional[Dict[str, Any]] = None) -> Run:
     """``keep_loss``: the loop keeps the previous step's loss (as
     ``loss = model(x, t); loss.backward()`` does), so the previous graph is
     alive during the next forward. ``convert``: each step makes its batch
     (copies of the arrays) inside the measured step, as a converter does,
-    while the previous step's graph is still alive."""
+    while the previous step's graph is still alive. ``options``: those of
+    ``apply()`` (default :data:`OPTIONS`)."""
     run = Run()
     outer = MemoryMeter()
     outer.start()
@@ -92,7 +93,7 @@ def train(make: Callable[[], chainer.Link], batches: List[Tuple[Any, ...]], appl
         np.random.seed(0)
         model = make()
         if applied:
-            cr.apply(model, **OPTIONS)
+            cr.apply(model, **(OPTIONS if options is None else options))
         opt = chainer.optimizers.MomentumSGD(0.01)
         opt.setup(model)
         loss = None
@@ -124,9 +125,16 @@ def train(make: Callable[[], chainer.Link], batches: List[Tuple[Any, ...]], appl
 
 
 def check(make: Callable[[], chainer.Link], batches: List[Tuple[Any, ...]],
-          keep_loss: bool = False, convert: bool = False) -> Tuple[Run, Run]:
-    plain = train(make, batches, False, keep_loss, convert=convert)
-    ours = train(make, batches, True, keep_loss, convert=convert)
+          keep_loss: bool = False, convert: bool = False,
+          options: Optional[Dict[str, Any]] = None, plain: Optional[Run] = None,
+          ours: Optional[Run] = None) -> Tuple[Run, Run]:
+    """Plain Chainer and ``apply()`` with ``options`` (default
+    :data:`OPTIONS`), compared as the module docstring says; ``plain`` and
+    ``ours``: runs of them already made."""
+    if plain is None:
+        plain = train(make, batches, False, keep_loss, convert=convert)
+    if ours is None:
+        ours = train(make, batches, True, keep_loss, convert=convert, options=options)
     for k, (a, b) in enumerate(zip(plain.records, ours.records)):
         diff = [key for key in a if not _same(a[key], b.get(key))]
         assert not diff, f"step {k}: the applied run differs from plain Chainer in {diff[:8]}"

@@ -25,7 +25,7 @@ from .graph import Graph
 __all__ = ["ReplayContext", "context_of", "kernel_available", "run_kernel"]
 
 #: event kinds of the kernel's timeline
-FORWARD, END, REGENERATE, BACKWARD, UPDATE = 0, 1, 2, 3, 4
+FORWARD, END, REGENERATE, BACKWARD, UPDATE, UNRECORDED = 0, 1, 2, 3, 4, 5
 #: release modes, as :data:`~chainer_recompute.core.replay.RELEASE_MODES`
 MODES = {"none": 0, "checkpoints": 1, "all": 2}
 
@@ -87,14 +87,13 @@ class ReplayContext:
         self.out_p, self.out_i = _csr([node.outputs for node in nodes])
         self.rout_p, self.rout_i = _csr([node.retained_outputs for node in nodes])
         self.rin_p, self.rin_i = _csr([node.retained_inputs for node in nodes])
-        dies: List[List[int]] = [[] for _ in range(n + 1)]
-        for a in arrays:
-            if a.producer is not None and a.dies_at is not None:
-                dies[a.dies_at].append(a.id)
-        self.dies_p, self.dies_i = _csr(dies)
-        self.tmp_p, self.tmp_i = _csr([
-            [a for a in node.inputs if arrays[a].kind == "input"
-             and arrays[a].dies_at is not None and not arrays[a].name] for node in nodes])
+        dies_at, made_at, temporaries = helpers.lifetimes(graph)
+        # positions 0..n+1 (n + 1: after the unrecorded work after the last node)
+        self.dies_p, self.dies_i = _csr([dies_at.get(i, ()) for i in range(n + 2)])
+        self.made_p, self.made_i = _csr([made_at.get(i, ()) for i in range(n + 1)])
+        self.tmp_p, self.tmp_i = _csr([temporaries.get(v, ()) for v in range(n)])
+        self.unrec = np.array(helpers.unrecorded_peaks(graph), dtype=i64)
+        self._unrecorded_label = helpers.unrecorded_label
         keys: Dict[Tuple[int, str], int] = {}
         held: List[List[int]] = []
         nb: List[int] = []
@@ -161,6 +160,8 @@ class ReplayContext:
                 out.append(f"regenerate {a} {ops[a]} for backward {b}")
             elif k == BACKWARD:
                 out.append(f"backward {a} {ops[a]}")
+            elif k == UNRECORDED:
+                out.append(self._unrecorded_label(self.graph, a))
             else:
                 out.append("end of forward" if k == END else "update")
         return tuple(out)
@@ -222,7 +223,8 @@ def run_kernel(ctx: ReplayContext, dropped: Optional[np.ndarray], block_of: Opti
     trace, kinds, us, ws, recomputed, held_end = _kernel()(
         n, c.owner, c.owned, c.nbytes, c.pc, c.constown, c.producer, c.dies_at, c.retby,
         c.in_p, c.in_i, c.out_p, c.out_i, c.rout_p, c.rout_i, c.rin_p, c.rin_i,
-        c.dies_p, c.dies_i, c.tmp_p, c.tmp_i, c.held_p, c.held_key, c.held_nb, c.held_der,
+        c.dies_p, c.dies_i, c.made_p, c.made_i, c.unrec, c.tmp_p, c.tmp_i, c.held_p,
+        c.held_key, c.held_nb, c.held_der,
         c.n_keys, c.ftr, c.order, c.g_rec, c.g_extra, c.g_after, c.releasable,
         c.needs_p, c.needs_i, c.done_p, c.done_i, c.last, c.constant, c.old_grads,
         c.free_all, c.update_transient, c.outside_peak, c.outside_held, has_plan,
@@ -236,7 +238,8 @@ def run_kernel(ctx: ReplayContext, dropped: Optional[np.ndarray], block_of: Opti
 
 def _replay_loop(n, owner, owned, nbytes, pc, constown, producer, dies_at, retby,
                  in_p, in_i, out_p, out_i, rout_p, rout_i, rin_p, rin_i,
-                 dies_p, dies_i, tmp_p, tmp_i, held_p, held_key, held_nb, held_der,
+                 dies_p, dies_i, made_p, made_i, unrec, tmp_p, tmp_i, held_p, held_key,
+                 held_nb, held_der,
                  n_keys, ftr, order, g_rec, g_extra, g_after, releasable,
                  needs_p, needs_i, done_p, done_i, last, constant, old_grads,
                  free_all, update_transient, outside_peak, outside_held, has_plan, dropped,
@@ -291,6 +294,16 @@ def _replay_loop(n, owner, owned, nbytes, pc, constown, producer, dies_at, retby
     for i in range(n):
         for k in range(dies_p[i], dies_p[i + 1]):
             level += _drop(dies_i[k], VAR, reasons, count, owner, owned)
+        if unrec[i] > 0:
+            if ne == cap:
+                trace, kinds, ev_u, ev_w, cap = _grow(trace, kinds, ev_u, ev_w, cap)
+            trace[ne] = level + unrec[i]
+            kinds[ne] = 5
+            ev_u[ne] = i
+            ev_w[ne] = -1
+            ne += 1
+        for k in range(made_p[i], made_p[i + 1]):
+            level += _hold(made_i[k], VAR, reasons, count, owner, owned, constown)
         if has_plan:
             for k in range(rel_p[i], rel_p[i + 1]):
                 level += _release(rel_i[k], out_p, out_i, held_p, held_key, held_der, reasons,
@@ -327,6 +340,18 @@ def _replay_loop(n, owner, owned, nbytes, pc, constown, producer, dies_at, retby
             if dies_at[a] >= 0 and dies_at[a] <= i + 1:
                 level += _drop(a, VAR, reasons, count, owner, owned)
     for k in range(dies_p[n], dies_p[n + 1]):
+        level += _drop(dies_i[k], VAR, reasons, count, owner, owned)
+    if unrec[n] > 0:
+        if ne == cap:
+            trace, kinds, ev_u, ev_w, cap = _grow(trace, kinds, ev_u, ev_w, cap)
+        trace[ne] = level + unrec[n]
+        kinds[ne] = 5
+        ev_u[ne] = n
+        ev_w[ne] = -1
+        ne += 1
+    for k in range(made_p[n], made_p[n + 1]):
+        level += _hold(made_i[k], VAR, reasons, count, owner, owned, constown)
+    for k in range(dies_p[n + 1], dies_p[n + 2]):
         level += _drop(dies_i[k], VAR, reasons, count, owner, owned)
     if has_plan:
         for k in range(rel_p[n], rel_p[n + 1]):

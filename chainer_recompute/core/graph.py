@@ -30,6 +30,13 @@ ARRAY_KINDS = ("input", "param", "intermediate", "output")
 #: and the backward (see :func:`~chainer_recompute.core.replay.outside_bytes`):
 #: scaled with the graph, as its transients are.
 OUTSIDE_KEYS = ("outside_peak_bytes", "outside_held_bytes")
+#: ``meta`` key of the peak of work the forward did after its last recorded
+#: function with functions it did not record (applied with backprop
+#: disabled), above the level where it began: :attr:`Node.unrecorded_peak_bytes`
+#: of a node after the last one.
+UNRECORDED_TAIL_KEY = "unrecorded_tail_peak_bytes"
+#: ``meta`` keys scaled with the graph, as its transients are.
+SCALED_META_KEYS = OUTSIDE_KEYS + (UNRECORDED_TAIL_KEY,)
 
 
 @dataclass(frozen=True)
@@ -52,7 +59,18 @@ class ArrayInfo:
             before which the caller's last reference (its ``Variable``) was
             gone; ``None`` when it was still referenced when the forward
             returned (the loss, outputs the model keeps for logging). What
-            Chainer retains for backward lives on regardless.
+            Chainer retains for backward lives on regardless. A caller's
+            reference that went away while work the recording did not
+            record was running before node ``v`` (see ``made_at``) counts
+            from ``v + 1`` (it may have been there at that work's peak);
+            so ``dies_at`` may be ``n + 1``.
+        made_at: for an array the forward made with functions it did not
+            record (applied with backprop disabled: a frozen teacher's
+            output that a recorded function reads), the index of the node
+            before which that work ran (``n``: after the last one); ``None``
+            for every other array. Such an array is an ``input`` without a
+            name: it lives from there to ``dies_at`` (or as long as a
+            function retains it).
     """
 
     id: int
@@ -65,6 +83,7 @@ class ArrayInfo:
     view_of: Optional[int] = None
     dies_at: Optional[int] = None
     buffer_bytes: Optional[int] = None
+    made_at: Optional[int] = None
 
     @property
     def owned_bytes(self) -> int:
@@ -119,6 +138,16 @@ class Node:
             sum; may be negative), measured; ``None`` where not measured.
         has_backward: False when no input requires a gradient, so Chainer
             never runs this function's backward.
+        inner_params: parameter arrays that functions applied inside this
+            function's forward read without being its inputs
+            (``F.forget(func, x)``: ``func``'s links); its backward makes
+            their gradients (Chainer runs ``func`` again there).
+        unrecorded_peak_bytes: the peak, above the level where it began, of
+            the work the forward did right before this function with
+            functions it did not record (applied with backprop disabled: a
+            frozen teacher's forward), its outputs included (those a
+            recorded function reads are arrays with ``made_at`` equal to
+            this node's id); 0 where there was none.
     """
 
     id: int
@@ -137,6 +166,8 @@ class Node:
     backward_transient_bytes: Optional[int] = None
     backward_alloc_bytes: Optional[int] = None
     has_backward: bool = True
+    inner_params: Tuple[int, ...] = ()
+    unrecorded_peak_bytes: int = 0
 
     @property
     def held_bytes(self) -> int:
@@ -266,10 +297,20 @@ class Graph:
                 if self.arrays[a].producer != v:
                     raise GraphError(f"array {a} is an output of node {v} but records "
                                      f"producer {self.arrays[a].producer}")
+            for a in node.inner_params:
+                if not 0 <= a < len(self.arrays) or self.arrays[a].kind != "param":
+                    raise GraphError(f"node {v} ({node.op}) names array {a} among the "
+                                     f"parameters its inner functions read, but it is not a "
+                                     f"parameter array")
         for a in self.arrays:
             if a.view_of is not None and not 0 <= a.view_of < len(self.arrays):
                 raise GraphError(f"array {a.id} is a view of array {a.view_of}, which does "
                                  f"not exist")
+            if a.made_at is not None and (a.producer is not None
+                                          or not 0 <= a.made_at <= len(self.nodes)):
+                raise GraphError(f"array {a.id} is made by unrecorded work before node "
+                                 f"{a.made_at}: that needs an array without a producer and a "
+                                 f"node index from 0 to {len(self.nodes)}")
         if self.backward_order is not None:
             bad = [v for v in self.backward_order if not 0 <= v < len(self.nodes)]
             if bad:
@@ -366,7 +407,7 @@ class Graph:
         made = [0] * self.n
         seen: set = set()
         for v in (self.backward_order or range(self.n - 1, -1, -1)):
-            for a in dict.fromkeys(self.nodes[v].inputs):
+            for a in dict.fromkeys(self.nodes[v].inputs + self.nodes[v].inner_params):
                 if self.arrays[a].kind == "param" and a not in seen:
                     seen.add(a)
                     made[v] += self.arrays[a].nbytes
@@ -419,6 +460,7 @@ class Graph:
                 node, held=tuple(held),
                 forward_transient_bytes=scale_b(node.forward_transient_bytes),
                 backward_transient_bytes=scale_b(node.backward_transient_bytes),
+                unrecorded_peak_bytes=node.unrecorded_peak_bytes * batch_size // old,
                 backward_alloc_bytes=(
                     None if node.backward_alloc_bytes is None else
                     param_first[node.id]
@@ -427,7 +469,7 @@ class Graph:
                 backward_time_s=None if node.backward_time_s is None else node.backward_time_s * ratio))
         meta = dict(self.meta)
         meta.setdefault("scaled_from", old)
-        for key in OUTSIDE_KEYS:  # the caller's work, as the transients
+        for key in SCALED_META_KEYS:  # the caller's and unrecorded work, as the transients
             if key in meta:
                 meta[key] = int(meta[key]) * batch_size // old
         return self.replace(arrays=arrays, nodes=nodes, batch_size=batch_size, meta=meta)
@@ -564,8 +606,8 @@ class Graph:
         for same in zip(*(g.arrays for g in graphs)):
             a = same[0]
             what = f"array {a.id} ({a.name or a.kind})"
-            if any((o.kind, o.producer, o.dtype, o.view_of) != (a.kind, a.producer, a.dtype,
-                                                               a.view_of) for o in same):
+            if any((o.kind, o.producer, o.dtype, o.view_of, o.made_at) != (
+                    a.kind, a.producer, a.dtype, a.view_of, a.made_at) for o in same):
                 raise differ(f"{what} is made differently")
             if a.kind == "param":
                 if any((o.shape, o.nbytes) != (a.shape, a.nbytes) for o in same):
@@ -585,8 +627,9 @@ class Graph:
             what = f"function #{node.id} ({node.op})"
             for o in same[1:]:
                 if (node.op, node.inputs, node.outputs, node.retained_inputs,
-                        node.retained_outputs) != (o.op, o.inputs, o.outputs,
-                                                   o.retained_inputs, o.retained_outputs):
+                        node.retained_outputs, node.inner_params) != (
+                            o.op, o.inputs, o.outputs, o.retained_inputs,
+                            o.retained_outputs, o.inner_params):
                     raise differ(f"{what} is {node.op} reading {node.inputs} in one, {o.op} "
                                  f"reading {o.inputs} in another")
                 if [h.name for h in node.held] != [h.name for h in o.held]:
@@ -614,11 +657,12 @@ class Graph:
                 node, held=tuple(held),
                 forward_transient_bytes=nonneg([o.forward_transient_bytes for o in same]),
                 backward_transient_bytes=nonneg([o.backward_transient_bytes for o in same]),
+                unrecorded_peak_bytes=nonneg([o.unrecorded_peak_bytes for o in same]) or 0,
                 backward_alloc_bytes=value([o.backward_alloc_bytes for o in same], what),
                 forward_time_s=timed(big.forward_time_s),
                 backward_time_s=timed(big.backward_time_s)))
         meta = dict(first.meta)
-        for key in OUTSIDE_KEYS:  # the caller's work, as the transients
+        for key in SCALED_META_KEYS:  # the caller's and unrecorded work, as the transients
             v = max(0, value([int(g.meta.get(key, 0)) for g in graphs], key))
             if v:
                 meta[key] = v

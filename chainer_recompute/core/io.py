@@ -19,7 +19,9 @@ except ImportError:  # pragma: no cover - exercised where orjson is absent
 
 #: Version 2 adds views (``view_of``), lifetimes (``dies_at``), measured
 #: transient bytes, ``has_backward``, the recorded backward order and the
-#: state bytes; version 1 files are still read (those fields absent).
+#: state bytes; version 1 files are still read (those fields absent). Later
+#: optional fields (``made_at``, ``inner_params``, ``unrecorded_peak_bytes``)
+#: read as absent from files that do not have them.
 SCHEMA_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 PathLike = Union[str, "os.PathLike[str]"]
@@ -31,7 +33,7 @@ def graph_to_dict(graph: Graph) -> Dict[str, Any]:
         return {"id": a.id, "shape": None if a.shape is None else list(a.shape),
                 "dtype": a.dtype, "nbytes": a.nbytes, "kind": a.kind,
                 "producer": a.producer, "name": a.name, "view_of": a.view_of,
-                "dies_at": a.dies_at, "buffer_bytes": a.buffer_bytes}
+                "dies_at": a.dies_at, "buffer_bytes": a.buffer_bytes, "made_at": a.made_at}
 
     def held(h: HeldArray) -> Dict[str, Any]:
         return {"name": h.name, "shape": None if h.shape is None else list(h.shape),
@@ -47,7 +49,8 @@ def graph_to_dict(graph: Graph) -> Dict[str, Any]:
                 "forward_transient_bytes": n.forward_transient_bytes,
                 "backward_transient_bytes": n.backward_transient_bytes,
                 "backward_alloc_bytes": n.backward_alloc_bytes,
-                "has_backward": n.has_backward}
+                "has_backward": n.has_backward, "inner_params": list(n.inner_params),
+                "unrecorded_peak_bytes": n.unrecorded_peak_bytes}
 
     return {"schema_version": SCHEMA_VERSION, "batch_size": graph.batch_size,
             "cost_model": graph.cost_model, "meta": graph.meta,
@@ -70,7 +73,8 @@ def graph_from_dict(d: Dict[str, Any], source: str = "<dict>") -> Graph:
         arrays = [ArrayInfo(id=a["id"], shape=shape(a["shape"]), dtype=a["dtype"],
                             nbytes=int(a["nbytes"]), kind=a["kind"], producer=a["producer"],
                             name=a.get("name", ""), view_of=a.get("view_of"),
-                            dies_at=a.get("dies_at"), buffer_bytes=a.get("buffer_bytes"))
+                            dies_at=a.get("dies_at"), buffer_bytes=a.get("buffer_bytes"),
+                            made_at=a.get("made_at"))
                   for a in d["arrays"]]
         nodes = [Node(id=n["id"], op=n["op"], inputs=tuple(n["inputs"]),
                       outputs=tuple(n["outputs"]),
@@ -86,7 +90,10 @@ def graph_from_dict(d: Dict[str, Any], source: str = "<dict>") -> Graph:
                       forward_transient_bytes=n.get("forward_transient_bytes"),
                       backward_transient_bytes=n.get("backward_transient_bytes"),
                       backward_alloc_bytes=n.get("backward_alloc_bytes"),
-                      has_backward=n.get("has_backward", True)) for n in d["nodes"]]
+                      has_backward=n.get("has_backward", True),
+                      inner_params=tuple(n.get("inner_params", ())),
+                      unrecorded_peak_bytes=int(n.get("unrecorded_peak_bytes", 0)))
+                 for n in d["nodes"]]
     except (KeyError, TypeError) as e:
         raise GraphFormatError(source, None, f"missing or malformed field {e}") from None
     return Graph(arrays, nodes, batch_size=d.get("batch_size"),

@@ -33,7 +33,17 @@ array, from the recorded graph:
 - the caller's own work between the forward and the backward (its loss, a
   target network's forward: ``meta['outside_peak_bytes']``, a transient at
   the end of the forward, and ``meta['outside_held_bytes']``, held from the
-  backward on), as the recording measured it.
+  backward on), as the recording measured it;
+- work inside the forward that was not recorded (functions applied with
+  backprop disabled: a frozen teacher's forward), as the recording measured
+  it: its peak (``Node.unrecorded_peak_bytes``, the meta key
+  :data:`~chainer_recompute.core.graph.UNRECORDED_TAIL_KEY` after the last
+  function) is a transient where it ran, before the executor's releases at
+  the next function, and the arrays it made that recorded functions read
+  (``ArrayInfo.made_at``) live from there to the caller's last reference;
+  a function that applies others to parameters that are not its inputs
+  (``F.forget``) makes their gradients in its backward
+  (``Node.inner_params``).
 
 :func:`replay` gives the peak and the whole timeline; with ``plan=None`` it
 replays plain Chainer.
@@ -46,7 +56,7 @@ from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 import numpy as np
 
 from .execution import ExecutionPlan
-from .graph import Graph
+from .graph import UNRECORDED_TAIL_KEY, Graph
 from .pool import PoolModel
 
 __all__ = ["RELEASE_MODES", "REPLAY_ENGINES", "ReplayResult", "replay", "replay_peak",
@@ -124,6 +134,50 @@ def outside_bytes(graph: Graph) -> Tuple[int, int]:
     through the update). Both 0 where nothing was measured there."""
     return (int(graph.meta.get("outside_peak_bytes", 0)),
             int(graph.meta.get("outside_held_bytes", 0)))
+
+
+def unrecorded_peaks(graph: Graph) -> List[int]:
+    """The peak of the unrecorded work before each node (``n + 1``
+    entries: the last one after the last node), above the level where it
+    began (see :attr:`~chainer_recompute.core.graph.Node.unrecorded_peak_bytes`).
+
+    >>> unrecorded_peaks(Graph.from_edges([4, 4], [(0, 1)]))
+    [0, 0, 0]
+    """
+    return ([int(node.unrecorded_peak_bytes) for node in graph.nodes]
+            + [int(graph.meta.get(UNRECORDED_TAIL_KEY, 0))])
+
+
+def unrecorded_label(graph: Graph, i: int) -> str:
+    """The replay's event label of the unrecorded work before node ``i``."""
+    if i < graph.n:
+        return f"unrecorded work before {i} {graph.nodes[i].op}"
+    return "unrecorded work after the last function"
+
+
+def lifetimes(graph: Graph) -> Tuple[Dict[int, List[int]], Dict[int, List[int]],
+                                     Dict[int, List[int]]]:
+    """When the forward's arrays come and go by the caller's references:
+    ``dies`` (position -> arrays whose reference is dropped before node
+    ``position``, ``n`` and ``n + 1`` around the unrecorded work after the
+    last node), ``made`` (position -> arrays that unrecorded work made
+    there) and ``temporaries`` (node -> arrays without a producer that live
+    only while it runs: noise, a raw array made in the forward)."""
+    dies: Dict[int, List[int]] = {}
+    made: Dict[int, List[int]] = {}
+    temporaries: Dict[int, List[int]] = {}
+    for a in graph.arrays:
+        if a.made_at is not None:
+            made.setdefault(a.made_at, []).append(a.id)
+        if (a.producer is not None or a.made_at is not None) and a.dies_at is not None:
+            dies.setdefault(a.dies_at, []).append(a.id)
+    for node in graph.nodes:
+        for a in node.inputs:
+            info = graph.arrays[a]
+            if (info.kind == "input" and info.dies_at is not None and not info.name
+                    and info.made_at is None):
+                temporaries.setdefault(node.id, []).append(a)
+    return dies, made, temporaries
 
 
 def param_grad_bytes(graph: Graph) -> int:
@@ -272,7 +326,8 @@ def backward_gradients(node: Any, arrays: Any, nodes: Any, grads: "_Gradients",
     # gradient, such as a reshape of the data, gets none).
     targets = [a for a in dict.fromkeys(node.inputs)
                if arrays[a].producer is not None and nodes[arrays[a].producer].has_backward]
-    params = [a for a in dict.fromkeys(node.inputs) if arrays[a].kind == "param"]
+    params = [a for a in dict.fromkeys(node.inputs + node.inner_params)
+              if arrays[a].kind == "param"]
     first = [a for a in params if a not in made]
     made.update(first)
     param_new = sum(arrays[a].nbytes for a in first)
@@ -318,8 +373,8 @@ def graph_gone_at_update(graph: Graph) -> bool:
     returned = set(graph.meta.get("returned", ()))
     if not returned or graph.meta.get("kept_after_backward", False):
         return False
-    return not any(a.producer is not None and a.dies_at is None and a.id not in returned
-                   for a in graph.arrays)
+    return not any((a.producer is not None or a.made_at is not None) and a.dies_at is None
+                   and a.id not in returned for a in graph.arrays)
 
 
 def _caller_input(info: Any) -> bool:
@@ -415,16 +470,8 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
             retained_by[a] = retained_by.get(a, 0) + 1
         for a in node.retained_outputs:
             retained_by[a] = retained_by.get(a, 0) + 1
-    dies: Dict[int, List[int]] = {}
-    for a in arrays:
-        if a.producer is not None and a.dies_at is not None:
-            dies.setdefault(a.dies_at, []).append(a.id)
-    temporaries: Dict[int, List[int]] = {}
-    for node in nodes:
-        for a in node.inputs:
-            info = arrays[a]
-            if info.kind == "input" and info.dies_at is not None and not info.name:
-                temporaries.setdefault(node.id, []).append(a)
+    dies, made, temporaries = lifetimes(graph)
+    before = unrecorded_peaks(graph)
     released: Set[int] = set()
 
     def held_attrs(u: int) -> List[Tuple[str, int, str]]:
@@ -440,10 +487,20 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
         released.add(u)
 
     # ------------------------------------------------------------ forward
+    def unrecorded(i: int) -> None:
+        # work the forward did with backprop disabled before node i (after
+        # the last node: i == n), then the arrays it made that the
+        # recorded functions read
+        if before[i]:
+            mem.record(unrecorded_label(graph, i), before[i])
+        for a in made.get(i, ()):
+            mem.hold(a, "var")
+
     for i in range(n):
         node = nodes[i]
         for a in dies.get(i, ()):
             mem.drop(a, "var")
+        unrecorded(i)
         if plan is not None:
             for u in plan.release_at.get(i, ()):
                 release(u)
@@ -470,6 +527,9 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
             if arrays[a].dies_at is not None and arrays[a].dies_at <= i + 1:
                 mem.drop(a, "var")
     for a in dies.get(n, ()):
+        mem.drop(a, "var")
+    unrecorded(n)
+    for a in dies.get(n + 1, ()):
         mem.drop(a, "var")
     if plan is not None:
         for u in plan.release_at.get(n, ()):

@@ -114,6 +114,9 @@ class IterationHook(Recorder):
         self._pinned_at: Dict[int, List[int]] = {}  # node -> array ids it pinned
         self._pinned_ok: Set[int] = set()  # dropped nodes whose sources are held
         self.params: Dict[int, Any] = {}  # array id -> Parameter read by a dropped node
+        # parameters that a dropped node's inner functions read (F.forget's
+        # function): a regeneration reads them live, so no saved copy helps
+        self._inner: Set[int] = set()
         self.fingerprints: Dict[int, Tuple[Any, ...]] = {}
         self.snapshots: Dict[int, Any] = {}  # array id -> parameter values saved before an update
         self.released: Dict[int, Tuple[Tuple[int, ...], bool]] = {}
@@ -217,6 +220,10 @@ class IterationHook(Recorder):
             new.append(a)
             if self.verify and info.kind == "input":
                 self.fingerprints[a] = fingerprint(in_data[j])
+        for a in node.inner_params:  # read by F.forget's function when it runs again
+            self._inner.add(a)
+            if self._watch_param(a, p.param_refs.get(a)):
+                new.append(a)
         self._pinned_at[i] = new
         self._pinned_ok.add(i)
 
@@ -453,6 +460,9 @@ class IterationHook(Recorder):
         f = call.func()
         ok = f is not None
         self._regen_ok[u] = ok  # provisional, against cycles
+        for a in call.inner_ids if ok else ():
+            self._inner.add(a)
+            self._watch_param(a, self.param_refs.get(a))
         for j, a in enumerate(call.in_ids or ()) if ok else ():
             info = self.arrays[a]
             if info.kind == "param":
@@ -519,7 +529,7 @@ class IterationHook(Recorder):
             self._update_state["updated"] = True
             weakref.finalize(self, _after_update, weakref.ref(p), self._update_state)
         for a, p in self.params.items():
-            if p is param and a not in self.snapshots:
+            if p is param and a not in self.snapshots and a not in self._inner:
                 self.snapshots[a] = copy()
 
     def _input_array(self, f: Any, j: int, a: int, values: Dict[int, Any]) -> Any:
@@ -574,9 +584,11 @@ class IterationHook(Recorder):
             f = self.calls[u].func()
             in_ids = self.calls[u].in_ids or ()
             in_data = tuple(self._input_array(f, j, a, values) for j, a in enumerate(in_ids))
-            self._check_updates(u, in_ids)
+            inner = self.calls[u].inner_ids
+            self._check_updates(u, in_ids + inner)
             if self.verify:
-                self._check_sources(u, in_ids, in_data)
+                self._check_sources(u, in_ids + inner, in_data + tuple(
+                    self.params[a].array if a in self.params else None for a in inner))
             outs = self._run_forward(f, u, in_data)
             self.stats.recomputed_nodes += 1
             for a, y in zip(self.calls[u].out_ids or (), outs):
@@ -608,11 +620,12 @@ class IterationHook(Recorder):
 
     def _check_updates(self, u: int, in_ids: Tuple[int, ...]) -> None:
         """An optimizer updated a parameter that node ``u`` reads since the
-        forward read it, and its values were not saved: recomputing would
-        give other arrays than the forward's (checked with or without
-        ``verify``)."""
+        forward read it, and its values were not saved (or are of no use: a
+        parameter its inner functions read, as ``F.forget``'s function
+        does, is read live): recomputing would give other arrays than the
+        forward's (checked with or without ``verify``)."""
         for a in in_ids:
-            if a in self.snapshots or a not in self._param_t:
+            if (a in self.snapshots and a not in self._inner) or a not in self._param_t:
                 continue
             param = self.params.get(a)
             if param is None or _update_count(param) == self._param_t[a]:

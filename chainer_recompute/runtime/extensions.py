@@ -126,10 +126,10 @@ class RecomputeReport(extension.Extension):
             out[f"{p}predicted_peak_{u}"] = predicted / scale
         if stats.measured_peak_bytes is not None:
             out[f"{p}measured_peak_{u}"] = stats.measured_peak_bytes / scale
-            if stats.plain_peak_bytes:
-                out[f"{p}plain_peak_{u}"] = stats.plain_peak_bytes / scale
-                out[f"{p}saving_percent"] = 100.0 * (
-                    1 - stats.measured_peak_bytes / stats.plain_peak_bytes)
+            plain = stats.plain_peak_bytes
+            if plain:
+                out[f"{p}plain_peak_{u}"] = plain / scale
+                out[f"{p}saving_percent"] = 100.0 * (1 - stats.measured_peak_bytes / plain)
         if budget is not None:
             out[f"{p}budget_{u}"] = budget / scale
         out[f"{p}recomputed"] = float(stats.recomputed_nodes)

@@ -157,7 +157,10 @@ def _after_mismatch(p: Program, call: Call, param_refs: Dict[int, Any]) -> str:
                 f"model's wiring depends on the data?)")
     if len(out_ids) != len(node.outputs):
         return f"{head} makes {len(out_ids)} outputs, the plan {len(node.outputs)}"
-    for a in in_ids:
+    if call.inner_ids != node.inner_params:
+        return (f"{head} applies functions to parameters {call.inner_ids} inside its forward, "
+                f"the plan to {node.inner_params}")
+    for a in in_ids + call.inner_ids:
         planned = p.param_refs.get(a)
         if planned is not None:
             ref = param_refs.get(a)
@@ -173,13 +176,15 @@ def _after_mismatch(p: Program, call: Call, param_refs: Dict[int, Any]) -> str:
 
 def _matches_after(p: Program, call: Call, param_refs: Dict[int, Any]) -> bool:
     """The call's wiring (which recorded array each input is, the very
-    parameters), outputs and retention are the planned node's."""
+    parameters, those its inner functions read too), outputs and retention
+    are the planned node's."""
     i = call.index
     node = p.graph.nodes[i]
     in_ids, out_ids = call.in_ids or (), call.out_ids or ()
-    if in_ids != node.inputs or len(out_ids) != len(node.outputs):
+    if (in_ids != node.inputs or len(out_ids) != len(node.outputs)
+            or call.inner_ids != node.inner_params):
         return False
-    for a in in_ids:
+    for a in in_ids + call.inner_ids:
         planned = p.param_refs.get(a)
         if planned is not None:
             ref = param_refs.get(a)

@@ -1,9 +1,13 @@
 """What the recorder inspects in Chainer's objects: the arrays a function
 keeps in its attributes, which array owns a view's memory, content
-checksums, and the arrays of a call's arguments and of a forward's result."""
+checksums, the arrays of a call's arguments and of a forward's result, and
+whether a gradient array is gone."""
 from __future__ import annotations
 
-from typing import Any, Iterator, List, Optional, Tuple
+import weakref
+from typing import Any, Callable, Iterator, List, Optional, Tuple
+
+import numpy
 
 from .. import _chainer  # noqa: F401  (NumPy 2 compatibility before chainer)
 import chainer
@@ -143,3 +147,28 @@ def first_variable(result: Any) -> Optional[chainer.Variable]:
             if v is not None:
                 return v
     return None
+
+
+def gone_watch(param: Any, grad: Any) -> Callable[[], bool]:
+    """Whether ``grad`` (``param``'s gradient now) has been freed, later:
+    by a weak reference to it, or where the array takes none, by
+    ``param`` no longer holding it."""
+    try:
+        ref = weakref.ref(grad)
+    except TypeError:
+        pref, gid = weakref.ref(param), id(grad)
+
+        def cleared() -> bool:
+            p = pref()
+            return p is None or p.grad is None or id(p.grad) != gid
+        return cleared
+    return lambda: ref() is None
+
+
+def node_nbytes(xnode: Any) -> int:
+    """The bytes of a ``VariableNode``'s array, from its shape and dtype
+    (0 where they are unknown)."""
+    shape, dtype = xnode.shape, xnode.dtype
+    if shape is None or dtype is None:
+        return 0
+    return int(numpy.prod(shape, dtype=numpy.int64)) * numpy.dtype(dtype).itemsize

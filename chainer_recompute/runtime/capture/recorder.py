@@ -16,6 +16,11 @@ It then registers itself as a local hook of every recorded function and
 records the backward order, times and transient memory of the backward that
 follows. With ``analyse=True`` it also finds what is safe to recompute
 (:mod:`~chainer_recompute.runtime.capture.safety`).
+
+Functions applied with backprop disabled inside the forward (a frozen
+teacher's) and functions nested in a recorded one (``F.forget``'s) are not
+recorded; their memory and the parameters the nested ones read are
+(:mod:`~chainer_recompute.runtime.capture.unrecorded`).
 """
 from __future__ import annotations
 
@@ -31,11 +36,13 @@ from .. import _chainer  # noqa: F401  (NumPy 2 compatibility before chainer)
 import chainer
 
 from ...core.errors import CaptureError, RecomputeError
-from ...core.graph import ArrayInfo, Graph, HeldArray, Node
+from ...core.graph import UNRECORDED_TAIL_KEY, ArrayInfo, Graph, HeldArray, Node
 from ..device import Device, RandomStates, device_of
 from .arrays import (_arrays_in, _variables_in, attribute_arrays, buffer_print, fingerprint,
-                     function_op, is_array, persistent_array_ids, root_of)
+                     function_op, gone_watch, is_array, node_nbytes, persistent_array_ids,
+                     root_of)
 from .safety import _WRITES_INPUTS, _config_key, analyse_function
+from .unrecorded import Aside, Made, ParameterIndex, UnrecordedWork
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +62,8 @@ class Call:
         "index", "func", "op", "label", "in_shapes", "in_args", "out_meta", "out_view",
         "keep_in", "keep_out", "held", "in_ids", "out_ids", "has_backward", "measured",
         "time_s", "fwd_transient", "recomputable", "reason", "bwd_time_s", "bwd_transient",
-        "bwd_alloc", "_out", "_before", "_func_strong")
+        "bwd_alloc", "inner", "inner_ids", "in_made", "unrecorded_peak", "_out", "_before",
+        "_func_strong")
 
     def __init__(self, index: int, func: Any, in_data: Tuple[Any, ...],
                  in_args: Tuple[Optional[str], ...]) -> None:
@@ -81,6 +89,10 @@ class Call:
         self.bwd_time_s: Optional[float] = None
         self.bwd_transient: Optional[int] = None
         self.bwd_alloc: Optional[int] = None
+        self.inner: Dict[int, Any] = {}  # parameters nested functions read, by id
+        self.inner_ids: Tuple[int, ...] = ()  # ... as array ids
+        self.in_made: Tuple[Optional[Made], ...] = ()  # inputs unrecorded functions made
+        self.unrecorded_peak: Optional[int] = None  # the unrecorded work's right before
         self._out: Optional[Tuple[Any, ...]] = None  # the outputs, until mapped
         self._func_strong: Any = None  # the function node, until mapped
         self._before: Optional[_Before] = None  # the state before its forward ran
@@ -88,7 +100,7 @@ class Call:
 
 class _ArrayRecord:
     __slots__ = ("shape", "dtype", "nbytes", "kind", "producer", "name", "view_of", "dies_at",
-                 "buffer_bytes")
+                 "buffer_bytes", "made_at")
 
     def __init__(self, shape: Tuple[int, ...], dtype: str, nbytes: int, kind: str,
                  producer: Optional[int], name: str = "", view_of: Optional[int] = None) -> None:
@@ -96,6 +108,7 @@ class _ArrayRecord:
         self.producer, self.name, self.view_of = producer, name, view_of
         self.dies_at: Optional[int] = None
         self.buffer_bytes: Optional[int] = None
+        self.made_at: Optional[int] = None
 
 
 class Recorder(chainer.FunctionHook):
@@ -158,6 +171,10 @@ class Recorder(chainer.FunctionHook):
         # (see watch_outside): the meter while it runs, then (peak, held).
         self._outside_watch: Any = None
         self.outside: Optional[Tuple[int, int]] = None
+        # Work inside the forward that is not recorded, and the parameters
+        # that nested functions read (see .unrecorded).
+        self._unrecorded = UnrecordedWork()
+        self._params = ParameterIndex(self._link_ref)
         # A new call: the backward of an earlier recording is over.
         end_backward_sessions()
         self._arg_names: Dict[int, str] = {}
@@ -173,13 +190,22 @@ class Recorder(chainer.FunctionHook):
     # ------------------------------------------------------------ forward
     def forward_preprocess(self, function: Any, in_data: Tuple[Any, ...]) -> None:
         self._depth += 1
-        top = self._depth == 1 and chainer.config.enable_backprop and not self.forward_done
-        if not top:
+        if self._depth > 1 or self.forward_done:
+            if self._depth > 1 and self._top and isinstance(self._top[0], Call):
+                top = self._top[0]
+                self._params.note(top.index, top.inner, in_data)
             self._top.append(None)
             return
+        if not chainer.config.enable_backprop:
+            self._top.append(self._aside(function, in_data))
+            return
         self._map_pending()
+        peak = self._unrecorded.end()
         call = Call(len(self.calls), function, in_data,
                     tuple(self._arg_names.get(id(x)) for x in in_data))
+        call.unrecorded_peak = 0 if peak is None and self.recording and self.measure else peak
+        if self._unrecorded.any_made:
+            call.in_made = tuple(self._unrecorded.made_of(x) for x in in_data)
         self.calls.append(call)
         self.index_of[id(function)] = call.index
         self._top.append(call)
@@ -191,10 +217,20 @@ class Recorder(chainer.FunctionHook):
         call = self._top.pop()
         if call is None:
             return
+        if isinstance(call, Aside):
+            vars(function).pop("forward", None)
+            self._unrecorded.note(call.out, len(self.calls))
+            return
         out = call._out or ()
         vars(function).pop("forward", None)
-        roles = (self._stop_measure(call, function, in_data, out)
-                 if call._before is not None else {})
+        # The safety analysis runs the forward once more: the functions that
+        # applies (F.forget's) are nested in this call, not unrecorded work.
+        self._depth += 1
+        try:
+            roles = (self._stop_measure(call, function, in_data, out)
+                     if call._before is not None else {})
+        finally:
+            self._depth -= 1
         self._describe(call, function, in_data, out, roles)
         function.add_hook(self)  # to see its backward
         # Held until its inputs and outputs are mapped at the next function:
@@ -209,8 +245,8 @@ class Recorder(chainer.FunctionHook):
         if function is not None:
             return
         for call in self._top:
-            if call is None:
-                continue
+            if not isinstance(call, Call):
+                continue  # (an unrecorded function's wrapper goes with its node)
             f = call.func()
             if f is not None:
                 vars(f).pop("forward", None)
@@ -219,6 +255,7 @@ class Recorder(chainer.FunctionHook):
             call._before = None
         self._top.clear()
         self._depth = 0
+        self._unrecorded.end_tail()
 
     def before_forward(self, call: Call, function: Any, in_data: Tuple[Any, ...]) -> None:
         """Called before each recorded function runs (the executor's hook)."""
@@ -229,10 +266,25 @@ class Recorder(chainer.FunctionHook):
     def finish(self, result: Any = None) -> None:
         """The forward has returned (``result``): map the last function."""
         self._map_pending()
+        self._unrecorded.end_tail()
         self.forward_done = True
         self._watch.clear()
         self.returned = sorted({self.array_of[v.node] for v in _variables_in(result)
                                 if v.node in self.array_of})
+
+    # ------------------------------------------------ unrecorded work
+    def _aside(self, function: Any, in_data: Tuple[Any, ...]) -> Aside:
+        """A top-level function applied with backprop disabled inside the
+        forward: not recorded, but in a measured stretch of unrecorded work
+        (:mod:`.unrecorded`)."""
+        if not self._unrecorded.running:
+            # The last recorded call's outputs are mapped now, so that a
+            # reference dropped from here on counts as dropped during this
+            # work (see _death_callback).
+            self._map_pending()
+            meter = device_of(in_data).meter() if self.recording and self.measure else None
+            self._unrecorded.begin(len(self.calls), meter)
+        return self._unrecorded.wrap(function)
 
     # ---------------------------------------------------- measuring a call
     def _wrap(self, call: Call, function: Any, in_data: Tuple[Any, ...]) -> None:
@@ -344,7 +396,7 @@ class Recorder(chainer.FunctionHook):
     # ---------------------------------------------------- mapping to ids
     def _node_bytes(self, xnode: Any) -> int:
         var = xnode.get_variable_or_none()
-        return device_of([var] if var is not None else []).allocation_bytes(_node_nbytes(xnode))
+        return device_of([var] if var is not None else []).allocation_bytes(node_nbytes(xnode))
 
     def _new_array(self, rec: _ArrayRecord) -> int:
         self.arrays.append(rec)
@@ -363,12 +415,20 @@ class Recorder(chainer.FunctionHook):
             aid = self.array_of.get(xnode)
             if aid is None:
                 var = xnode.get_variable_or_none()
+                made = call.in_made[j] if j < len(call.in_made) else None
                 if isinstance(var, chainer.Parameter):
-                    name = self._param_names.get(id(var), var.name or "")
-                    aid = self._new_array(_ArrayRecord(tuple(xnode.shape), str(xnode.dtype),
-                                                       self._node_bytes(xnode), "param", None,
-                                                       name))
-                    self.param_refs[aid] = weakref.ref(var)
+                    aid = self._param_array(var)
+                elif made is not None:
+                    if made.aid is None:  # its first reader
+                        made.aid = self._new_array(_ArrayRecord(
+                            tuple(xnode.shape), str(xnode.dtype), self._node_bytes(xnode),
+                            "input", None))
+                        self.arrays[made.aid].made_at = made.at
+                    aid = made.aid
+                    ref = made.read(self.arrays[aid], call.index, var, self.recording,
+                                    self._death_position)
+                    if ref is not None:
+                        self._watch.append(ref)
                 else:
                     name = call.in_args[j] if j < len(call.in_args) else None
                     # A raw array argument gets a new Variable (and node) at every
@@ -386,6 +446,15 @@ class Recorder(chainer.FunctionHook):
             in_ids.append(aid)
         call.in_ids = tuple(in_ids)
         call.has_backward = any(x.requires_grad for x in xnodes)
+        inner = []
+        for p in call.inner.values():
+            a = self.array_of.get(p.node)
+            if a is None:
+                a = self._param_array(p)
+            if a not in in_ids and a not in inner:
+                inner.append(a)
+        call.inner_ids = tuple(inner)
+        call.inner = {}
         out_ids = []
         out_nodes = [ref() for ref in (f.outputs or ())] if f is not None else []
         for k, (shape, dtype, nbytes, buffer_bytes) in enumerate(call.out_meta):
@@ -413,11 +482,30 @@ class Recorder(chainer.FunctionHook):
         self.after_mapping(call)
         call._func_strong = None
 
+    def _param_array(self, param: Any) -> int:
+        """A new parameter array (``param`` read for the first time)."""
+        name = self._param_names.get(id(param), param.name or "")
+        node = param.node
+        aid = self._new_array(_ArrayRecord(tuple(node.shape), str(node.dtype),
+                                           self._node_bytes(node), "param", None, name))
+        self.param_refs[aid] = weakref.ref(param)
+        self.array_of[node] = aid
+        return aid
+
     def _death_callback(self, aid: int) -> Callable[[Any], None]:
         def died(_ref: Any) -> None:
-            if not self.forward_done:
-                self.arrays[aid].dies_at = len(self.calls)
+            at = self._death_position()
+            if at is not None:
+                self.arrays[aid].dies_at = at
         return died
+
+    def _death_position(self) -> Optional[int]:
+        """The ``dies_at`` of a caller's reference dropped now: before the
+        next recorded call, or the one after it during unrecorded work (it
+        may have been there at that work's peak); None after the forward."""
+        if self.forward_done:
+            return None
+        return len(self.calls) + (1 if self._unrecorded.running else 0)
 
     # ------------------------------------------------------------ backward
     def backward_preprocess(self, function: Any, in_data: Any, out_grad: Any) -> None:
@@ -541,7 +629,7 @@ class Recorder(chainer.FunctionHook):
                     grads.setdefault(id(p.grad), (p, p.grad))
         dev.adopt(meter, [g for _, g in grads.values()])
         level = meter.current_bytes()
-        watched = [(_gone_watch(p, g), dev.allocation_bytes(g.nbytes))
+        watched = [(gone_watch(p, g), dev.allocation_bytes(g.nbytes))
                    for p, g in grads.values()]
         end = weakref.finalize(self, _end_meter, meter)
         self._outside_watch = (meter, level, watched, end)
@@ -602,9 +690,12 @@ class Recorder(chainer.FunctionHook):
             if (fill is not None and r.producer is not None and i < len(fill.arrays)
                     and not self.calls[r.producer].measured):
                 dies_at = fill.arrays[i].dies_at  # lifetimes were not watched
+            if dies_at is not None:
+                dies_at = min(dies_at, len(self.calls) + 1)
             arrays.append(ArrayInfo(id=i, shape=r.shape, dtype=r.dtype, nbytes=r.nbytes, kind=kind,
                                     producer=r.producer, name=r.name, view_of=r.view_of,
-                                    dies_at=dies_at, buffer_bytes=r.buffer_bytes))
+                                    dies_at=dies_at, buffer_bytes=r.buffer_bytes,
+                                    made_at=r.made_at))
         nodes = []
         for c in self.calls:
             ref = fill.nodes[c.index] if (fill is not None and not c.measured
@@ -628,6 +719,10 @@ class Recorder(chainer.FunctionHook):
             bwd_a = c.bwd_alloc if c.bwd_alloc is not None else (
                 ref.backward_alloc_bytes if ref is not None else None)
             attrs = {"unsafe_reason": reason} if reason else {}
+            unrecorded = c.unrecorded_peak
+            if unrecorded is None:  # not measured (a planned call): the plan's figure
+                unrecorded = (fill.nodes[c.index].unrecorded_peak_bytes
+                              if fill is not None and c.index < fill.n else 0)
             in_ids = c.in_ids or ()
             out_ids = c.out_ids or ()
             nodes.append(Node(
@@ -637,7 +732,8 @@ class Recorder(chainer.FunctionHook):
                 held=held, forward_time_s=time_s, backward_time_s=bwd_time,
                 recomputable=recomputable, label=c.label, attrs=attrs,
                 forward_transient_bytes=fwd_t, backward_transient_bytes=bwd_t,
-                backward_alloc_bytes=bwd_a, has_backward=c.has_backward))
+                backward_alloc_bytes=bwd_a, has_backward=c.has_backward,
+                inner_params=c.inner_ids, unrecorded_peak_bytes=int(unrecorded)))
         m: Dict[str, Any] = {"model": name, "returned": list(self.returned)}
         peak, held = self.outside or (0, 0)
         if peak >= OUTSIDE_FLOOR_BYTES:
@@ -647,6 +743,8 @@ class Recorder(chainer.FunctionHook):
             m["outside_peak_bytes"] = int(peak)
             if held >= OUTSIDE_FLOOR_BYTES:
                 m["outside_held_bytes"] = int(held)
+        if self._unrecorded.tail_peak:
+            m[UNRECORDED_TAIL_KEY] = int(self._unrecorded.tail_peak)  # after the last call
         if self.on_cupy:
             m["allocator"] = "cupy"  # the replay models its pool (core.pool)
         m.update(meta or {})
@@ -660,22 +758,6 @@ class Recorder(chainer.FunctionHook):
 #: gradient, a scalar or two) it is left to the budget's 1% headroom, so that
 #: a loop that does nothing there plans as before.
 OUTSIDE_FLOOR_BYTES = 1024
-
-
-def _gone_watch(param: Any, grad: Any) -> Callable[[], bool]:
-    """Whether ``grad`` (``param``'s gradient now) has been freed, later:
-    by a weak reference to it, or where the array takes none, by
-    ``param`` no longer holding it."""
-    try:
-        ref = weakref.ref(grad)
-    except TypeError:
-        pref, gid = weakref.ref(param), id(grad)
-
-        def cleared() -> bool:
-            p = pref()
-            return p is None or p.grad is None or id(p.grad) != gid
-        return cleared
-    return lambda: ref() is None
 
 
 #: Recorders whose backward's tracing session (or watch of the caller's
@@ -708,10 +790,3 @@ def _first_pass(order: Sequence[int]) -> List[int]:
         seen.add(v)
         out.append(v)
     return out
-
-
-def _node_nbytes(xnode: Any) -> int:
-    shape, dtype = xnode.shape, xnode.dtype
-    if shape is None or dtype is None:
-        return 0
-    return int(numpy.prod(shape, dtype=numpy.int64)) * numpy.dtype(dtype).itemsize

@@ -27,7 +27,7 @@ plain forward.
 from ..executor import IterationStats
 from .install import _rebuild, apply, remove, runner_of  # noqa: F401 (_rebuild: old pickles)
 from .log import logger, report  # noqa: F401
-from .planning import describe_plan
+from .describe import describe_plan
 from .recompute import Recompute
 
 __all__ = ["IterationStats", "Recompute", "apply", "describe_plan", "remove", "runner_of"]

@@ -15,6 +15,7 @@ import chainer
 
 from ...core.errors import InfeasibleBudgetError
 from ..executor import IterationHook, IterationStats
+from .describe import describe_step, plain_peak
 from .log import logger, report
 from .state import _Entry, _Structure
 
@@ -302,7 +303,6 @@ class MeteringMixin:
         """The first measured step of the runner's first plan, and of each
         plan corrected after an overshoot: one line with plain Chainer's
         peak, the plan's predicted and measured peaks and the saving."""
-        from .planning import describe_step, plain_peak
         if stats.measured_peak_bytes is None:
             return
         stats.plain_peak_bytes = plain_peak(s.graph, s.plan)[0]

@@ -19,6 +19,7 @@ from ...core.graph import Graph
 from ...core.units import format_bytes
 from ..capture import batch_size_of, leave_no_trace, state_bytes
 from ..executor import IterationHook, Program
+from .describe import describe_plan
 from .log import logger, report
 from .state import _Active, _Entry, _Recording, _Structure
 
@@ -654,58 +655,3 @@ class PlanningMixin:
                             "checkpoints": "checkpoints are kept, regenerated arrays released",
                             "none": "everything is released (keeping more would exceed the "
                                     "budget)"}[s.program.release_mode])
-
-
-def plain_peak(graph: Graph, plan: Any) -> Tuple[Optional[int], str]:
-    """Plain Chainer's peak for ``graph``'s iteration (the replay's
-    prediction: it counts what a first step does not have yet, the
-    optimizer's state, the previous gradients and graph) and what was
-    measured of it: plain Chainer's forward and backward on the recorded
-    step, or on the captures at two small batches, scaled."""
-    vanilla = plan.info.get("vanilla_peak_bytes")
-    measured = graph.meta.get("plain_measured_bytes")
-    if measured is None:
-        return (int(vanilla) if vanilla else None), "predicted"
-    at = graph.meta.get("plain_measured_at")
-    where = f"at batch {at[0]} and {at[1]}, scaled" if at else "on its recorded step"
-    how = f"predicted; its forward and backward measured {where}: {format_bytes(measured)}"
-    return (int(vanilla) if vanilla else int(measured)), how
-
-
-def describe_step(graph: Graph, plan: Any, planning_time_s: float, measured: int,
-                  corrected: bool = False) -> str:
-    """One line on a plan once a step has run on it (``measured``: that
-    step's peak): plain Chainer's peak, the plan's predicted and measured
-    peaks, and the saving measured."""
-    name = graph.meta.get("model", "model")
-    head = (f"{'re' if corrected else ''}planned {name} ({graph.n} functions, batch "
-            f"{graph.batch_size})")
-    plain, how = plain_peak(graph, plan)
-    saving = (f"; {abs(100 * (1 - measured / plain)):.0f}% "
-              f"{'less' if measured <= plain else 'more'} than plain Chainer's "
-              f"{format_bytes(plain)} ({how})" if plain else "")
-    what = (f"recomputes {100 * (plan.overhead_fraction or 0):.0f}% of a forward in "
-            f"{plan.n_blocks} blocks" if plan.recompute else "nothing recomputed (plain "
-            "backprop fits)")
-    return (f"{head}: peak {format_bytes(measured)} measured, "
-            f"{format_bytes(plan.predicted_peak_bytes)} predicted, budget "
-            f"{format_bytes(plan.budget_bytes)}{saving}; {what} [planned in "
-            f"{planning_time_s:.2f} s]")
-
-
-def describe_plan(graph: Graph, plan: Any, planning_time_s: float) -> str:
-    """One line on a plan: what it saves and what it costs."""
-    name = graph.meta.get("model", "model")
-    head = f"planned {name} ({graph.n} functions, batch {graph.batch_size})"
-    if not plan.recompute:
-        return (f"{head}: plain backprop fits the budget {format_bytes(plan.budget_bytes)} "
-                f"(predicted peak {format_bytes(plan.predicted_peak_bytes)}); nothing recomputed "
-                f"[{planning_time_s:.2f} s]")
-    vanilla = plan.info.get("vanilla_peak_bytes")
-    saving = (f", plain Chainer {format_bytes(vanilla)} "
-              f"(-{100 * (1 - plan.predicted_peak_bytes / vanilla):.0f}%)" if vanilla else "")
-    scope = plan.info.get("memory_scope", "activations")
-    return (f"{head}: predicted peak {format_bytes(plan.predicted_peak_bytes)} ({scope}) for "
-            f"budget {format_bytes(plan.budget_bytes)}{saving}; recomputes "
-            f"{100 * (plan.overhead_fraction or 0):.0f}% of a forward in {plan.n_blocks} blocks "
-            f"[{planning_time_s:.2f} s]")

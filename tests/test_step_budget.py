@@ -314,7 +314,10 @@ def binary_batches(n: int = STEPS, batch: int = 4, width: int = 64, seed: int = 
 
 
 def test_vae():
-    check(VAE, binary_batches())
+    # recorded first: at batch 4 the plan scaled from captures at batch 1
+    # and 2 under-predicts the first step by about 115 KB of this 0.42 MiB
+    # model (warned and corrected; docs/defaults.md)
+    check(VAE, binary_batches(), options={**OPTIONS, "capture_batch": None})
 
 
 def test_no_patch_outlives_the_models():
@@ -402,5 +405,7 @@ def test_graph_network_whose_hook_holds_pinned_arrays_into_the_next_step():
     its dropped blocks (the adjacency, block inputs); they are freed early
     in the next forward. The runner's check counts them as the model's at
     the call, so that it sees the whole step's peak instead of taking
-    them off it."""
-    check(GraphRegressor, graph_batches(), convert=True)
+    them off it. (Recorded first: on this 0.4 MiB model the captures' and
+    the planner's memory would set the first step's peak.)"""
+    check(GraphRegressor, graph_batches(), convert=True,
+          options={**OPTIONS, "capture_batch": None})

@@ -126,8 +126,9 @@ class ReplayContext:
         self.old_grads = param_grad_bytes(graph) if graph.meta.get("grads_in_forward", True) \
             else 0
         self.free_all = helpers.graph_gone_at_update(graph)
-        self.update_transient = int(graph.state_bytes.get("update_transient", 0))
+        self.update_transient = helpers.update_extra_bytes(graph)
         self.held_into_next = bool(graph.meta.get("held_into_next_forward", False))
+        self.saved = helpers.update_saved_bytes(graph)  # held with the graph too
         self.outside_peak, self.outside_held = helpers.outside_bytes(graph)
         # the gradients: the same for every plan
         order = list(graph.backward_order) if graph.backward_order else \
@@ -232,7 +233,7 @@ def run_kernel(ctx: ReplayContext, dropped: Optional[np.ndarray], block_of: Opti
         np.asarray(block_of, dtype=np.int64), MODES[release_mode])
     if c.held_into_next:  # the previous call's graph, through this forward
         trace = trace.copy()
-        trace[:int(np.argmax(kinds == END)) + 1] += held_end
+        trace[:int(np.argmax(kinds == END)) + 1] += held_end + c.saved
     return trace, kinds, us, ws, recomputed
 
 

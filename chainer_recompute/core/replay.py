@@ -180,6 +180,23 @@ def lifetimes(graph: Graph) -> Tuple[Dict[int, List[int]], Dict[int, List[int]],
     return dies, made, temporaries
 
 
+def update_extra_bytes(graph: Graph) -> int:
+    """What the optimizer's update adds for a moment: its largest
+    temporary, and, for a plan on probation (made from a separate capture,
+    whose graph may be backpropagated again after the update), the copies
+    of the parameters its released blocks were computed from, saved before
+    the update when the graph is still alive then
+    (``meta['update_saved_bytes']``)."""
+    return int(graph.state_bytes.get("update_transient", 0)) + update_saved_bytes(graph)
+
+
+def update_saved_bytes(graph: Graph) -> int:
+    """The parameter copies a plan on probation saves at its update (see
+    :func:`update_extra_bytes`); they live with the graph, into the next
+    call's forward when it is held there."""
+    return 0 if graph_gone_at_update(graph) else int(graph.meta.get("update_saved_bytes", 0))
+
+
 def param_grad_bytes(graph: Graph) -> int:
     """Bytes of the parameters' gradients."""
     sb = graph.state_bytes
@@ -668,9 +685,10 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
         for key in list(mem.attrs):
             mem.clear_attr(key)
     sb = graph.state_bytes
-    mem.record("update", sb.get("update_transient", 0))
+    mem.record("update", update_extra_bytes(graph))
     trace = np.asarray(mem.trace, dtype=np.int64)
     if graph.meta.get("held_into_next_forward", False):
+        held_end += update_saved_bytes(graph)
         end = mem.events.index("end of forward") + 1
         trace[:end] += held_end
         mem.used_trace[:end] = [u + held_end for u in mem.used_trace[:end]]

@@ -40,7 +40,7 @@ class TanhCritic(chainer.Chain):
         return self.last(h)
 
 
-def gan_data(steps: int = 5, batch: int = 16, n_in: int = 24):
+def gan_data(steps: int = 5, batch: int = 128, n_in: int = 24):
     rs = np.random.RandomState(7)
     return [(np.tanh(rs.randn(batch, n_in)).astype(np.float32),
              np.tanh(rs.randn(batch, n_in)).astype(np.float32),
@@ -131,7 +131,7 @@ def test_critic_keeping_activations_called_three_times_before_two_backwards():
     calls' graphs again) and the penalty's backward."""
     data = gan_data()
     rs = np.random.RandomState(3)
-    zs = [rs.randn(16, 8).astype(np.float32) for _ in data]
+    zs = [rs.randn(len(d[0]), 8).astype(np.float32) for d in data]
 
     def scenario(env):
         dis = env.apply("dis", KeepingCritic(), **DEFAULTS)

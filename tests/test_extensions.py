@@ -49,7 +49,7 @@ def test_keys_in_log_report_and_print_report(tmp_path):
     trainer.run()
     entries = log.log
     assert len(entries) == 5
-    assert entries[0]["recompute/planned"] == 0.0  # the first call records the graph
+    assert entries[0]["recompute/planned"] == 1.0  # the first call planned from captures
     planned = [e for e in entries if e.get("recompute/planned") == 1.0]
     assert planned, entries
     for e in planned:
@@ -57,6 +57,8 @@ def test_keys_in_log_report_and_print_report(tmp_path):
         assert e["recompute/budget_MiB"] >= e["recompute/predicted_peak_MiB"]
         assert e["recompute/recomputed"] >= 0
     assert any("recompute/measured_peak_MiB" in e for e in planned)
+    assert any(e.get("recompute/plain_peak_MiB", 0) > 0 and "recompute/saving_percent" in e
+               for e in planned), planned
     text = out.getvalue()
     assert "recompute/predicted_peak_MiB" in text and "recompute/recomputed" in text
 

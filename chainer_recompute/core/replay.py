@@ -180,21 +180,19 @@ def lifetimes(graph: Graph) -> Tuple[Dict[int, List[int]], Dict[int, List[int]],
     return dies, made, temporaries
 
 
-def update_extra_bytes(graph: Graph) -> int:
-    """What the optimizer's update adds for a moment: its largest
-    temporary, and, for a plan on probation (made from a separate capture,
-    whose graph may be backpropagated again after the update), the copies
-    of the parameters its released blocks were computed from, saved before
-    the update when the graph is still alive then
-    (``meta['update_saved_bytes']``)."""
-    return int(graph.state_bytes.get("update_transient", 0)) + update_saved_bytes(graph)
-
-
-def update_saved_bytes(graph: Graph) -> int:
-    """The parameter copies a plan on probation saves at its update (see
-    :func:`update_extra_bytes`); they live with the graph, into the next
-    call's forward when it is held there."""
-    return 0 if graph_gone_at_update(graph) else int(graph.meta.get("update_saved_bytes", 0))
+def update_saved_bytes(graph: Graph, released: Any) -> int:
+    """The parameter copies a plan on probation (``meta['on_probation']``:
+    made from a separate capture, its graph may be backpropagated again
+    after the update) saves at its update, when the graph is still alive
+    then: the parameters that the nodes it may have released read
+    (``released``: node ids: the dropped ones, and with release mode
+    ``'none'`` every releasable one), each once. They live with the graph,
+    into the next call's forward when it is held there."""
+    if not graph.meta.get("on_probation", False) or graph_gone_at_update(graph):
+        return 0
+    params = {a for u in released for a in graph.nodes[int(u)].inputs
+              if graph.arrays[a].kind == "param"}
+    return int(sum(graph.arrays[a].nbytes for a in params))
 
 
 def param_grad_bytes(graph: Graph) -> int:
@@ -685,10 +683,12 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
         for key in list(mem.attrs):
             mem.clear_attr(key)
     sb = graph.state_bytes
-    mem.record("update", update_extra_bytes(graph))
+    saved = update_saved_bytes(graph, () if plan is None else
+                               plan.releasable if release_mode == "none" else dropped)
+    mem.record("update", int(graph.state_bytes.get("update_transient", 0)) + saved)
     trace = np.asarray(mem.trace, dtype=np.int64)
     if graph.meta.get("held_into_next_forward", False):
-        held_end += update_saved_bytes(graph)
+        held_end += saved
         end = mem.events.index("end of forward") + 1
         trace[:end] += held_end
         mem.used_trace[:end] = [u + held_end for u in mem.used_trace[:end]]

@@ -82,8 +82,9 @@ def leave_no_trace(model: Any) -> Iterator[None]:
     CuPy), the persistent values and attributes (an ``L.LSTM``'s state, a
     BatchNorm's statistics and counters) of every Link called in the block
     and of every Link under ``model``, lazily created parameters, and the
-    gradients of the parameters."""
-    rng = RandomStates.save_generators()
+    gradients of the parameters. The block draws from other random states
+    (:meth:`RandomStates.isolated`): CuPy's generators are objects that its
+    draws advance, so only fresh ones leave the caller's untouched."""
     snapshots: Dict[int, _LinkSnapshot] = {}
     link = model if isinstance(model, chainer.Link) else getattr(model, "__self__", None)
     if isinstance(link, chainer.Link):
@@ -91,9 +92,8 @@ def leave_no_trace(model: Any) -> Iterator[None]:
             snapshots[id(sub)] = _LinkSnapshot(sub)
     watcher = _LinkWatcher(snapshots)
     try:
-        with watcher:
+        with RandomStates.isolated(), watcher:
             yield
     finally:
         for snap in snapshots.values():
             snap.restore()
-        RandomStates.restore_generators(rng)

@@ -322,16 +322,21 @@ class MeteringMixin:
         ``hook.plain_measured_bytes``."""
         from ..device import device_of
         dev = device_of(arrays)
-        own = _distinct_bytes(dev, _own_arrays(link, arrays))
+        arrays = _own_arrays(link, arrays)
+        own = _distinct_bytes(dev, arrays)
         meter = dev.meter()
         meter.start()
+        # (adopted, as _start_meter does: their frees are seen, by the
+        # recorder's own meters inside this one too)
+        dev.adopt(meter, arrays)
+        level = meter.current_bytes()
+        del arrays
         finalizer = weakref.finalize(hook, _abandon, meter)
         before = hook.on_backward_done
 
-
         def done(h: IterationHook) -> None:
             finalizer.detach()
-            h.plain_measured_bytes = own + meter.stop().peak_bytes
+            h.plain_measured_bytes = own + meter.stop().absolute_peak_bytes - level
             if before is not None:
                 before(h)
         hook.on_backward_done = done

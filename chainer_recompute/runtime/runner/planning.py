@@ -129,9 +129,11 @@ class PlanningMixin:
             if self.workspace is not None:  # the convolutions' bound, chosen with the plan
                 graph = self._bound(graph)
             if plan is None:
+                if not backward_known and not graph.meta.get("on_probation", False):
+                    # its first update saves the parameters of released blocks
+                    # (executor): counted (replay.update_saved_bytes)
+                    graph = graph.replace(meta={**graph.meta, "on_probation": True})
                 plan = self.plan(graph)
-                if not backward_known:
-                    graph, plan = self._on_probation(graph, plan)
         program = Program(graph, plan.lower_sets, frozenset(plan.kept), param_refs=param_refs)
         program.multi_backward = multi_backward
         program.backward_known = backward_known
@@ -157,33 +159,6 @@ class PlanningMixin:
                 self._said_unsafe.add(said)
                 report.warning("%s", said)
         return s
-
-    def _on_probation(self, graph: Graph, plan: Any) -> Tuple[Graph, Any]:
-        """A plan whose graph's backward has not been seen to the end (made
-        from a separate capture) saves, at its first update, the values of
-        the parameters its released blocks were computed from, when the
-        graph is still alive then (a loss link keeps it): a backward pass
-        may still come through it (see :mod:`..executor`). Those copies are
-        in the update's replayed peak (``meta['update_saved_bytes']``); a
-        plan they take over the budget is solved again with them."""
-        from ...core.budget import limit_of
-        from ...core.execution import ExecutionPlan
-        from ...core.replay import graph_gone_at_update, replay
-        if not plan.recompute or self.budget_scope != "total" or graph_gone_at_update(graph):
-            return graph, plan
-        ep = ExecutionPlan(graph, plan.lower_sets, frozenset(plan.kept))
-        params = {a for u in ep.dropped for a in graph.nodes[u].inputs
-                  if graph.arrays[a].kind == "param"}
-        saved = sum(graph.arrays[a].nbytes for a in params)
-        if not saved:
-            return graph, plan
-        graph = graph.replace(meta={**graph.meta, "update_saved_bytes": saved})
-        peak = replay(graph, ep).peak_bytes
-        if plan.budget_bytes is not None and peak > limit_of(plan.budget_bytes):
-            plan = self.plan(graph)
-            peak = replay(graph, ExecutionPlan(graph, plan.lower_sets, frozenset(plan.kept))
-                          ).peak_bytes if plan.recompute else plan.predicted_peak_bytes
-        return graph, dataclasses.replace(plan, predicted_peak_bytes=int(peak))
 
     def _plan_pending(self, entry: _Entry, args: Tuple[Any, ...],
                       kwargs: Dict[str, Any]) -> None:

@@ -287,3 +287,26 @@ def test_held_memory_does_not_grow_over_300_steps():
         outer.stop()
     assert cr.runner_of(model).last_stats.path == "planned"
     assert held[1] <= held[0], held
+
+
+class LazyMLP(chainer.Chain):
+    """Chainer's MNIST example's network: ``L.Linear(None, ...)``, its
+    parameters made at the first call (inside the captures, put back)."""
+
+    def __init__(self, n_units: int = 256, n_out: int = 10) -> None:
+        super().__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(None, n_units)
+            self.l2 = L.Linear(None, n_units)
+            self.l3 = L.Linear(None, n_out)
+
+    def forward(self, x):
+        return self.l3(F.relu(self.l2(F.relu(self.l1(x)))))
+
+
+def test_lazily_initialised_parameters_with_adam():
+    """The MNIST example's model under ``L.Classifier`` with Adam: the
+    parameters, their gradients and Adam's state, which do not exist before
+    the first call, are in the first step's plan."""
+    check(lambda: L.Classifier(LazyMLP()), optimizer(lambda: chainer.optimizers.Adam()),
+          vectors(n=4), mid=False)

@@ -373,10 +373,12 @@ class PlanningMixin:
                 loss.backward()
             del out, loss
             keeps = link is not None and _keeps_graph(link, hook)
-        peak = meter.stop().peak_bytes
+            peak = meter.stop().peak_bytes
+            # (here, while lazily initialised parameters exist: they are put
+            # back; after the meter: the optimizer's update is measured apart)
+            sb = state_bytes(link) if link is not None else None
         meta = None
         if link is not None:
-            sb = state_bytes(link)
             meta = {"state_bytes": sb, "kept_after_backward": keeps,
                     "held_into_next_forward": keeps and not self.free_previous_graph,
                     # plain Chainer's forward and backward at this batch, measured

@@ -127,7 +127,6 @@ class ReplayContext:
             else 0
         self.free_all = helpers.graph_gone_at_update(graph)
         self.update_transient = int(graph.state_bytes.get("update_transient", 0))
-        self._saved = helpers.update_saved_bytes
         self.held_into_next = bool(graph.meta.get("held_into_next_forward", False))
         self.outside_peak, self.outside_held = helpers.outside_bytes(graph)
         # the gradients: the same for every plan
@@ -221,8 +220,6 @@ def run_kernel(ctx: ReplayContext, dropped: Optional[np.ndarray], block_of: Opti
         dropped = np.zeros(n, dtype=np.bool_)
         block_of = np.zeros(n, dtype=np.int64)
     c = ctx
-    saved = c._saved(c.graph, np.flatnonzero(c.releasable if release_mode == "none"
-                                             else dropped)) if has_plan else 0
     trace, kinds, us, ws, recomputed, held_end = _kernel()(
         n, c.owner, c.owned, c.nbytes, c.pc, c.constown, c.producer, c.dies_at, c.retby,
         c.in_p, c.in_i, c.out_p, c.out_i, c.rout_p, c.rout_i, c.rin_p, c.rin_i,
@@ -230,12 +227,12 @@ def run_kernel(ctx: ReplayContext, dropped: Optional[np.ndarray], block_of: Opti
         c.held_key, c.held_nb, c.held_der,
         c.n_keys, c.ftr, c.order, c.g_rec, c.g_extra, c.g_after, c.releasable,
         c.needs_p, c.needs_i, c.done_p, c.done_i, c.last, c.constant, c.old_grads,
-        c.free_all, c.update_transient + saved, c.outside_peak, c.outside_held, has_plan,
+        c.free_all, c.update_transient, c.outside_peak, c.outside_held, has_plan,
         np.asarray(dropped, dtype=np.bool_),
         np.asarray(block_of, dtype=np.int64), MODES[release_mode])
     if c.held_into_next:  # the previous call's graph, through this forward
         trace = trace.copy()
-        trace[:int(np.argmax(kinds == END)) + 1] += held_end + saved
+        trace[:int(np.argmax(kinds == END)) + 1] += held_end
     return trace, kinds, us, ws, recomputed
 
 

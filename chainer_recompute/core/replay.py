@@ -180,21 +180,6 @@ def lifetimes(graph: Graph) -> Tuple[Dict[int, List[int]], Dict[int, List[int]],
     return dies, made, temporaries
 
 
-def update_saved_bytes(graph: Graph, released: Any) -> int:
-    """The parameter copies a plan on probation (``meta['on_probation']``:
-    made from a separate capture, its graph may be backpropagated again
-    after the update) saves at its update, when the graph is still alive
-    then: the parameters that the nodes it may have released read
-    (``released``: node ids: the dropped ones, and with release mode
-    ``'none'`` every releasable one), each once. They live with the graph,
-    into the next call's forward when it is held there."""
-    if not graph.meta.get("on_probation", False) or graph_gone_at_update(graph):
-        return 0
-    params = {a for u in released for a in graph.nodes[int(u)].inputs
-              if graph.arrays[a].kind == "param"}
-    return int(sum(graph.arrays[a].nbytes for a in params))
-
-
 def param_grad_bytes(graph: Graph) -> int:
     """Bytes of the parameters' gradients."""
     sb = graph.state_bytes
@@ -683,12 +668,9 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
         for key in list(mem.attrs):
             mem.clear_attr(key)
     sb = graph.state_bytes
-    saved = update_saved_bytes(graph, () if plan is None else
-                               plan.releasable if release_mode == "none" else dropped)
-    mem.record("update", int(graph.state_bytes.get("update_transient", 0)) + saved)
+    mem.record("update", int(graph.state_bytes.get("update_transient", 0)))
     trace = np.asarray(mem.trace, dtype=np.int64)
     if graph.meta.get("held_into_next_forward", False):
-        held_end += saved
         end = mem.events.index("end of forward") + 1
         trace[:end] += held_end
         mem.used_trace[:end] = [u + held_end for u in mem.used_trace[:end]]

@@ -12,15 +12,18 @@ def plain_peak(graph: Graph, plan: Any) -> Tuple[Optional[int], str]:
     """Plain Chainer's peak for ``graph``'s iteration (the replay's
     prediction: it counts what a first step does not have yet, the
     optimizer's state, the previous gradients and graph) and what was
-    measured of it: plain Chainer's forward and backward on the recorded
-    step, or on the captures at two small batches, scaled."""
+    measured of it: plain Chainer's forward and backward on the captures
+    at two small batches, scaled (a plan made from a recorded step, or a
+    capture of the whole batch: the prediction only)."""
     vanilla = plan.info.get("vanilla_peak_bytes")
     measured = graph.meta.get("plain_measured_bytes")
     if measured is None:
         return (int(vanilla) if vanilla else None), "predicted"
     at = graph.meta.get("plain_measured_at")
-    where = f"at batch {at[0]} and {at[1]}, scaled" if at else "on its recorded step"
-    how = f"predicted; its forward and backward measured {where}: {format_bytes(measured)}"
+    if not at:
+        return (int(vanilla) if vanilla else int(measured)), "predicted"
+    how = (f"predicted; its forward and backward measured at batch {at[0]} and {at[1]}, "
+           f"scaled: {format_bytes(measured)}")
     return (int(vanilla) if vanilla else int(measured)), how
 
 

@@ -315,32 +315,6 @@ class MeteringMixin:
                                               stats.measured_peak_bytes,
                                               corrected=bool(correction)))
 
-    def _measure_recorded(self, hook: IterationHook, link: Optional[chainer.Link],
-                          arrays: List[Any]) -> None:
-        """Plain Chainer's peak on a recorded (plain) step, from the call to
-        the end of its backward (before the plan made there), as
-        ``hook.plain_measured_bytes``."""
-        from ..device import device_of
-        dev = device_of(arrays)
-        arrays = _own_arrays(link, arrays)
-        own = _distinct_bytes(dev, arrays)
-        meter = dev.meter()
-        meter.start()
-        # (adopted, as _start_meter does: their frees are seen, by the
-        # recorder's own meters inside this one too)
-        dev.adopt(meter, arrays)
-        level = meter.current_bytes()
-        del arrays
-        finalizer = weakref.finalize(hook, _abandon, meter)
-        before = hook.on_backward_done
-
-        def done(h: IterationHook) -> None:
-            finalizer.detach()
-            h.plain_measured_bytes = own + meter.stop().absolute_peak_bytes - level
-            if before is not None:
-                before(h)
-        hook.on_backward_done = done
-
     def _check(self, entry: _Entry, s: _Structure, stats: IterationStats,
                measured: int) -> None:
         """A peak over the budget (total scope): the memory model is to be

@@ -129,10 +129,6 @@ class PlanningMixin:
             if self.workspace is not None:  # the convolutions' bound, chosen with the plan
                 graph = self._bound(graph)
             if plan is None:
-                if not backward_known and not graph.meta.get("on_probation", False):
-                    # its first update saves the parameters of released blocks
-                    # (executor): counted (replay.update_saved_bytes)
-                    graph = graph.replace(meta={**graph.meta, "on_probation": True})
                 plan = self.plan(graph)
         program = Program(graph, plan.lower_sets, frozenset(plan.kept), param_refs=param_refs)
         program.multi_backward = multi_backward
@@ -218,8 +214,6 @@ class PlanningMixin:
             keeps = _keeps_graph(link, hook)
             meta = {"state_bytes": state_bytes(link), "kept_after_backward": keeps,
                     "held_into_next_forward": keeps and not self.free_previous_graph}
-        if meta is not None and getattr(hook, "plain_measured_bytes", None) is not None:
-            meta["plain_measured_bytes"] = hook.plain_measured_bytes
         graph = hook.graph(cost_model=self.cost, batch_size=entry.batch,
                            name=type(link).__name__ if link is not None else "model",
                            meta=meta,
@@ -351,32 +345,36 @@ class PlanningMixin:
             cut_args = tuple(cut(a) for a in args)
             cut_kwargs = {k: cut(v) for k, v in kwargs.items()}
         from ..device import device_of
-        from .metering import _distinct_bytes, _own_arrays
+        from .metering import _abandon, _distinct_bytes, _own_arrays
         arrays = list(cut_args) + list(cut_kwargs.values())
         dev = device_of(arrays)
         own = _distinct_bytes(dev, _own_arrays(link, arrays))
         meter = dev.meter()
         meter.start()
-        with leave_no_trace(link if link is not None else self.fn):
-            hook = IterationHook(link=link, args=list(cut_args) + list(cut_kwargs.values()))
-            with _Active(), hook:
-                out = self.fn(*cut_args, **cut_kwargs)
-            hook.finish(out)
-            from ..capture import first_variable
-            loss = first_variable(out)
-            if loss is not None and loss.requires_grad:
-                if loss.size != 1:
-                    loss = chainer.functions.sum(loss)
-                loss.grad_var = None
-                if link is not None:
-                    link.cleargrads()  # as a training loop does (restored after)
-                loss.backward()
-            del out, loss
-            keeps = link is not None and _keeps_graph(link, hook)
-            peak = meter.stop().peak_bytes
-            # (here, while lazily initialised parameters exist: they are put
-            # back; after the meter: the optimizer's update is measured apart)
-            sb = state_bytes(link) if link is not None else None
+        try:
+            with leave_no_trace(link if link is not None else self.fn):
+                hook = IterationHook(link=link,
+                                     args=list(cut_args) + list(cut_kwargs.values()))
+                with _Active(), hook:
+                    out = self.fn(*cut_args, **cut_kwargs)
+                hook.finish(out)
+                from ..capture import first_variable
+                loss = first_variable(out)
+                if loss is not None and loss.requires_grad:
+                    if loss.size != 1:
+                        loss = chainer.functions.sum(loss)
+                    loss.grad_var = None
+                    if link is not None:
+                        link.cleargrads()  # as a training loop does (restored after)
+                    loss.backward()
+                del out, loss
+                keeps = link is not None and _keeps_graph(link, hook)
+                peak = meter.stop().peak_bytes
+                # (here, while lazily initialised parameters exist: they are put
+                # back; after the meter: the optimizer's update is measured apart)
+                sb = state_bytes(link) if link is not None else None
+        finally:
+            _abandon(meter)  # (a capture that raised: tracing stopped all the same)
         meta = None
         if link is not None:
             meta = {"state_bytes": sb, "kept_after_backward": keeps,

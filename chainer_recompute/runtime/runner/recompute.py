@@ -387,8 +387,6 @@ class Recompute(PlanningMixin, MeteringMixin):
         if entry.structures:
             self._watch_held_graph(hook)
             self._start_meter(entry, hook, link, args, kwargs)
-        elif entry.recorded == 0:  # the signature's first recording: plain Chainer's peak
-            self._measure_recorded(hook, link, list(args) + list(kwargs.values()))
         self._last_hook = weakref.ref(hook)
         self._graphs.append(self._last_hook)
         limit = entry.structures[0].graph.meta.get("workspace_bytes") \

@@ -8,6 +8,7 @@ import collections
 import dataclasses
 import logging
 import time
+import warnings
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -285,8 +286,10 @@ class PlanningMixin:
                 return False
             small = 1 if batch <= 4 else 2
             try:
-                g1, hook = self._capture_at(args, kwargs, batch, small)
-                g2, _ = self._capture_at(args, kwargs, batch, 2 * small)
+                with warnings.catch_warnings():  # (BatchNorm's on one sample: the capture's)
+                    warnings.simplefilter("ignore")
+                    g1, hook = self._capture_at(args, kwargs, batch, small)
+                    g2, _ = self._capture_at(args, kwargs, batch, 2 * small)
                 graph = g1.scale_between(g2, batch)
                 p1, p2 = g1.meta.get("plain_measured_bytes"), g2.meta.get("plain_measured_bytes")
                 if p1 is not None and p2 is not None:

@@ -7,6 +7,11 @@
   every other function costs the elements it reads and writes (it is
   memory-bound), and where shapes are unknown, its bytes.
 - ``measured``: the profiled forward time in seconds.
+
+``paper`` and ``flops`` are functions of a graph's shapes, sizes and wiring
+(:data:`TIME_FREE`); ``measured`` is not: two recordings of one model give
+other times. What must not change from one recording to the next (the
+least feasible budget) is searched under :func:`time_free_model`'s costs.
 """
 from __future__ import annotations
 
@@ -68,6 +73,24 @@ COST_MODELS: Dict[str, Callable[[Graph, Node], float]] = {
     "flops": _flops,
     "measured": _measured,
 }
+
+
+#: Cost models whose costs depend on shapes, sizes and wiring only.
+TIME_FREE = ("paper", "flops")
+#: The time-free model that stands in for ``measured``: the nearest to
+#: measured times (convolutions and products by their flops, the rest by
+#: the elements they touch).
+TIME_FREE_STAND_IN = "flops"
+
+
+def time_free_model(cost_model: str) -> str:
+    """``cost_model`` when it is time-free (:data:`TIME_FREE`), else
+    :data:`TIME_FREE_STAND_IN`.
+
+    >>> time_free_model('paper'), time_free_model('measured')
+    ('paper', 'flops')
+    """
+    return cost_model if cost_model in TIME_FREE else TIME_FREE_STAND_IN
 
 
 def node_costs(graph: Graph, cost_model: str) -> np.ndarray:

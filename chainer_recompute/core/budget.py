@@ -45,7 +45,7 @@ from .execution import ExecutionPlan, releasable_nodes
 from .graph import Graph
 from .lower_sets import DEFAULT_MAX_LOWER_SETS, LowerSetFamily
 from .memory_model import SCOPES, MemoryModel, measured_model
-from .plan import Plan, replace_plan
+from .plan import Plan, recost_plan, replace_plan
 from .planner import solve
 from .replay import replay_peak
 from .search import least_feasible_budget
@@ -282,19 +282,13 @@ class BudgetSearch:
         return self._free
 
     def _own_costs(self, plan: Plan) -> Plan:
-        """``plan`` (of the graph without times) with its overhead under the
-        graph's own costs."""
-        g = self.graph
-        if plan.cost_model == g.cost_model:
+        """``plan`` (of the graph without times) as a plan of this search's
+        graph: its overhead under the graph's own costs, no reference to the
+        other graph (a plan the runner keeps would keep that graph's arrays
+        alive through every budgeted step)."""
+        if plan.cost_model == self.graph.cost_model:
             return plan
-        if not plan.recompute:
-            return self.vanilla()[0]
-        dropped = np.ones(g.n, dtype=bool)
-        dropped[list(plan.kept)] = False
-        overhead = float(g.node_cost[dropped].sum())
-        total = float(g.node_cost.sum())
-        return replace_plan(plan, overhead=overhead, cost_model=g.cost_model,
-                            overhead_fraction=overhead / total if total > 0 else 0.0)
+        return self.vanilla()[0] if not plan.recompute else recost_plan(plan, self.graph)
 
     def candidates(self) -> List[Tuple[Plan, int]]:
         """The plans the least feasible budget is the least peak of, with
@@ -416,14 +410,20 @@ class BudgetSearch:
     def least_plan(self) -> Plan:
         """The plan at the least feasible total budget: with ``tc``, the
         least overhead (under the graph's own costs) among the candidates
-        that fit it and the plans of the graph's own costs that do."""
+        that fit it and the tc plans of the graph's own costs that do (the
+        most time retained: :meth:`fit`'s search)."""
         t0 = time.perf_counter()
         plan, peak = self.least()
         budget = self.least_budget()
         if self.strategy == "tc":
             limit = limit_of(budget)
             pool = [c for c in self.candidates() if c[1] <= limit]
-            pool += list(self._tc_fits(limit).values())
+            # the measured tc plans that fit, searched only when the one at
+            # the DPs' least budget does (their peak grows with the DPs'
+            # budget in practice)
+            lowest = self.at(self.dp_least)[1]
+            if lowest is not None and lowest <= limit:
+                pool += list(self._tc_fits(limit).values())
             plan, peak = min(pool, key=lambda c: (c[0].overhead, c[1]))
         return self._annotate(plan, peak, budget, None, t0)
 

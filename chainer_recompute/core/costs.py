@@ -15,6 +15,7 @@ least feasible budget) is searched under :func:`time_free_model`'s costs.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import numpy as np
@@ -34,7 +35,7 @@ def _paper(graph: Graph, node: Node) -> float:
 def _size(shape: Optional[Tuple[int, ...]]) -> Optional[int]:
     if shape is None:
         return None
-    return int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
+    return math.prod(shape)  # (np.prod costs 20x more on these short tuples)
 
 
 def _flops(graph: Graph, node: Node) -> float:

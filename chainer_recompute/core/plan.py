@@ -10,6 +10,8 @@ from collections.abc import Set as _AbstractSet
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, FrozenSet, Optional, Sequence, Tuple
 
+import numpy as np
+
 from .graph import Graph
 from .lower_sets import set_to_mask
 from .schedule import StrategyCost, build_schedule, simulate, strategy_cost
@@ -295,8 +297,11 @@ def recost_plan(plan: Plan, graph: Graph) -> Plan:
     >>> (p.cost_model, p.overhead), (q.cost_model, q.overhead, q.overhead_fraction)
     (('flops', 4.0), ('measured', 3.0, 0.8571428571428571))
     """
-    dropped = [v for v in range(graph.n) if v not in plan.kept] if plan.recompute else []
-    overhead = float(graph.node_cost[dropped].sum()) if dropped else 0.0
+    dropped = np.zeros(graph.n, dtype=bool)
+    if plan.recompute:
+        dropped[:] = True
+        dropped[list(plan.kept)] = False
+    overhead = float(graph.node_cost[dropped].sum())
     total = float(graph.node_cost.sum())
     sim = plan.__dict__["_simulated_peak_bytes"]
     if isinstance(sim, _SimulatedPeak):

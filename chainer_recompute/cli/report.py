@@ -108,6 +108,14 @@ def format_report(report: Dict[str, Any]) -> str:
                  f"work in % of one forward ({g['cost_model']} costs)")
     if not plan["recompute"]:
         lines.append(f"plain backprop fits in {b['text']}: the plan recomputes nothing.")
+    if b["text"] == "least" and b["scope"] == "total" \
+            and b["bytes"] > plain["predicted_peak_bytes"]:
+        from ..core.budget import MARGIN, least_for
+        need = least_for(plain["predicted_peak_bytes"])
+        lines.append(f"the least feasible budget is above plain backprop's predicted peak: a "
+                     f"total budget keeps {100 * MARGIN:.0f}% of headroom for what the replay "
+                     f"does not see, and no plan saves that much here (plain backprop needs "
+                     f"{format_bytes_up(need)} of budget).")
     if b["scope"] == "activations":
         lines.append(f"the whole iteration, replayed: plain backprop "
                      f"{format_bytes(plain['replayed_peak_bytes'])}, the plan "

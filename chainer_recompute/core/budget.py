@@ -18,7 +18,17 @@ Two scopes:
   event by event (:func:`~chainer_recompute.core.replay.replay`), and the
   DPs' own budget is searched until the replayed peak fits the user's.
   Plain backpropagation is a candidate too (it needs no recomputation), so
-  the least feasible budget is never above plain Chainer's predicted peak.
+  the least feasible budget is never above what plain Chainer needs
+  (its replayed peak with the same :data:`MARGIN`), and the least plan's
+  replayed peak never above plain Chainer's.
+
+The least feasible budget is a function of the graph's sizes and structure
+(and the solver's options), never of its measured times: the plans it is
+the least peak of are those of the graph without times
+(:meth:`~chainer_recompute.core.graph.Graph.without_times`), so that two
+recordings of one model, whose times differ, give the same figure, and the
+figure an error message offers is accepted in the next process. A plan for
+a byte budget is the solver's under the graph's own (measured) costs.
 """
 from __future__ import annotations
 
@@ -35,7 +45,7 @@ from .execution import ExecutionPlan, releasable_nodes
 from .graph import Graph
 from .lower_sets import DEFAULT_MAX_LOWER_SETS, LowerSetFamily
 from .memory_model import SCOPES, MemoryModel, measured_model
-from .plan import Plan, replace_plan
+from .plan import Plan, recost_plan, replace_plan
 from .planner import solve
 from .replay import replay_peak
 from .search import least_feasible_budget
@@ -96,6 +106,84 @@ def check_scope(scope: str) -> None:
                           f"'activations': the paper's model)")
 
 
+class _Tries:
+    """The solver's plans of one graph at the DPs' own budgets (cached),
+    with their replayed peaks, and the candidates for the least peak
+    (:meth:`BudgetSearch.candidates`). A :class:`BudgetSearch` has one
+    for its graph's own costs (the plans for byte budgets) and one for its
+    graph without times (the least feasible budget).
+
+    Holds no reference to its search (a cycle would keep the DPs' arrays
+    alive until the cyclic garbage collector runs).
+    """
+
+    def __init__(self, graph: Graph, replay_graph: Graph, solver: str, strategy: str,
+                 model: MemoryModel, dp_least: int, family: Optional[LowerSetFamily],
+                 problem: Any, options: Dict[str, Any]) -> None:
+        self.graph, self.replay_graph = graph, replay_graph
+        self.solver, self.strategy, self.model = solver, strategy, model
+        self.dp_least, self.family, self.problem, self.options = dp_least, family, problem, options
+        self._cache: Dict[Tuple[str, int], Tuple[Plan, Optional[int]]] = {}
+        self._candidates: Optional[List[Tuple[Plan, int]]] = None
+
+    def at(self, dp_budget: int, strategy: Optional[str] = None
+           ) -> Tuple[Optional[Plan], Optional[int]]:
+        """See :meth:`BudgetSearch.at`."""
+        key = (strategy or self.strategy, int(dp_budget))
+        hit = self._cache.get(key)
+        if hit is None:
+            extra: Dict[str, Any] = {}
+            if self.family is not None:
+                extra["family"] = self.family
+            if self.problem is not None:
+                extra["problem"] = self.problem
+            plan = solve(self.graph, key[1], solver=self.solver, strategy=key[0],
+                         raise_infeasible=False, model=self.model, **extra, **self.options)
+            hit = (plan, peak_of(self.replay_graph, plan) if plan.feasible else None)
+            self._cache[key] = hit
+        plan, peak = hit
+        return (plan, peak) if plan.feasible else (None, None)
+
+    def grid(self, k: int = 6) -> List[int]:
+        """``k + 1`` DP budgets from the DPs' least to plain backprop's,
+        geometric."""
+        lo = self.dp_least
+        hi = max(lo + 1, self.dp_vanilla())
+        return sorted({int(lo * (hi / lo) ** (j / k)) if lo > 0 else lo + (hi - lo) * j // k
+                       for j in range(k + 1)})
+
+    def dp_vanilla(self) -> int:
+        m = self.model
+        return int(m.constant_bytes + m.block_bytes.sum() + m.transient_bytes.max())
+
+    def candidates(self, vanilla: Tuple[Plan, int]) -> List[Tuple[Plan, int]]:
+        """``vanilla``, this strategy's DP plans over :meth:`grid`, and the
+        ``mc`` DP's over a finer grid, refined between the neighbours of
+        its best point (see :meth:`BudgetSearch.candidates`)."""
+        if self._candidates is not None:
+            return self._candidates
+        coarse = []
+        if self.family is not None or self.solver == "hier":
+            # solved first: the hierarchical DP bounds its tc tables of
+            # larger budgets by the chains it found (they come out the same)
+            hier = self.solver == "hier"
+            grid = self.grid(HIER_GRID_STEPS if hier else GRID_STEPS)
+            peaks = []
+            for b in grid:
+                plan, peak = self.at(b, "mc")
+                coarse.append((plan, peak))
+                peaks.append(math.inf if peak is None else peak)
+            i = min(range(len(grid)), key=peaks.__getitem__)
+            lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
+            refine = HIER_REFINE_STEPS if hier else REFINE_STEPS
+            for j in range(1, refine + 1):
+                coarse.append(self.at(lo + (hi - lo) * j // (refine + 1), "mc"))
+        out = [vanilla] + [self.at(b) for b in self.grid()] + coarse
+        self._candidates = [(plan, peak) for plan, peak in out
+                            if plan is not None and peak is not None]
+        return self._candidates
+
+
 class BudgetSearch:
     """Plans of one graph for budgets on the total peak (see module doc).
 
@@ -106,6 +194,15 @@ class BudgetSearch:
 
     Plans are cached by the DPs' budget, so that several budgets (and the
     least feasible one) share the work.
+
+    The least feasible budget depends on the graph's sizes and structure
+    only, never on its measured times (two recordings of one model give
+    other times, and the figure an error message offers must be accepted
+    in the next process): its candidates are planned on
+    :meth:`~Graph.without_times` (the DPs minimise time under a memory
+    bound, so their plans, and the replayed peaks of those plans, follow the
+    costs). A plan for a byte budget is the solver's under the graph's own
+    costs, as is every plan's overhead.
     """
 
     def __init__(self, graph: Graph, solver: str = "auto", strategy: str = "tc",
@@ -122,31 +219,31 @@ class BudgetSearch:
         elif solver == "exact":
             self.family = LowerSetFamily.all(
                 graph, solver_options.get("max_lower_sets", DEFAULT_MAX_LOWER_SETS), self.model)
-        self._cache: Dict[Tuple[str, int], Tuple[Plan, Optional[int]]] = {}
-        self._vanilla: Optional[Tuple[Plan, int]] = None
-        self._least: Optional[Tuple[Plan, int]] = None
-        self._candidates: Optional[List[Tuple[Plan, int]]] = None
-        # the hierarchical DP's positions and options, made once (the
-        # solver finds them through hier_problem while this holds them)
+        # the hierarchical DP's positions and options, made once
         self.problem = None
         if solver == "hier":
             from .solvers.hier_dp import hier_problem
             self.problem = hier_problem(graph, self.model)
-        self.dp_least = least_feasible_budget(graph, solver=solver if solver in
-                                              ("approx", "exact", "hier") else "approx",
-                                              strategy=strategy,
-                                              model=self.model)
+        if self.problem is not None and self.problem.ok:
+            self.dp_least = self.problem.least_budget()
+        else:  # (the DPs' feasibility does not depend on costs)
+            self.dp_least = least_feasible_budget(
+                graph, solver=solver if self.family is not None else "approx",
+                strategy=strategy, model=self.model, family=self.family)
         self.options = {k: v for k, v in solver_options.items() if k != "max_lower_sets"} \
             if self.family is not None else solver_options
+        self._vanilla: Optional[Tuple[Plan, int]] = None
+        self._least: Optional[Tuple[Plan, int]] = None
+        self._least_candidates: Optional[List[Tuple[Plan, int]]] = None
+        self._timed = _Tries(graph, graph, solver, strategy, self.model, self.dp_least,
+                             self.family, self.problem, self.options)
+        self._free: Optional[_Tries] = None
 
     # ----------------------------------------------------------- pieces
     def peak_of(self, plan: Plan) -> int:
         """The replayed total peak of a plan (:func:`~.replay.replay_peak`:
         what :func:`~.replay.replay` of its :class:`ExecutionPlan` gives)."""
-        if not plan.recompute:
-            return replay_peak(self.graph)
-        dropped, block_of = plan_arrays(self.graph, plan)
-        return replay_peak(self.graph, dropped, block_of)
+        return peak_of(self.graph, plan)
 
     def vanilla(self) -> Tuple[Plan, int]:
         """Plain backpropagation and its replayed peak."""
@@ -158,84 +255,73 @@ class BudgetSearch:
     def at(self, dp_budget: int, strategy: Optional[str] = None
            ) -> Tuple[Optional[Plan], Optional[int]]:
         """The solver's plan for the DPs' budget ``dp_budget`` (with
-        ``strategy``, default this search's) and its replayed peak
-        (``None, None`` when the DP finds nothing)."""
-        key = (strategy or self.strategy, int(dp_budget))
-        hit = self._cache.get(key)
-        if hit is None:
-            extra = {} if self.family is None else {"family": self.family}
-            plan = solve(self.graph, key[1], solver=self.solver, strategy=key[0],
-                         raise_infeasible=False, model=self.model, **extra, **self.options)
-            hit = (plan, self.peak_of(plan) if plan.feasible else None)
-            self._cache[key] = hit
-        plan, peak = hit
-        return (plan, peak) if plan.feasible else (None, None)
+        ``strategy``, default this search's) under the graph's own costs,
+        and its replayed peak (``None, None`` when the DP finds nothing)."""
+        return self._timed.at(dp_budget, strategy)
 
     def _grid(self, k: int = 6) -> List[int]:
         """``k + 1`` DP budgets from the DPs' least to plain backprop's,
         geometric."""
-        lo = self.dp_least
-        hi = max(lo + 1, self._dp_vanilla())
-        return sorted({int(lo * (hi / lo) ** (j / k)) if lo > 0 else lo + (hi - lo) * j // k
-                       for j in range(k + 1)})
+        return self._timed.grid(k)
 
     def _dp_vanilla(self) -> int:
-        m = self.model
-        return int(m.constant_bytes + m.block_bytes.sum() + m.transient_bytes.max())
+        return self._timed.dp_vanilla()
+
+    def _time_free(self) -> _Tries:
+        """The plans of the graph without times (made when first asked)."""
+        if self._free is None:
+            g = self.graph.without_times()
+            if g is self.graph:
+                self._free = self._timed
+            else:
+                self._free = _Tries(
+                    g, self.graph, self.solver, self.strategy, self.model, self.dp_least,
+                    None if self.family is None else self.family.with_costs(g),
+                    None if self.problem is None else self.problem.with_costs(g, time_free=True),
+                    self.options)
+        return self._free
+
+    def _own_costs(self, plan: Plan) -> Plan:
+        """``plan`` (of the graph without times) as a plan of this search's
+        graph: its overhead under the graph's own costs, no reference to the
+        other graph (a plan the runner keeps would keep that graph's arrays
+        alive through every budgeted step)."""
+        if plan.cost_model == self.graph.cost_model:
+            return plan
+        return self.vanilla()[0] if not plan.recompute else recost_plan(plan, self.graph)
 
     def candidates(self) -> List[Tuple[Plan, int]]:
-        """The plans tried for the least peak, with their replayed peaks:
-        plain backprop, this strategy's DP plans over :meth:`_grid`, and
-        the ``mc`` DP's over a finer grid, refined between the neighbours
-        of its best point. The replayed peak is not monotone in the DPs'
+        """The plans the least feasible budget is the least peak of, with
+        their replayed peaks: plain backprop, this strategy's DP plans over
+        :meth:`_grid`, and the ``mc`` DP's over a finer grid, refined
+        between the neighbours of its best point, all of the graph without
+        times (:meth:`~Graph.without_times`; their overheads under the
+        graph's own costs). The replayed peak is not monotone in the DPs'
         budget (the per-block formula over-counts some plans much more
         than others), and ``mc`` plans, cheap to find, reach lower peaks
         than ``tc`` ones whose formula is the same."""
-        if self._candidates is not None:
-            return self._candidates
-        coarse = []
-        if self.family is not None or self.solver == "hier":
-            # solved first: the hierarchical DP bounds its tc tables of
-            # larger budgets by the chains it found (they come out the same)
-            hier = self.solver == "hier"
-            grid = self._grid(HIER_GRID_STEPS if hier else GRID_STEPS)
-            peaks = []
-            for b in grid:
-                plan, peak = self.at(b, "mc")
-                coarse.append((plan, peak))
-                peaks.append(math.inf if peak is None else peak)
-            i = min(range(len(grid)), key=peaks.__getitem__)
-            lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
-            refine = HIER_REFINE_STEPS if hier else REFINE_STEPS
-            for j in range(1, refine + 1):
-                coarse.append(self.at(lo + (hi - lo) * j // (refine + 1), "mc"))
-        out = [self.vanilla()] + [self.at(b) for b in self._grid()] + coarse
-        self._candidates = [(plan, peak) for plan, peak in out
-                            if plan is not None and peak is not None]
-        return self._candidates
+        if self._least_candidates is None:
+            self._least_candidates = [
+                (self._own_costs(plan), peak)
+                for plan, peak in self._time_free().candidates(self.vanilla())]
+        return self._least_candidates
 
     # ---------------------------------------------------------- answers
     def least(self) -> Tuple[Plan, int]:
         """The plan with the least replayed peak among :meth:`candidates`
         (the least overhead among equal peaks), and that peak: the least
-        feasible total budget."""
+        feasible total budget, a function of the graph's sizes and
+        structure (not of its times)."""
         if self._least is None:
             self._least = min(self.candidates(), key=lambda c: (c[1], c[0].overhead))
         return self._least
 
-    def fit(self, budget_bytes: int) -> Plan:
-        """The plan for a total budget: the least overhead (tc) or the
-        coarsest (mc) whose replayed peak fits (with :data:`MARGIN`).
-
-        Raises:
-            InfeasibleBudgetError: no candidate fits; the message gives the
-                least feasible total budget, rounded up.
-        """
-        t0 = time.perf_counter()
-        limit = limit_of(budget_bytes)
-        van_plan, van_peak = self.vanilla()
-        if self.strategy == "tc" and van_peak <= limit:
-            return self._annotate(van_plan, van_peak, budget_bytes, None, t0)
+    def _tc_fits(self, limit: int) -> Dict[int, Tuple[Plan, int]]:
+        """The DPs' budgets tried whose plan (this strategy's, the graph's
+        own costs) replays at or under ``limit``, with those plans: the
+        largest such budget is searched (the DPs' formula is not the
+        replay's, but their peak is monotone in practice), then every
+        budget of :meth:`_grid` is tried if none was found."""
         ok: Dict[int, Tuple[Plan, int]] = {}
 
         def fits(b: int) -> bool:
@@ -245,9 +331,6 @@ class BudgetSearch:
                 return True
             return False
 
-        # The largest DP budget whose plan fits: the DPs' formula is not the
-        # replay's, so search it (monotone in practice), then fall back to
-        # every budget tried.
         lo, hi = self.dp_least - 1, self._dp_vanilla()
         if fits(hi):
             lo = hi
@@ -266,30 +349,48 @@ class BudgetSearch:
         if not ok:
             for b in self._grid():
                 fits(b)
-        if not ok:  # another strategy's plan, or a refined one (as least())
-            fitting = [c for c in self.candidates() if c[1] <= limit and c[0].recompute]
-            if fitting:
-                plan, peak = min(fitting, key=lambda c: (c[0].overhead, c[1]) if
-                                 self.strategy == "tc" else (c[1], c[0].overhead))
-                return self._annotate(plan, peak, budget_bytes, None, t0)
-        if not ok:
-            if van_peak <= limit:  # mc with nothing coarser that fits
-                return self._annotate(van_plan, van_peak, budget_bytes, None, t0)
-            least = self.least_budget()
-            raise InfeasibleBudgetError(
-                f"budget {format_bytes(budget_bytes)} is below the least feasible "
-                f"{format_bytes_up(least)} for this model and batch with solver "
-                f"{self.solver!r} (total peak: parameters, gradients, optimizer state, "
-                f"activations and temporaries; plain Chainer needs "
-                f"{format_bytes_up(least_for(van_peak))}); raise the budget to at least "
-                f"{format_bytes_up(least)} or reduce the batch size (this figure is "
-                f"least_total_budget(graph); least_feasible_budget(graph) is the "
-                f"activations scope's, which this total scope does not accept)",
-                budget_bytes=budget_bytes, least_feasible_bytes=least,
-                vanilla_bytes=least_for(van_peak))
-        b = max(ok)
-        plan, peak = ok[b]
-        return self._annotate(plan, peak, budget_bytes, b, t0)
+        return ok
+
+    def fit(self, budget_bytes: int) -> Plan:
+        """The plan for a total budget: the least overhead (tc) or the
+        coarsest (mc) whose replayed peak fits (with :data:`MARGIN`).
+
+        Raises:
+            InfeasibleBudgetError: no candidate fits; the message gives the
+                least feasible total budget, rounded up.
+        """
+        t0 = time.perf_counter()
+        limit = limit_of(budget_bytes)
+        van_plan, van_peak = self.vanilla()
+        if self.strategy == "tc" and van_peak <= limit:
+            return self._annotate(van_plan, van_peak, budget_bytes, None, t0)
+        ok = self._tc_fits(limit)
+        if ok:
+            b = max(ok)
+            plan, peak = ok[b]
+            return self._annotate(plan, peak, budget_bytes, b, t0)
+        # another strategy's plan, or a refined one (of the graph's own costs
+        # or without times: the least budget's plan fits its figure)
+        fitting = [c for c in self._timed.candidates(self.vanilla()) + self.candidates()
+                   if c[1] <= limit and c[0].recompute]
+        if fitting:
+            plan, peak = min(fitting, key=lambda c: (c[0].overhead, c[1]) if
+                             self.strategy == "tc" else (c[1], c[0].overhead))
+            return self._annotate(plan, peak, budget_bytes, None, t0)
+        if van_peak <= limit:  # mc with nothing coarser that fits
+            return self._annotate(van_plan, van_peak, budget_bytes, None, t0)
+        least = self.least_budget()
+        raise InfeasibleBudgetError(
+            f"budget {format_bytes(budget_bytes)} is below the least feasible "
+            f"{format_bytes_up(least)} for this model and batch with solver "
+            f"{self.solver!r} (total peak: parameters, gradients, optimizer state, "
+            f"activations and temporaries; plain Chainer needs "
+            f"{format_bytes_up(least_for(van_peak))}); raise the budget to at least "
+            f"{format_bytes_up(least)} or reduce the batch size (this figure is "
+            f"least_total_budget(graph); least_feasible_budget(graph) is the "
+            f"activations scope's, which this total scope does not accept)",
+            budget_bytes=budget_bytes, least_feasible_bytes=least,
+            vanilla_bytes=least_for(van_peak))
 
     def _annotate(self, plan: Plan, peak: int, budget_bytes: Optional[int],
                   dp_budget: Optional[int], t0: float) -> Plan:
@@ -302,20 +403,40 @@ class BudgetSearch:
 
     def least_budget(self) -> int:
         """The least feasible total budget: the least replayed peak with
-        :data:`MARGIN` of headroom."""
+        :data:`MARGIN` of headroom (a function of the graph's sizes and
+        structure, see :meth:`least`)."""
         return least_for(self.least()[1])
 
     def least_plan(self) -> Plan:
         """The plan at the least feasible total budget: with ``tc``, the
-        least overhead among the candidates that fit it."""
+        least overhead (under the graph's own costs) among the candidates
+        that fit it and the tc plans of the graph's own costs that do (the
+        most time retained: :meth:`fit`'s search)."""
         t0 = time.perf_counter()
         plan, peak = self.least()
         budget = self.least_budget()
         if self.strategy == "tc":
             limit = limit_of(budget)
-            plan, peak = min((c for c in self.candidates() if c[1] <= limit),
-                             key=lambda c: (c[0].overhead, c[1]))
+            pool = [c for c in self.candidates() if c[1] <= limit]
+            # the measured tc plans that fit, searched only when the one at
+            # the DPs' least budget does (their peak grows with the DPs'
+            # budget in practice)
+            lowest = self.at(self.dp_least)[1]
+            if lowest is not None and lowest <= limit:
+                pool += list(self._tc_fits(limit).values())
+            plan, peak = min(pool, key=lambda c: (c[0].overhead, c[1]))
         return self._annotate(plan, peak, budget, None, t0)
+
+
+def peak_of(graph: Graph, plan: Plan) -> int:
+    """The replayed total peak of ``plan`` on ``graph``
+    (:func:`~.replay.replay_peak`: what :func:`~.replay.replay` of its
+    :class:`ExecutionPlan` gives); it depends on sizes and lifetimes, not
+    on costs."""
+    if not plan.recompute:
+        return replay_peak(graph)
+    dropped, block_of = plan_arrays(graph, plan)
+    return replay_peak(graph, dropped, block_of)
 
 
 def plan_arrays(graph: Graph, plan: Plan) -> Tuple[np.ndarray, np.ndarray]:

@@ -21,7 +21,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .costs import node_costs
+from .costs import node_costs, time_free_model
 from .errors import GraphError
 from .units import format_bytes
 
@@ -334,6 +334,20 @@ class Graph:
     def with_cost_model(self, cost_model: str) -> "Graph":
         """The same graph under another cost model."""
         return self.replace(cost_model=cost_model)
+
+    def without_times(self) -> "Graph":
+        """This graph with costs that are a function of its shapes, sizes
+        and wiring only (:func:`~chainer_recompute.core.costs.time_free_model`:
+        ``flops`` for a ``measured`` graph), or itself when its costs are
+        already so. Two recordings of one model differ in their measured
+        times; what must not (the least feasible budget) is planned on this.
+
+        >>> g = Graph.from_edges([4, 4], [(0, 1)], costs=[0.3, 0.1])
+        >>> g.without_times().cost_model, g.without_times().node_cost.tolist()
+        ('flops', [4.0, 8.0])
+        """
+        model = time_free_model(self.cost_model)
+        return self if model == self.cost_model else self.with_cost_model(model)
 
     def replace(self, *, arrays: Optional[Sequence[ArrayInfo]] = None,
                 nodes: Optional[Sequence[Node]] = None, **kw: Any) -> "Graph":

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
 
@@ -484,6 +485,37 @@ class LowerSetFamily:
             above_words=self.above_words, beside_words=self.beside_words,
             block_bytes=_weighted_sum(self.words, model.block_bytes, n), model=model)
         if "adjacency" in self.cache:  # the graph's, whatever the model
+            fam.cache["adjacency"] = self.cache["adjacency"]
+        return fam
+
+    def with_costs(self, graph: Graph) -> "LowerSetFamily":
+        """The same lower sets (and memory model) on ``graph``: this
+        family's graph with other node costs (e.g. its
+        :meth:`~Graph.without_times`); only T(∂(L)) is computed again.
+
+        Raises:
+            ValueError: ``graph`` has other nodes, wiring or sizes.
+
+        >>> g = Graph.from_edges([1, 1, 1], [(0, 1), (1, 2)], costs=[0.5, 2.0, 1.0])
+        >>> fam = LowerSetFamily.ancestor_closures(g)
+        >>> fam.boundary_time.tolist(), fam.with_costs(g.without_times()).boundary_time.tolist()
+        ([0.0, 0.5, 2.0, 0.0], [0.0, 1.0, 2.0, 0.0])
+        """
+        g = self.graph
+        if graph is g:
+            return self
+        if (graph.n != g.n or graph.preds != g.preds
+                or not np.array_equal(graph.node_bytes, g.node_bytes)):
+            raise ValueError("with_costs takes the same graph with other costs; this one has "
+                             "other nodes, wiring or sizes")
+        nc = graph.node_cost
+        kn = _kernels()
+        if kn is not None and graph.integral_costs:
+            btime = kn.wsum(self.boundary_words, nc.astype(np.int64)).astype(np.float64)
+        else:
+            btime = _weighted_sum(self.boundary_words, nc.astype(np.float64), graph.n)
+        fam = dataclasses.replace(self, graph=graph, boundary_time=btime, cache={})
+        if "adjacency" in self.cache:  # the wiring's, whatever the costs
             fam.cache["adjacency"] = self.cache["adjacency"]
         return fam
 

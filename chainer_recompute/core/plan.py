@@ -10,6 +10,8 @@ from collections.abc import Set as _AbstractSet
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, FrozenSet, Optional, Sequence, Tuple
 
+import numpy as np
+
 from .graph import Graph
 from .lower_sets import set_to_mask
 from .schedule import StrategyCost, build_schedule, simulate, strategy_cost
@@ -20,7 +22,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BlockChain", "Plan", "make_plan", "infeasible_plan", "replace_plan"]
+__all__ = ["BlockChain", "Plan", "make_plan", "infeasible_plan", "recost_plan", "replace_plan"]
 
 NodeSet = FrozenSet[int]
 
@@ -278,6 +280,36 @@ def replace_plan(plan: Plan, **changes: Any) -> Plan:
     if changes:
         raise TypeError(f"Plan has no field {sorted(changes)[0]!r}")
     return Plan(**kw)
+
+
+def recost_plan(plan: Plan, graph: Graph) -> Plan:
+    """``plan``, made for a graph with the same nodes, sizes and wiring as
+    ``graph`` but other costs (its :meth:`~Graph.without_times`), as a plan
+    of ``graph``: its overhead under ``graph``'s costs, its cost model, and
+    its liveness simulation (if not run yet) on ``graph``, so that the plan
+    keeps no reference to the other graph.
+
+    >>> from chainer_recompute.core.graph import Graph
+    >>> g = Graph.from_edges([1, 1, 1], [(0, 1), (1, 2)], costs=[0.5, 2.0, 1.0])
+    >>> p = make_plan(g.without_times(), [{0}, {0, 1, 2}], solver='approx', strategy='tc',
+    ...               budget_bytes=None)
+    >>> q = recost_plan(p, g)
+    >>> (p.cost_model, p.overhead), (q.cost_model, q.overhead, q.overhead_fraction)
+    (('flops', 4.0), ('measured', 3.0, 0.8571428571428571))
+    """
+    dropped = np.zeros(graph.n, dtype=bool)
+    if plan.recompute:
+        dropped[:] = True
+        dropped[list(plan.kept)] = False
+    overhead = float(graph.node_cost[dropped].sum())
+    total = float(graph.node_cost.sum())
+    sim = plan.__dict__["_simulated_peak_bytes"]
+    if isinstance(sim, _SimulatedPeak):
+        sim = _SimulatedPeak(graph, sim.masks, sim.recompute)
+    return replace_plan(plan, overhead=overhead if plan.overhead is not None else None,
+                        overhead_fraction=(overhead / total if total > 0 else 0.0)
+                        if plan.overhead is not None else None,
+                        cost_model=graph.cost_model, simulated_peak_bytes=sim)
 
 
 def make_plan(graph: Graph, lower_sets: Optional[Sequence], *, solver: str, strategy: str,

@@ -45,7 +45,8 @@ def least_feasible_budget(graph: Graph, solver: str = "auto", strategy: str = "t
                           rel_tol: float = 0.0,
                           max_lower_sets: Optional[int] = DEFAULT_MAX_LOWER_SETS,
                           model: Optional[MemoryModel] = None,
-                          engine: Optional[str] = None) -> int:
+                          engine: Optional[str] = None,
+                          family: Optional[LowerSetFamily] = None) -> int:
     """The least budget (bytes, under ``model``, the paper's memory model
     by default) for which ``solver`` finds a plan.
 
@@ -68,7 +69,14 @@ def least_feasible_budget(graph: Graph, solver: str = "auto", strategy: str = "t
     is the single block's (the paper's: 2·M(V)); for ``hier`` a bisection
     over its chain DP; ``auto`` is the solver it stands for
     (:func:`~chainer_recompute.core.solvers.resolve_solver`). ``engine`` selects the
-    DP's kernels (see :func:`~chainer_recompute.core.solvers._dp.run_dp`).
+    DP's kernels (see :func:`~chainer_recompute.core.solvers._dp.run_dp`);
+    ``family``: the solver's lower sets under ``model``, where the caller
+    has them (``exact`` and ``approx``).
+
+    The figure depends on the graph's sizes and structure only, not on its
+    costs (two recordings of one model differ in their measured times):
+    feasibility does not, and the hierarchical DP's least is over the
+    options it finds whatever the costs.
 
     >>> g = Graph.from_edges([1, 1, 1, 1], [(0, 1), (1, 2), (2, 3)])
     >>> least_feasible_budget(g, 'exact')
@@ -91,8 +99,11 @@ def least_feasible_budget(graph: Graph, solver: str = "auto", strategy: str = "t
     if solver == "chen-greedy":
         return int(solve_chen_greedy(graph, None, strategy=strategy,
                                      model=model).predicted_peak_bytes)
-    fam = (LowerSetFamily.all(graph, max_lower_sets, model) if solver == "exact"
-           else LowerSetFamily.ancestor_closures(graph, model))
+    if family is not None:
+        fam = family if family.model is model else family.with_model(model)
+    else:
+        fam = (LowerSetFamily.all(graph, max_lower_sets, model) if solver == "exact"
+               else LowerSetFamily.ancestor_closures(graph, model))
 
     def ok(b: int) -> bool:
         return run_dp(fam, b, "feasible", engine=engine).chain is not None

@@ -364,7 +364,9 @@ def plan_with_workspace(graph: Graph, budget: Any, workspace: WorkspaceSpec, *,
     ``'auto'`` plans under each of :func:`candidate_limits` and takes, for
     a budget in bytes, the plan with the least recomputation that fits
     (the largest bound among equals: fewer chunks); for ``'least'``, the
-    least peak, and among the bounds that reach it the largest.
+    least of the bounds' least feasible budgets (a function of the graph's
+    sizes, not of its times), and among the bounds that reach it the
+    largest.
 
     Raises:
         InfeasibleBudgetError: no bound gives a plan that fits (the message
@@ -400,9 +402,9 @@ def plan_with_workspace(graph: Graph, budget: Any, workspace: WorkspaceSpec, *,
     def size(limit: Optional[int]) -> float:
         return math.inf if limit is None else limit
 
-    if least:
-        best_peak = min(p.predicted_peak_bytes for _, p, _ in tried)
-        limit, plan, bg = max((t for t in tried if t[1].predicted_peak_bytes <= best_peak),
+    if least:  # (by the least figure: its plan's peak, under tc, follows the times)
+        best = min(p.budget_bytes for _, p, _ in tried)
+        limit, plan, bg = max((t for t in tried if t[1].budget_bytes <= best),
                               key=lambda t: size(t[0]))
         return plan, bg
     limit, plan, bg = min(tried, key=lambda t: (t[1].overhead, -size(t[0])))

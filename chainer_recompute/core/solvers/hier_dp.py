@@ -42,6 +42,7 @@ References:
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import logging
@@ -52,6 +53,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from ..costs import node_costs, time_free_model
 from ..graph import Graph
 from ..lower_sets import LowerSetFamily, _rows_of_masks, _n_words
 from ..memory_model import MemoryModel
@@ -91,16 +93,27 @@ MIN_COVERAGE = 0.5
 @dataclasses.dataclass
 class _Options:
     """The options of one piece: peak above the retained memory, retained
-    bytes and time (of the piece they were planned on), each option's
+    bytes and time (under the costs they were planned with), each option's
     chain as lists of local node indices (0 = the piece's first node) and
     the local indices of the nodes it keeps (whose costs give the retained
-    time of each piece with these options)."""
+    time of each piece with these options). ``free``: the options found
+    whatever the costs (the least retained memory at each budget; every
+    option of a graph with time-free costs), in an order that does not
+    depend on costs: the same for two recordings of one model."""
 
     peak: np.ndarray
     keep: np.ndarray
     time: np.ndarray
     chains: List[List[np.ndarray]]
     kept: List[np.ndarray]
+    free: np.ndarray
+
+    def time_free(self) -> "_Options":
+        """The options of :attr:`free`, in its order."""
+        f = self.free.tolist()
+        return _Options(peak=self.peak[f], keep=self.keep[f], time=self.time[f],
+                        chains=[self.chains[i] for i in f], kept=[self.kept[i] for i in f],
+                        free=np.arange(len(f), dtype=np.int64))
 
 
 class HierProblem:
@@ -126,10 +139,11 @@ class HierProblem:
         #: ``(budget, time units)`` of every chain found: the time a chain
         #: can reach within a budget (a bound for the tc table of larger ones)
         self.reached: List[Tuple[int, int]] = []
-        self._flat: Optional[Tuple[np.ndarray, np.ndarray, np.ndarray]] = None
+        self._flat: Dict[bool, Tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._times: Optional[Tuple[np.ndarray, np.ndarray, np.ndarray]] = None
         self._edges: Optional[np.ndarray] = None
         self.n_distinct_pieces = 0
+        self._least_budget: Optional[int] = None
         if self.ok:
             self._build(max_positions)
         self.setup_time_s = time.perf_counter() - t0
@@ -202,39 +216,45 @@ class HierProblem:
         tr = np.asarray(m.transient_bytes, dtype=np.int64)
         pmax = np.array([tr[c[j]:c[j + 1]].max() if c[j + 1] > c[j] else 0 for j in range(P)],
                         dtype=np.int64)
-        keep = np.asarray(m.keep_bytes, dtype=np.int64)
-        cost = np.asarray(g.node_cost, dtype=np.float64)
-        last = np.array([max(s) if s else -1 for s in succs], dtype=np.int64)
-        D = prefix_boundary_bytes(g, keep)[c]
-        DT = prefix_boundary_bytes(g, cost)[c]
+        self._last = np.array([max(s) if s else -1 for s in succs], dtype=np.int64)
         step = np.full((P + 1, P + 1), np.iinfo(np.int64).max // 4, dtype=np.int64)
-        dm = np.zeros((P + 1, P + 1), dtype=np.int64)
-        dt = np.zeros((P + 1, P + 1), dtype=np.float64)
         back = above[c] + beside[c]
         for j in range(P):
             q = np.arange(j + 1, P + 1)
             trm = np.maximum.accumulate(pmax[j:])
             step[j, j + 1:] = blk[c[q]] - blk[c[j]] + back[q] + trm
-            # E(j, q): nodes before c_j still read at or after c_q
+        self.step = step
+        self.dm = self._retained(np.asarray(m.keep_bytes, dtype=np.int64))
+        self.dt = self._retained(np.asarray(g.node_cost, dtype=np.float64))
+
+    def _retained(self, w: np.ndarray) -> np.ndarray:
+        """What the long block ``j -> q`` retains, as a ``(P + 1, P + 1)``
+        matrix (upper triangle): ``w`` summed over ∂(prefix ``c_q``) less
+        E(j, q), the nodes before ``c_j`` still read at or after ``c_q``
+        (retained by earlier blocks)."""
+        g, c = self.graph, self.cuts
+        P = len(c) - 1
+        ids, last = np.arange(g.n), self._last
+        D = prefix_boundary_bytes(g, w)[c]
+        out = np.zeros((P + 1, P + 1), dtype=w.dtype)
+        for j in range(P):
+            q = np.arange(j + 1, P + 1)
             u = np.flatnonzero((ids < c[j]) & (last >= c[j]))
+            e: Any = 0
             if len(u):
                 order = np.argsort(last[u])
-                lu = last[u][order]
-                ck = np.concatenate((np.cumsum(keep[u][order][::-1])[::-1], [0]))
-                ct = np.concatenate((np.cumsum(cost[u][order][::-1])[::-1], [0.0]))
-                pos = np.searchsorted(lu, c[q], "left")
-                e_m, e_t = ck[pos], ct[pos]
-            else:
-                e_m, e_t = 0, 0.0
-            dm[j, j + 1:] = D[q] - e_m
-            dt[j, j + 1:] = DT[q] - e_t
-        self.step, self.dm, self.dt = step, dm, dt
+                cw = np.concatenate((np.cumsum(w[u][order][::-1])[::-1], [0]))
+                e = cw[np.searchsorted(last[u][order], c[q], "left")]
+            out[j, j + 1:] = D[q] - e
+        return out
 
-    def _window(self, j: int) -> Tuple[List[Tuple[int, int]], np.ndarray, MemoryModel, bytes]:
+    def _window(self, j: int, node_cost: np.ndarray
+                ) -> Tuple[List[Tuple[int, int]], np.ndarray, MemoryModel, bytes]:
         """Piece ``j`` with its context: a small graph ``S, piece...,
         context..., G, F`` (S: what came before; F: every later use past the
         context, with the above bytes of A(prefix); G: the beside bytes of
-        B(prefix)), its memory model and a key equal for identical pieces."""
+        B(prefix)), its costs (of ``node_cost``), its memory model and a key
+        equal for identical pieces."""
         g, m = self.graph, self.model
         c0, c1 = int(self.cuts[j]), int(self.cuts[j + 1])
         L = c1 - c0
@@ -273,7 +293,7 @@ class HierProblem:
                          beside_bytes=w(m.beside_bytes, 0, beside_g, 0),
                          transient_bytes=w(m.transient_bytes, 0, 0, 0), constant_bytes=0,
                          scope=m.scope)
-        costs = np.concatenate(([0.0], g.node_cost[sl], [0.0, 0.0]))
+        costs = np.concatenate(([0.0], node_cost[sl], [0.0, 0.0]))
         key = hashlib.sha1(b"".join([
             np.array([L, C, int(s_to_f)], dtype=np.int64).tobytes(),
             self._sig[sl].tobytes(), np.array(far_flags, dtype=bool).tobytes(),
@@ -292,30 +312,86 @@ class HierProblem:
         # the latest reader of any node before c
         self._last_before = np.concatenate(([-1], np.maximum.accumulate(last)))
         P = len(self.cuts) - 1
+        # Each piece's options: most retained time under the graph's own
+        # costs, least retained memory (whatever the costs). The latter are
+        # the same for two recordings of one model, and so is the least
+        # budget found over them (_least_m); on a measured graph, a window
+        # under time-free costs (flops) orders them without times.
+        free = time_free_model(g.cost_model)
+        free_cost = g.node_cost if free == g.cost_model else node_costs(g, free)
+        timed = free != g.cost_model
         groups: Dict[bytes, List[Any]] = {}
         keys = []
         for j in range(P):
-            edges, costs, wm, key = self._window(j)
+            edges, costs, wm, key = self._window(j, free_cost)
             keys.append(key)
+            own = self._window_costs(j) if timed else None
             got = groups.get(key)
             if got is None:
-                groups[key] = [edges, costs.copy(), wm, 1,
+                groups[key] = [edges, costs.copy(), own, wm, 1,
                                int(self.cuts[j + 1] - self.cuts[j])]
             else:
                 got[1] += costs
-                got[3] += 1
-        # Identical pieces are planned once, with their mean costs (measured
-        # times differ from one repeat to the next).
+                if timed:
+                    got[2] += own
+                got[4] += 1
+        # Identical pieces are planned once, with their mean costs.
         cache: Dict[bytes, _Options] = {}
-        for key, (edges, csum, wm, cnt, L) in groups.items():
-            wg = Graph.from_edges([0] * len(csum), edges, costs=(csum / cnt).tolist())
-            cache[key] = _plan_piece(wg, wm, L)
+        for key, (edges, fsum, tsum, wm, cnt, L) in groups.items():
+            wg = Graph.from_edges([0] * len(fsum), edges, costs=(fsum / cnt).tolist())
+            wt = None if tsum is None else \
+                Graph.from_edges([0] * len(tsum), edges, costs=(tsum / cnt).tolist())
+            cache[key] = _plan_piece(wg, wm, L, wt)
         self.piece_options = [cache[k] for k in keys]
         self.n_distinct_pieces = len(cache)
-        cost = np.asarray(g.node_cost, dtype=np.float64)
-        self.piece_times = [np.array([float(cost[int(self.cuts[j]) + k].sum()) for k in o.kept],
-                                     dtype=np.float64)
-                            for j, o in enumerate(self.piece_options)]
+        self.piece_times = self._piece_times()
+
+    def _window_costs(self, j: int) -> np.ndarray:
+        """The graph's own costs of piece ``j``'s window, as
+        :meth:`_window` lays it out."""
+        g = self.graph
+        c0, c1 = int(self.cuts[j]), int(self.cuts[j + 1])
+        per = self.segments.period if self.segments is not None else c1 - c0
+        hi = min(g.n, c1 + max(c1 - c0, per))
+        return np.concatenate(([0.0], g.node_cost[c0:hi], [0.0, 0.0]))
+
+    def _piece_times(self) -> List[np.ndarray]:
+        """The time each option of each piece retains, from that repeat's
+        own costs (the graph's)."""
+        cost = np.asarray(self.graph.node_cost, dtype=np.float64)
+        return [np.array([float(cost[int(self.cuts[j]) + k].sum()) for k in o.kept],
+                         dtype=np.float64)
+                for j, o in enumerate(self.piece_options)]
+
+    def with_costs(self, graph: Graph, time_free: bool = False) -> "HierProblem":
+        """This problem for ``graph``, this one's graph with other node
+        costs (its :meth:`~Graph.without_times`, say): positions, options,
+        memory and the least budget shared; the retained times (of long
+        blocks and options) from ``graph``'s costs, and no chain found yet.
+        With ``time_free``, only each piece's time-free options
+        (:attr:`_Options.free`): with ``graph``'s costs time-free too, a
+        problem that is the same for two recordings of one model.
+
+        Raises:
+            ValueError: ``graph`` has other nodes, wiring or sizes.
+        """
+        g = self.graph
+        if graph is g and not time_free:
+            return self
+        if (graph.n != g.n or graph.preds != g.preds
+                or not np.array_equal(graph.node_bytes, g.node_bytes)):
+            raise ValueError("with_costs takes the same graph with other costs; this one has "
+                             "other nodes, wiring or sizes")
+        other = copy.copy(self)
+        other.graph = graph
+        other.reached, other._times, other._flat = [], None, {}
+        other.__dict__.pop("_tables", None)  # the chain DP's own tables
+        if self.ok:
+            if time_free:
+                other.piece_options = [o.time_free() for o in self.piece_options]
+            other.dt = other._retained(np.asarray(graph.node_cost, dtype=np.float64))
+            other.piece_times = other._piece_times()
+        return other
 
     # ------------------------------------------------------------ solve
     def vanilla_bytes(self) -> int:
@@ -324,10 +400,17 @@ class HierProblem:
 
     def least_budget(self) -> int:
         """The least budget (under the model) for which the chain DP finds
-        a plan: bisection on the budget over a one-state-per-position DP."""
-        m = self.model
+        a plan: bisection on the budget over a one-state-per-position DP
+        (made once). It depends on the positions and the options' memory
+        only, not on the graph's costs."""
         if not self.ok:
             raise ValueError("no repeated segments: the least budget is the approximate DP's")
+        if self._least_budget is None:
+            self._least_budget = self._bisect_least()
+        return self._least_budget
+
+    def _bisect_least(self) -> int:
+        m = self.model
         lo = int((m.block_bytes + m.transient_bytes).max()) - 1
         hi = self.vanilla_bytes() - m.constant_bytes
         if self._least_m(hi)[0][-1] < 0:  # pragma: no cover - the single block fits
@@ -342,9 +425,12 @@ class HierProblem:
 
     def _least_m(self, bc: int) -> Tuple[np.ndarray, List[Tuple[int, int]]]:
         """Least retained memory reaching each position within ``bc``
-        (``-1``: unreachable) and the back-pointers ``(j, option)``."""
+        (``-1``: unreachable) and the back-pointers ``(j, option)``, over
+        the long blocks and each piece's time-free options (``option``
+        indexes :attr:`_Options.free`): the same for two recordings of one
+        model."""
         P = len(self.cuts) - 1
-        ptr, o_peak, o_keep = self._flat_options()
+        ptr, o_peak, o_keep = self._flat_options(time_free=True)
         least = np.empty(P + 1, dtype=np.int64)
         back = np.empty((P + 1, 2), dtype=np.int64)
         least_kernel()(P, self.step, self.dm, ptr, o_peak, o_keep, bc, least, back)
@@ -371,16 +457,21 @@ class HierProblem:
             self._times = (dt, o_dt, _most_time(dt, o_dt, self._flat_options()[0]))
         return self._times
 
-    def _flat_options(self) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _flat_options(self, time_free: bool = False
+                      ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Every piece's options in one array each: piece ``j``'s are
-        ``ptr[j]:ptr[j + 1]`` of ``peak`` and ``keep``."""
-        if self._flat is None:
-            ptr = np.zeros(len(self.piece_options) + 1, dtype=np.int64)
-            for j, o in enumerate(self.piece_options):
+        ``ptr[j]:ptr[j + 1]`` of ``peak`` and ``keep`` (with ``time_free``,
+        each piece's :attr:`_Options.free`, in its order)."""
+        got = self._flat.get(time_free)
+        if got is None:
+            opts = [o.time_free() if time_free else o for o in self.piece_options]
+            ptr = np.zeros(len(opts) + 1, dtype=np.int64)
+            for j, o in enumerate(opts):
                 ptr[j + 1] = ptr[j] + len(o.peak)
-            self._flat = (ptr, np.concatenate([o.peak for o in self.piece_options]).astype(np.int64),
-                          np.concatenate([o.keep for o in self.piece_options]).astype(np.int64))
-        return self._flat
+            got = self._flat[time_free] = (
+                ptr, np.concatenate([o.peak for o in opts]).astype(np.int64),
+                np.concatenate([o.keep for o in opts]).astype(np.int64))
+        return got
 
     def chain_masks(self, steps: List[Tuple[int, int, int]]) -> List[int]:
         """The lower sets (bitsets) of a chain of steps ``(j, q, option)``
@@ -429,8 +520,8 @@ class HierProblem:
             steps = []
             q = len(self.cuts) - 1
             while q > 0:
-                j, o = back[q]
-                steps.append((j, q, o))
+                j, o = back[q]  # (o: an option of the time-free ones)
+                steps.append((j, q, o if o < 0 else int(self.piece_options[j].free[o])))
                 q = j
             return steps[::-1]
         return _chain_dp(self, bc, strategy, engine)
@@ -509,56 +600,76 @@ def _most_time(dt: np.ndarray, o_dt: np.ndarray, ptr: np.ndarray) -> np.ndarray:
     return most
 
 
-def _plan_piece(wg: Graph, wm: MemoryModel, L: int) -> _Options:
+def _plan_piece(wg: Graph, wm: MemoryModel, L: int, timed: Optional[Graph] = None) -> _Options:
     """The options of a piece: the approximate DP on its window graph (rows
     ``{S} ∪ ancestors-in-piece(v)``) at :data:`OPTION_BUDGETS` budgets, most
-    retained time and least retained memory at each."""
+    retained time and least retained memory at each. ``wg`` has time-free
+    costs; ``timed``, where given, is the same window under the repeats'
+    mean measured costs, for the most retained time. The least retained
+    memory does not depend on costs: those options (all of them without
+    ``timed``) are the time-free ones (see :class:`_Options`)."""
     from ..lower_sets import ancestor_masks
+    from ._dp.pairs import _Pairs
     anc = ancestor_masks(wg)
     piece = ((1 << (L + 1)) - 1)
     masks = [1, piece] + [(anc[v] & piece) | 1 for v in range(1, L + 1)]
     fam = LowerSetFamily.from_words(wg, _rows_of_masks(masks, _n_words(wg.n)), wm)
+    # the runs at each budget share one feasibility pass (memory only)
+    pairs = fam.cache["pairs"] = _Pairs(fam)
+    pairs.memo = {}
+    ft = fam
+    if timed is not None:
+        ft = fam.with_costs(timed)
+        ft.cache["pairs"] = pairs.with_costs(ft)
     last = len(fam) - 1
     whole = chain_cost(fam, [last])
     lo = int((wm.block_bytes[1:L + 1] + wm.transient_bytes[1:L + 1]).max())
     hi = int(whole.peak_bytes)
     budgets = sorted({int(lo * (hi / max(lo, 1)) ** (i / (OPTION_BUDGETS - 1)))
                       for i in range(OPTION_BUDGETS)} | {hi})
-    found: Dict[Tuple[int, ...], Tuple[int, int, float]] = {}
+    found: Dict[Tuple[int, ...], Tuple[int, int, float, float]] = {}
+    free: Dict[Tuple[int, ...], bool] = {}
     kept_of: Dict[Tuple[int, ...], np.ndarray] = {}
-    cost = wg.node_cost
-    keepw = wm.keep_bytes
+    keepw, tcost, fcost = wm.keep_bytes, ft.graph.node_cost, wg.node_cost
     for b in budgets:
-        for obj in ("tc", "feasible"):
-            res = run_dp(fam, b, obj, engine="numpy")
+        for f, obj in ((ft, "tc"), (fam, "feasible")):
+            res = run_dp(f, b, obj, engine="numpy")
             if res.chain is None:
                 continue
             rows = tuple(res.chain[1:])
+            is_free = f is fam
             if rows in found:
+                free[rows] = free[rows] or is_free
                 continue
-            cc = chain_cost(fam, list(rows))
+            cc = chain_cost(f, list(rows))
             kept = 0
             for u in cc.checkpoints:
                 kept |= u
             bits = [i for i in range(wg.n) if kept >> i & 1]
             kept_of[rows] = np.array([i - 1 for i in bits if 1 <= i <= L], dtype=np.int64)
             found[rows] = (int(cc.peak_bytes), int(sum(int(keepw[i]) for i in bits)),
-                           float(sum(float(cost[i]) for i in bits)))
+                           float(sum(float(tcost[i]) for i in bits)),
+                           float(sum(float(fcost[i]) for i in bits)))
+            free[rows] = is_free
     # every distinct chain is kept: their times differ from one repeat of
     # the piece to the next (measured costs), so none is dominated for all
-    keep_items = sorted(found.items(), key=lambda kv: (kv[1][0], kv[1][1], -kv[1][2]))
+    items = sorted(found.items(), key=lambda kv: (kv[1][0], kv[1][1], -kv[1][2]))
+    # the time-free ones, in an order that does not depend on times either
+    free_idx = sorted((i for i, (rows, _) in enumerate(items) if free[rows]),
+                      key=lambda i: (items[i][1][0], items[i][1][1], -items[i][1][3],
+                                     items[i][0]))
     chains, kept_idx = [], []
-    for rows, _ in keep_items:
+    for rows, _ in items:
         kept_idx.append(kept_of[rows])
         ch = []
         for mk in fam.masks(list(rows)):
             mk &= ~1
             ch.append(np.array([i - 1 for i in range(1, L + 1) if mk >> i & 1], dtype=np.int64))
         chains.append(ch)
-    return _Options(peak=np.array([v[0] for _, v in keep_items], dtype=np.int64),
-                    keep=np.array([v[1] for _, v in keep_items], dtype=np.int64),
-                    time=np.array([v[2] for _, v in keep_items], dtype=np.float64),
-                    chains=chains, kept=kept_idx)
+    return _Options(peak=np.array([v[0] for _, v in items], dtype=np.int64),
+                    keep=np.array([v[1] for _, v in items], dtype=np.int64),
+                    time=np.array([v[2] for _, v in items], dtype=np.float64),
+                    chains=chains, kept=kept_idx, free=np.array(free_idx, dtype=np.int64))
 
 
 # ------------------------------------------------------------------ cache

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING, Any, List, Optional
 
 import numpy as np
 
@@ -188,7 +188,7 @@ def run_dp(family: LowerSetFamily, budget_bytes: Optional[int], objective: str,
             and (objective == "feasible" or K * (pairs.total_t + 1) <= COMPILED_DENSE_LIMIT)):
         return _run_compiled(family, pairs, budget, objective)
     inf = np.iinfo(np.int64).max
-    least, fsrc, n_feas = _feasibility(pairs, budget)
+    least, fsrc, n_feas = _bounds(pairs, budget, "feasibility", lambda: _feasibility(pairs, budget))
     if least[K - 1] == inf:
         return DPResult(None, 0.0, 0, n_feas, 0)
     if objective == "feasible":
@@ -197,12 +197,28 @@ def run_dp(family: LowerSetFamily, budget_bytes: Optional[int], objective: str,
             chain.append(int(fsrc[chain[-1]]))
         chain.reverse()
         return DPResult(chain, float("nan"), int(least[K - 1]), n_feas, K)
-    cap = _capacity(pairs, budget, least) if budget is not None else np.full(K, inf, np.int64)
+    cap = (_bounds(pairs, budget, "capacity", lambda: _capacity(pairs, budget, least))
+           if budget is not None else np.full(K, inf, np.int64))
     if method == "auto":
         method = "dense" if K * (pairs.total_t + 1) <= DENSE_LIMIT else "sparse"
     if method == "dense":
         return _dense(pairs, budget, objective, least, cap)
     return _sparse(pairs, budget, objective, least, cap)
+
+
+def _bounds(pairs: _Pairs, budget: Optional[int], kind: str, compute: Any) -> Any:
+    """``compute()``, a pass that depends on the lower sets' memory and the
+    budget only, or its value for this budget from pairs that share their
+    passes (:meth:`_Pairs.with_costs`: the last budget's are kept)."""
+    memo = pairs.memo
+    if memo is None:
+        return compute()
+    key = (kind, budget)
+    if key not in memo:
+        if memo and next(iter(memo))[1] != budget:
+            memo.clear()
+        memo[key] = compute()
+    return memo[key]
 
 
 def _prefix_chain(family: LowerSetFamily, chunk: int = 1 << 16) -> Optional[List[int]]:

@@ -8,8 +8,9 @@ Pure core: numpy only.
 """
 from __future__ import annotations
 
+import copy
 import logging
-from typing import Optional
+from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 
@@ -104,17 +105,13 @@ class _Pairs:
         self.by_blk = np.argsort(self.blk, kind="stable")
         self.blk_s = self.blk[self.by_blk]
         self.back = np.asarray(family.back_bytes, dtype=np.int64)
-        self.node_t = dp_costs(g.node_cost, self.K)
-        self.total_t = int(self.node_t.sum())
-        self.btime = _weighted_sum(family.boundary_words, self.node_t, g.n).astype(np.int64)
+        self._times(family)
         self.bbytes = np.asarray(family.boundary_bytes, dtype=np.int64)
         self.node_m = np.asarray(model.keep_bytes, dtype=np.int64)
         self.constant = int(model.constant_bytes)
-        # The most retained time any continuation from L can add: T of the
-        # nodes outside L that have a successor (each kept at most once).
-        _, sw = family.adjacency()
-        nonsink = np.where(sw.any(axis=1), self.node_t, 0).astype(np.int64)
-        self.r0 = int(nonsink.sum()) - _weighted_sum(family.words, nonsink, g.n).astype(np.int64)
+        #: passes shared with pairs of the same lower sets under other
+        #: costs (see :meth:`with_costs`); ``None``: not shared
+        self.memo: Optional[Dict[Tuple[str, Optional[int]], Any]] = None
         tr = model.transient_bytes.astype(np.int64)
         pos = np.flatnonzero(tr > 0)
         rank = pos[np.argsort(-tr[pos], kind="stable")]
@@ -124,6 +121,40 @@ class _Pairs:
         if self.has_trans:
             nwt = _n_words(len(rank))
             self.twords = _pack(_bits(family.words, g.n)[:, rank], nwt)
+
+    def _times(self, family: LowerSetFamily) -> None:
+        """The per-row time arrays, from ``family``'s graph's costs."""
+        g = family.graph
+        self.node_t = dp_costs(g.node_cost, self.K)
+        self.total_t = int(self.node_t.sum())
+        self.btime = _weighted_sum(family.boundary_words, self.node_t, g.n).astype(np.int64)
+        # The most retained time any continuation from L can add: T of the
+        # nodes outside L that have a successor (each kept at most once).
+        _, sw = family.adjacency()
+        nonsink = np.where(sw.any(axis=1), self.node_t, 0).astype(np.int64)
+        self.r0 = int(nonsink.sum()) - _weighted_sum(family.words, nonsink, g.n).astype(np.int64)
+
+    def with_costs(self, family: LowerSetFamily) -> "_Pairs":
+        """These pairs for ``family``, the same lower sets and memory model
+        under other costs (:meth:`LowerSetFamily.with_costs`): the time
+        arrays made again, the rest shared, and the memory-only passes of
+        the DP (feasibility and capacity, the last budget's) shared between
+        the two from now on.
+
+        >>> from chainer_recompute.core.graph import Graph
+        >>> g = Graph.from_edges([1, 1, 1], [(0, 1), (1, 2)], costs=[0.5, 2.0, 1.0])
+        >>> fam = LowerSetFamily.ancestor_closures(g).with_model(None)
+        >>> p = _Pairs(fam)
+        >>> q = p.with_costs(fam.with_costs(g.without_times()))
+        >>> q.memo is p.memo is not None, (q.blk is p.blk), p.btime.tolist() != q.btime.tolist()
+        (True, True, True)
+        """
+        if self.memo is None:
+            self.memo = {}
+        other = copy.copy(self)
+        other.__dict__.pop("btime_s", None)  # (block-sorted copies are made on first read)
+        other._times(family)
+        return other
 
     # Every per-row array again, permuted into block(L) order, so that a
     # budget window is a contiguous slice (no fancy indexing): the NumPy

@@ -17,21 +17,19 @@ import chainer.functions as F
 import chainer.links as L
 from chainer.graph_optimizations.static_graph import static_graph
 
-from test_real_training import compare
+from test_first_step import LazyMLP
+from test_real_training import Critic, compare
 
 DEFAULTS = {"budget": "least"}
 
 
 # ------------------------------------------------------------ WGAN-GP
-class TanhCritic(chainer.Chain):
-    """A critic with tanh (whose backward reads its retained output)."""
+class TanhCritic(Critic):
+    """test_real_training's critic with tanh (whose backward reads its
+    retained output)."""
 
-    def __init__(self, n_in: int = 24, w: int = 48, depth: int = 5) -> None:
-        super().__init__()
-        with self.init_scope():
-            self.layers = chainer.ChainList(*[L.Linear(n_in if k == 0 else w, w)
-                                              for k in range(depth)])
-            self.last = L.Linear(w, 1)
+    def __init__(self) -> None:
+        super().__init__(n_in=24, w=48, depth=5)
 
     def forward(self, x):
         h = x
@@ -169,21 +167,16 @@ def test_critic_keeping_activations_called_three_times_before_two_backwards():
 
 
 # ------------------------------------------------------- @static_graph
-class StaticMLP(chainer.Chain):
-    """Chainer's static_graph_optimizations MNIST example's network."""
+class StaticMLP(LazyMLP):
+    """Chainer's static_graph_optimizations MNIST example's network: the
+    MNIST example's, its call a static graph."""
 
-    def __init__(self, n_units: int = 64, n_out: int = 10) -> None:
-        super().__init__()
-        with self.init_scope():
-            self.l1 = L.Linear(None, n_units)
-            self.l2 = L.Linear(None, n_units)
-            self.l3 = L.Linear(None, n_out)
+    def __init__(self) -> None:
+        super().__init__(n_units=64)
 
     @static_graph
     def __call__(self, x):
-        h1 = F.relu(self.l1(x))
-        h2 = F.relu(self.l2(h1))
-        return self.l3(h2)
+        return self.forward(x)
 
 
 def test_static_graph_classifier_with_adam():

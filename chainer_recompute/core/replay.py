@@ -658,7 +658,9 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
     # What the graph still holds after its backward: a graph held into the
     # model's next call (``meta['held_into_next_forward']``) holds it
     # through that call's forward, so the forward's events carry it too.
-    held_end = sum(arrays[buf].nbytes for buf in mem.holders) + sum(mem.attrs.values())
+    held = graph.meta.get("held_into_next_forward", False)
+    held_end = (sum(arrays[buf].nbytes for buf in mem.holders) + sum(mem.attrs.values())
+                if held else 0)
     # The optimizer update: the graph is gone by then, or it still holds
     # what nothing released (see graph_gone_at_update).
     if graph_gone_at_update(graph):
@@ -668,9 +670,9 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
         for key in list(mem.attrs):
             mem.clear_attr(key)
     sb = graph.state_bytes
-    mem.record("update", int(graph.state_bytes.get("update_transient", 0)))
+    mem.record("update", sb.get("update_transient", 0))
     trace = np.asarray(mem.trace, dtype=np.int64)
-    if graph.meta.get("held_into_next_forward", False):
+    if held:
         end = mem.events.index("end of forward") + 1
         trace[:end] += held_end
         mem.used_trace[:end] = [u + held_end for u in mem.used_trace[:end]]

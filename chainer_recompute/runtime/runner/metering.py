@@ -378,9 +378,7 @@ class MeteringMixin:
         funcs = self._held_previous
         if funcs is None:
             return
-
         ref = weakref.ref(hook)  # (no cycle: the hook dies with its graph)
-
         runner = weakref.ref(self)
 
         def first() -> None:

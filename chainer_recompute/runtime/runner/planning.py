@@ -200,6 +200,13 @@ class PlanningMixin:
                 h.release_as_planned(s.program)
         hook.on_backward_done = plan
 
+    def _kept_meta(self, keeps: bool) -> Dict[str, bool]:
+        """A recorded graph's meta on whether the model keeps an output of
+        it (``keeps``): then the graph lives through the update and, unless
+        ``free_previous_graph`` lets it go, into the next call's forward."""
+        return {"kept_after_backward": keeps,
+                "held_into_next_forward": keeps and not self.free_previous_graph}
+
     def _recorded(self, entry: _Entry, link: Optional[chainer.Link]) -> "_Recording":
         """The graph of ``entry``'s recorded iteration (made from its hook
         once, the hook then held weakly)."""
@@ -212,9 +219,8 @@ class PlanningMixin:
             # a model that keeps an output of its graph (a loss link's
             # ``self.loss``) keeps the graph through the optimizer's update:
             # the replay counts what it still holds then
-            keeps = _keeps_graph(link, hook)
-            meta = {"state_bytes": state_bytes(link), "kept_after_backward": keeps,
-                    "held_into_next_forward": keeps and not self.free_previous_graph}
+            meta = {"state_bytes": state_bytes(link),
+                    **self._kept_meta(_keeps_graph(link, hook))}
         graph = hook.graph(cost_model=self.cost, batch_size=entry.batch,
                            name=type(link).__name__ if link is not None else "model",
                            meta=meta,
@@ -380,8 +386,7 @@ class PlanningMixin:
             _abandon(meter)  # (a capture that raised: tracing stopped all the same)
         meta = None
         if link is not None:
-            meta = {"state_bytes": sb, "kept_after_backward": keeps,
-                    "held_into_next_forward": keeps and not self.free_previous_graph,
+            meta = {"state_bytes": sb, **self._kept_meta(keeps),
                     # plain Chainer's forward and backward at this batch, measured
                     "plain_measured_bytes": own + peak}
         graph = hook.graph(cost_model=self.cost, batch_size=small,

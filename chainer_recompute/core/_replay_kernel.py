@@ -128,6 +128,7 @@ class ReplayContext:
         self.free_all = helpers.graph_gone_at_update(graph)
         self.update_transient = int(graph.state_bytes.get("update_transient", 0))
         self.held_into_next = bool(graph.meta.get("held_into_next_forward", False))
+        self.held_inputs = helpers.held_caller_input_bytes(graph) if self.held_into_next else 0
         self.outside_peak, self.outside_held = helpers.outside_bytes(graph)
         # the gradients: the same for every plan
         order = list(graph.backward_order) if graph.backward_order else \
@@ -232,7 +233,7 @@ def run_kernel(ctx: ReplayContext, dropped: Optional[np.ndarray], block_of: Opti
         np.asarray(block_of, dtype=np.int64), MODES[release_mode])
     if c.held_into_next:  # the previous call's graph, through this forward
         trace = trace.copy()
-        trace[:int(np.argmax(kinds == END)) + 1] += held_end
+        trace[:int(np.argmax(kinds == END)) + 1] += held_end + c.held_inputs
     return trace, kinds, us, ws, recomputed
 
 

@@ -382,6 +382,23 @@ def _caller_input(info: Any) -> bool:
     return info.kind == "input" and bool(info.name)
 
 
+def held_caller_input_bytes(graph: Graph) -> int:
+    """The caller's inputs that a graph held into the model's next call
+    (``meta['held_into_next_forward']``) keeps alive through that call's
+    forward: those a function retains for its backward (a ``Linear``'s
+    ``x``). The next call's inputs are new arrays, counted in its constant;
+    the previous ones live on in the kept graph, whether or not the loop
+    still holds them."""
+    arrays = graph.arrays
+    bufs = set()
+    for node in graph.nodes:
+        for a in node.retained_inputs:
+            b = a if arrays[a].view_of is None else arrays[a].view_of
+            if _caller_input(arrays[b]):
+                bufs.add(b)
+    return sum(arrays[b].nbytes for b in bufs)
+
+
 def _engine(graph: Graph, engine: Optional[str]) -> str:
     engine = "auto" if engine is None else engine
     if engine not in REPLAY_ENGINES:
@@ -660,7 +677,7 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
     # through that call's forward, so the forward's events carry it too.
     held = graph.meta.get("held_into_next_forward", False)
     held_end = (sum(arrays[buf].nbytes for buf in mem.holders) + sum(mem.attrs.values())
-                if held else 0)
+                + held_caller_input_bytes(graph) if held else 0)
     # The optimizer update: the graph is gone by then, or it still holds
     # what nothing released (see graph_gone_at_update).
     if graph_gone_at_update(graph):

@@ -45,6 +45,11 @@ class Program(ExecutionPlan):
         # are not expected to be backpropagated after an optimizer update,
         # and no parameter is saved before one unless they are found to be.
         self.backward_known = False
+        # The model returns its loss (scalars computed inside it): see
+        # IterationHook.before_param_update.
+        returned = graph.meta.get("returned", ())
+        self.returns_loss = bool(returned) and all(
+            graph.arrays[a].shape == () for a in returned)
 
     @property
     def saves_parameters(self) -> bool:

@@ -47,10 +47,15 @@ class _OpenMeter:
     # against the plan, which that graph is no part of.
     after_recording: bool = False
     watcher: Any = None  # the update watcher of a tail
+    # the previous call's inputs its graph held at the call (weak
+    # reference, bytes): counted in ``own``, but the caller's if still
+    # alive at the end (a list of batches; a dataset they are views of)
+    user_held: List[Tuple[Any, int]] = dataclasses.field(default_factory=list)
 
     def measured(self, absolute_peak_bytes: int) -> int:
         """The model's bytes when the meter read ``absolute_peak_bytes``."""
-        return self.own + absolute_peak_bytes - self.level
+        users = sum(nbytes for ref, nbytes in self.user_held if ref() is not None)
+        return self.own - users + absolute_peak_bytes - self.level
 
 
 def _own_arrays(link: Optional[chainer.Link], arrays: List[Any]) -> List[Any]:
@@ -124,6 +129,48 @@ def _distinct_bytes(dev: Any, arrays: List[Any]) -> int:
         seen.add(id(r))
         total += dev.allocation_bytes(getattr(r, "nbytes", a.nbytes))
     return total
+
+
+def _input_bytes(dev: Any, arrays: List[Any]) -> int:
+    """Bytes of a call's array arguments at their own sizes: a view (a
+    batch sliced from a dataset held in memory) is counted as what it
+    shows, its base being the caller's."""
+    from ..capture import is_array
+    seen: set = set()
+    total = 0
+    for a in arrays:
+        if is_array(a) and id(a) not in seen:
+            seen.add(id(a))
+            total += dev.allocation_bytes(a.nbytes)
+    return total
+
+
+def _weak_roots(arrays: List[Any]) -> List[Any]:
+    """Weak references to the buffers of a call's array arguments."""
+    from ..capture import is_array, root_of
+    refs = []
+    for a in arrays:
+        if is_array(a):
+            try:
+                refs.append(weakref.ref(root_of(a)))
+            except TypeError:  # an array type without weak references
+                pass
+    return refs
+
+
+def _previous_inputs(dev: Any, previous: Any, held: List[Any]) -> List[Tuple[Any, int]]:
+    """The previous call's inputs that its graph holds (``held``), with
+    the bytes they were counted at: the model's only if nothing else keeps
+    them, which is known at the end of the step (see :meth:`_OpenMeter.measured`)."""
+    from ..capture import is_array, root_of
+    roots = {id(r()): r for r in getattr(previous, "input_roots", ()) if r() is not None}
+    out: Dict[int, Tuple[Any, int]] = {}
+    for a in held:
+        if is_array(a):
+            r = root_of(a)
+            if id(r) in roots and id(r) not in out:
+                out[id(r)] = (roots[id(r)], dev.allocation_bytes(r.nbytes))
+    return list(out.values())
 
 
 def _abandon(meter: Any) -> None:
@@ -204,21 +251,27 @@ class MeteringMixin:
         if not dev.is_gpu and all(s.checked >= self.check_iterations
                                   for s in entry.structures):
             return
-        own = _own_arrays(link, arrays)
+        own = _own_arrays(link, [])
+        inputs = _own_arrays(None, arrays)
+        hook.input_roots = _weak_roots(inputs)
         previous = self._last_hook() if self._last_hook is not None else None
         held: List[Any] = []
+        user_held: List[Tuple[Any, int]] = []
         if previous is not None and previous is not hook and (
                 previous.backward_done or previous.program is None):
             # (a call whose backward is still to come, a discriminator's
             # other batch, is another iteration's: not counted here)
             held = _graph_arrays(previous)
+            user_held = _previous_inputs(dev, previous, held)
             own += held
         meter = dev.meter()
         meter.start()
-        dev.adopt(meter, own)
+        dev.adopt(meter, own + inputs)
         self._meter = _OpenMeter(meter, entry, hook.stats, weakref.ref(hook),
-                                 _distinct_bytes(dev, own), meter.current_bytes(), dev.meter,
-                                 link_ref=weakref.ref(link) if link is not None else None)
+                                 _distinct_bytes(dev, own) + _input_bytes(dev, inputs),
+                                 meter.current_bytes(), dev.meter,
+                                 link_ref=weakref.ref(link) if link is not None else None,
+                                 user_held=user_held)
         self._meter.after_recording = bool(held) and previous.recording
         self._meter.finalizer = weakref.finalize(self, _abandon, meter)
         hook.on_backward_done = lambda _hook: self._stop_meter(done=True)
@@ -288,7 +341,8 @@ class MeteringMixin:
                                      open_.level, open_.new_meter, tail=True, structure=s,
                                      waiting=waiting, level_total=m.start_total_bytes,
                                      link_ref=open_.link_ref,
-                                     after_recording=open_.after_recording)
+                                     after_recording=open_.after_recording,
+                                     user_held=open_.user_held)
             self._meter.finalizer = weakref.finalize(self, _abandon, tail)
             if waiting is not None:
                 _watch_updates(self, self._meter)

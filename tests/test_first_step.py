@@ -359,3 +359,20 @@ def test_a_returned_loss_backpropagated_again_after_an_update_is_refused():
     assert cr.runner_of(model).last_stats.n_dropped > 0
     with pytest.raises(cr.UnsafeRecomputeError, match="backpropagated again after an update"):
         loss.backward()
+
+
+def test_nothing_of_the_planner_stays_between_steps(monkeypatch):
+    """The replays' and the budget search's caches (flat NumPy arrays per
+    graph, in the meter of a step on NumPy) are let go once a plan is
+    made: between training steps the planner holds nothing."""
+    from chainer_recompute.core import _replay_kernel, budget, replay
+    if not _replay_kernel.kernel_available():
+        pytest.skip("numba is not installed: the compiled replay keeps no context")
+    monkeypatch.setattr(replay, "KERNEL_MIN_NODES", 0)  # every replay compiled
+    np.random.seed(0)
+    model = cr.apply(ConvBN(), budget="least", verbose=False)
+    opt = optimizer(lambda: chainer.optimizers.MomentumSGD())(model)
+    for x, t in images(n=3):
+        opt.update(model, x, t)
+        assert cr.runner_of(model).last_stats.path == "planned"
+        assert _replay_kernel._CONTEXTS == [] and budget._RELEASABLE == {}

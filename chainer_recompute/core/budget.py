@@ -481,6 +481,20 @@ def _releasable(graph: Graph) -> np.ndarray:
 _RELEASABLE: Dict[int, Tuple[Any, np.ndarray]] = {}
 
 
+def release_caches() -> None:
+    """Let go of what the replays and the budget search keep between calls
+    for speed (the last graphs' flat arrays: NumPy arrays, in the meter of
+    a training step on NumPy). The runner calls it once a plan is made, so
+    that nothing of the planner stays in memory between training steps;
+    the next search makes them again.
+
+    >>> release_caches()
+    """
+    from . import _replay_kernel
+    _RELEASABLE.clear()
+    del _replay_kernel._CONTEXTS[:]
+
+
 def least_total_budget(graph: Graph, solver: str = "auto", strategy: str = "tc",
                        **solver_options: Any) -> int:
     """The least feasible budget of the ``total`` scope, ``apply()``'s

@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from .. import _chainer  # noqa: F401
 import chainer
 
+from ...core.budget import release_caches
 from ...core.errors import InfeasibleBudgetError
 from ...core.graph import Graph
 from ...core.units import format_bytes
@@ -137,6 +138,7 @@ class PlanningMixin:
         s = _Structure(graph, plan, program, time.perf_counter() - t0)
         if plan.recompute:
             self._decide_release(s)
+        release_caches()  # nothing of the planner's stays into the steps
         entry.structures.insert(0, s)
         del entry.structures[self.max_structures:]
         # said at the end of the first step that runs on it, with what it

@@ -180,3 +180,34 @@ def test_resnet152_at_batch_10000_is_refused_in_seconds(capsys, monkeypatch):
     err = capsys.readouterr().err
     assert rc == 2 and "not enough memory" in err, err
     assert took < 40, took
+
+
+def test_gpu_availability_counts_the_pool_cache_and_its_limit(monkeypatch):
+    """On CuPy: the device's free memory plus what the pool caches, bounded
+    by the pool's limit where one is set (a stand-in CuPy module)."""
+    import contextlib
+    import types
+
+    class Pool:
+        limit = 0
+
+        def free_bytes(self):
+            return 2 * GiB
+
+        def used_bytes(self):
+            return 3 * GiB
+
+        def get_limit(self):
+            return self.limit
+
+    pool = Pool()
+    fake = types.SimpleNamespace(
+        cuda=types.SimpleNamespace(Device=lambda i: contextlib.nullcontext(),
+                                   runtime=types.SimpleNamespace(
+                                       memGetInfo=lambda: (5 * GiB, 16 * GiB))),
+        get_default_memory_pool=lambda: pool)
+    monkeypatch.setitem(__import__("sys").modules, "cupy", fake)
+    assert preflight.available_memory("@cupy:1") == (7 * GiB, "GPU 1 memory")
+    pool.limit = 4 * GiB
+    assert preflight.available_memory("@cupy:0") == (GiB, "GPU 0 memory")
+    assert preflight.available_memory("@numpy")[1] == "host memory"

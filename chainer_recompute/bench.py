@@ -501,7 +501,11 @@ def compare(make_link: Any, x: Any, t: Any, configs: List[Dict[str, Any]],
     :func:`~chainer_recompute.core.replay.replay` predicts; otherwise the
     gradients are cleared before each step (``peak_bytes`` as before)."""
     base = make_link()
-    base(x, t)  # initialise lazily shaped parameters
+    # lazily shaped parameters, initialised by a forward on two rows
+    # without a graph or state updates: a forward at the full batch would
+    # hold plain Chainer's activations, more than the plan needs
+    with chainer.no_backprop_mode(), chainer.using_config("train", False):
+        base(x[:2], t[:2])
     runners = []
     if vanilla:
         runners.append(_Runner(copy.deepcopy(base), "vanilla", as_updater))

@@ -4,11 +4,14 @@ solver rows on the authors' graphs and ours, and the poster's runtime plots
 Long-running and resumable; every finished cell is a JSON file
 under experiments/results/ at once.
 
+    # where results go: --out DIR, or a new scratch folder (said on stderr);
+    # the committed experiments/results/ and experiments/README.md are
+    # written only with --update-committed
     # the table: 7 networks x {vanilla, Chen, approx TC/MC, exact TC/MC}
-    .venv/bin/python experiments/reproduce.py --config configs/paper.json [--networks a,b] [--resume]
-    # one cell (always re-run; overwrites its JSON), or one row
-    .venv/bin/python experiments/reproduce.py --cell resnet50:approx-tc
-    .venv/bin/python experiments/reproduce.py --networks resnet50
+    .venv/bin/python experiments/reproduce.py --config configs/paper.json [--networks a,b] [--resume] --out DIR
+    # one cell (always re-run; overwrites its JSON in DIR), or one row
+    .venv/bin/python experiments/reproduce.py --cell resnet50:approx-tc --out DIR
+    .venv/bin/python experiments/reproduce.py --networks resnet50 --out DIR
     # the time estimate from small-batch runs (vanilla and approx-TC per network)
     .venv/bin/python experiments/reproduce.py --estimate
     # the solver rows: authors' graphs and our captured graphs (pure core)
@@ -17,7 +20,9 @@ under experiments/results/ at once.
     .venv/bin/python experiments/reproduce.py --sweep resnet152 [--resume]
     .venv/bin/python experiments/reproduce.py --plots
     # the Markdown tables of experiments/README.md, from the JSON files
-    .venv/bin/python experiments/reproduce.py --report
+    # (printed and written to DIR/tables.md; experiments/README.md itself
+    # only with --update-committed)
+    .venv/bin/python experiments/reproduce.py --report [--out DIR | --update-committed]
 
 Measurement protocol (as experiments/memory_model.py): each cell
 runs in a process of its own; tracemalloc (restricted to NumPy's domain,
@@ -53,7 +58,19 @@ ROOT = Path(os.environ.get("REPRO_ROOT") or Path(__file__).resolve().parents[1])
 HERE = ROOT / "experiments"
 sys.path.insert(0, str(ROOT))
 
-RESULTS = HERE / "results"
+#: the committed results: written only with --update-committed
+COMMITTED = HERE / "results"
+#: where this run reads and writes its results (main() sets it: --out, a
+#: scratch folder, or COMMITTED with --update-committed)
+RESULTS = COMMITTED
+#: where --report's tables.md and --plots' PNGs go (None: RESULTS, and the
+#: PNGs beside experiments/README.md when RESULTS is COMMITTED)
+WRITE_TO: Optional[Path] = None
+#: the flags that name this run's config and results folder, as a command
+#: that reproduces a cell types them (main() sets it)
+RUN_FLAGS: List[str] = []
+#: seconds between "still running" lines of a cell
+PROGRESS_EVERY_S = 30.0
 METHODS = ["vanilla", "approx-tc", "approx-mc", "chen", "exact-tc", "exact-mc"]
 #: method -> apply() options
 APPLY = {
@@ -148,6 +165,12 @@ def read_json(path: Path) -> Optional[Any]:
 # ======================================================================
 # One cell: a process of its own.
 
+def step(what: str) -> None:
+    """What a cell's worker is doing now, for the orchestrator's progress
+    lines (a ``STEP`` line on stderr)."""
+    print(f"STEP {what}", file=sys.stderr, flush=True)
+
+
 def worker(net: str, method: str, batch: int, *, measured: int, optimizer: str, cost: str,
            save_graph: Optional[str], small: bool = False,
            budget: Any = "least") -> Dict[str, Any]:
@@ -161,6 +184,7 @@ def worker(net: str, method: str, batch: int, *, measured: int, optimizer: str, 
     from chainer_recompute.models import get_model
     from chainer_recompute.runtime.capture import state_bytes
 
+    step(f"building {net} at batch {batch}")
     numpy.random.seed(0)
     spec = get_model(net, batch_size=batch, small=small)
     link = spec.link
@@ -183,6 +207,7 @@ def worker(net: str, method: str, batch: int, *, measured: int, optimizer: str, 
     while i < n_calls:
         gc.collect()
         if runner is not None and i == 1:
+            step("planning")
             try:  # plan now (the planning call), so that an infeasible budget is told
                 runner.plan_for(link, x, t)
             except cr.InfeasibleBudgetError as e:
@@ -193,6 +218,7 @@ def worker(net: str, method: str, batch: int, *, measured: int, optimizer: str, 
         if runner is not None:
             entry = next(iter(runner._entries.values()), None)
             structure = entry.structures[0] if entry and entry.structures else None
+        step(f"call {i + 1} of {n_calls} ({'warm-up' if i < warm else 'measured'})")
         with MemoryMeter() as m:
             t0 = time.perf_counter()
             opt.update(link, x, t)
@@ -290,32 +316,76 @@ def run_cell(net: str, method: str, batch: int, cfg: Dict[str, Any], *, tag: str
     load0 = load_avg()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, cwd=str(ROOT), start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
-        timed_out = False
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        timed_out = True
+    stdout, stderr, timed_out = _follow(proc, f"{net}:{method}", timeout_s)
     wall = time.time() - t0
     lines = [ln for ln in stdout.splitlines() if ln.startswith("CELL ")]
     out_path = out
     if proc.returncode == 0 and lines:
         out = json.loads(lines[-1][5:])
     else:
-        tail = (stderr or "").strip().splitlines()[-5:]
+        tail = [ln for ln in (stderr or "").strip().splitlines()
+                if not ln.startswith("STEP ")][-5:]
         out = {"network": net, "method": method, "batch": batch, "small": small,
                "status": "timeout" if timed_out else "error", "returncode": proc.returncode,
                "error": " | ".join(tail)}
     out.update(wall_s=wall, load_start=load0, load_end=load_avg(),
                finished=time.strftime("%Y-%m-%d %H:%M:%S"),
-               command=f".venv/bin/python experiments/reproduce.py --cell {net}:{method}"
-                       + (f" --batch {batch}" if batch != _paper_batch(net) else "")
-                       + (f" --budget {budget}" if budget != "least" else ""))
+               command=cell_command(net, method, batch, budget))
     if out.get("status") == "ok" and budget != "least":
         out["fits_budget"] = out["measured_peak_bytes"] <= int(budget)
     write_json(out_path or cell_path(net, method, batch, tag), out)
     return out
+
+
+def cell_command(net: str, method: str, batch: int, budget: Any = "least") -> str:
+    """The command that reproduces one cell, every flag spelled out."""
+    return " ".join([".venv/bin/python", "experiments/reproduce.py", "--cell",
+                     f"{net}:{method}", "--batch", str(batch), "--budget", str(budget)]
+                    + RUN_FLAGS)
+
+
+def _follow(proc: "subprocess.Popen[str]", label: str, timeout_s: Optional[float]
+            ) -> Tuple[str, str, bool]:
+    """Wait for a cell's process, printing (on stderr) what it is doing
+    when that changes and every PROGRESS_EVERY_S seconds, with the time
+    elapsed; kill it after ``timeout_s``. Returns stdout, stderr and
+    whether it timed out."""
+    import threading
+    out: List[str] = []
+    err: List[str] = []
+    now = {"step": "starting"}
+
+    def read_err() -> None:
+        for ln in proc.stderr:  # type: ignore[union-attr]
+            err.append(ln)
+            if ln.startswith("STEP "):
+                now["step"] = ln[5:].strip()
+
+    def read_out() -> None:
+        out.append(proc.stdout.read())  # type: ignore[union-attr]
+
+    threads = [threading.Thread(target=read_err, daemon=True),
+               threading.Thread(target=read_out, daemon=True)]
+    for th in threads:
+        th.start()
+    t0 = time.time()
+    said, said_at = None, t0
+    timed_out = False
+    while proc.poll() is None:
+        time.sleep(min(0.5, PROGRESS_EVERY_S))
+        elapsed = time.time() - t0
+        if timeout_s is not None and elapsed > timeout_s:
+            os.killpg(proc.pid, signal.SIGKILL)
+            timed_out = True
+            break
+        if now["step"] != said or time.time() - said_at >= PROGRESS_EVERY_S:
+            print(f"  [{label}] {now['step']}, {fmt_s(elapsed)} elapsed (load "
+                  f"{load_avg()[0]})", file=sys.stderr, flush=True)
+            said, said_at = now["step"], time.time()
+    proc.wait()
+    for th in threads:
+        th.join(timeout=10)
+    return "".join(out), "".join(err), timed_out
 
 
 def _paper_batch(net: str) -> Optional[int]:
@@ -334,7 +404,8 @@ def estimate_cell_s(net: str, method: str, cfg: Dict[str, Any]) -> float:
     batch = ncfg["paper_batch"]
     measured = cfg["protocol"]["measured_iterations"]
     iters = 1 + measured
-    done = [read_json(cell_path(net, m, batch)) for m in METHODS]
+    done = [read_json(cell_path(net, m, batch))
+            or read_json(COMMITTED / "cells" / cell_path(net, m, batch).name) for m in METHODS]
     done = [d for d in done if d and d.get("status") == "ok"]
     it = None
     if done:
@@ -434,6 +505,7 @@ def table_cells(cfg: Dict[str, Any], networks: List[str], methods: List[str],
         todo.append((net, method))
     t_start = time.time()
     checked: set = set()
+    done: List[Dict[str, Any]] = []
     print(f"{len(todo)} cells to run: " + ", ".join(f"{n}:{m}" for n, m in todo), flush=True)
     for k, (net, method) in enumerate(todo):
         ncfg = cfg["networks"][net]
@@ -485,6 +557,9 @@ def table_cells(cfg: Dict[str, Any], networks: List[str], methods: List[str],
         remaining = sum(estimate_cell_s(n, m, cfg) for n, m in todo[k + 1:])
         print(line + f"; cell {fmt_s(r['wall_s'])}, elapsed {fmt_s(time.time() - t_start)}, "
               f"ETA {fmt_s(remaining)} (load {load_avg()})", flush=True)
+        done.append(r)
+    if done:
+        print(summary_table(done, cfg))
     return 0
 
 
@@ -974,7 +1049,7 @@ def plots(cfg: Dict[str, Any]) -> int:
                       "DPs: the plan for B where it fits, else their least)")
         ax2.legend(fontsize=8)
         fig.tight_layout()
-        out = (HERE if RESULTS == HERE / "results" else RESULTS) / f"runtime_{net}.png"
+        out = (WRITE_TO or (HERE if RESULTS == COMMITTED else RESULTS)) / f"runtime_{net}.png"
         fig.savefig(out, dpi=110)
         plt.close(fig)
         print(f"wrote {os.path.relpath(out, ROOT)}")
@@ -1196,9 +1271,13 @@ def report(cfg: Dict[str, Any]) -> int:
     md = []
     for name, t in tables.items():
         md.append(f"<!-- BEGIN:{name} -->\n{t}\n<!-- END:{name} -->")
-    (RESULTS / "tables.md").write_text("\n\n".join(md) + "\n")
+    tables_md = (WRITE_TO or RESULTS) / "tables.md"
+    tables_md.parent.mkdir(parents=True, exist_ok=True)
+    tables_md.write_text("\n\n".join(md) + "\n")
     readme = HERE / "README.md"
-    if readme.exists():
+    # experiments/README.md's tables are the committed results': rewritten
+    # only with --update-committed
+    if RESULTS == COMMITTED and WRITE_TO is None and readme.exists():
         text = readme.read_text()
         for name, t in tables.items():
             b, e = f"<!-- BEGIN:{name} -->", f"<!-- END:{name} -->"
@@ -1208,6 +1287,9 @@ def report(cfg: Dict[str, Any]) -> int:
                 text = f"{head}{b}\n{t}\n{e}{tail}"
         readme.write_text(text)
     print("\n\n".join(tables.values()))
+    print(f"wrote {tables_md}" + (f" and {readme}" if RESULTS == COMMITTED and WRITE_TO is None
+                                  else " (experiments/README.md is left alone: "
+                                       "--update-committed rewrites it)"), file=sys.stderr)
     return 0
 
 
@@ -1338,11 +1420,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=str(ROOT / "configs" / "paper.json"))
-    ap.add_argument("--results", help="results directory (default experiments/results)")
+    ap.add_argument("--out", "--results", dest="results", metavar="DIR",
+                    help="the results folder this run reads and writes (default: a new "
+                         "scratch folder, said on stderr; --report and --plots then read "
+                         "the committed results and write there)")
+    ap.add_argument("--update-committed", action="store_true",
+                    help="write into the committed experiments/results/ and let --report "
+                         "rewrite experiments/README.md's tables (regenerating the "
+                         "published figures)")
     ap.add_argument("--networks", help="comma-separated (default: all of the config)")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--resume", action="store_true", help="skip cells already done")
-    ap.add_argument("--cell", help="NET:METHOD: run this one cell (overwrites its JSON)")
+    ap.add_argument("--cell", help="NET:METHOD: run this one cell (overwrites its JSON in the "
+                                   "results folder)")
     ap.add_argument("--paired", metavar="NET[,NET...]",
                     help="approx-tc then approx-tc-ws, back to back, per network (one at a "
                          "time): the workspace's time against none, paired")
@@ -1379,10 +1469,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("RESULT " + json.dumps(globals()[fn](*json.loads(a))))
         return 0
     cfg = load_config(args.config)
-    if args.results:
-        global RESULTS, SWEEP
-        RESULTS = Path(args.results).resolve()
-        SWEEP = RESULTS / "sweep"
+    reads_only = bool(args.report or args.plots)
+    results, write_to, flags = results_folder(args.results, args.update_committed, reads_only)
+    global RESULTS, SWEEP, WRITE_TO, RUN_FLAGS
+    RESULTS, WRITE_TO = results, write_to
+    SWEEP = RESULTS / "sweep"
+    config = Path(args.config).resolve()
+    RUN_FLAGS = ["--config", _shown(config)] + flags
     networks = args.networks.split(",") if args.networks else list(cfg["networks"])
     methods = args.methods.split(",")
     if args.estimate:
@@ -1409,10 +1502,107 @@ def main(argv: Optional[List[str]] = None) -> int:
             r = run_cell(net, method, batch, cfg, budget=args.budget, out=out,
                          save_graph=False)
         else:
+            out = cell_path(net, method, batch)
             r = run_cell(net, method, batch, cfg)
-        print(json.dumps({k: v for k, v in r.items() if k != "calls"}, indent=1))
+        print(summary_table([r], cfg))
+        print(f"wrote {out}", file=sys.stderr)
         return 0 if r["status"] == "ok" else 1
     return table_cells(cfg, networks, methods, args.resume)
+
+
+def _shown(path: Path) -> str:
+    """A path as a command shows it: relative to the repository when inside."""
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+def results_folder(out: Optional[str], update_committed: bool, reads_only: bool
+                   ) -> Tuple[Path, Optional[Path], List[str]]:
+    """Where this run reads and writes: ``(results, write_to, flags)``.
+
+    - ``--update-committed``: the committed experiments/results/ (and
+      --report rewrites experiments/README.md's tables);
+    - ``--out DIR``: DIR, which may not be the committed folder or inside it;
+    - neither: a new scratch folder (said on stderr); --report and --plots
+      read the committed results and write into it.
+
+    ``flags`` are the ones a command that reproduces a cell of this run
+    needs (``--out DIR`` or ``--update-committed``)."""
+    import tempfile
+    if update_committed:
+        if out and Path(out).resolve() != COMMITTED:
+            raise SystemExit("reproduce.py: error: --update-committed writes into "
+                             f"{_shown(COMMITTED)}; drop --out {out}, or drop "
+                             "--update-committed to write into that folder")
+        return COMMITTED, None, ["--update-committed"]
+    if out:
+        path = Path(out).resolve()
+        if path == COMMITTED or COMMITTED in path.parents:
+            raise SystemExit(f"reproduce.py: error: --out {out} is the committed results "
+                             f"folder ({_shown(COMMITTED)}); name another folder, or add "
+                             "--update-committed (without --out) to regenerate the "
+                             "committed results")
+        path.mkdir(parents=True, exist_ok=True)
+        return path, None, ["--out", _shown(path)]
+    scratch = Path(tempfile.mkdtemp(prefix="reproduce-"))
+    if reads_only:
+        print(f"reading the committed results in {_shown(COMMITTED)}; writing into {scratch} "
+              "(--out DIR to choose the folder, --update-committed to rewrite "
+              "experiments/README.md)", file=sys.stderr)
+        return COMMITTED, scratch, ["--out", str(scratch)]
+    print(f"writing results into {scratch} (--out DIR to choose the folder; the committed "
+          f"{_shown(COMMITTED)} is left alone unless --update-committed)", file=sys.stderr)
+    return scratch, None, ["--out", str(scratch)]
+
+
+#: method -> the key of the paper's figure in the config's targets
+_TARGET = {"vanilla": "vanilla", "chen": "chen"}
+
+
+def _paper_figure(net: str, method: str, cfg: Dict[str, Any]) -> str:
+    targets = (cfg["networks"].get(net) or {}).get("targets") or {}
+    key = _TARGET.get(method) or method.split("-")[0]
+    gb, van = targets.get(key), targets.get("vanilla")
+    if gb is None:
+        return "-"
+    if key == "vanilla" or not van:
+        return f"{gb} GB"
+    return f"{gb} GB ({100 * (gb / van - 1):+.0f}%)"
+
+
+def summary_table(cells: List[Dict[str, Any]], cfg: Dict[str, Any]) -> str:
+    """The short table a run ends with: per cell the measured peak, the
+    predicted one, the paper's figure (GPU, against its own vanilla) and the
+    command that reproduces it."""
+    head = ["cell", "measured peak", "predicted peak", "vs plain (ours)", "paper (GPU)",
+            "s/iter", "command"]
+    rows = []
+    for r in cells:
+        cell = f"{r['network']}:{r['method']} b{r['batch']}"
+        if r.get("status") != "ok":
+            rows.append([cell, r.get("status", "?"), "-", "-",
+                         _paper_figure(r["network"], r["method"], cfg), "-",
+                         r.get("command", "")])
+            continue
+        meas = r["measured_peak_bytes"]
+        pred = r.get("predicted_peak_bytes")
+        plain = (r.get("vanilla_replay") or {}).get("peak_bytes")
+        if r["method"] == "vanilla":
+            plain = None  # it is plain Chainer
+        rows.append([cell, f"{meas / 1e9:.3f} GB",
+                     f"{pred / 1e9:.3f} GB" if pred else "- (plain Chainer: no plan)",
+                     f"{100 * (meas / plain - 1):+.0f}%" if plain else "-",
+                     _paper_figure(r["network"], r["method"], cfg), f"{r['time_s']:.1f}",
+                     r.get("command", "")])
+    widths = [max(len(str(x[i])) for x in [head] + rows) for i in range(len(head))]
+    lines = ["  ".join(str(c).ljust(widths[i]) for i, c in enumerate(x)).rstrip()
+             for x in [head] + rows]
+    note = ("vs plain (ours): the measured peak against plain Chainer's replayed peak on the "
+            "cell's own recorded graph; paper: Kusumoto et al.'s GPU figure and its change "
+            "from their vanilla")
+    return "\n".join(lines + [note])
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ from typing import Any, Callable, Optional, Sequence
 from .args import (EXIT_USAGE, PROG, UsageError, _argv_of, _join_negative_values, _one_line,
                    _Parser, _prepare_out, _workspace, build_parser)
 from .planning import plan_report
+from .preflight import (estimate_planned, estimate_recorded, needs_check, out_of_memory_message,
+                        refuse_if_too_big)
 from .report import _draw, _next_command, _write_json, format_report
 from .runs import _check_gradients, _run_iterations
 from .source import _load_graph, _record_model
@@ -43,10 +45,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     verbose = "-v" in argv or "--verbose" in argv
     from ..core.errors import RecomputeError
     restore_logging = None
+    args = None
     try:
         args = build_parser().parse_args(_join_negative_values(argv))
         restore_logging = _configure_logging(args.verbose)
         return _run(args)
+    except MemoryError as e:  # CuPy's OutOfMemoryError is one too
+        return _fail(out_of_memory_message(e, args, getattr(args, "memory_estimate", None)),
+                     verbose, 1, e)
     except UsageError as e:
         return _fail(e, verbose, EXIT_USAGE)
     except RecomputeError as e:
@@ -62,8 +68,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             restore_logging()
 
 
-def _fail(error: Any, verbose: bool, code: int) -> int:
-    if verbose and isinstance(error, BaseException):
+def _fail(error: Any, verbose: bool, code: int, cause: Optional[BaseException] = None) -> int:
+    if verbose and cause is not None:
+        traceback.print_exception(type(cause), cause, cause.__traceback__)
+    elif verbose and isinstance(error, BaseException):
         traceback.print_exception(type(error), error, error.__traceback__)
     elif verbose and sys.exc_info()[0] is not None:
         traceback.print_exc()
@@ -111,6 +119,12 @@ def _run(args: argparse.Namespace) -> int:
     if args.save_graph:
         from ..core.io import save_graph
         save_graph(graph, args.save_graph)
+    check = needs_check(args)
+    if check:  # before planning: plain backprop's peak and the plan's floor
+        with progress.step("estimating the memory of the run"):
+            args.memory_estimate = estimate_recorded(args, graph, _workspace(args))
+        refuse_if_too_big(args, args.memory_estimate, source["batch_size"],
+                          source["capture"]["capture_batch"])
     scope = args.budget_scope or source.pop("default_scope", "total")
     source.pop("default_scope", None)
     subject = (f"{args.model} at batch {source['batch_size']}" if not args.graph
@@ -119,6 +133,12 @@ def _run(args: argparse.Namespace) -> int:
                          workspace=_workspace(args),
                          scope=scope, progress=progress, subject=subject)
     report["source"] = source
+    if check:  # after planning, before anything runs at the full batch
+        args.memory_estimate = est = estimate_planned(args, graph, report)
+        report["memory_estimate"] = {"need_bytes": est.need_bytes,
+                                     "available_bytes": est.available_bytes,
+                                     "where": est.where, "parts": [list(p) for p in est.parts]}
+        refuse_if_too_big(args, est, source["batch_size"], source["capture"]["capture_batch"])
     report["command"] = " ".join([PROG] + [shlex.quote(a) for a in _argv_of(args)])
     if args.check_gradients:
         same = _check_gradients(args, report)

@@ -139,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "first (recorded) and second (planned) are left out of the averages")
     p.add_argument("--vanilla", action="store_true",
                    help="with --iterations: also run plain Chainer and measure it")
+    p.add_argument("--no-memory-check", action="store_true",
+                   help="run --iterations or --check-gradients even where the estimate made "
+                        "before the run (from the small-batch recording) says it does not fit "
+                        "in the memory available")
     p.add_argument("--check-gradients", action="store_true",
                    help="compare the loss and gradients of two steps with plain backprop (the "
                         "first records the graph, the second runs the plan)")

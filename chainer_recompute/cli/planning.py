@@ -74,7 +74,7 @@ def plan_report(graph: Any, budget: str, *, solver: str = "auto", strategy: str 
         "schema": "chainer-recompute report", "version": REPORT_VERSION,
         "graph": {"nodes": graph.n, "edges": len(graph.edges), "batch_size": graph.batch_size,
                   "model": graph.meta.get("model"), "param_bytes": int(graph.param_bytes),
-                  "cost_model": graph.cost_model},
+                  "cost_model": graph.cost_model, "iteration_s": _iteration_s(graph)},
         "budget": {"text": budget, "bytes": budget_bytes, "scope": scope, "solver": solver,
                    "strategy": strategy},
         "plain": {"predicted_peak_bytes": int(plain_peak),
@@ -92,6 +92,20 @@ def plan_report(graph: Any, budget: str, *, solver: str = "auto", strategy: str 
     if least_wanted:
         report["budget"]["bytes"] = int(least_bytes)
     return report
+
+
+def _iteration_s(graph: Any) -> Optional[float]:
+    """Plain backprop's seconds per iteration as recorded (scaled with the
+    graph), or None where a function's times are not known (or not
+    measured: other cost models)."""
+    if graph.cost_model != "measured":
+        return None
+    total = 0.0
+    for n in graph.nodes:
+        if n.forward_time_s is None or (n.has_backward and n.backward_time_s is None):
+            return None
+        total += n.forward_time_s + (n.backward_time_s or 0.0)
+    return total
 
 
 def _plan_total(graph: Any, budget_bytes: Optional[int], solver: str, strategy: str,

@@ -52,7 +52,8 @@ def format_report(report: Dict[str, Any]) -> str:
     runs = {r["label"]: r for r in report.get("runs", [])}
     measured = bool(runs)
     head = ["", "peak (predicted)"] + (["peak (measured)"] if measured else []) + \
-        ["saving", "recompute", "blocks", "solve"] + (["time/iter"] if measured else [])
+        ["saving (predicted)", "recompute", "blocks", "solve"] + (["time/iter"] if measured
+                                                                  else [])
     rows = []
     plain = report["plain"]
     vanilla = runs.get("vanilla")
@@ -135,6 +136,15 @@ def format_report(report: Dict[str, Any]) -> str:
                 f"{format_bytes(after)}, {100 * (1 - after / before):.0f}% less")
         if vanilla.get("time_s") and run.get("time_s"):
             text += f", time per iteration {100 * (run['time_s'] / vanilla['time_s'] - 1):+.0f}%"
+        pred = rp.get("predicted_peak_bytes")
+        if pred and plain["predicted_peak_bytes"]:
+            # the prediction of the very plan that ran, said as such
+            text += (f"; predicted for that plan: "
+                     f"{100 * (1 - pred / plain['predicted_peak_bytes']):.0f}% less")
+            if rp.get("recompute") is False and plan["recompute"]:
+                text += (f" (it recomputes nothing: plain Chainer fits in its budget; the "
+                         f"'{label}' row's {_pct(plan['saving_fraction'])} is this command's "
+                         f"own plan)")
         if rp.get("budget_bytes"):
             ran = format_bytes(rp["budget_bytes"])
             text += (f"; apply() planned for {ran}"
@@ -150,36 +160,78 @@ def format_report(report: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _next_command(args: argparse.Namespace, report: Dict[str, Any]) -> str:
-    base = [PROG] + [a for a in _argv_of(args)]
-    plan, least = report["plan"], report.get("least")
+#: a run of the full network is suggested after a dry run when its
+#: iterations (plain Chainer and the plan, as recorded) should take less.
+QUICK_RUN_S = 60.0
 
-    def cmd(replace_budget: Optional[str] = None, extra: Sequence[str] = ()) -> str:
+
+def _next_command(args: argparse.Namespace, report: Dict[str, Any]) -> str:
+    """The next command to try, consistent with what this one planned or
+    measured: a budget where the plan recomputes something, a measurement
+    at a batch where that budget still matters, the API call after a run
+    whose plan saved memory."""
+    base = [PROG] + [a for a in _argv_of(args)]
+    plan, least, b = report["plan"], report.get("least"), report["budget"]
+    batch = report.get("source", {}).get("batch_size") or report["graph"].get("batch_size")
+    budget_text = b["text"] if b["text"] != "least" else _typed(b["bytes"])
+    least_typed = _typed(least["budget_bytes"]) if least is not None else None
+
+    def cmd(replace_budget: Optional[str] = None, extra: Sequence[str] = (),
+            drop: Sequence[str] = ()) -> str:
         argv = list(base)
         if replace_budget is not None:
             i = argv.index("--budget")
             argv[i + 1] = replace_budget
+        for flag in drop:  # a flag and its value
+            if flag in argv:
+                i = argv.index(flag)
+                del argv[i:i + 2]
         return " ".join(shlex.quote(a) for a in argv + list(extra))
 
     if args.iterations:
-        budget = report["budget"]["text"]
-        if budget == "least":
-            budget = _typed(report["budget"]["bytes"])
+        runs = [r for r in report.get("runs", []) if r["label"] != "vanilla"]
+        ran = runs[0].get("plan") if runs else None
+        if ran is not None and not ran.get("recompute"):
+            # the plan as run recomputed nothing: plain Chainer fits in the
+            # budget at this batch, so the run measured no saving
+            if least is not None and least["recompute"] and b["text"] != "least":
+                again = ["--iterations", str(args.iterations)] + (["--vanilla"] if args.vanilla
+                                                                  else [])
+                return (f"{cmd(least_typed, again)}   # plain Chainer fits in {budget_text} at "
+                        f"batch {batch}, so nothing was recomputed; at the least feasible "
+                        f"budget the plan recomputes ({_pct(least['saving_fraction'])} less "
+                        f"predicted)")
+            return (f"{cmd(extra=['--dry-run'], drop=['--batch-size'])} --batch-size "
+                    f"{2 * int(batch or 1)}   # plain Chainer fits in {budget_text} at batch "
+                    f"{batch}: nothing to recompute; plan a larger batch first")
         return (f"in a training script: model = chainer_recompute.apply(model, "
-                f"budget={budget!r}) (PrintReport can show chainer_recompute.extensions."
+                f"budget={budget_text!r}) (PrintReport can show chainer_recompute.extensions."
                 f"RecomputeReport's keys)")
     if not plan["recompute"] and least is not None and least["recompute"]:
         dry = ["--dry-run"] if args.dry_run else []
-        return (f"{cmd(_typed(least['budget_bytes']), dry)}   # the least feasible budget: "
-                f"{_pct(least['saving_fraction'])} less than plain backprop")
+        return (f"{cmd(least_typed, dry)}   # {b['text']} holds plain backprop here; the least "
+                f"feasible budget: {_pct(least['saving_fraction'])} less than plain backprop "
+                f"(predicted)")
     if args.graph:
         return cmd(extra=["--out", "plan"]) + "   # memory.png and schedule.png"
     run = ["--iterations", "3", "--vanilla"]
-    if not args.small and args.model not in ("mlp",):
-        run = ["--small", "--batch-size", "4"] + run
-        return (cmd(extra=run) + "   # measure the plan on the reduced network "
-                "(the full one is slow on a CPU)")
-    return cmd(extra=run) + "   # measure the plan against plain Chainer"
+    if args.small or args.model in ("mlp",):
+        return cmd(extra=run) + "   # measure this plan against plain Chainer"
+    # the full network: measure this very plan where that is quick and fits
+    from .preflight import available_memory
+    iteration_s = report["graph"].get("iteration_s")
+    avail = available_memory(args.device)[0]
+    need = report["plain"]["replayed_peak_bytes"] + plan["replayed_peak_bytes"]
+    if iteration_s is not None and 3 * 2 * iteration_s < QUICK_RUN_S and (
+            avail is None or need < avail):
+        return (cmd(extra=run) + f"   # measure this plan against plain Chainer (about "
+                f"{iteration_s:.1f} s per iteration, as recorded)")
+    # else the reduced network at a small batch: a size chosen for this
+    # network would hold plain backprop there, so at its own least budget
+    return (cmd("least", ["--small", "--batch-size", "4"] + run, drop=["--batch-size"])
+            + f"   # measure a plan against plain Chainer on the reduced network at batch 4, "
+              f"at its own least feasible budget ({budget_text} is sized for {args.model} at "
+              f"batch {batch}; the full network is slow on a CPU)")
 
 
 def _write_json(report: Dict[str, Any], path: str) -> None:

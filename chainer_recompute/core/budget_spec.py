@@ -125,7 +125,8 @@ class Budget:
 
 
 def _refuse(value: Any, why: str) -> BudgetError:
-    return BudgetError(f"budget {value!r} {why}; accepted: {BUDGET_FORMS}")
+    said = f"cannot read budget {value!r}" if why == "cannot be read" else f"budget {value!r} {why}"
+    return BudgetError(f"{said}; accepted: {BUDGET_FORMS}")
 
 
 def parse_budget(value: Any) -> Budget:

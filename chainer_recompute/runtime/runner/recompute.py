@@ -106,7 +106,8 @@ class Recompute(PlanningMixin, MeteringMixin):
             ``coordinator.plan`` exactly once before the forward).
             A coordinator uses the runner through :meth:`solve`, :meth:`plan`,
             :meth:`call_state`, :meth:`plans_before_forward`,
-            :meth:`planned_graphs` and :meth:`adopt` only. See
+            :meth:`planned_graphs`, :meth:`adopt`, :meth:`available_bytes`
+            and :meth:`resolve_device_budget` only. See
             :mod:`chainer_recompute.runtime.distributed`.
         verbose: print one line when the first plan is made (through the
             ``chainer_recompute.report`` logger, visible by default);

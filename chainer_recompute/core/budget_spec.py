@@ -126,7 +126,7 @@ class Budget:
 
 def _refuse(value: Any, why: str) -> BudgetError:
     said = f"cannot read budget {value!r}" if why == "cannot be read" else f"budget {value!r} {why}"
-    return BudgetError(f"{said}; accepted: {BUDGET_FORMS}")
+    return BudgetError(f"{said}; accepted forms: {BUDGET_FORMS}")
 
 
 def parse_budget(value: Any) -> Budget:
@@ -149,7 +149,7 @@ def parse_budget(value: Any) -> Budget:
     >>> parse_budget(0.5)
     Traceback (most recent call last):
     ...
-    chainer_recompute.core.errors.BudgetError: budget 0.5 is less than one byte; for a share of plain Chainer's peak write '50%'; accepted: ...
+    chainer_recompute.core.errors.BudgetError: budget 0.5 is less than one byte; for a share of plain Chainer's peak write '50%'; accepted forms: ...
     """
     if isinstance(value, Budget):
         return value

@@ -15,6 +15,8 @@ Its arrays are NumPy arrays, put on the "device" by
 - the global random generators (``random._generator._random_states``, one
   ``RandomState`` per device, created on demand, ``random.seed``,
   ``random.rand`` ...), separate from NumPy's global state, like CuPy's;
+- ``cuda.runtime.memGetInfo()``: the (free, total) bytes set in
+  ``device_memory``;
 - ``cuda.get_current_stream().synchronize()``, ``asnumpy``, ``copy`` and the
   array functions the project calls (``stack``, ``ascontiguousarray``, ...,
   NumPy's).
@@ -200,9 +202,12 @@ class FakeCupy(types.SimpleNamespace):
         self._pool = FakePool(self)
         self._stream = _Stream(self)
         hook_base = type("MemoryHook", (_Hook,), {"_active": []})
+        #: what ``cuda.runtime.memGetInfo()`` answers: (free, total) bytes
+        self.device_memory = (8 << 30, 16 << 30)
         self.cuda = types.SimpleNamespace(
             MemoryHook=hook_base, get_current_stream=lambda: self._stream,
-            memory=types.SimpleNamespace(OutOfMemoryError=OutOfMemoryError))
+            memory=types.SimpleNamespace(OutOfMemoryError=OutOfMemoryError),
+            runtime=types.SimpleNamespace(memGetInfo=lambda: self.device_memory))
         states: Dict[int, FakeRandomState] = {}
 
         def get_random_state() -> Any:

@@ -436,6 +436,22 @@ def scenario_error(comm: Any, *, options: Dict[str, Any], n: int = 32, batch: in
     return {"error": None, "steps": done}
 
 
+def scenario_device_budget(comm: Any) -> Dict[str, Any]:
+    """budget='device' with each rank's device giving a different figure:
+    every rank plans for the least of them."""
+    from chainer_recompute.core import budget_spec
+    budget_spec.host_available_bytes = lambda: (1 << 40) * (comm.rank + 1)  # forked rank
+    x, t = concat_examples(dataset(8))
+    np.random.seed(1)
+    model = crmn.apply(L.Classifier(MLP()), comm, budget="device")
+    opt = chainermn.create_multi_node_optimizer(chainer.optimizers.SGD(), comm)
+    opt.setup(model)
+    opt.update(model, x, t)
+    runner = cr.runner_of(model)
+    return {"bytes": runner.budget_bytes, "basis": runner.budget.basis_bytes,
+            "plans": [p.budget_bytes for p in runner.plans.values()]}
+
+
 SCENARIOS: Dict[str, Callable[[Any], Any]] = {
     # the same batch on both ranks, smaller last batch, dropout, BatchNorm, lazy init
     "exact": lambda comm: scenario_exact(comm, n=40, batch=8, epochs=3,
@@ -503,6 +519,14 @@ def test_budget_below_every_ranks_need():
     res = results_of(run_ranks(scenario_error, options={"budget": 1}))
     assert [x["error"] for x in res] == ["InfeasibleBudgetError"] * 2, res
     assert [x["steps"] for x in res] == [0, 0]  # before the first step
+
+
+def test_device_budget_is_the_least_any_rank_can_give():
+    res = results_of(run_ranks(scenario_device_budget))
+    want = int((1 << 40) * (1 - 0.10))
+    assert [r["basis"] for r in res] == [1 << 40] * 2, res
+    assert [r["bytes"] for r in res] == [want] * 2
+    assert all(r["plans"] == [want] for r in res), res
 
 
 def test_options_differ_between_ranks():

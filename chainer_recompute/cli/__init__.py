@@ -99,6 +99,21 @@ def _configure_logging(verbose: bool) -> Callable[[], None]:
 
 
 # ------------------------------------------------------------------ run
+def _budget_of(args: argparse.Namespace) -> Any:
+    """``--budget`` parsed; ``device``: what ``--device`` can give now, less
+    the margin (a saved graph is planned for the host's memory)."""
+    from ..core.budget_spec import parse_budget
+    b = parse_budget(args.budget)
+    if b.kind != "device":
+        return b
+    from ..runtime.device import CPU, CupyDevice
+    device = CPU
+    if args.device.startswith("@cupy") and not args.graph:
+        import cupy
+        device = CupyDevice(cupy)
+    return b.of_device(device.available_bytes())
+
+
 def _run(args: argparse.Namespace) -> int:
     from ..progress import Progress
     if args.graph and (args.iterations or args.check_gradients):
@@ -129,7 +144,7 @@ def _run(args: argparse.Namespace) -> int:
     source.pop("default_scope", None)
     subject = (f"{args.model} at batch {source['batch_size']}" if not args.graph
                else os.path.basename(args.graph))
-    report = plan_report(graph, args.budget, solver=args.solver, strategy=args.strategy,
+    report = plan_report(graph, _budget_of(args), solver=args.solver, strategy=args.strategy,
                          workspace=_workspace(args),
                          scope=scope, progress=progress, subject=subject)
     report["source"] = source

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from typing import Any, List, Sequence
 
-from ..core.units import ACCEPTED_FORMS, parse_bytes
+from ..core.units import ACCEPTED_FORMS
 
 PROG = "chainer-recompute"
 SOLVERS = ("auto", "hier", "approx", "exact", "chen", "chen-greedy", "none")
@@ -53,18 +54,15 @@ def _count(text: str) -> int:
 
 
 def _budget(text: str) -> str:
-    """``least`` or a size that :func:`parse_bytes` reads, kept as typed."""
-    if text.strip().lower() == "least":
-        return "least"
-    if text.strip().startswith("-"):
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is negative; accepted: 'least' or a positive size: {ACCEPTED_FORMS}")
+    """A budget that :func:`~chainer_recompute.core.budget_spec.parse_budget`
+    reads (a size, ``least``, ``60%``, ``device``), kept as typed."""
+    from ..core.budget_spec import parse_budget
     from ..core.errors import BudgetError
     try:
-        parse_bytes(text)
+        b = parse_budget(text)
     except BudgetError as e:
-        raise argparse.ArgumentTypeError(f"{e} (or 'least')") from None
-    return text.strip()
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return b.text if b.kind != "bytes" else text.strip()
 
 
 class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -95,8 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="plan a saved graph instead: this project's JSON (--save-graph), "
                           "or the authors' text format (cg_*.txt)")
     p.add_argument("--budget", default="least", type=_budget, metavar="SIZE",
-                   help="memory budget: 'least' (the least feasible budget) or a size: "
-                        f"{ACCEPTED_FORMS}. G means GiB (2^30), GB means 10^9")
+                   help="memory budget: 'least' (the least feasible budget), a size: "
+                        f"{ACCEPTED_FORMS}, '60%%' (a share of what plain backprop needs) "
+                        "or 'device' (what --device can give, less 10%%). G means GiB (2^30), "
+                        "GB means 10^9")
     p.add_argument("--budget-scope", choices=SCOPES, default=None,
                    help="what the budget bounds: 'total': the whole iteration (parameters, "
                         "gradients, optimizer state, activations, temporaries: what the device "
@@ -164,13 +164,27 @@ _VALUE_OPTIONS = ("--budget", "--batch-size", "--capture-batch", "--iterations",
                   "--workspace")
 
 
+_UNIT_WORD = re.compile(r"^(?:[kmgt](?:i?b|i)?|b|%)$", re.IGNORECASE)
+_NUMBER = re.compile(r"^[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?$")
+
+
 def _join_negative_values(argv: Sequence[str]) -> List[str]:
     """``--budget -1G`` -> ``--budget=-1G``: argparse would take ``-1G``
-    for an option and say "expected one argument"."""
+    for an option and say "expected one argument"; ``--budget 8 GB`` (two
+    words) -> ``--budget=8 GB``.
+
+    >>> _join_negative_values(['--budget', '8', 'GB', '--dry-run'])
+    ['--budget=8 GB', '--dry-run']
+    """
     out: List[str] = []
     i = 0
     while i < len(argv):
         tok = argv[i]
+        if tok == "--budget" and i + 2 < len(argv) and _NUMBER.match(argv[i + 1]) \
+                and _UNIT_WORD.match(argv[i + 2]):
+            out.append(f"{tok}={argv[i + 1]} {argv[i + 2]}")
+            i += 3
+            continue
         if tok in _VALUE_OPTIONS and i + 1 < len(argv) and argv[i + 1].startswith("-") \
                 and not argv[i + 1].startswith("--") and argv[i + 1] not in ("-v", "-q", "-h"):
             out.append(f"{tok}={argv[i + 1]}")

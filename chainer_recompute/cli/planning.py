@@ -6,17 +6,19 @@ from __future__ import annotations
 import time
 from typing import Any, Dict, Optional, Tuple
 
-from ..core.units import format_bytes, format_bytes_up, parse_bytes
+from ..core.units import format_bytes, format_bytes_up
 
 REPORT_VERSION = 1
 
 
-def plan_report(graph: Any, budget: str, *, solver: str = "auto", strategy: str = "tc",
+def plan_report(graph: Any, budget: Any, *, solver: str = "auto", strategy: str = "tc",
                 scope: str = "total", progress: Any = None,
                 subject: str = "this graph", workspace: Any = None) -> Dict[str, Any]:
-    """Plan ``graph`` for ``budget`` (as typed, or ``'least'``) and gather
-    what the report shows: plain backprop, the plan, the least feasible
-    budget, and the memory timelines of both.
+    """Plan ``graph`` for ``budget`` (as typed: a size, ``'least'``,
+    ``'60%'`` of plain backprop's need; or a
+    :class:`~chainer_recompute.core.budget_spec.Budget`, ``'device'``
+    resolved) and gather what the report shows: plain backprop, the plan,
+    the least feasible budget, and the memory timelines of both.
 
     Raises:
         InfeasibleBudgetError: the budget is below the least feasible one
@@ -27,14 +29,17 @@ def plan_report(graph: Any, budget: str, *, solver: str = "auto", strategy: str 
     from ..core.execution import ExecutionPlan
     from ..core.replay import replay
     progress = progress if progress is not None else Progress(enabled=False)
-    least_wanted = budget == "least"
-    budget_bytes = None if least_wanted else parse_bytes(budget)
+    from ..core.budget import resolve_budget
+    spec = resolve_budget(graph, budget, scope)
+    budget = spec.text
+    least_wanted = spec.is_least
+    budget_bytes = spec.bytes
     with progress.step("replaying plain backprop"):
         plain = replay(graph, None)
     if scope == "total":
         if workspace is not None:  # the convolutions' bound (--workspace)
             from ..core.workspace import bounded_graph, plan_with_workspace
-            graph = (plan_with_workspace(graph, budget, "auto", solver=solver,
+            graph = (plan_with_workspace(graph, spec, "auto", solver=solver,
                                          strategy=strategy)[1] if workspace == "auto"
                      else bounded_graph(graph, workspace))
         plan, least_plan, least_bytes, plain_peak, times = _plan_total(
@@ -44,7 +49,7 @@ def plan_report(graph: Any, budget: str, *, solver: str = "auto", strategy: str 
             graph, budget_bytes, solver, strategy, progress)
     if plan is None:
         raise InfeasibleBudgetError(
-            f"budget {budget} (= {format_bytes(budget_bytes)}) is below the least feasible "
+            f"budget {_resolved(spec)} is below the least feasible "
             f"{format_bytes_up(least_bytes)} for {subject} (solver {solver}, strategy "
             f"{strategy}, scope {scope}; plain backprop needs {format_bytes_up(plain_peak)}); "
             f"raise --budget to at least {_typed(least_bytes)}, or use --budget least",
@@ -76,7 +81,8 @@ def plan_report(graph: Any, budget: str, *, solver: str = "auto", strategy: str 
                   "model": graph.meta.get("model"), "param_bytes": int(graph.param_bytes),
                   "cost_model": graph.cost_model, "iteration_s": _iteration_s(graph)},
         "budget": {"text": budget, "bytes": budget_bytes, "scope": scope, "solver": solver,
-                   "strategy": strategy},
+                   "strategy": strategy,
+                   "resolved": _resolved(spec) if spec.kind in ("share", "device") else None},
         "plain": {"predicted_peak_bytes": int(plain_peak),
                   "replayed_peak_bytes": int(plain.peak_bytes), "peak_event": plain.peak_event},
         "plan": row(plan, times["plan"], plan_pred, planned),
@@ -106,6 +112,12 @@ def _iteration_s(graph: Any) -> Optional[float]:
             return None
         total += n.forward_time_s + (n.backward_time_s or 0.0)
     return total
+
+
+def _resolved(spec: Any) -> str:
+    """What a budget came to (a share or ``'device'``: from what)."""
+    return (spec.describe() if spec.kind in ("share", "device")
+            else f"{spec.text} (= {format_bytes(spec.bytes)})")
 
 
 def _plan_total(graph: Any, budget_bytes: Optional[int], solver: str, strategy: str,

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..core.units import format_bytes
@@ -58,40 +57,6 @@ class MemoryEstimate:
 
 
 # ------------------------------------------------------------ availability
-def _host_available() -> Optional[int]:
-    """Available host memory: ``MemAvailable`` of /proc/meminfo, bounded by
-    the cgroup's limit where one is set; None where neither can be read."""
-    avail: Optional[int] = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    avail = int(line.split()[1]) * 1024
-                    break
-    except (OSError, ValueError, IndexError):
-        avail = None
-    if avail is None:
-        try:
-            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError, AttributeError):
-            avail = None
-    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
-        try:
-            with open(limit_file) as f:
-                limit = f.read().strip()
-            with open(usage_file) as f:
-                usage = int(f.read().strip())
-        except (OSError, ValueError):
-            continue
-        if limit.isdigit() and int(limit) < 2 ** 60:
-            room = max(0, int(limit) - usage)
-            avail = room if avail is None else min(avail, room)
-        break
-    return avail
-
-
 def available_memory(device: str) -> Tuple[Optional[int], str]:
     """What ``device`` (a Chainer device spec) can give now, and its name.
 
@@ -112,7 +77,8 @@ def available_memory(device: str) -> Tuple[Optional[int], str]:
             return avail, f"GPU {dev_id} memory"
         except Exception:  # noqa: BLE001 - an unknown figure only skips the check
             return None, "GPU memory"
-    return _host_available(), "host memory"
+    from ..core.budget_spec import host_available_bytes
+    return host_available_bytes(), "host memory"
 
 
 # --------------------------------------------------------------- estimate

@@ -46,6 +46,7 @@ def format_report(report: Dict[str, Any]) -> str:
             "activations and their gradients (the paper's model); parameters, their "
             "gradients, optimizer state and temporaries come on top")
     budget = (f"least (= {format_bytes(b['bytes'])}, the least feasible)" if b["text"] == "least"
+              else b["resolved"] if b.get("resolved")
               else f"{b['text']} (= {format_bytes(b['bytes'])})")
     lines.append(f"budget {budget} for {what}; solver {b['solver']}, strategy {b['strategy']}")
     lines.append("")

@@ -50,11 +50,13 @@ from .planner import solve
 from .replay import replay_peak
 from .search import least_feasible_budget
 from .solvers import check_solver, resolve_solver, solve_none
-from .units import format_bytes, format_bytes_up, parse_bytes
+from .budget_spec import Budget, parse_budget
+from .units import format_bytes, format_bytes_up
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BudgetSearch", "plan_for_budget", "check_scope", "least_total_budget"]
+__all__ = ["BudgetSearch", "plan_for_budget", "check_scope", "least_total_budget",
+           "plain_need_bytes", "resolve_budget"]
 
 #: Relative precision of the search over the DPs' own budget.
 SEARCH_TOL = 0.005
@@ -351,9 +353,11 @@ class BudgetSearch:
                 fits(b)
         return ok
 
-    def fit(self, budget_bytes: int) -> Plan:
+    def fit(self, budget_bytes: int, label: Optional[str] = None) -> Plan:
         """The plan for a total budget: the least overhead (tc) or the
-        coarsest (mc) whose replayed peak fits (with :data:`MARGIN`).
+        coarsest (mc) whose replayed peak fits (with :data:`MARGIN`);
+        ``label``: the budget as an error message names it (default: its
+        size).
 
         Raises:
             InfeasibleBudgetError: no candidate fits; the message gives the
@@ -381,14 +385,11 @@ class BudgetSearch:
             return self._annotate(van_plan, van_peak, budget_bytes, None, t0)
         least = self.least_budget()
         raise InfeasibleBudgetError(
-            f"budget {format_bytes(budget_bytes)} is below the least feasible "
-            f"{format_bytes_up(least)} for this model and batch with solver "
-            f"{self.solver!r} (total peak: parameters, gradients, optimizer state, "
-            f"activations and temporaries; plain Chainer needs "
-            f"{format_bytes_up(least_for(van_peak))}); raise the budget to at least "
-            f"{format_bytes_up(least)} or reduce the batch size (this figure is "
-            f"least_total_budget(graph); least_feasible_budget(graph) is the "
-            f"activations scope's, which this total scope does not accept)",
+            f"budget {label or format_bytes(budget_bytes)} is below the least feasible "
+            f"{format_bytes_up(least)} for this model and batch (the whole iteration: "
+            f"parameters, gradients, optimizer state, activations and temporaries; plain "
+            f"Chainer needs {format_bytes_up(least_for(van_peak))}); raise the budget to at "
+            f"least {format_bytes_up(least)}, use budget='least', or reduce the batch size",
             budget_bytes=budget_bytes, least_feasible_bytes=least,
             vanilla_bytes=least_for(van_peak))
 
@@ -520,21 +521,68 @@ def least_total_budget(graph: Graph, solver: str = "auto", strategy: str = "tc",
     return BudgetSearch(graph, solver, strategy, **solver_options).least_budget()
 
 
-def plan_for_budget(graph: Graph, budget: Union[str, int, float], *, solver: str = "auto",
+def plain_need_bytes(graph: Graph, scope: str = "total") -> int:
+    """What plain Chainer needs for ``graph``: in the ``total`` scope its
+    replayed peak with :data:`MARGIN` of headroom (the least budget at which
+    plain backprop is the plan), in the ``activations`` scope the paper's
+    vanilla figure. A ``'60%'`` budget is that share of this figure.
+
+    >>> g = Graph.from_edges([4, 4, 4, 4], [(0, 1), (1, 2), (2, 3)])
+    >>> plain_need_bytes(g, 'activations')
+    32
+    """
+    check_scope(scope)
+    if scope == "activations":
+        from .search import vanilla_bytes
+        return int(vanilla_bytes(graph))
+    return least_for(replay_peak(graph))
+
+
+def resolve_budget(graph: Graph, budget: Any, scope: str = "total") -> Budget:
+    """``budget`` parsed (:func:`~.budget_spec.parse_budget`), a share
+    resolved against :func:`plain_need_bytes` of ``graph``.
+
+    Raises:
+        BudgetError: an unreadable budget, or ``'device'`` not yet resolved
+            (the core does not know the model's device: ``apply()``,
+            ``Recompute`` and the command line resolve it).
+    """
+    b = parse_budget(budget)
+    if b.kind == "share" and b.bytes is None:
+        b = b.of_plain(plain_need_bytes(graph, scope))
+    if b.kind == "device" and b.bytes is None:
+        raise BudgetError("budget 'device' means the memory of the model's device, which a "
+                          "graph alone does not know: use it with apply(), Recompute or the "
+                          "command line, or give a size such as '8G'")
+    return b
+
+
+def _with_budget(plan: Plan, b: Budget) -> Plan:
+    """``plan`` noting what a share or ``'device'`` budget resolved to."""
+    if b.kind not in ("share", "device"):
+        return plan
+    return replace_plan(plan, info=dict(plan.info, budget=b.describe()))
+
+
+def plan_for_budget(graph: Graph, budget: Any, *, solver: str = "auto",
                     strategy: str = "tc", scope: str = "total",
                     **solver_options: Any) -> Plan:
-    """The plan for ``budget`` (bytes, ``'8G'``, or ``'least'``) in a scope.
+    """The plan for ``budget`` in a scope.
 
     Args:
         graph: the graph.
-        budget: the budget, or ``'least'``: the least feasible one.
+        budget: any form :func:`~.budget_spec.parse_budget` reads (bytes,
+            ``'8G'``, ``'least'``: the least feasible budget, ``'60%'``: a
+            share of what plain Chainer needs for this graph) or a
+            :class:`~.budget_spec.Budget` (``'device'`` resolved).
         solver, strategy: as in :func:`~chainer_recompute.core.planner.solve`.
         scope: ``'total'`` (what the allocator sees; needs a recorded graph)
             or ``'activations'`` (the paper's model).
 
     Returns:
         A :class:`Plan`; for ``total``, ``predicted_peak_bytes`` is the
-        replayed total peak and ``info`` holds the DPs' budget and formula.
+        replayed total peak and ``info`` holds the DPs' budget and formula;
+        for a share, ``info['budget']`` says what it resolved to.
 
     Raises:
         BudgetError, UnknownSolverError, InfeasibleBudgetError.
@@ -542,26 +590,39 @@ def plan_for_budget(graph: Graph, budget: Union[str, int, float], *, solver: str
     >>> g = Graph.from_edges([4, 4, 4, 4], [(0, 1), (1, 2), (2, 3)])
     >>> plan_for_budget(g, 'least', solver='exact', scope='activations').predicted_peak_bytes
     20
+    >>> plan_for_budget(g, '80%', solver='exact', scope='activations').info['budget']
+    "80% of plain Chainer's 32 B = 25 B"
     """
     check_scope(scope)
     check_solver(solver, strategy)
-    least = isinstance(budget, str) and budget.strip().lower() == "least"
+    b = resolve_budget(graph, budget, scope)
+    return _with_budget(_plan_for(graph, b, solver, strategy, scope, solver_options), b)
+
+
+def _plan_for(graph: Graph, b: Budget, solver: str, strategy: str, scope: str,
+              solver_options: Dict[str, Any]) -> Plan:
+    least = b.is_least
     if scope == "activations":
-        b = (least_feasible_budget(graph, solver=solver, strategy=strategy) if least
-             else parse_bytes(budget))
-        return solve(graph, b, solver=solver, strategy=strategy, **solver_options)
+        nbytes = (least_feasible_budget(graph, solver=solver, strategy=strategy) if least
+                  else b.bytes)
+        return solve(graph, nbytes, solver=solver, strategy=strategy, **solver_options)
     if solver == "none":
         search = BudgetSearch(graph, "approx", strategy)
         plan, peak = search.vanilla()
         need = least_for(peak)
-        b = need if least else parse_bytes(budget)
-        if need > b:
+        nbytes = need if least else int(b.bytes)
+        if need > nbytes:
             raise InfeasibleBudgetError(
-                f"budget {format_bytes(b)} is below what plain Chainer needs, "
-                f"{format_bytes_up(need)}", budget_bytes=b, least_feasible_bytes=need,
+                f"budget {_label(b)} is below what plain Chainer needs, "
+                f"{format_bytes_up(need)}; raise the budget to at least "
+                f"{format_bytes_up(need)}", budget_bytes=nbytes, least_feasible_bytes=need,
                 vanilla_bytes=need)
-        return search._annotate(plan, peak, b, None, time.perf_counter())
+        return search._annotate(plan, peak, nbytes, None, time.perf_counter())
     search = BudgetSearch(graph, solver, strategy, **solver_options)
     if least:
         return search.least_plan()
-    return search.fit(parse_bytes(budget))
+    return search.fit(int(b.bytes), _label(b))
+
+
+def _label(b: Budget) -> str:
+    return b.describe() if b.kind in ("share", "device") else format_bytes(b.bytes)

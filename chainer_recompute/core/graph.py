@@ -508,8 +508,9 @@ class Graph:
         """
         b1, b2 = self.batch_size, other.batch_size
         if b1 is None or b2 is None or b1 == b2:
-            raise GraphError(f"scale_between needs two graphs recorded at two batch sizes, got "
-                             f"{b1} and {b2}")
+            raise GraphError(f"scaling a graph to batch {batch_size} needs two recordings at two "
+                             f"different batch sizes, got batch {b1} and batch {b2}; record the "
+                             f"model at two batch sizes")
         if batch_size <= 0:
             raise GraphError(f"batch size must be positive, got {batch_size}")
         g = self.interpolate(other, batch_size - b1, b2 - b1,

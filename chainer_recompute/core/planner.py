@@ -6,13 +6,14 @@ from __future__ import annotations
 
 from typing import Any, Optional, Union
 
-from .errors import InfeasibleBudgetError
+from .budget_spec import parse_budget
+from .errors import BudgetError, InfeasibleBudgetError
 from .graph import Graph
 from .plan import Plan
 from .memory_model import MemoryModel
 from .search import least_feasible_budget, vanilla_bytes
 from .solvers import REGISTRY, check_solver
-from .units import format_bytes, format_bytes_up, parse_bytes
+from .units import format_bytes, format_bytes_up
 
 __all__ = ["solve"]
 
@@ -24,6 +25,22 @@ def _size(nbytes: Optional[float], up: bool = False) -> str:
     return format_bytes_up(nbytes) if up else format_bytes(nbytes)
 
 
+def _budget_bytes(graph: Graph, budget: Any, solver: str, strategy: str,
+                  model: Optional[MemoryModel]) -> int:
+    """``budget`` in bytes under the per-block model: ``'least'`` is the
+    least feasible budget, ``'60%'`` that share of plain backprop's."""
+    b = parse_budget(budget)
+    if b.is_least:
+        return int(least_feasible_budget(graph, solver=solver, strategy=strategy, model=model))
+    if b.kind == "share" and b.bytes is None:
+        b = b.of_plain(vanilla_bytes(graph, model))
+    if b.bytes is None:
+        raise BudgetError("budget 'device' means the memory of the model's device, which a "
+                          "graph alone does not know: use it with apply(), Recompute or the "
+                          "command line, or give a size such as '8G'")
+    return int(b.bytes)
+
+
 def solve(graph: Graph, budget: Union[str, int, float, None] = None, solver: str = "auto",
           strategy: str = "tc", *, raise_infeasible: bool = True,
           model: Optional[MemoryModel] = None, **kw: Any) -> Plan:
@@ -31,8 +48,10 @@ def solve(graph: Graph, budget: Union[str, int, float, None] = None, solver: str
 
     Args:
         graph: the computational graph.
-        budget: ``'2G'``, ``'1.5GB'``, a number of bytes, or ``None`` (no
-            limit; tc then minimises overhead outright).
+        budget: ``'2G'``, ``'1.5GB'``, a number of bytes, ``'least'`` (the
+            least feasible), ``'60%'`` (of plain backprop's figure; see
+            :func:`~chainer_recompute.core.budget_spec.parse_budget`), or
+            ``None`` (no limit; tc then minimises overhead outright).
         solver: one of ``sorted(REGISTRY)``; ``'auto'`` (the default): the
             hierarchical DP on graphs of at least 1,000 nodes with repeated
             segments, the approximate DP on the others.
@@ -56,7 +75,8 @@ def solve(graph: Graph, budget: Union[str, int, float, None] = None, solver: str
     True
     """
     check_solver(solver, strategy)
-    budget_bytes = None if budget is None else parse_bytes(budget)
+    budget_bytes = None if budget is None else _budget_bytes(graph, budget, solver, strategy,
+                                                             model)
     plan = REGISTRY[solver](graph, budget_bytes, strategy=strategy, model=model, **kw)
     if plan.feasible or not raise_infeasible:
         return plan

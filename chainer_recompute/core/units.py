@@ -3,8 +3,9 @@
 Binary units are the default, because that is what GPU memory is sold and
 reported in: ``8G`` = ``8Gi`` = ``8GiB`` = 8·2^30 bytes, the capacity of an
 "8 GB" card. The SI forms with a ``B`` (``8GB``, ``512MB``, ``1.5kB``)
-are decimal: ``8GB`` = 8·10^9 bytes, as in the paper's tables. A bare
-number (``1e9``, ``123456``) is bytes.
+are decimal: ``8GB`` = 8·10^9 bytes, as in the paper's tables. Units are
+read in any case (``8g``, ``8gib``; ``8gb`` and ``8Gb`` = ``8GB``), with
+optional spaces (``8 GB``). A bare number (``1e9``, ``123456``) is bytes.
 """
 from __future__ import annotations
 
@@ -18,10 +19,11 @@ _BINARY = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
 _DECIMAL = {"K": 10 ** 3, "M": 10 ** 6, "G": 10 ** 9, "T": 10 ** 12}
 _PATTERN = re.compile(
     r"^\s*(?P<num>[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*"
-    r"(?P<unit>(?:[kKmMgGtT](?:i?B|iB|i)?)|B)?\s*$")
+    r"(?P<unit>(?:[kmgt](?:i?b|i)?)|b)?\s*$", re.IGNORECASE)
 
 ACCEPTED_FORMS = ("8G (= 8GiB = 8·2^30 bytes), 8GiB, 8Gi, 8GB (= 8·10^9 bytes), "
-                  "512M, 1.5G, 1e9 (bytes), 123456 (bytes)")
+                  "any case (8g, 8gb), spaces allowed (8 GB), 512M, 1.5G, 1e9 (bytes), "
+                  "123456 (bytes)")
 
 
 def parse_bytes(value: Union[str, int, float]) -> int:
@@ -54,8 +56,8 @@ def parse_bytes(value: Union[str, int, float]) -> int:
         number = float(m.group("num"))
         unit = m.group("unit") or ""
         prefix = unit[:1].upper() if unit[:1].upper() in "KMGT" and unit else ""
-        rest = unit[1:] if prefix else unit
-        if prefix and rest == "B":
+        rest = (unit[1:] if prefix else unit).lower()
+        if prefix and rest == "b":
             multiplier = _DECIMAL[prefix]
         else:
             multiplier = _BINARY[prefix]

@@ -377,13 +377,14 @@ def plan_with_workspace(graph: Graph, budget: Any, workspace: WorkspaceSpec, *,
     >>> bg.meta['workspace_bytes'] is None
     True
     """
-    from .budget import plan_for_budget
+    from .budget import plan_for_budget, resolve_budget
     from .errors import InfeasibleBudgetError
+    budget = resolve_budget(graph, budget, scope)  # a share: of the unbounded graph's plain
     if workspace != "auto":
         bg = bounded_graph(graph, workspace, exact)
         return plan_for_budget(bg, budget, solver=solver, strategy=strategy, scope=scope,
                                **solver_options), bg
-    least = isinstance(budget, str) and budget.strip().lower() == "least"
+    least = budget.is_least
     tried: List[Tuple[Optional[int], Any, Graph]] = []
     error: Optional[Exception] = None
     for limit in candidate_limits(graph, exact=exact):

@@ -84,7 +84,8 @@ from ..core.budget import MARGIN, least_for, limit_of
 from ..core.errors import BudgetError, GraphError, InfeasibleBudgetError, RecomputeError
 from ..core.solvers import chain as chain_solver
 from ..core.solvers.chain import ByteSizes
-from ..core.units import format_bytes, parse_bytes
+from ..core.budget_spec import Budget, parse_budget
+from ..core.units import format_bytes
 from .bptt_cell import (_arrays, _Cell, _detached, _input_bytes, _iter_arrays, _LossNode, _nbytes,
                         _Run)
 from .bptt_measure import _measure, _Measured, measure_step, recurrent_mask
@@ -180,11 +181,12 @@ class ChainRecompute:
             pass ``state=``, ``step(state, *args_k) -> (loss, new_state)``.
         policy: ``'msm'`` (default), ``'hsm'``, ``'ism'`` or ``'revolve'``.
         slots: memory in hidden-state slots (the start state's included).
-        budget: memory in bytes (``'16M'``, an int, ...; see
-            :func:`chainer_recompute.parse_bytes`), or ``'least'``: the
-            largest number of slots whose predicted peak fits (with 1% of
-            headroom, as ``apply()`` keeps), or the fewest slots the policy
-            can run with. Give ``slots`` or ``budget``.
+        budget: any form ``apply()`` takes (docs/defaults.md): a size
+            (``'16M'``, an int of bytes), ``'60%'`` (of plain BPTT's
+            predicted need) or ``'device'``: the largest number of slots
+            whose predicted peak fits (with 1% of headroom, as ``apply()``
+            keeps); ``'least'``: the fewest slots the policy can run with.
+            Give ``slots`` or ``budget``.
         budget_scope: what the budget bounds. ``'total'`` (default, as
             ``apply()``): the whole training iteration, from the call to the
             optimizer update: parameters, their gradients (the previous
@@ -237,8 +239,8 @@ class ChainRecompute:
             raise UnknownSolverError(f"unknown chain policy {policy!r}; known: "
                                      f"{sorted(chain_solver.POLICIES)}")
         if (slots is None) == (budget is None):
-            raise BudgetError("give either slots= (hidden-state slots) or budget= (bytes, "
-                              "e.g. '16M', or 'least'), not "
+            raise BudgetError("give either slots= (hidden-state slots) or budget= (e.g. "
+                              "'16M', 'least', '60%' or 'device'), not "
                               + ("both" if slots is not None else "neither"))
         if slots is not None and (isinstance(slots, bool) or not isinstance(slots, (int, np.integer))
                                   or slots < 1):
@@ -251,8 +253,9 @@ class ChainRecompute:
         self.step = step
         self.policy = policy
         self.slots = None if slots is None else int(slots)
-        self.budget_least = isinstance(budget, str) and budget.strip().lower() == "least"
-        self.budget_bytes = None if budget is None or self.budget_least else parse_bytes(budget)
+        #: the budget as parsed (None with ``slots=``); ``'device'`` is
+        #: resolved at the first plan, a share for each plan
+        self.budget: Optional[Budget] = None if budget is None else parse_budget(budget)
         self.budget_scope = budget_scope
         self.check_calls = int(check_calls)
         self.model = model if model is not None else (step if isinstance(step, chainer.Link) else None)
@@ -444,6 +447,31 @@ class ChainRecompute:
         return loss
 
     # ------------------------------------------------------------------
+    @property
+    def budget_least(self) -> bool:
+        """Whether the budget is ``'least'``."""
+        return self.budget is not None and self.budget.is_least
+
+    @property
+    def budget_bytes(self) -> Optional[int]:
+        """The budget in bytes: a size, or ``'device'`` once resolved; None
+        for ``'least'``, a share (each plan's ``budget_bytes``) or slots."""
+        b = self.budget
+        return b.bytes if b is not None and b.kind in ("bytes", "device") else None
+
+    def _budget_for(self, plain_peak: Callable[[], int], measured: _Measured) -> Optional[Budget]:
+        """The budget of one plan: ``'device'`` resolved once from the
+        parameters' device, a share of plain BPTT's need (its predicted
+        peak with the 1% headroom)."""
+        b = self.budget
+        if b is None or b.is_least:
+            return b
+        if b.kind == "device" and b.bytes is None:
+            self.budget = b = b.of_device(device_of(self._params(measured)).available_bytes())
+        if b.kind == "share":
+            b = b.of_plain(least_for(plain_peak()))
+        return b
+
     @staticmethod
     def _key(seqs: Sequence[Sequence[Any]], state: Tuple[Any, ...], explicit: bool,
              names: List[Tuple[int, str]]) -> Hashable:
@@ -521,7 +549,8 @@ class ChainRecompute:
                 sizes, t, measured.graph, call=dataclasses.replace(call, first_step_ran=False),
                 state0_grads=state0_live)
 
-        budget = self.budget_bytes
+        spec = self._budget_for(plain_peak, measured)
+        budget = None if spec is None else spec.bytes
         limit = None if budget is None else limit_of(budget)
         if self.slots is not None:
             chain_solver.check_chain(self.policy, t, self.slots, alpha)
@@ -542,7 +571,7 @@ class ChainRecompute:
                 plain = plain_peak()
                 need = least_for(low_peak)
                 raise InfeasibleBudgetError(
-                    f"budget {format_bytes(budget)} cannot hold the {self.policy.upper()} "
+                    f"budget {_label(spec)} cannot hold the {self.policy.upper()} "
                     f"schedule of t={t} steps even with {least} slot(s): it needs at least "
                     f"{format_bytes(need)} ({need} bytes, {self.budget_scope} scope, with "
                     f"{100 * MARGIN:.0f}% of headroom: one step's graph and backward, parameter "
@@ -564,7 +593,7 @@ class ChainRecompute:
         return BPTTStats(policy=self.policy, t=t, slots=m, alpha=alpha,
                          forward_steps=chain_solver.policy_cost(self.policy, t, m, alpha),
                          predicted_peak_bytes=predicted, plain_peak_bytes=plain,
-                         budget_bytes=self.budget_bytes, sizes=sizes, table_time_s=table_s,
+                         budget_bytes=budget, sizes=sizes, table_time_s=table_s,
                          plan_time_s=time.perf_counter() - start + measure_s,
                          budget_scope=self.budget_scope, constant_bytes=constant,
                          correction_bytes=correction)
@@ -629,7 +658,7 @@ class ChainRecompute:
         stats = check.stats
         measured = above + (stats.constant_bytes if stats.budget_scope == "total" else 0)
         stats.measured_peak_bytes = int(measured)
-        c = self._overshoot.overshoot(int(measured), self.budget_bytes,
+        c = self._overshoot.overshoot(int(measured), stats.budget_bytes,
                                       stats.predicted_peak_bytes)
         if not c:
             return
@@ -666,3 +695,9 @@ class ChainRecompute:
         if explicit:
             return total, cell.pack(new)
         return total
+
+
+def _label(b: Budget) -> str:
+    """A budget as a message names it (with what a share or ``'device'``
+    resolved to)."""
+    return b.describe() if b.kind in ("share", "device") else format_bytes(b.bytes)

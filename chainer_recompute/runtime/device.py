@@ -60,6 +60,13 @@ class Device:
         adopted."""
         return 0 if self.is_gpu else meter.adopt(arrays)
 
+    def available_bytes(self) -> Optional[int]:
+        """What this device can give an iteration now, before the margin of
+        a ``'device'`` budget: the host's available memory
+        (``MemAvailable``; psutil where there is no ``/proc/meminfo``)."""
+        from ..core.budget_spec import host_available_bytes
+        return host_available_bytes()
+
     def allocation_bytes(self, nbytes: int) -> int:
         """What an array of ``nbytes`` takes from the allocator.
 
@@ -123,6 +130,16 @@ class CupyDevice(Device):
 
     def meter(self) -> MemoryMeter:
         return MemoryMeter("gpu", cupy_module=self.xp)
+
+    def available_bytes(self) -> Optional[int]:
+        """The free device memory plus all that CuPy's pool holds (the
+        model's arrays and the blocks it caches: a total budget counts the
+        model's own arrays), or the pool's limit if one is set and lower."""
+        pool = self.xp.get_default_memory_pool()
+        free, _total = self.xp.cuda.runtime.memGetInfo()
+        figure = int(free) + int(pool.total_bytes())
+        limit = int(pool.get_limit() or 0)
+        return min(figure, limit) if limit else figure
 
     def allocation_bytes(self, nbytes: int) -> int:
         """

@@ -198,6 +198,7 @@ class _CallMessage(NamedTuple):
     signature: str  # a digest of the call's input signature
     corrections: Dict[str, int]  # structure key -> correction bytes measured here
     call: int  # this rank's count of training calls
+    available: Optional[int] = None  # a 'device' budget not yet fixed: what this rank's can give
 
 
 class _Solved(NamedTuple):
@@ -313,11 +314,14 @@ class Coordinator:
                        for k, g in self._corrections.items()}
         mine = _CallMessage(_model_name(runner), _options_digest(runner), state, will_plan,
                             hashlib.sha1(repr(signature).encode()).hexdigest()[:12],
-                            corrections, self.calls)
+                            corrections, self.calls, runner.available_bytes())
         t0 = time.perf_counter()
         everyone = self._allgather(mine)
         self.sync_s += time.perf_counter() - t0
         self._check_agreement(everyone)
+        offers = [m.available for m in everyone if m.available is not None]
+        if offers:  # budget='device': the least any rank can give, on every rank
+            runner.resolve_device_budget(min(offers))
         if any(m.corrections for m in everyone):
             self._correction_round(runner, everyone)
         planners = [r for r, m in enumerate(everyone) if m.will_plan]
@@ -536,8 +540,8 @@ def _model_name(runner: Any) -> str:
 
 
 def _options_digest(runner: Any) -> str:
-    budget = "least" if runner.budget_least else runner.budget_bytes
-    opts = (("budget", budget), ("solver", runner.solver), ("strategy", runner.strategy),
+    b = runner.budget
+    opts = (("budget", b.bytes if b.kind == "bytes" else b.text), ("solver", runner.solver), ("strategy", runner.strategy),
             ("cost", runner.cost), ("budget_scope", runner.budget_scope),
             ("capture_batch", runner.capture_batch),
             ) + tuple(sorted((k, repr(v)) for k, v in runner.solver_options.items()))
@@ -552,8 +556,10 @@ def apply(model: Any, comm: Any, budget: Any, *, root: int = 0, **options: Any) 
     Args:
         model: the Link whose call returns the loss (on every rank).
         comm: the ChainerMN communicator (``chainermn.create_communicator``).
-        budget: per-rank memory budget (``'8G'``, bytes, ``'least'``); the
-            same on every rank.
+        budget: per-rank memory budget, in any form ``apply()`` takes
+            (``'8G'``, bytes, ``'least'``, ``'60%'``); the same on every
+            rank. ``'device'`` is the least that any rank's device can
+            give, less 10%, fixed at the first training call.
         root: the rank that solves.
         **options: as for :func:`chainer_recompute.apply` (``solver``,
             ``strategy``, ``capture_batch``, ...; ``verbose`` defaults to

@@ -8,6 +8,12 @@ from ...core.graph import Graph
 from ...core.units import format_bytes
 
 
+def _budget(plan: Any) -> str:
+    """The plan's budget, with what a ``'60%'`` or ``'device'`` budget
+    resolved to."""
+    return plan.info.get("budget") or format_bytes(plan.budget_bytes)
+
+
 def plain_peak(graph: Graph, plan: Any) -> Tuple[Optional[int], str]:
     """Plain Chainer's peak for ``graph``'s iteration (the replay's
     prediction: it counts what a first step does not have yet, the
@@ -44,7 +50,7 @@ def describe_step(graph: Graph, plan: Any, planning_time_s: float, measured: int
             "backprop fits)")
     return (f"{head}: peak {format_bytes(measured)} measured, "
             f"{format_bytes(plan.predicted_peak_bytes)} predicted, budget "
-            f"{format_bytes(plan.budget_bytes)}{saving}; {what} [planned in "
+            f"{_budget(plan)}{saving}; {what} [planned in "
             f"{planning_time_s:.2f} s]")
 
 
@@ -53,7 +59,7 @@ def describe_plan(graph: Graph, plan: Any, planning_time_s: float) -> str:
     name = graph.meta.get("model", "model")
     head = f"planned {name} ({graph.n} functions, batch {graph.batch_size})"
     if not plan.recompute:
-        return (f"{head}: plain backprop fits the budget {format_bytes(plan.budget_bytes)} "
+        return (f"{head}: plain backprop fits the budget {_budget(plan)} "
                 f"(predicted peak {format_bytes(plan.predicted_peak_bytes)}); nothing recomputed "
                 f"[{planning_time_s:.2f} s]")
     vanilla = plan.info.get("vanilla_peak_bytes")
@@ -61,6 +67,6 @@ def describe_plan(graph: Graph, plan: Any, planning_time_s: float) -> str:
               f"(-{100 * (1 - plan.predicted_peak_bytes / vanilla):.0f}%)" if vanilla else "")
     scope = plan.info.get("memory_scope", "activations")
     return (f"{head}: predicted peak {format_bytes(plan.predicted_peak_bytes)} ({scope}) for "
-            f"budget {format_bytes(plan.budget_bytes)}{saving}; recomputes "
+            f"budget {_budget(plan)}{saving}; recomputes "
             f"{100 * (plan.overhead_fraction or 0):.0f}% of a forward in {plan.n_blocks} blocks "
             f"[{planning_time_s:.2f} s]")

@@ -47,18 +47,14 @@ class PlanningMixin:
         a coordinator's root calls; :meth:`plan` asks the coordinator).
 
         Raises:
-            InfeasibleBudgetError: the budget cannot be met (said once on
-                the report logger while a training call would raise)."""
+            InfeasibleBudgetError: the budget cannot be met. Not logged
+                here: a training call raises it (its message is the one the
+                user reads, once, in a Trainer's report too), or, with
+                ``on_infeasible='warn'``, says it once as a warning."""
         from ...core.budget import plan_for_budget
-        budget: Any = "least" if self.budget_least else self.budget_bytes
-        try:
-            return plan_for_budget(graph, budget, solver=self.solver, strategy=self.strategy,
-                                   scope=self.budget_scope, **self.solver_options)
-        except InfeasibleBudgetError as e:
-            if not self._reported_infeasible and self._raising():
-                self._reported_infeasible = True
-                report.error("%s", e)
-            raise
+        return plan_for_budget(graph, self.planning_budget(), solver=self.solver,
+                               strategy=self.strategy, scope=self.budget_scope,
+                               **self.solver_options)
 
     def _raising(self) -> bool:
         """Whether an infeasible budget raises from a training call now."""
@@ -84,7 +80,7 @@ class PlanningMixin:
         if self.workspace != "auto" or self.budget_scope != "total":
             limit = None if self.workspace == "auto" else self.workspace
             return bounded_graph(graph, limit, self.workspace_exact)
-        budget: Any = "least" if self.budget_least else self.budget_bytes
+        budget = self.planning_budget()
         try:
             return plan_with_workspace(graph, budget, "auto", solver=self.solver,
                                        strategy=self.strategy, scope=self.budget_scope,
@@ -502,7 +498,7 @@ class PlanningMixin:
             ep = (ExecutionPlan(graph, s.plan.lower_sets, frozenset(s.plan.kept))
                   if s.plan.recompute else None)
             # 'least': the least budget of the larger shape the plan was made for
-            budget = self.budget_bytes if self.budget_bytes is not None else s.plan.budget_bytes
+            budget = self.budget_bytes_for(graph) or s.plan.budget_bytes
             if budget is None:
                 continue
             peak = replay(graph, ep).peak_bytes

@@ -10,7 +10,8 @@ from .. import _chainer  # noqa: F401
 import chainer
 
 from ...core.errors import InfeasibleBudgetError, RecomputeError
-from ...core.units import format_bytes, parse_bytes
+from ...core.budget_spec import Budget, parse_budget
+from ...core.units import format_bytes
 from ..capture import batch_size_of
 from ..correction import Correction
 from ..executor import IterationHook, IterationStats
@@ -56,9 +57,13 @@ class Recompute(PlanningMixin, MeteringMixin):
         fn: a callable applying Chainer functions (a Link's ``__call__``, a
             loss function); it may return anything (a Variable, a tuple, a
             dict, a ``chainer.Distribution``).
-        budget: memory budget (``'8G'``, bytes, ...; see :func:`parse_bytes`),
-            or ``'least'``: the solver's least feasible budget, found when
-            planning.
+        budget: memory budget: a size (``'8G'`` = 8·2^30 bytes, ``'8GB'``
+            = 8·10^9, any case, spaces allowed; an int of bytes),
+            ``'least'`` (the least feasible budget, found when planning),
+            ``'60%'`` (that share of what plain Chainer needs for each input
+            signature) or ``'device'`` (what the model's device can give,
+            less 10%); see docs/defaults.md and
+            :func:`~chainer_recompute.core.budget_spec.parse_budget`.
         solver: ``auto`` (default: ``hier`` on graphs of 1,000+ functions
             with repeated layers or steps, else ``approx``), ``hier``,
             ``approx``, ``exact``, ``chen``, ``chen-greedy`` or ``none``
@@ -101,7 +106,8 @@ class Recompute(PlanningMixin, MeteringMixin):
             ``coordinator.plan`` exactly once before the forward).
             A coordinator uses the runner through :meth:`solve`, :meth:`plan`,
             :meth:`call_state`, :meth:`plans_before_forward`,
-            :meth:`planned_graphs` and :meth:`adopt` only. See
+            :meth:`planned_graphs`, :meth:`adopt`, :meth:`available_bytes`
+            and :meth:`resolve_device_budget` only. See
             :mod:`chainer_recompute.runtime.distributed`.
         verbose: print one line when the first plan is made (through the
             ``chainer_recompute.report`` logger, visible by default);
@@ -207,8 +213,10 @@ class Recompute(PlanningMixin, MeteringMixin):
         except ValueError as e:
             raise RecomputeError(str(e)) from None
         self.workspace_exact = bool(workspace_exact)
-        self.budget_least = isinstance(budget, str) and budget.strip().lower() == "least"
-        self.budget_bytes: Optional[int] = None if self.budget_least else parse_bytes(budget)
+        #: the budget as parsed (:class:`~chainer_recompute.core.budget_spec.Budget`);
+        #: ``'device'`` is resolved at the first plan (:meth:`resolve_device_budget`)
+        self.budget: Budget = parse_budget(budget)
+        self._device: Any = None  # the device of the latest training call's arrays
         check_solver(solver, strategy)
         _check_solver_options(solver, solver_options)
         if on_infeasible not in ("auto", "warn", "raise"):
@@ -257,6 +265,56 @@ class Recompute(PlanningMixin, MeteringMixin):
         self._entries: "collections.OrderedDict[Hashable, _Entry]" = collections.OrderedDict()
         self.last_stats: Optional[IterationStats] = None
         self._graphs: List[Any] = []  # weak references to the hooks of calls not yet let go
+
+    # ----------------------------------------------------------- budget
+    @property
+    def budget_least(self) -> bool:
+        """Whether the budget is ``'least'``."""
+        return self.budget.is_least
+
+    @property
+    def budget_bytes(self) -> Optional[int]:
+        """The budget in bytes: a size, or ``'device'`` once resolved; None
+        for ``'least'`` and a share (resolved per signature, in its plan's
+        ``budget_bytes``)."""
+        return self.budget.bytes if self.budget.kind in ("bytes", "device") else None
+
+    def available_bytes(self) -> Optional[int]:
+        """For a ``'device'`` budget not yet resolved: what the device of
+        the latest training call's arrays can give now (before
+        :data:`~chainer_recompute.core.budget_spec.DEVICE_MARGIN`); None
+        otherwise."""
+        if self.budget.kind != "device" or self.budget.resolved:
+            return None
+        from ..device import CPU
+        return (self._device or CPU).available_bytes()
+
+    def resolve_device_budget(self, available_bytes: Optional[int] = None) -> None:
+        """Fix a ``'device'`` budget at ``available_bytes`` less the margin
+        (default: :meth:`available_bytes`); a coordinator passes the least
+        of every rank's. Once resolved, it stays for the runner's life."""
+        if self.budget.kind != "device" or self.budget.resolved:
+            return
+        b = self.budget.of_device(available_bytes if available_bytes is not None
+                                  else self.available_bytes())
+        self.budget = b
+        logger.info("budget %s", b.describe())
+
+    def planning_budget(self) -> Budget:
+        """The budget planning uses: ``'device'`` resolved (at the first
+        plan), a share resolved by the planner for each graph."""
+        if self.budget.kind == "device":
+            self.resolve_device_budget()
+        return self.budget
+
+    def budget_bytes_for(self, graph: Any) -> Optional[int]:
+        """The budget in bytes for ``graph``'s signature: a share resolved
+        against plain Chainer's need for it; None for ``'least'``."""
+        b = self.planning_budget()
+        if b.kind == "share":
+            from ...core.budget import plain_need_bytes
+            return b.of_plain(plain_need_bytes(graph, self.budget_scope)).bytes
+        return b.bytes
 
     def _name(self, args: Tuple[Any, ...]) -> str:
         link = self._link(args)
@@ -340,6 +398,9 @@ class Recompute(PlanningMixin, MeteringMixin):
             self._apply_corrections()
         sig = self.signature(args, kwargs)
         entry = self._entry(sig)
+        if self.budget.kind == "device" and not self.budget.resolved:
+            from ..device import device_of
+            self._device = device_of(list(args) + list(kwargs.values()))
         self._count_held_graph(entry)
         if entry.error is not None:
             self._infeasible(entry, entry.error)  # raises, or runs this signature plainly
@@ -467,6 +528,5 @@ class Recompute(PlanningMixin, MeteringMixin):
         self._graphs = waiting
 
     def __repr__(self) -> str:
-        budget = "least" if self.budget_least else format_bytes(self.budget_bytes)
-        return (f"Recompute(budget={budget}, solver={self.solver!r}, strategy={self.strategy!r}, "
+        return (f"Recompute(budget={self.budget.describe()}, solver={self.solver!r}, strategy={self.strategy!r}, "
                 f"signatures={len(self._entries)})")

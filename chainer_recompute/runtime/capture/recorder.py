@@ -62,8 +62,8 @@ class Call:
         "index", "func", "op", "label", "in_shapes", "in_args", "out_meta", "out_view",
         "keep_in", "keep_out", "held", "in_ids", "out_ids", "has_backward", "measured",
         "time_s", "fwd_transient", "recomputable", "reason", "bwd_time_s", "bwd_transient",
-        "bwd_alloc", "inner", "inner_ids", "in_made", "unrecorded_peak", "_out", "_before",
-        "_func_strong")
+        "bwd_alloc", "inner", "inner_ids", "in_made", "unrecorded_peak", "link", "_out",
+        "_before", "_func_strong")
 
     def __init__(self, index: int, func: Any, in_data: Tuple[Any, ...],
                  in_args: Tuple[Optional[str], ...]) -> None:
@@ -71,6 +71,7 @@ class Call:
         self.func = weakref.ref(func)
         self.op = function_op(func)
         self.label = ""
+        self.link = ""  # the innermost running Link's path (Node.link)
         self.in_shapes = tuple(tuple(x.shape) for x in in_data)
         self.in_args = in_args
         self.out_meta: Tuple[Tuple[Any, ...], ...] = ()  # (shape, dtype, nbytes, buffer bytes)
@@ -109,6 +110,32 @@ class _ArrayRecord:
         self.dies_at: Optional[int] = None
         self.buffer_bytes: Optional[int] = None
         self.made_at: Optional[int] = None
+
+
+class _LinkPaths(chainer.LinkHook):
+    """The path of the innermost Link whose forward is running, for
+    ``Node.link``: a Link of the recorded model by its ``namedlinks()``
+    path, any other by its callers' path and its ``name`` (or class)."""
+
+    def __init__(self, root: Optional[chainer.Link]) -> None:
+        self.name = f"chainer_recompute-links-{id(self):x}"
+        self._paths = {id(l): path for path, l in root.namedlinks()} if root is not None else {}
+        self._stack: List[str] = []
+
+    @property
+    def current(self) -> str:
+        return self._stack[-1] if self._stack else ""
+
+    def forward_preprocess(self, args: Any) -> None:
+        path = self._paths.get(id(args.link))
+        if path is None:
+            name = getattr(args.link, "name", None) or type(args.link).__name__
+            path = f"{self.current.rstrip('/')}/{name}"
+        self._stack.append(path)
+
+    def forward_postprocess(self, args: Any) -> None:
+        if self._stack:
+            self._stack.pop()
 
 
 class Recorder(chainer.FunctionHook):
@@ -164,6 +191,7 @@ class Recorder(chainer.FunctionHook):
             self._param_names = {id(p): path for path, p in link.namedparams()}
             self._external_ids = persistent_array_ids(link)
         self._link_ref = weakref.ref(link) if link is not None else None
+        self._links = _LinkPaths(link)  # which Link applies each function
         # The recorded backward's tracing session (see _begin_session).
         self._session: Any = None
         self._session_end: Any = None
@@ -187,6 +215,20 @@ class Recorder(chainer.FunctionHook):
             for path, arr in _arrays_in(a, str(k)):
                 self._arg_names.setdefault(id(arr), path)
 
+    def __enter__(self) -> "Recorder":
+        self._links.__enter__()
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._links.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            self._links.__exit__(*exc)
+
     # ------------------------------------------------------------ forward
     def forward_preprocess(self, function: Any, in_data: Tuple[Any, ...]) -> None:
         self._depth += 1
@@ -203,6 +245,7 @@ class Recorder(chainer.FunctionHook):
         peak = self._unrecorded.end()
         call = Call(len(self.calls), function, in_data,
                     tuple(self._arg_names.get(id(x)) for x in in_data))
+        call.link = self._links.current
         call.unrecorded_peak = 0 if peak is None and self.recording and self.measure else peak
         if self._unrecorded.any_made:
             call.in_made = tuple(self._unrecorded.made_of(x) for x in in_data)
@@ -733,7 +776,7 @@ class Recorder(chainer.FunctionHook):
                 recomputable=recomputable, label=c.label, attrs=attrs,
                 forward_transient_bytes=fwd_t, backward_transient_bytes=bwd_t,
                 backward_alloc_bytes=bwd_a, has_backward=c.has_backward,
-                inner_params=c.inner_ids, unrecorded_peak_bytes=int(unrecorded)))
+                inner_params=c.inner_ids, unrecorded_peak_bytes=int(unrecorded), link=c.link))
         m: Dict[str, Any] = {"model": name, "returned": list(self.returned)}
         peak, held = self.outside or (0, 0)
         if peak >= OUTSIDE_FLOOR_BYTES:

@@ -173,7 +173,7 @@ def _next_command(args: argparse.Namespace, report: Dict[str, Any]) -> str:
         return (f"{cmd(_typed(least['budget_bytes']), dry)}   # the least feasible budget: "
                 f"{_pct(least['saving_fraction'])} less than plain backprop")
     if args.graph:
-        return cmd(extra=["--out", "plan"]) + "   # memory.png and schedule.png"
+        return cmd(extra=["--out", "plan"]) + "   # memory.png, schedule.png, tradeoff.png"
     run = ["--iterations", "3", "--vanilla"]
     if not args.small and args.model not in ("mlp",):
         run = ["--small", "--batch-size", "4"] + run

@@ -276,7 +276,7 @@ def _hbars(ax: Any, names: Sequence[str], kept: Sequence[float], rec: Sequence[f
     ax.set_yticks(rows)
     ax.set_yticklabels(names, fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlim(0, right * 1.45)
+    ax.set_xlim(0, right * 1.6)
     ax.set_xlabel(xlabel, fontsize=8)
     ax.grid(axis="x", alpha=0.3)
 
@@ -357,13 +357,13 @@ def plot_schedule(report: Dict[str, Any], path: Optional[str] = None) -> Any:
         nb = len({blocks[v] for v in range(a, b)})
         notes.append(f"{k} of {b - a} recomputed, {nb} block{'s' if nb != 1 else ''}")
     by_group = fig.add_subplot(grid[1, 0])
-    _hbars(by_group, names, kept_b, rec_b, notes,
+    _hbars(by_group, names if named else ["all functions"], kept_b, rec_b, notes,
            f"per link group: output bytes kept (blue), recomputed (orange), {unit}")
     by_layer = fig.add_subplot(grid[1, 1])
     _hbars(by_layer, order, [counts[k][0] for k in order], [counts[k][1] for k in order],
            [f"{counts[k][0]} kept, {counts[k][1]} recomputed" for k in order],
-           "per layer (the link's name, or the function's in a block's own forward): "
-           "functions")
+           "per layer (its link's name, or the function's): functions kept (blue), "
+           "recomputed (orange)")
     if path is not None:
         fig.savefig(path)
     return fig

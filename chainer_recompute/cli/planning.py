@@ -199,7 +199,7 @@ def _tradeoff_activations(graph: Any, solver: str, strategy: str, plain_peak: in
             p = solve(graph, b, solver=solver, strategy=strategy, raise_infeasible=False)
             if p.feasible:
                 plans.append(p)
-    points = {}
+    points: Dict[Any, Any] = {}
     for p in plans:
         over = float(p.overhead_fraction or 0.0) if p.recompute else 0.0
         peak = int(p.predicted_peak_bytes) if p.recompute else int(plain_peak)

@@ -482,7 +482,7 @@ class BudgetSearch:
         plans = [self.vanilla()] + list(self.candidates()) + [
             (plan, peak) for plan, peak in self._timed._cache.values()
             if plan.feasible and peak is not None]
-        points = {}
+        points: Dict[Tuple[int, float, int], TradeoffPoint] = {}
         for plan, peak in plans:
             over = float(plan.overhead_fraction or 0.0) if plan.recompute else 0.0
             point = TradeoffPoint(least_for(peak), int(peak), over,

@@ -41,6 +41,7 @@ from ..device import Device, RandomStates, device_of
 from .arrays import (_arrays_in, _variables_in, attribute_arrays, buffer_print, fingerprint,
                      function_op, gone_watch, is_array, node_nbytes, persistent_array_ids,
                      root_of)
+from .links import LinkPaths
 from .safety import _WRITES_INPUTS, _config_key, analyse_function
 from .unrecorded import Aside, Made, ParameterIndex, UnrecordedWork
 
@@ -66,12 +67,12 @@ class Call:
         "_before", "_func_strong")
 
     def __init__(self, index: int, func: Any, in_data: Tuple[Any, ...],
-                 in_args: Tuple[Optional[str], ...]) -> None:
+                 in_args: Tuple[Optional[str], ...], link: str = "") -> None:
         self.index = index
+        self.link = link  # the path of the Link that applied it (Node.link)
         self.func = weakref.ref(func)
         self.op = function_op(func)
         self.label = ""
-        self.link = ""  # the innermost running Link's path (Node.link)
         self.in_shapes = tuple(tuple(x.shape) for x in in_data)
         self.in_args = in_args
         self.out_meta: Tuple[Tuple[Any, ...], ...] = ()  # (shape, dtype, nbytes, buffer bytes)
@@ -110,32 +111,6 @@ class _ArrayRecord:
         self.dies_at: Optional[int] = None
         self.buffer_bytes: Optional[int] = None
         self.made_at: Optional[int] = None
-
-
-class _LinkPaths(chainer.LinkHook):
-    """The path of the innermost Link whose forward is running, for
-    ``Node.link``: a Link of the recorded model by its ``namedlinks()``
-    path, any other by its callers' path and its ``name`` (or class)."""
-
-    def __init__(self, root: Optional[chainer.Link]) -> None:
-        self.name = f"chainer_recompute-links-{id(self):x}"
-        self._paths = {id(l): path for path, l in root.namedlinks()} if root is not None else {}
-        self._stack: List[str] = []
-
-    @property
-    def current(self) -> str:
-        return self._stack[-1] if self._stack else ""
-
-    def forward_preprocess(self, args: Any) -> None:
-        path = self._paths.get(id(args.link))
-        if path is None:
-            name = getattr(args.link, "name", None) or type(args.link).__name__
-            path = f"{self.current.rstrip('/')}/{name}"
-        self._stack.append(path)
-
-    def forward_postprocess(self, args: Any) -> None:
-        if self._stack:
-            self._stack.pop()
 
 
 class Recorder(chainer.FunctionHook):
@@ -191,7 +166,7 @@ class Recorder(chainer.FunctionHook):
             self._param_names = {id(p): path for path, p in link.namedparams()}
             self._external_ids = persistent_array_ids(link)
         self._link_ref = weakref.ref(link) if link is not None else None
-        self._links = _LinkPaths(link)  # which Link applies each function
+        self._links = LinkPaths(link)  # which Link applies each call (while registered)
         # The recorded backward's tracing session (see _begin_session).
         self._session: Any = None
         self._session_end: Any = None
@@ -215,20 +190,6 @@ class Recorder(chainer.FunctionHook):
             for path, arr in _arrays_in(a, str(k)):
                 self._arg_names.setdefault(id(arr), path)
 
-    def __enter__(self) -> "Recorder":
-        self._links.__enter__()
-        try:
-            return super().__enter__()
-        except BaseException:
-            self._links.__exit__(None, None, None)
-            raise
-
-    def __exit__(self, *exc: Any) -> None:
-        try:
-            super().__exit__(*exc)
-        finally:
-            self._links.__exit__(*exc)
-
     # ------------------------------------------------------------ forward
     def forward_preprocess(self, function: Any, in_data: Tuple[Any, ...]) -> None:
         self._depth += 1
@@ -244,8 +205,7 @@ class Recorder(chainer.FunctionHook):
         self._map_pending()
         peak = self._unrecorded.end()
         call = Call(len(self.calls), function, in_data,
-                    tuple(self._arg_names.get(id(x)) for x in in_data))
-        call.link = self._links.current
+                    tuple(self._arg_names.get(id(x)) for x in in_data), self._links.current)
         call.unrecorded_peak = 0 if peak is None and self.recording and self.measure else peak
         if self._unrecorded.any_made:
             call.in_made = tuple(self._unrecorded.made_of(x) for x in in_data)
@@ -281,12 +241,17 @@ class Recorder(chainer.FunctionHook):
         call._func_strong = function
         self._pending = call
 
+    def added(self, function: Any = None) -> None:
+        if function is None:  # registered globally (the with block): the Links too
+            self._links.__enter__()
+
     def deleted(self, function: Any = None) -> None:
         """Removed as a global hook (the ``with`` block ended, maybe by an
         exception inside a function's forward): undo what a function that
         never reached its postprocess left behind."""
         if function is not None:
             return
+        self._links.__exit__()
         for call in self._top:
             if not isinstance(call, Call):
                 continue  # (an unrecorded function's wrapper goes with its node)

@@ -161,6 +161,18 @@ def test_link_called_twice_shares_parameters():
     assert len([a for a in g.arrays if a.kind == "param"]) == 2
 
 
+def test_each_node_names_the_link_that_applied_it():
+    """Node.link: the innermost running Link's namedlinks() path, '/' for
+    the model's own forward; a Link outside the model by its caller's path
+    and its class; '' outside every Link."""
+    g = capture(MLP(), np.ones((2, 4), np.float32), np.array([0, 1], np.int32))
+    assert [n.link for n in g.nodes] == ["/l1", "/", "/l2", "/"]
+    lin = L.Linear(3, 3)
+    g = capture(lambda x: F.sum(lin(F.tanh(x))), np.ones((2, 3), np.float32))
+    assert [n.link for n in g.nodes] == ["", "/Linear", ""]
+    assert not chainer._get_link_hooks()
+
+
 def test_nested_and_no_backprop_work_are_not_nodes():
     def f(x):
         with chainer.no_backprop_mode():
@@ -251,7 +263,7 @@ def test_forward_that_raises_leaves_no_hook():
     with pytest.raises(FloatingPointError, match="boom") as info:
         capture(bad, chainer.Variable(np.ones((2, 3), np.float32)))
     assert any("Broken" in note for note in getattr(info.value, "__notes__", []))
-    assert not chainer.get_function_hooks()
+    assert not chainer.get_function_hooks() and not chainer._get_link_hooks()
     # and the functions that ran keep no instance-level wrapper
     h = F.relu(np.ones(2, np.float32))
     assert "forward" not in vars(h.creator)

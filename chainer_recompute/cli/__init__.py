@@ -177,11 +177,11 @@ def _run(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- plot
 def plot_main(argv: Sequence[str]) -> int:
     """``chainer-recompute plot REPORT.json [--out DIR]``: redraw
-    memory.png and schedule.png from a report."""
+    memory.png, schedule.png and tradeoff.png from a report."""
     verbose = "-v" in argv or "--verbose" in argv
     p = _Parser(prog=f"{PROG} plot",
-                description="Redraw memory.png and schedule.png from a report.json written "
-                            "by --out or --json.")
+                description="Redraw memory.png, schedule.png and tradeoff.png from a "
+                            "report.json written by --out or --json.")
     p.add_argument("report", metavar="REPORT.json")
     p.add_argument("--out", metavar="DIR", help="where to write the PNGs (default: the "
                                                  "report's folder)")

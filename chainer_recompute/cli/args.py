@@ -149,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="@numpy",
                    help=f"Chainer device: {DEVICE_FORMS}")
     p.add_argument("--out", metavar="DIR",
-                   help="write report.json, memory.png and schedule.png there")
+                   help="write report.json, memory.png, schedule.png and tradeoff.png "
+                        "there")
     p.add_argument("--save-graph", metavar="PATH", help="write the graph as JSON")
     p.add_argument("--json", metavar="PATH", help="write the report (report.json's content) "
                                                   "to PATH")

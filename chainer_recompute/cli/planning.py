@@ -42,9 +42,10 @@ def plan_report(graph: Any, budget: Any, *, solver: str = "auto", strategy: str 
             graph = (plan_with_workspace(graph, spec, "auto", solver=solver,
                                          strategy=strategy)[1] if workspace == "auto"
                      else bounded_graph(graph, workspace))
-        plan, least_plan, least_bytes, plain_peak, times = _plan_total(
+        plan, least_plan, least_bytes, plain_peak, times, search = _plan_total(
             graph, budget_bytes, solver, strategy, progress)
     else:
+        search = None
         plan, least_plan, least_bytes, plain_peak, times = _plan_activations(
             graph, budget_bytes, solver, strategy, progress)
     if plan is None:
@@ -97,6 +98,11 @@ def plan_report(graph: Any, budget: Any, *, solver: str = "auto", strategy: str 
         report["least"]["budget_bytes"] = int(least_bytes)
     if least_wanted:
         report["budget"]["bytes"] = int(least_bytes)
+    with progress.step("the trade-off between budget and recomputation"):
+        report["tradeoff"] = (
+            _tradeoff_total(search, plain_peak) if scope == "total" else
+            _tradeoff_activations(graph, solver, strategy, plain_peak, least_bytes,
+                                  [p for p in (least_plan, plan) if p is not None]))
     return report
 
 
@@ -121,29 +127,37 @@ def _resolved(spec: Any) -> str:
 
 
 def _plan_total(graph: Any, budget_bytes: Optional[int], solver: str, strategy: str,
-                progress: Any) -> Tuple[Any, Any, int, int, Dict[str, float]]:
-    from ..core.budget import plan_for_budget
+                progress: Any) -> Tuple[Any, Any, int, int, Dict[str, float], Any]:
+    """The least plan and the plan for ``budget_bytes`` from one
+    :class:`~chainer_recompute.core.budget.BudgetSearch` (its plans are
+    shared, and are the trade-off curve's: :func:`_tradeoff_total`)."""
+    from ..core.budget import BudgetSearch, plan_for_budget
     from ..core.errors import InfeasibleBudgetError
     times: Dict[str, float] = {}
+    search = None
     t0 = time.perf_counter()
     with progress.step(f"planning ({solver}/{strategy}): the least feasible budget"):
-        least = plan_for_budget(graph, "least", solver=solver, strategy=strategy)
+        if solver == "none":
+            least = plan_for_budget(graph, "least", solver=solver, strategy=strategy)
+        else:
+            search = BudgetSearch(graph, solver, strategy)
+            least = search.least_plan()
     times["least"] = time.perf_counter() - t0
     least_bytes = int(least.budget_bytes)
     plain_peak = int(least.info["vanilla_peak_bytes"])
     if budget_bytes is None or solver == "none":  # plain backprop: one plan for all budgets
         times["plan"] = times["least"]
         if budget_bytes is not None and budget_bytes < least_bytes:
-            return None, least, least_bytes, plain_peak, times
-        return least, least, least_bytes, plain_peak, times
+            return None, least, least_bytes, plain_peak, times, search
+        return least, least, least_bytes, plain_peak, times, search
     t0 = time.perf_counter()
     with progress.step(f"planning ({solver}/{strategy}) for {format_bytes(budget_bytes)}"):
         try:
-            plan = plan_for_budget(graph, budget_bytes, solver=solver, strategy=strategy)
+            plan = search.fit(budget_bytes)
         except InfeasibleBudgetError as e:  # plain backprop's need, with the headroom
-            return None, least, least_bytes, int(e.vanilla_bytes), times
+            return None, least, least_bytes, int(e.vanilla_bytes), times, search
     times["plan"] = time.perf_counter() - t0
-    return plan, least, least_bytes, plain_peak, times
+    return plan, least, least_bytes, plain_peak, times, search
 
 
 def _plan_activations(graph: Any, budget_bytes: Optional[int], solver: str, strategy: str,
@@ -173,6 +187,64 @@ def _plan_activations(graph: Any, budget_bytes: Optional[int], solver: str, stra
     return plan, least, least_bytes, plain_peak, times
 
 
+#: The trade-off curve's extra plans: at most this many more DP budgets,
+#: for at most this long (the plans the budget search made come free).
+TRADEOFF_EXTRA_BUDGETS = 12
+TRADEOFF_EXTRA_S = 5.0
+
+
+def _tradeoff_total(search: Any, plain_peak: int) -> Dict[str, Any]:
+    """The report's trade-off: the plans of ``search`` (plain backprop,
+    the least budget's candidates, the plans tried for the budget) and a
+    few more (:data:`TRADEOFF_EXTRA_BUDGETS`, :data:`TRADEOFF_EXTRA_S`),
+    reduced to the least overhead each budget can have among them."""
+    from ..core.budget import TradeoffPoint, least_for
+    if search is None:  # --solver none: plain backprop only
+        front = [TradeoffPoint(least_for(plain_peak), int(plain_peak), 0.0, 1, False)]
+        tried = 1
+    else:
+        front, tried = search.tradeoff(TRADEOFF_EXTRA_BUDGETS, TRADEOFF_EXTRA_S)
+    return _tradeoff_dict(front, tried, "total")
+
+
+def _tradeoff_activations(graph: Any, solver: str, strategy: str, plain_peak: int,
+                          least_bytes: int, plans: Any) -> Dict[str, Any]:
+    """The same in the activations scope (the paper's model): the least
+    plan, the plan, plain backprop, and this strategy's plans at a few
+    budgets between the least and plain's (bounded in count and time)."""
+    from ..core.budget import TradeoffPoint, pareto_front
+    from ..core.planner import solve
+    plans = list(plans)
+    t0 = time.perf_counter()
+    if solver != "none" and plain_peak > least_bytes > 0:
+        k = TRADEOFF_EXTRA_BUDGETS
+        for j in range(1, k):
+            if time.perf_counter() - t0 > TRADEOFF_EXTRA_S:
+                break
+            b = int(least_bytes * (plain_peak / least_bytes) ** (j / k))
+            p = solve(graph, b, solver=solver, strategy=strategy, raise_infeasible=False)
+            if p.feasible:
+                plans.append(p)
+    points: Dict[Any, Any] = {}
+    for p in plans:
+        over = float(p.overhead_fraction or 0.0) if p.recompute else 0.0
+        peak = int(p.predicted_peak_bytes) if p.recompute else int(plain_peak)
+        q = TradeoffPoint(peak, peak, over, int(p.n_blocks) if p.recompute else 1,
+                          bool(p.recompute))
+        points[(q.peak_bytes, q.overhead_fraction, q.n_blocks)] = q
+    plain = TradeoffPoint(int(plain_peak), int(plain_peak), 0.0, 1, False)
+    points[(plain.peak_bytes, 0.0, 1)] = plain
+    return _tradeoff_dict(pareto_front(list(points.values())), len(points), "activations")
+
+
+def _tradeoff_dict(front: Any, tried: int, scope: str) -> Dict[str, Any]:
+    return {"scope": scope, "tried": int(tried),
+            "points": [{"budget_bytes": int(q.budget_bytes), "peak_bytes": int(q.peak_bytes),
+                        "overhead_fraction": float(q.overhead_fraction),
+                        "n_blocks": int(q.n_blocks), "recompute": bool(q.recompute)}
+                       for q in front]}
+
+
 def _plan_dict(plan: Any) -> Dict[str, Any]:
     d = {k: getattr(plan, k) for k in (
         "solver", "strategy", "budget_bytes", "feasible", "predicted_peak_bytes",
@@ -196,7 +268,8 @@ def _schedule_dict(graph: Any, plan: Any) -> Dict[str, Any]:
     kept = plan.kept if plan.recompute else frozenset(range(graph.n))
     recomputed = sorted(v for v in range(graph.n) if v not in kept and graph.nodes[v].recomputable)
     gone = set(recomputed)
-    return {"ops": [n.op for n in graph.nodes], "node_bytes": [int(b) for b in graph.node_bytes],
+    return {"ops": [n.op for n in graph.nodes], "links": [n.link for n in graph.nodes],
+            "node_bytes": [int(b) for b in graph.node_bytes],
             "block": block, "kept": [v for v in range(graph.n) if v not in gone],
             "recomputed": recomputed,
             "edges": [[int(u), int(v)] for u, v in graph.edges]}

@@ -214,7 +214,7 @@ def _next_command(args: argparse.Namespace, report: Dict[str, Any]) -> str:
                 f"feasible budget: {_pct(least['saving_fraction'])} less than plain backprop "
                 f"(predicted)")
     if args.graph:
-        return cmd(extra=["--out", "plan"]) + "   # memory.png and schedule.png"
+        return cmd(extra=["--out", "plan"]) + "   # memory.png, schedule.png, tradeoff.png"
     run = ["--iterations", "3", "--vanilla"]
     if args.small or args.model in ("mlp",):
         return cmd(extra=run) + "   # measure this plan against plain Chainer"

@@ -36,6 +36,7 @@ import logging
 import math
 import time
 import weakref
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
@@ -55,8 +56,8 @@ from .units import format_bytes, format_bytes_up
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BudgetSearch", "plan_for_budget", "check_scope", "least_total_budget",
-           "plain_need_bytes", "resolve_budget"]
+__all__ = ["BudgetSearch", "TradeoffPoint", "plan_for_budget", "check_scope",
+           "least_total_budget", "pareto_front", "plain_need_bytes", "resolve_budget"]
 
 #: Relative precision of the search over the DPs' own budget.
 SEARCH_TOL = 0.005
@@ -184,6 +185,45 @@ class _Tries:
         self._candidates = [(plan, peak) for plan, peak in out
                             if plan is not None and peak is not None]
         return self._candidates
+
+
+@dataclass(frozen=True)
+class TradeoffPoint:
+    """One plan on the trade-off between memory and recomputation
+    (:meth:`BudgetSearch.tradeoff`).
+
+    Attributes:
+        budget_bytes: the least budget the plan fits (its peak, with
+            :data:`MARGIN` of headroom in the total scope).
+        peak_bytes: its predicted peak (replayed, in the total scope).
+        overhead_fraction: its extra forward work, a fraction of one
+            forward (0 for plain backprop).
+        n_blocks: its blocks.
+        recompute: False for plain backprop.
+    """
+
+    budget_bytes: int
+    peak_bytes: int
+    overhead_fraction: float
+    n_blocks: int
+    recompute: bool
+
+
+def pareto_front(points: List[TradeoffPoint]) -> List[TradeoffPoint]:
+    """The points no other beats on both budget and overhead, by budget
+    (ascending; their overheads then descend): the least overhead each
+    budget can have among ``points``.
+
+    >>> p = lambda b, o: TradeoffPoint(b, b, o, 1, o > 0)
+    >>> [(q.budget_bytes, q.overhead_fraction) for q in pareto_front(
+    ...     [p(10, 0.0), p(4, 0.5), p(6, 0.6), p(7, 0.2), p(4, 0.9)])]
+    [(4, 0.5), (7, 0.2), (10, 0.0)]
+    """
+    out: List[TradeoffPoint] = []
+    for q in sorted(points, key=lambda q: (q.budget_bytes, q.overhead_fraction)):
+        if not out or q.overhead_fraction < out[-1].overhead_fraction:
+            out.append(q)
+    return out
 
 
 class BudgetSearch:
@@ -407,6 +447,49 @@ class BudgetSearch:
         :data:`MARGIN` of headroom (a function of the graph's sizes and
         structure, see :meth:`least`)."""
         return least_for(self.least()[1])
+
+    def tradeoff(self, extra_budgets: int = 0, time_limit_s: float = 10.0
+                 ) -> Tuple[List[TradeoffPoint], int]:
+        """The budget against the recompute overhead, from plain backprop
+        down to the least feasible budget, from the plans this search has
+        made: plain backprop, the least budget's :meth:`candidates` and the
+        plans tried for byte budgets (:meth:`fit`, :meth:`least_plan`).
+
+        Args:
+            extra_budgets: plan this strategy first at up to this many
+                more DP budgets (:meth:`_grid`, geometric from the DPs'
+                least to plain backprop's; cached, so none is solved twice),
+                to fill the curve between budgets already tried.
+            time_limit_s: stop those extra plans after this long.
+
+        Returns:
+            ``(front, tried)``: :func:`pareto_front` of the plans (the
+            least overhead each budget can have among them), by budget, and
+            how many distinct plans it was chosen from.
+
+        >>> g = Graph.from_edges([4, 4, 4, 4], [(0, 1), (1, 2), (2, 3)])
+        >>> s = BudgetSearch(g, 'exact')
+        >>> front, tried = s.tradeoff()
+        >>> front[0].budget_bytes == s.least_budget(), front[-1].recompute
+        (True, False)
+        """
+        if extra_budgets > 0:
+            t0 = time.perf_counter()
+            for b in self._grid(extra_budgets):
+                if time.perf_counter() - t0 > time_limit_s:
+                    break
+                self.at(b)
+        plans = [self.vanilla()] + list(self.candidates()) + [
+            (plan, peak) for plan, peak in self._timed._cache.values()
+            if plan.feasible and peak is not None]
+        points: Dict[Tuple[int, float, int], TradeoffPoint] = {}
+        for plan, peak in plans:
+            over = float(plan.overhead_fraction or 0.0) if plan.recompute else 0.0
+            point = TradeoffPoint(least_for(peak), int(peak), over,
+                                  int(plan.n_blocks if plan.recompute else 1),
+                                  bool(plan.recompute))
+            points[(point.peak_bytes, point.overhead_fraction, point.n_blocks)] = point
+        return pareto_front(list(points.values())), len(points)
 
     def least_plan(self) -> Plan:
         """The plan at the least feasible total budget: with ``tc``, the

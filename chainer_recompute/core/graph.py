@@ -127,7 +127,8 @@ class Node:
         held: arrays kept in the function object's attributes.
         forward_time_s / backward_time_s: measured times, if profiled.
         recomputable: False where re-running the function is not safe.
-        label: free text, e.g. the link path that applied it.
+        label: free text (Chainer's function label; the authors' node
+            number for their graphs).
         attrs: JSON-able function attributes (stride, pad, ...).
         forward_transient_bytes / backward_transient_bytes: the largest
             temporary memory of one forward / backward call above what it
@@ -148,6 +149,11 @@ class Node:
             frozen teacher's forward), its outputs included (those a
             recorded function reads are arrays with ``made_at`` equal to
             this node's id); 0 where there was none.
+        link: the path (``/predictor/res2/a/conv1``, as ``namedlinks()``
+            names it) of the innermost Link whose forward applied this
+            function, ``'/'`` for the model's own forward; ``''`` where
+            unknown (functions applied outside any Link, graphs not
+            recorded by :func:`capture`).
     """
 
     id: int
@@ -168,6 +174,7 @@ class Node:
     has_backward: bool = True
     inner_params: Tuple[int, ...] = ()
     unrecorded_peak_bytes: int = 0
+    link: str = ""
 
     @property
     def held_bytes(self) -> int:

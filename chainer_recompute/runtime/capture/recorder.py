@@ -41,6 +41,7 @@ from ..device import Device, RandomStates, device_of
 from .arrays import (_arrays_in, _variables_in, attribute_arrays, buffer_print, fingerprint,
                      function_op, gone_watch, is_array, node_nbytes, persistent_array_ids,
                      root_of)
+from .links import LinkPaths
 from .safety import _WRITES_INPUTS, _config_key, analyse_function
 from .unrecorded import Aside, Made, ParameterIndex, UnrecordedWork
 
@@ -62,12 +63,13 @@ class Call:
         "index", "func", "op", "label", "in_shapes", "in_args", "out_meta", "out_view",
         "keep_in", "keep_out", "held", "in_ids", "out_ids", "has_backward", "measured",
         "time_s", "fwd_transient", "recomputable", "reason", "bwd_time_s", "bwd_transient",
-        "bwd_alloc", "inner", "inner_ids", "in_made", "unrecorded_peak", "_out", "_before",
-        "_func_strong")
+        "bwd_alloc", "inner", "inner_ids", "in_made", "unrecorded_peak", "link", "_out",
+        "_before", "_func_strong")
 
     def __init__(self, index: int, func: Any, in_data: Tuple[Any, ...],
-                 in_args: Tuple[Optional[str], ...]) -> None:
+                 in_args: Tuple[Optional[str], ...], link: str = "") -> None:
         self.index = index
+        self.link = link  # the path of the Link that applied it (Node.link)
         self.func = weakref.ref(func)
         self.op = function_op(func)
         self.label = ""
@@ -164,6 +166,7 @@ class Recorder(chainer.FunctionHook):
             self._param_names = {id(p): path for path, p in link.namedparams()}
             self._external_ids = persistent_array_ids(link)
         self._link_ref = weakref.ref(link) if link is not None else None
+        self._links = LinkPaths(link)  # which Link applies each call (while registered)
         # The recorded backward's tracing session (see _begin_session).
         self._session: Any = None
         self._session_end: Any = None
@@ -202,7 +205,7 @@ class Recorder(chainer.FunctionHook):
         self._map_pending()
         peak = self._unrecorded.end()
         call = Call(len(self.calls), function, in_data,
-                    tuple(self._arg_names.get(id(x)) for x in in_data))
+                    tuple(self._arg_names.get(id(x)) for x in in_data), self._links.current)
         call.unrecorded_peak = 0 if peak is None and self.recording and self.measure else peak
         if self._unrecorded.any_made:
             call.in_made = tuple(self._unrecorded.made_of(x) for x in in_data)
@@ -238,12 +241,17 @@ class Recorder(chainer.FunctionHook):
         call._func_strong = function
         self._pending = call
 
+    def added(self, function: Any = None) -> None:
+        if function is None:  # registered globally (the with block): the Links too
+            self._links.__enter__()
+
     def deleted(self, function: Any = None) -> None:
         """Removed as a global hook (the ``with`` block ended, maybe by an
         exception inside a function's forward): undo what a function that
         never reached its postprocess left behind."""
         if function is not None:
             return
+        self._links.__exit__()
         for call in self._top:
             if not isinstance(call, Call):
                 continue  # (an unrecorded function's wrapper goes with its node)
@@ -733,7 +741,7 @@ class Recorder(chainer.FunctionHook):
                 recomputable=recomputable, label=c.label, attrs=attrs,
                 forward_transient_bytes=fwd_t, backward_transient_bytes=bwd_t,
                 backward_alloc_bytes=bwd_a, has_backward=c.has_backward,
-                inner_params=c.inner_ids, unrecorded_peak_bytes=int(unrecorded)))
+                inner_params=c.inner_ids, unrecorded_peak_bytes=int(unrecorded), link=c.link))
         m: Dict[str, Any] = {"model": name, "returned": list(self.returned)}
         peak, held = self.outside or (0, 0)
         if peak >= OUTSIDE_FLOOR_BYTES:

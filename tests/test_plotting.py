@@ -24,7 +24,7 @@ def test_report_schema(out_dir):
     assert r["schema"] == "chainer-recompute report" and r["version"] == 1
     assert r["command"].startswith("chainer-recompute --model resnet50 --batch-size 4 --small")
     assert r["budget"] == {"text": "320M", "bytes": 320 * 2 ** 20, "scope": "total",
-                           "solver": "auto", "strategy": "tc"}
+                           "solver": "auto", "strategy": "tc", "resolved": None}
     assert r["source"]["model"] == "resnet50" and r["source"]["batch_size"] == 4
     assert r["graph"]["nodes"] == 176
     plain, plan, least = r["plain"], r["plan"], r["least"]

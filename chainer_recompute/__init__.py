@@ -32,15 +32,30 @@ __version__ = "0.1.0"
 # Names served by modules that import chainer, loaded on first use.
 _LAZY = {
     "capture": ("runtime.capture", "capture"),
-    "CaptureHook": ("runtime.capture", "CaptureHook"),
     "apply": ("runtime.runner", "apply"),
     "remove": ("runtime.runner", "remove"),
     "runner_of": ("runtime.runner", "runner_of"),
     "Recompute": ("runtime.runner", "Recompute"),
     "bptt": ("runtime.bptt", None),
     "distributed": ("runtime.distributed", None),
-    "extensions": ("runtime.extensions", None),
+    "extensions": ("extensions", None),
 }
+
+#: The public API: ``help(chainer_recompute)`` lists these.
+__all__ = [
+    # the one line, and the runner it installs
+    "apply", "remove", "runner_of", "Recompute",
+    # planning without a model: graphs, plans, budgets
+    "capture", "solve", "least_total_budget", "least_feasible_budget",
+    "largest_batch_size", "parse_bytes", "format_bytes", "Graph", "Node", "ArrayInfo",
+    "HeldArray", "Plan", "REGISTRY", "load_graph", "save_graph", "load_authors_graph",
+    # errors
+    "RecomputeError", "BudgetError", "InfeasibleBudgetError", "UnsafeRecomputeError",
+    "CaptureError", "GraphError", "GraphFormatError", "SchemaVersionError",
+    "UnknownSolverError", "LowerSetExplosionError", "DistributedError",
+    # sub-modules: recurrent networks, ChainerMN, Trainer extensions
+    "bptt", "distributed", "extensions",
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -52,3 +67,7 @@ def __getattr__(name: str) -> Any:
         globals()[name] = value
         return value
     raise AttributeError(f"module 'chainer_recompute' has no attribute {name!r}")
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(_LAZY))

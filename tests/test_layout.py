@@ -123,3 +123,17 @@ def test_package_cites_only_documents_the_repository_has():
             if not ((root / ref).is_file() or (root / "docs" / ref).is_file()):
                 missing.add((path.relative_to(PACKAGE).as_posix(), ref))
     assert missing == set(), f"documents cited but not in the repository: {sorted(missing)}"
+
+
+def test_the_public_api_is_listed_and_importable():
+    """``help(chainer_recompute)`` lists the API: every name of ``__all__``
+    resolves (the lazy ones included), ``cr.extensions`` is the module
+    ``chainer_recompute.extensions``, and pydoc's text shows ``apply``."""
+    import pydoc
+    import chainer_recompute as cr
+    import chainer_recompute.extensions as extensions
+    assert [n for n in cr.__all__ if not hasattr(cr, n)] == []
+    assert cr.extensions is extensions
+    assert set(cr.__all__) <= set(dir(cr))
+    text = pydoc.render_doc(cr, renderer=pydoc.plaintext)
+    assert "apply(model" in text and "least_total_budget(" in text

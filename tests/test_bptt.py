@@ -300,3 +300,15 @@ def test_evaluation_runs_the_steps_plainly():
 def test_docstring_example_runs():
     failures, _ = doctest.testmod(bptt, raise_on_error=False, verbose=False)
     assert failures == 0
+
+
+def test_check_calls_is_the_former_name_of_check_iterations():
+    """One name per meaning across both runners: ``check_iterations``, as
+    in ``apply()``; ``check_calls`` still works, with a DeprecationWarning."""
+    import warnings
+    model = chainer.links.LSTM(4, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert bptt.ChainRecompute(model, slots=2, check_iterations=0).check_iterations == 0
+    with pytest.warns(DeprecationWarning, match="check_iterations"):
+        assert bptt.ChainRecompute(model, slots=2, check_calls=5).check_iterations == 5

@@ -220,7 +220,7 @@ def test_share_in_chain_recompute():
             return F.softmax_cross_entropy(self.out(self.rnn(self.embed(x))), t)
 
     model = LM()
-    runner = bptt.ChainRecompute(model, policy="msm", budget="70%", check_calls=0)
+    runner = bptt.ChainRecompute(model, policy="msm", budget="70%", check_iterations=0)
     xs = np.random.RandomState(0).randint(0, 20, (41, 8)).astype(np.int32)
     loss = runner(xs[:-1], xs[1:])
     model.cleargrads()

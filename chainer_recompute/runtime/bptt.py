@@ -156,7 +156,7 @@ class BPTTStats:
 
 @dataclasses.dataclass
 class _Check:
-    """The measurement of one call (see ``ChainRecompute.check_calls``)."""
+    """The measurement of one call (see ``ChainRecompute.check_iterations``)."""
 
     meter: MemoryMeter
     owns: bool = False
@@ -199,10 +199,12 @@ class ChainRecompute:
             in neither.
         model: the Link that holds the recurrent state and the parameters
             (default: ``step`` when it is a Link).
-        check_calls: the first calls of each shape are measured (NumPy:
-            tracemalloc, from the call to the end of its backward); a
-            measured peak over the budget warns, corrects the prediction by
-            the difference and plans again for the next call. 0: never.
+        check_iterations: the first calls of each shape are measured
+            (NumPy: tracemalloc, from the call to the end of its backward);
+            a measured peak over the budget warns, corrects the prediction
+            by the difference and plans again for the next call. 0: never.
+            The name ``apply()`` gives the same option.
+        check_calls: the former name of ``check_iterations`` (deprecated).
 
     Attributes:
         last_stats: :class:`BPTTStats` of the last call.
@@ -233,7 +235,7 @@ class ChainRecompute:
     def __init__(self, step: Callable[..., Any], *, policy: str = "msm",
                  slots: Optional[int] = None, budget: Any = None,
                  budget_scope: str = "total", model: Optional[chainer.Link] = None,
-                 check_calls: int = 2) -> None:
+                 check_iterations: int = 2, check_calls: Optional[int] = None) -> None:
         if policy not in chain_solver.POLICIES:
             from ..core.errors import UnknownSolverError
             raise UnknownSolverError(f"unknown chain policy {policy!r}; known: "
@@ -257,7 +259,12 @@ class ChainRecompute:
         #: resolved at the first plan, a share for each plan
         self.budget: Optional[Budget] = None if budget is None else parse_budget(budget)
         self.budget_scope = budget_scope
-        self.check_calls = int(check_calls)
+        if check_calls is not None:
+            import warnings
+            warnings.warn("ChainRecompute(check_calls=...) is now check_iterations=..., as in "
+                          "apply(); check_calls will be removed", DeprecationWarning, stacklevel=2)
+            check_iterations = check_calls
+        self.check_iterations = int(check_iterations)
         self.model = model if model is not None else (step if isinstance(step, chainer.Link) else None)
         self._sizes: Dict[Hashable, Tuple[_Measured, Tuple[bool, ...]]] = {}
         self._plans: Dict[Hashable, BPTTStats] = {}
@@ -618,7 +625,7 @@ class ChainRecompute:
     def _start_check(self, seqs: Sequence[Sequence[Any]]) -> Optional["_Check"]:
         """A meter from the call to the end of its backward, while the
         plan of the call still needs checking."""
-        if self.check_calls <= 0 or not self._need_check:
+        if self.check_iterations <= 0 or not self._need_check:
             return None
         dev = device_of(list(_iter_arrays(seqs)))
         if self._open_meter is not None:  # the last call's loss was never backpropagated
@@ -644,7 +651,7 @@ class ChainRecompute:
         check.meter.stop()
         count = self._checked.get(check.plan_key, 0) + 1
         self._checked[check.plan_key] = count
-        if count >= self.check_calls:
+        if count >= self.check_iterations:
             self._need_check = False
         if backward is None:
             return

@@ -311,3 +311,26 @@ def test_parse_workspace_and_errors():
         cr.Recompute(lambda x: x, "1G", workspace="lots")
     g = capture(TwoConv(), np.zeros((2, 3, 8, 8), np.float32), backward=True)
     assert candidate_limits(g)[0] is None
+
+
+def test_auto_workspace_plan_is_the_one_the_runner_runs(monkeypatch):
+    """With ``workspace='auto'`` the runner runs the plan chosen with the
+    bound: one search per candidate bound, not one more for the runner."""
+    from chainer_recompute.core import budget as core_budget
+    from chainer_recompute.core import workspace as core_ws
+    calls = []
+    real = core_budget.plan_for_budget
+
+    def counted(*args, **kwargs):
+        calls.append(args[0])
+        return real(*args, **kwargs)
+    monkeypatch.setattr(core_budget, "plan_for_budget", counted)
+    bounds = []
+    real_bounded = core_ws.bounded_graph
+
+    def counted_bound(*args, **kwargs):
+        bounds.append(args[1] if len(args) > 1 else kwargs.get("limit_bytes"))
+        return real_bounded(*args, **kwargs)
+    monkeypatch.setattr(core_ws, "bounded_graph", counted_bound)
+    _train("auto", steps=2)
+    assert calls and len(calls) == len(bounds), (len(calls), len(bounds))

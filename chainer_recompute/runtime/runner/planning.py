@@ -73,20 +73,23 @@ class PlanningMixin:
         report.log(level, "%s; this input signature runs without recomputation, its peak "
                    "not bounded by the budget (on_infeasible='raise' raises instead)", e)
 
-    def _bound(self, graph: Graph) -> Graph:
+    def _bound(self, graph: Graph) -> Tuple[Graph, Any]:
         """``graph`` with its convolutions' transients under the workspace
-        bound (for ``'auto'``, the bound whose plan fits best)."""
+        bound, and for ``'auto'`` (the bound whose plan fits best) the plan
+        made under that bound (None otherwise: planned by :meth:`plan`)."""
         from ...core.workspace import bounded_graph, plan_with_workspace
         if self.workspace != "auto" or self.budget_scope != "total":
             limit = None if self.workspace == "auto" else self.workspace
-            return bounded_graph(graph, limit, self.workspace_exact)
+            return bounded_graph(graph, limit, self.workspace_exact), None
         budget = self.planning_budget()
         try:
-            return plan_with_workspace(graph, budget, "auto", solver=self.solver,
-                                       strategy=self.strategy, scope=self.budget_scope,
-                                       exact=self.workspace_exact, **self.solver_options)[1]
+            plan, bounded = plan_with_workspace(
+                graph, budget, "auto", solver=self.solver, strategy=self.strategy,
+                scope=self.budget_scope, exact=self.workspace_exact, **self.solver_options)
         except InfeasibleBudgetError:
-            return bounded_graph(graph, None)  # solve reports it
+            return bounded_graph(graph, None), None  # solve reports it
+        # a coordinator plans collectively: its plan, for the bounded graph
+        return bounded, plan if self.coordinator is None else None
 
     def plan(self, graph: Graph) -> Any:
         """A plan for ``graph``: solved here, or, with a coordinator, the
@@ -125,7 +128,9 @@ class PlanningMixin:
         before its workspace bound)."""
         if plan is None or adopted:
             if self.workspace is not None:  # the convolutions' bound, chosen with the plan
-                graph = self._bound(graph)
+                graph, bound_plan = self._bound(graph)
+                if plan is None:
+                    plan = bound_plan
             if plan is None:
                 plan = self.plan(graph)
         program = Program(graph, plan.lower_sets, frozenset(plan.kept), param_refs=param_refs)

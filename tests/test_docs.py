@@ -79,3 +79,27 @@ def test_readme_keeps_the_commands_ci_runs():
         cmd = subprocess.run(["bash", "-c", f"{extract}\nextract '{marker}'"], cwd=ROOT,
                              capture_output=True, text=True, check=True).stdout
         assert cmd.strip(), f"README.md has no command after {marker}"
+
+
+def _layout() -> str:
+    text = (ROOT / "CONTRIBUTING.md").read_text()
+    return text.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_contributing_layout_names_every_module():
+    """Each module and package folder of chainer_recompute is named in
+    CONTRIBUTING.md's layout (a new module adds its line there)."""
+    layout = _layout()
+    missing = []
+    for path in sorted((ROOT / "chainer_recompute").rglob("*.py")):
+        name = path.parent.name if path.stem in ("__init__", "__main__") else path.stem
+        if not re.search(rf"(?<![\w.]){re.escape(name)}\b", layout):
+            missing.append(path.relative_to(ROOT).as_posix())
+    assert missing == [], f"modules CONTRIBUTING.md's layout does not name: {missing}"
+
+
+def test_contributing_layout_names_only_files_that_exist():
+    files = {p.name for d in ("chainer_recompute", "scripts", "tests", "experiments")
+             for p in (ROOT / d).rglob("*") if p.is_file()}
+    gone = sorted(set(re.findall(r"\b\w+\.(?:py|sh)\b", _layout())) - files)
+    assert gone == [], f"CONTRIBUTING.md's layout names files that do not exist: {gone}"

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Make a folder of wheels for the GPU set-up on a machine with no package
-# index (README, "On a CUDA machine"): Chainer 7.8.1 built here as a
+# index (docs/gpu.md): Chainer 7.8.1 built here as a
 # pure-Python wheel, and every other package the project needs that a CUDA
 # machine with NumPy 2 and CuPy may lack. Run it where PyPI is reachable:
 #
 #   bash scripts/make_wheelhouse.sh wheels            # for Python 3.12, x86_64
 #   PYTHON_VERSION=3.11 bash scripts/make_wheelhouse.sh wheels
 #
-# then copy the folder over and run the README's GPU set-up with WHEELS=wheels.
+# then copy the folder over and run the GPU set-up of docs/gpu.md with WHEELS=wheels.
 set -euo pipefail
 out=${1:?usage: make_wheelhouse.sh DIR}
 py=${PYTHON_VERSION:-3.12}

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU set-up (README, "On a CUDA machine"): run it with the Python of an
+# The GPU set-up (docs/gpu.md): run it with the Python of an
 # environment that already has NumPy 2 and CuPy. It installs the project and
 # what it needs without touching NumPy or CuPy, and lets `import chainer`
 # come before `import chainer_recompute` on NumPy 2.

@@ -90,7 +90,7 @@ def bounded(limit_bytes: Optional[int], exact: bool = True) -> Iterator[None]:
     two), bit-identical to Chainer; it is not chunked. ``exact=False``
     chunks it to fit the bound; OpenBLAS and cuBLAS then round some sums
     differently (another GEMM shape takes other kernel paths), by about one
-    unit in the last place (see the README).
+    unit in the last place (docs/workspaces.md).
 
     >>> with bounded(64 * 2**20):            # doctest: +SKIP
     ...     loss = model(x, t)

@@ -617,6 +617,12 @@ class ChainRecompute:
         self._recording = recording_random(cell.device)
         self._recording_claimed = False
 
+    def claim_tape(self) -> None:
+        """A run of this call will backpropagate: the tape of CuPy's draws
+        (:meth:`_tape`) stays open until its backward ends (the run closes
+        it), not closed at the end of the call."""
+        self._recording_claimed = True
+
     def _close_tape(self) -> None:
         if self._recording is not None:
             self._recording.close()

@@ -200,7 +200,7 @@ class _Run:
         self.running: Tuple[Any, ...] = _arrays(state0)
         self.state0_arrays = self.running
         self.rng0 = RandomStates.save()
-        runner._recording_claimed = True  # closed when this run's backward ends
+        runner.claim_tape()  # closed when this run's backward ends
         self.next_first = 0  # next step whose loss is added to the total
         self.total: Any = None
         self.ops: Any = None

@@ -123,16 +123,20 @@ def iterate(fn: Callable[[Any, Any], Any], model: chainer.Link, opt: chainer.Opt
     """One truncated-BPTT update as Chainer's PTB example runs it (the last
     gradients live through the forward, cleared before backward); the
     state starts from zero every time (as ``Unrolled`` does)."""
+    from chainer_recompute.runtime.device import device_of
     xs, ts = data[:-1], data[1:]
+    dev = device_of([data])  # NumPy: tracemalloc; CuPy: the pool (gpu_run.py)
     model.predictor.reset_state()
     live = live_at_call(model, opt, data)
+    dev.synchronize()
     start = time.perf_counter()
-    with MemoryMeter() as meter:
+    with dev.meter() as meter:
         loss = fn(xs, ts)
         model.cleargrads()
         loss.backward()
         loss.unchain_backward()
         opt.update()
+        dev.synchronize()
     elapsed = time.perf_counter() - start
     return {"time_s": elapsed, "peak_bytes": int(live + meter.result.peak_bytes),
             "live_at_call": live}

@@ -64,28 +64,39 @@ def cells(net: str, batch: int, small: bool, rounds: int, measured: int) -> dict
     return res
 
 
-def kernels(net: str, batch: int, small: bool, limit: int, iterations: int) -> dict:
+def kernels(net: str, batch: int, small: bool, limit: int, iterations: int,
+            device: object = "@numpy") -> dict:
+    """Part 2 on ``device`` (on CuPy, Chainer's own convolutions are im2col
+    + cuBLAS: CuPy 14 has no cuDNN; gpu_run.py's ``workspace`` section)."""
     import numpy
     import chainer
     from chainer_recompute.models import get_model
     from chainer_recompute.runtime import workspace as ws
+    from chainer_recompute.runtime.device import device_of, seed_all
 
+    cdev = chainer.get_device(device)
+    cdev.use()
+    xp = cdev.xp
     numpy.random.seed(0)
     spec = get_model(net, batch_size=batch, small=small)
     link = spec.link
-    x, t = spec.make_inputs(batch, seed=0)
+    link.to_device(cdev)
+    x, t = spec.make_inputs(batch, xp=xp, seed=0)
+    dev = device_of([x])
     variants = {"plain": (None, True), "one-copy": (1, True), "chunked": (limit, False)}
-    if ws._compiled_columns() is not None:  # the column copy without numba, as a variant
+    if xp is numpy and ws._compiled_columns() is not None:  # the column copy without numba
         variants["one-copy-numpy"] = (1, True)
     times: dict = {k: [] for k in variants}
     cpu: dict = {k: [] for k in variants}  # process CPU time (less load-sensitive)
     grads: dict = {}
+    calls: dict = {}
     for i in range(iterations + 1):  # the first round warms up
         for k in (list(variants) if i % 2 == 0 else list(variants)[::-1]):
             bound, exact = variants[k]
             link.cleargrads()
-            numpy.random.seed(1)  # VGG19's dropout: the same masks in every run
+            seed_all(1)  # VGG19's dropout: the same masks in every run
             gc.collect()
+            dev.synchronize()
             before = dict(ws.chunked_calls)
             compiled, ws._compiled_fill = ws._compiled_fill, \
                 (False if k == "one-copy-numpy" else ws._compiled_fill)
@@ -94,6 +105,7 @@ def kernels(net: str, batch: int, small: bool, limit: int, iterations: int) -> d
                 with ws.bounded(bound, exact):
                     loss = link(x, t)
                 loss.backward()
+                dev.synchronize()
             finally:
                 ws._compiled_fill = compiled
             dt, dc = time.perf_counter() - t0, time.process_time() - c0
@@ -104,12 +116,14 @@ def kernels(net: str, batch: int, small: bool, limit: int, iterations: int) -> d
                 cpu[k].append(dc)
             else:
                 grads[k] = {n: p.grad.copy() for n, p in link.namedparams()}
+                calls[k] = ran
                 print(f"{k}: our kernels ran {ran}", flush=True)
-    same = {k: all(numpy.array_equal(grads["plain"][n], g) for n, g in grads[k].items())
+    same = {k: all(bool(xp.array_equal(grads["plain"][n], g)) for n, g in grads[k].items())
             for k in grads}
-    diff = {k: max(float(numpy.abs(grads["plain"][n] - g).max()
-                         / (numpy.abs(grads["plain"][n]).max() or 1))
+    diff = {k: max(float(xp.abs(grads["plain"][n] - g).max()
+                         / (float(xp.abs(grads["plain"][n]).max()) or 1))
                    for n, g in grads[k].items()) for k in grads}
+
     def versus(ts: dict) -> tuple:
         med = {k: statistics.median(v) for k, v in ts.items()}
         # paired: each round's time against plain's in the same round, the median
@@ -122,7 +136,7 @@ def kernels(net: str, batch: int, small: bool, limit: int, iterations: int) -> d
     return {"limit": limit, "times_s": times, "median_s": med, "vs_plain": vs,
             "vs_plain_paired": paired, "cpu_s": cpu, "cpu_median_s": cmed,
             "cpu_vs_plain": cvs, "cpu_vs_plain_paired": cpaired,
-            "bit_identical_grads": same, "max_rel_diff": diff}
+            "bit_identical_grads": same, "max_rel_diff": diff, "calls": calls}
 
 
 def main() -> int:

@@ -1,0 +1,223 @@
+"""``keep=``: nodes every plan keeps (:attr:`Graph.must_keep`).
+
+The solvers count a kept node in ∂(L) of every lower set that holds it, so
+that it is a checkpoint of its block: checked against brute force over
+every chain on small random DAGs (the DPs are optimal among plans that keep
+those nodes), on every solver, with the least figure's monotonicity.
+"""
+from __future__ import annotations
+
+import itertools
+import random
+from typing import Dict, FrozenSet, List, Optional, Tuple
+
+import numpy as np
+import pytest
+
+from chainer_recompute.core.graph import Graph
+from chainer_recompute.core.memory_model import MemoryModel
+from chainer_recompute.core.search import least_feasible_budget
+from chainer_recompute.core.solvers import (REGISTRY, solve_approx, solve_chen,
+                                            solve_chen_greedy, solve_exact, solve_hier,
+                                            solve_none)
+from chainer_recompute.core.schedule import build_schedule, entry_cost, strategy_cost
+
+from test_bruteforce import ENGINES, KINDS, random_dag, random_model
+
+
+def brute_force_keep(g: Graph, keep: FrozenSet[int], model: Optional[MemoryModel] = None
+                     ) -> List[Tuple[int, int, FrozenSet[int]]]:
+    """(peak, retained time, kept nodes) of every chain ∅ ⊊ L_1 ⊊ ... ⊊ V
+    whose checkpoints are U_i = (∂(L_i) ∪ keep) ∩ V_i, from the definitions
+    (docs/paper.md §2-§3) on frozensets."""
+    n = g.n
+    preds = {v: set(g.preds[v]) for v in range(n)}
+    succs = {v: set(g.succs[v]) for v in range(n)}
+    M = [int(x) for x in g.node_bytes]
+    if model is None:
+        blockw, keepw, abovew, besidew = [2 * m for m in M], M, M, M
+        trans, const = [0] * n, 0
+    else:
+        blockw, keepw = [int(x) for x in model.block_bytes], [int(x) for x in model.keep_bytes]
+        abovew, besidew = [int(x) for x in model.above_bytes], [int(x) for x in model.beside_bytes]
+        trans, const = [int(x) for x in model.transient_bytes], model.constant_bytes
+    T = [int(round(x)) for x in g.node_cost]
+    V = frozenset(range(n))
+    lower = [frozenset(s) for r in range(n + 1) for s in itertools.combinations(range(n), r)
+             if all(preds[v] <= set(s) for v in s)]
+    info: Dict[FrozenSet[int], Tuple[FrozenSet[int], int]] = {}
+    for L in lower:
+        bnd = frozenset(v for v in L if succs[v] - L)
+        A = {w for v in L for w in succs[v]} - L
+        B = {u for w in A for u in preds[w]} - L
+        info[L] = (bnd, sum(abovew[v] for v in A) + sum(besidew[v] for v in B))
+    out = []
+
+    def rec(L: FrozenSet[int], acc: int, peak: int, t: int, kept: FrozenSet[int]) -> None:
+        if L == V:
+            out.append((peak, t, kept))
+            return
+        for L2 in lower:
+            if L < L2:
+                bnd, back = info[L2]
+                blk = L2 - L
+                U = (bnd | keep) & blk
+                step = (const + acc + sum(blockw[v] for v in blk) + back
+                        + max(trans[v] for v in blk))
+                rec(L2, acc + sum(keepw[v] for v in U), max(peak, step),
+                    t + sum(T[v] for v in U), kept | U)
+
+    rec(frozenset(), 0, 0, 0, frozenset())
+    return out
+
+
+def _random_case(seed: int, with_model: bool):
+    rng = random.Random(20_000 + seed)
+    sizes, edges, costs = random_dag(rng, KINDS[seed % len(KINDS)])
+    g = Graph.from_edges(sizes, edges, costs=costs)
+    model = random_model(rng, g) if with_model else None
+    keep = frozenset(v for v in range(g.n) if rng.random() < 0.35) or frozenset({0})
+    return rng, g, model, keep
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_dps_keep_what_they_must_and_are_optimal_among_such_plans(seed: int) -> None:
+    _check_against_brute_force(seed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(24, 300))
+def test_dps_keep_what_they_must_many_graphs(seed: int) -> None:
+    _check_against_brute_force(seed)
+
+
+def _check_against_brute_force(seed: int) -> None:
+    rng, g0, model, keep = _random_case(seed, with_model=seed % 2 == 1)
+    g = g0.with_must_keep(keep)
+    total_t = int(sum(g.node_cost))
+    chains = brute_force_keep(g, keep, model)
+    least = min(p for p, _, _ in chains)
+    # every chain keeps K by construction; the plans without K are no worse
+    plain = brute_force_keep(g0, frozenset(), model)
+    least0 = min(p for p, _, _ in plain)
+    assert least >= least0
+    # among the canonical plans of the wiring alone, those that happen to
+    # keep K cost what they cost with K: the optimum with K is no worse
+    keeping = [(p, t) for p, t, kept in plain if keep <= kept]
+    for engine in ENGINES:
+        assert least_feasible_budget(g, "exact", model=model, engine=engine) == least
+        assert least_feasible_budget(g, "approx", model=model, engine=engine) >= least
+        assert not solve_exact(g, least - 1, model=model, engine=engine).feasible
+        assert not solve_approx(g, least - 1, model=model, engine=engine).feasible
+    worst = max(p for p, _, _ in chains)
+    for b in sorted({least, worst, rng.choice(chains)[0], (least + worst) // 2, 10 ** 15}):
+        ok = [t for p, t, _ in chains if p <= b]
+        for strategy, best in (("tc", max(ok)), ("mc", min(ok))):
+            runs = [dict(engine="numpy", method="dense"), dict(engine="numpy", method="sparse")] \
+                + [dict(engine=e) for e in ENGINES[1:]]
+            for kw in runs:
+                p = solve_exact(g, b, strategy=strategy, model=model, **kw)
+                assert p.feasible and p.predicted_peak_bytes <= b, kw
+                assert keep <= p.kept, (strategy, kw)
+                assert p.overhead == pytest.approx(total_t - best), (strategy, kw)
+                a = solve_approx(g, b, strategy=strategy, model=model, **kw)
+                if a.feasible:
+                    assert keep <= a.kept
+                    assert a.predicted_peak_bytes <= b
+                    if strategy == "tc":
+                        assert a.overhead >= p.overhead - 1e-9
+                if strategy == "tc":
+                    fits = [t for pk, t in keeping if pk <= b]
+                    if fits:
+                        assert p.overhead <= total_t - max(fits) + 1e-9
+            # the plan's figures are its strategy's under K (independent paths)
+            c = strategy_cost(g, p.lower_sets, model)
+            assert c.peak_bytes == p.predicted_peak_bytes
+            assert c.overhead == pytest.approx(p.overhead)
+
+
+def test_keep_changes_nothing_when_the_plan_keeps_those_nodes_already() -> None:
+    g = Graph.from_edges([4] * 8, [(i, i + 1) for i in range(7)], costs=[1] * 8)
+    least = least_feasible_budget(g, "exact")
+    plan = solve_exact(g, least, strategy="mc")
+    kept = frozenset(v for v in plan.kept if g.succs[v])
+    gk = g.with_must_keep(kept)
+    assert least_feasible_budget(gk, "exact") == least
+    assert least_feasible_budget(gk, "approx") == least_feasible_budget(g, "approx")
+    # more kept nodes never lower it; all of them raise it
+    figures = [least_feasible_budget(g.with_must_keep(range(k)), "exact") for k in range(9)]
+    assert figures == sorted(figures) and figures[0] == least and figures[-1] > least
+
+
+def _stack(n_layers: int = 40, width: int = 3) -> Graph:
+    """A deep stack of identical residual layers (the hierarchical DP's case)."""
+    edges, sizes = [], []
+    prev = None
+    for i in range(n_layers):
+        base = len(sizes)
+        sizes += [8] * width
+        for k in range(1, width):
+            edges.append((base + k - 1, base + k))
+        if prev is not None:
+            edges.append((prev, base))
+            edges.append((prev, base + width - 1))
+        prev = base + width - 1
+    return Graph.from_edges(sizes, edges)
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_every_solver_keeps_what_it_must(name: str) -> None:
+    g0 = _stack()
+    keep = frozenset(range(30, 45)) | {len(g0.nodes) - 1}  # a run of layers, and the sink
+    g = g0.with_must_keep(keep)
+    least0 = least_feasible_budget(g0, "approx")
+    least = least_feasible_budget(g, "approx")
+    assert least > least0  # the least plan of the wiring drops some of them
+    budget = (least + 2 * least) // 2
+    p = REGISTRY[name](g, budget)
+    p0 = REGISTRY[name](g0, budget)
+    assert keep <= p.kept, name
+    if name != "none":
+        assert not keep <= p0.kept  # (the test would show nothing)
+    # its figures count them: the strategy's cost under K
+    c = strategy_cost(g, p.lower_sets)
+    assert p.predicted_peak_bytes == c.peak_bytes
+    assert p.overhead == pytest.approx(c.overhead if p.recompute else 0.0)
+    if name not in ("chen", "none"):  # (they ignore the budget)
+        assert p.feasible and p.predicted_peak_bytes <= budget
+    # the liveness schedule keeps them too
+    sched = build_schedule(g, p.lower_sets, recompute=p.recompute)
+    assert not any(op == "recompute" and v in keep for op, v in sched.ops)
+
+
+def test_hier_counts_kept_nodes_in_its_own_tables() -> None:
+    from chainer_recompute.core.solvers.hier_dp import hier_problem
+    g0 = _stack(60)
+    keep = frozenset(range(60, 90))
+    g = g0.with_must_keep(keep)
+    prob0, prob = hier_problem(g0), hier_problem(g)
+    assert prob.ok and prob0.ok
+    # the least budget of its family rises with what it must keep, and the
+    # plan there keeps it, its predicted peak under the budget (exact: the
+    # plan is evaluated on the whole graph with K)
+    assert prob.least_budget() >= prob0.least_budget()
+    b = prob.least_budget()
+    p = solve_hier(g, b)
+    assert p.feasible and keep <= p.kept and p.info["hierarchical"]
+    assert p.predicted_peak_bytes <= b
+    # the hierarchical tables' retained bytes are the plan's under K
+    entry = np.empty(g.n, dtype=np.int64)
+    for i, blk in enumerate(p.blocks):
+        entry[list(blk)] = i
+    assert entry_cost(g, entry).peak_bytes == p.predicted_peak_bytes
+
+
+def test_vanilla_and_the_graph_file_keep_the_marks(tmp_path) -> None:
+    from chainer_recompute.core.io import load_graph, save_graph
+    g = Graph.from_edges([4, 4, 4], [(0, 1), (1, 2)]).with_must_keep({1})
+    assert solve_none(g, None).kept == frozenset({0, 1, 2})
+    save_graph(g, str(tmp_path / "g.json"))
+    assert load_graph(str(tmp_path / "g.json")).must_keep == frozenset({1})
+    assert g.with_must_keep({1}) is g
+    with pytest.raises(Exception, match="nodes"):
+        g.with_must_keep({7})

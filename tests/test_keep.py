@@ -221,3 +221,140 @@ def test_vanilla_and_the_graph_file_keep_the_marks(tmp_path) -> None:
     assert g.with_must_keep({1}) is g
     with pytest.raises(Exception, match="nodes"):
         g.with_must_keep({7})
+
+
+# ------------------------------------------------------------ apply(keep=)
+import chainer  # noqa: E402
+import chainer.functions as F  # noqa: E402
+import chainer.links as L  # noqa: E402
+
+import chainer_recompute as cr  # noqa: E402
+from chainer_recompute.core.errors import KeepError  # noqa: E402
+from chainer_recompute.runtime.executor import IterationHook  # noqa: E402
+
+
+class Block(chainer.Chain):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        with self.init_scope():
+            self.fc1 = L.Linear(n, n)
+            self.fc2 = L.Linear(n, n)
+
+    def forward(self, x):
+        return F.relu(x + self.fc2(F.tanh(self.fc1(x))))
+
+
+class Deep(chainer.Chain):
+    def __init__(self, n: int = 16, depth: int = 6) -> None:
+        super().__init__()
+        with self.init_scope():
+            for i in range(depth):
+                setattr(self, f"b{i}", Block(n))
+            self.out = L.Linear(n, 4)
+        self.depth = depth
+
+    def forward(self, x):
+        for i in range(self.depth):
+            x = getattr(self, f"b{i}")(x)
+        return self.out(x)
+
+
+def _train(keep, applied: bool, steps: int = 4, **options):
+    """Train ``steps`` optimizer steps; the parameters after each, and the
+    links of the functions the executor released and regenerated."""
+    np.random.seed(0)
+    model = L.Classifier(Deep())
+    if applied:
+        cr.apply(model, budget="least", cost="flops", verbose=False, keep=keep, **options)
+    opt = chainer.optimizers.MomentumSGD(0.01)
+    opt.setup(model)
+    rng = np.random.RandomState(1)
+    # released in the forward (to be regenerated; after its backward readers
+    # an array is freed as in plain Chainer), regenerated in the backward
+    seen = {"released": set(), "regenerated": set()}
+    release, forward, backward = (IterationHook._release, IterationHook._run_forward,
+                                  IterationHook.backward_preprocess)
+
+    def spy_release(self, u):
+        if self.program is not None and u < self.program.n and \
+                not getattr(self, "_spy_backward", False):
+            seen["released"].add(self.program.graph.nodes[u].link)
+        return release(self, u)
+
+    def spy_forward(self, f, u, in_data):
+        seen["regenerated"].add(self.program.graph.nodes[u].link)
+        return forward(self, f, u, in_data)
+
+    def spy_backward(self, *args):
+        self._spy_backward = True
+        return backward(self, *args)
+
+    params = []
+    IterationHook._release, IterationHook._run_forward = spy_release, spy_forward
+    IterationHook.backward_preprocess = spy_backward
+    try:
+        for _ in range(steps):
+            x = rng.randn(8, 16).astype(np.float32)
+            t = rng.randint(0, 4, 8).astype(np.int32)
+            opt.update(model, x, t)
+            params.append({p: v.array.copy() for p, v in model.namedparams()})
+    finally:
+        IterationHook._release, IterationHook._run_forward = release, forward
+        IterationHook.backward_preprocess = backward
+    return model, params, seen
+
+
+def test_training_under_keep_is_identical_and_never_drops_the_kept_link() -> None:
+    _, plain, _ = _train(None, applied=False)
+    _, free, seen_free = _train(None, applied=True)
+    model, kept, seen = _train(["/predictor/b2"], applied=True)
+    for a, b, c in zip(plain, free, kept):
+        for name in a:
+            assert np.array_equal(a[name], c[name]), name  # bit-identical
+            assert np.array_equal(a[name], b[name]), name
+    under = {l for l in seen_free["released"] if l.startswith("/predictor/b2")}
+    assert under  # without keep=, the least plan drops some of b2's functions
+    assert seen["released"] and seen["regenerated"]  # it still recomputes elsewhere
+    assert not any(l.startswith("/predictor/b2") for l in seen["released"] | seen["regenerated"])
+    runner = cr.runner_of(model)
+    plan = next(iter(runner.plans.values()))
+    s = next(iter(runner._entries.values())).structures[0]
+    marked = {v for v, n in enumerate(s.graph.nodes) if n.link.startswith("/predictor/b2")}
+    assert marked and marked == s.graph.must_keep and marked <= plan.kept
+    assert not marked & s.program.dropped
+    # the least figure accounts for it: at least the one without keep=
+    free_plan = next(iter(cr.runner_of(_train(None, applied=True, steps=2)[0]).plans.values()))
+    assert plan.budget_bytes >= free_plan.budget_bytes
+
+
+def test_keep_by_function() -> None:
+    model, _, seen = _train(lambda node: node.op == "Tanh", applied=True, steps=3)
+    s = next(iter(cr.runner_of(model)._entries.values())).structures[0]
+    tanh = {v for v, n in enumerate(s.graph.nodes) if n.op == "Tanh"}
+    assert tanh and tanh == s.graph.must_keep and not tanh & s.program.dropped
+
+
+def test_a_path_that_names_no_link_is_refused_with_the_closest_names() -> None:
+    model = L.Classifier(Deep())
+    cls = type(model)
+    with pytest.raises(KeepError, match=r"'/predictor/b9'.*closest: '/predictor/b[0-9]'"):
+        cr.apply(model, budget="least", keep=["/predictor/b2", "/predictor/b9"])
+    assert type(model) is cls and cr.runner_of(model) is None  # nothing half-applied
+    with pytest.raises(KeepError, match="accepted"):
+        cr.apply(model, budget="least", keep=3)
+    assert cr.runner_of(model) is None
+    # a plain callable: refused at its first plan, against the recorded links
+    net = Deep()
+
+    def loss_fn(x, t):
+        return F.softmax_cross_entropy(net(x), t)
+
+    runner = cr.Recompute(loss_fn, "least", keep="/b2/fc3", verbose=False, capture_batch=None)
+    x = np.zeros((4, 16), np.float32)
+    t = np.zeros(4, np.int32)
+    with chainer.using_config("train", True):
+        loss = runner(x, t)
+        loss.backward()
+        # (a Link called by a plain callable is named by its class: /Deep/...)
+        with pytest.raises(KeepError, match=r"'/b2/fc3'.*closest: '/Deep/b2/fc[12]'"):
+            runner(x, t)

@@ -358,3 +358,22 @@ def test_a_path_that_names_no_link_is_refused_with_the_closest_names() -> None:
         # (a Link called by a plain callable is named by its class: /Deep/...)
         with pytest.raises(KeepError, match=r"'/b2/fc3'.*closest: '/Deep/b2/fc[12]'"):
             runner(x, t)
+
+
+def test_cli_keep(tmp_path, capsys) -> None:
+    import json
+    from chainer_recompute.cli import main
+    base = ["--model", "mlp", "--small", "--batch-size", "64", "-q"]
+    assert main(base + ["--json", str(tmp_path / "a.json")]) == 0
+    assert main(base + ["--keep", "/predictor/0", "--keep", "/predictor/1",
+                        "--json", str(tmp_path / "b.json")]) == 0
+    out = capsys.readouterr().out
+    assert "kept by every plan (--keep): /predictor/0, /predictor/1" in out
+    a = json.loads((tmp_path / "a.json").read_text())
+    b = json.loads((tmp_path / "b.json").read_text())
+    assert b["budget"]["keep"]["paths"] == ["/predictor/0", "/predictor/1"]
+    assert "--keep /predictor/0 --keep /predictor/1" in b["command"]
+    assert b["least"]["budget_bytes"] >= a["least"]["budget_bytes"]
+    assert main(base + ["--keep", "/predictor/2"]) == 2
+    err = capsys.readouterr().err
+    assert "--keep names '/predictor/2', which is no link" in err and "'/predictor/1'" in err

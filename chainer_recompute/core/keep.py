@@ -92,7 +92,8 @@ class KeepPolicy:
             return graph
         return graph.with_must_keep(self.nodes(graph))
 
-    def check_names(self, names: Iterable[str], where: str = "the model") -> None:
+    def check_names(self, names: Iterable[str], where: str = "the model",
+                    option: str = "keep=") -> None:
         """Refuse a path that names none of ``names`` (a model's
         ``namedlinks()`` paths), with the closest names.
 
@@ -115,9 +116,9 @@ class KeepPolicy:
                 top = [k for k in known if k.count("/") == 1 and k != "/"][:8]
                 hint = ("its links: " + ", ".join(repr(k) for k in top)) if top else \
                     "it has no links under it"
-            raise KeepError(f"keep= names {p!r}, which is no link of {where}; {hint}")
+            raise KeepError(f"{option} names {p!r}, which is no link of {where}; {hint}")
 
-    def check_graph(self, graph: Graph) -> None:
+    def check_graph(self, graph: Graph, option: str = "keep=") -> None:
         """Refuse a path that names no link of ``graph``'s recorded
         functions (for a model whose ``namedlinks()`` are not known: a
         plain callable), with the closest names.
@@ -131,17 +132,15 @@ class KeepPolicy:
         names = set()
         for node in graph.nodes:
             link = node.link
-            while link:
+            while link and link not in names:  # the link and every link above it
                 names.add(link)
-                link = link.rsplit("/", 1)[0] if link != "/" else ""
-                if link == "":
-                    break
+                link = link.rsplit("/", 1)[0]
         if not names:
-            raise KeepError(f"keep= names {', '.join(repr(p) for p in self.paths)}, but the "
+            raise KeepError(f"{option} names {', '.join(repr(p) for p in self.paths)}, but the "
                             f"recorded functions were applied outside any Link (or the graph "
                             f"does not record links); keep= takes a function on the recorded "
                             f"functions instead (.op, .label)")
-        self.check_names(names, "the recorded model")
+        self.check_names(names, "the recorded model", option)
 
     def describe(self) -> str:
         """The policy in a few words (for a log line)."""

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from chainer_recompute.core.graph import Graph
+from chainer_recompute.core.keep import with_must_keep
 from chainer_recompute.core.memory_model import MemoryModel
 from chainer_recompute.core.search import least_feasible_budget
 from chainer_recompute.core.solvers import (REGISTRY, solve_approx, solve_chen,
@@ -93,7 +94,7 @@ def test_dps_keep_what_they_must_many_graphs(seed: int) -> None:
 
 def _check_against_brute_force(seed: int) -> None:
     rng, g0, model, keep = _random_case(seed, with_model=seed % 2 == 1)
-    g = g0.with_must_keep(keep)
+    g = with_must_keep(g0, keep)
     total_t = int(sum(g.node_cost))
     chains = brute_force_keep(g, keep, model)
     least = min(p for p, _, _ in chains)
@@ -141,11 +142,11 @@ def test_keep_changes_nothing_when_the_plan_keeps_those_nodes_already() -> None:
     least = least_feasible_budget(g, "exact")
     plan = solve_exact(g, least, strategy="mc")
     kept = frozenset(v for v in plan.kept if g.succs[v])
-    gk = g.with_must_keep(kept)
+    gk = with_must_keep(g, kept)
     assert least_feasible_budget(gk, "exact") == least
     assert least_feasible_budget(gk, "approx") == least_feasible_budget(g, "approx")
     # more kept nodes never lower it; all of them raise it
-    figures = [least_feasible_budget(g.with_must_keep(range(k)), "exact") for k in range(9)]
+    figures = [least_feasible_budget(with_must_keep(g, range(k)), "exact") for k in range(9)]
     assert figures == sorted(figures) and figures[0] == least and figures[-1] > least
 
 
@@ -169,7 +170,7 @@ def _stack(n_layers: int = 40, width: int = 3) -> Graph:
 def test_every_solver_keeps_what_it_must(name: str) -> None:
     g0 = _stack()
     keep = frozenset(range(30, 45)) | {len(g0.nodes) - 1}  # a run of layers, and the sink
-    g = g0.with_must_keep(keep)
+    g = with_must_keep(g0, keep)
     least0 = least_feasible_budget(g0, "approx")
     least = least_feasible_budget(g, "approx")
     assert least > least0  # the least plan of the wiring drops some of them
@@ -194,7 +195,7 @@ def test_hier_counts_kept_nodes_in_its_own_tables() -> None:
     from chainer_recompute.core.solvers.hier_dp import hier_problem
     g0 = _stack(60)
     keep = frozenset(range(60, 90))
-    g = g0.with_must_keep(keep)
+    g = with_must_keep(g0, keep)
     prob0, prob = hier_problem(g0), hier_problem(g)
     assert prob.ok and prob0.ok
     # the least budget of its family rises with what it must keep, and the
@@ -214,13 +215,13 @@ def test_hier_counts_kept_nodes_in_its_own_tables() -> None:
 
 def test_vanilla_and_the_graph_file_keep_the_marks(tmp_path) -> None:
     from chainer_recompute.core.io import load_graph, save_graph
-    g = Graph.from_edges([4, 4, 4], [(0, 1), (1, 2)]).with_must_keep({1})
+    g = with_must_keep(Graph.from_edges([4, 4, 4], [(0, 1), (1, 2)]), {1})
     assert solve_none(g, None).kept == frozenset({0, 1, 2})
     save_graph(g, str(tmp_path / "g.json"))
     assert load_graph(str(tmp_path / "g.json")).must_keep == frozenset({1})
-    assert g.with_must_keep({1}) is g
+    assert with_must_keep(g, {1}) is g
     with pytest.raises(Exception, match="nodes"):
-        g.with_must_keep({7})
+        with_must_keep(g, {7})
 
 
 # ------------------------------------------------------------ apply(keep=)

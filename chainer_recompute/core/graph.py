@@ -154,11 +154,9 @@ class Node:
             function, ``'/'`` for the model's own forward; ``''`` where
             unknown (functions applied outside any Link, graphs not
             recorded by :func:`capture`).
-        must_keep: True when every plan must keep this function's outputs
-            (the user's ``keep=`` policy, see :mod:`~chainer_recompute.core.keep`):
-            the solvers count it in ∂(L) of every lower set ``L`` that holds
-            it (``∂_K(L) = ∂(L) ∪ (K ∩ L)``), so it is a checkpoint of its
-            block, its memory and time part of every plan's figures.
+        must_keep: every plan keeps its outputs (``keep=``, see
+            :mod:`~chainer_recompute.core.keep`): the solvers count it in
+            ∂(L) of every lower set ``L`` that holds it.
     """
 
     id: int
@@ -346,42 +344,9 @@ class Graph:
 
     @functools.cached_property
     def must_keep(self) -> FrozenSet[int]:
-        """The nodes every plan keeps (:attr:`Node.must_keep`).
-
-        >>> Graph.from_edges([4, 4], [(0, 1)]).with_must_keep([0]).must_keep
-        frozenset({0})
-        """
+        """The nodes every plan keeps (:attr:`Node.must_keep`; set them with
+        :func:`~chainer_recompute.core.keep.with_must_keep`)."""
         return frozenset(v for v, node in enumerate(self.nodes) if node.must_keep)
-
-    @functools.cached_property
-    def must_keep_mask(self) -> int:
-        """:attr:`must_keep` as a bitset (bit ``v`` for node ``v``)."""
-        m = 0
-        for v in self.must_keep:
-            m |= 1 << v
-        return m
-
-    def with_must_keep(self, nodes: Iterable[int]) -> "Graph":
-        """This graph with exactly ``nodes`` marked :attr:`Node.must_keep`
-        (itself when they are already the marked ones).
-
-        Raises:
-            GraphError: a node id that is not in the graph.
-
-        >>> g = Graph.from_edges([4, 4, 4], [(0, 1), (1, 2)])
-        >>> sorted(g.with_must_keep({1}).must_keep), g.with_must_keep(()) is g
-        ([1], True)
-        """
-        want = frozenset(int(v) for v in nodes)
-        bad = sorted(v for v in want if not 0 <= v < self.n)
-        if bad:
-            raise GraphError(f"must_keep names nodes {bad[:5]}, but the graph has nodes "
-                             f"0..{self.n - 1}")
-        if want == self.must_keep:
-            return self
-        return self.replace(nodes=[dataclasses.replace(node, must_keep=node.id in want)
-                                   if node.must_keep != (node.id in want) else node
-                                   for node in self.nodes])
 
     def with_cost_model(self, cost_model: str) -> "Graph":
         """The same graph under another cost model."""

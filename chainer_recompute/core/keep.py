@@ -18,15 +18,37 @@ import difflib
 from dataclasses import dataclass
 from typing import Any, Callable, FrozenSet, Iterable, List, Tuple
 
-from .errors import KeepError
+from .errors import GraphError, KeepError
 from .graph import Graph, Node
 
-__all__ = ["KeepPolicy", "parse_keep", "FORMS"]
+__all__ = ["KeepPolicy", "parse_keep", "with_must_keep", "FORMS"]
 
 #: What ``keep=`` accepts, as error messages say it.
 FORMS = ("a link path as namedlinks() names it ('/predictor/res5'), a list of them, or a "
          "function taking a recorded function (its .op, .link, .label) and returning True "
          "for those to keep")
+
+
+def with_must_keep(graph: Graph, nodes: Iterable[int]) -> Graph:
+    """``graph`` with exactly ``nodes`` marked :attr:`~.graph.Node.must_keep`
+    (``graph`` itself when they are already).
+
+    Raises:
+        GraphError: a node id that is not in the graph.
+
+    >>> g = Graph.from_edges([4, 4, 4], [(0, 1), (1, 2)])
+    >>> sorted(with_must_keep(g, {1}).must_keep), with_must_keep(g, ()) is g
+    ([1], True)
+    """
+    import dataclasses
+    want = frozenset(int(v) for v in nodes)
+    if any(not 0 <= v < graph.n for v in want):
+        raise GraphError(f"must_keep names nodes {sorted(want)[:5]}, but the graph has "
+                         f"nodes 0..{graph.n - 1}")
+    if want == graph.must_keep:
+        return graph
+    return graph.replace(nodes=[dataclasses.replace(n, must_keep=n.id in want)
+                                for n in graph.nodes])
 
 
 def _path(text: str) -> str:
@@ -90,7 +112,7 @@ class KeepPolicy:
         ``graph`` as it is)."""
         if not self:
             return graph
-        return graph.with_must_keep(self.nodes(graph))
+        return with_must_keep(graph, self.nodes(graph))
 
     def check_names(self, names: Iterable[str], where: str = "the model",
                     option: str = "keep=") -> None:

@@ -162,11 +162,12 @@ def boundary(graph: Graph, nodes) -> int:
     >>> g = Graph.from_edges([1, 1, 1], [(0, 1), (1, 2), (0, 2)])
     >>> sorted(mask_to_set(boundary(g, {0, 1})))
     [0, 1]
-    >>> sorted(mask_to_set(boundary(g.with_must_keep([2]), {0, 1, 2})))
+    >>> from chainer_recompute.core.keep import with_must_keep
+    >>> sorted(mask_to_set(boundary(with_must_keep(g, [2]), {0, 1, 2})))
     [2]
     """
     m = _as_mask(nodes)
-    out = m & graph.must_keep_mask
+    out = m & set_to_mask(graph.must_keep)
     for v, sm in enumerate(_succ_masks(graph)):
         if (m >> v) & 1 and sm & ~m:
             out |= 1 << v
@@ -366,8 +367,8 @@ def _derived_words(graph: Graph, words: np.ndarray, chunk: int = 1 << 14,
     """∂(L), A(L) and B(L) of every row, as words (vectorised over edges);
     ∂(L) holds the nodes of ``L`` every plan keeps (see :func:`boundary`)."""
     bnd, a, b = _structural_words(graph, words, chunk, adjacency)
-    if graph.must_keep_mask:
-        bnd |= words & _rows_of_masks([graph.must_keep_mask], words.shape[1])
+    if graph.must_keep:
+        bnd |= words & _rows_of_masks([set_to_mask(graph.must_keep)], words.shape[1])
     return bnd, a, b
 
 

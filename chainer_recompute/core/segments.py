@@ -112,7 +112,8 @@ def last_readers(graph: "Graph", must_keep: bool = True) -> np.ndarray:
 
     >>> from chainer_recompute.core.graph import Graph
     >>> g = Graph.from_edges([1, 2, 3], [(0, 1), (0, 2)])
-    >>> last_readers(g).tolist(), last_readers(g.with_must_keep([1])).tolist()
+    >>> from chainer_recompute.core.keep import with_must_keep
+    >>> last_readers(g).tolist(), last_readers(with_must_keep(g, [1])).tolist()
     ([2, -1, -1], [2, 3, -1])
     """
     last = np.array([max(s) if s else -1 for s in graph.succs], dtype=np.int64)
@@ -131,7 +132,8 @@ def prefix_boundary_bytes(graph: "Graph", weights: np.ndarray,
     >>> g = Graph.from_edges([1, 2, 3], [(0, 1), (0, 2), (1, 2)])
     >>> prefix_boundary_bytes(g, g.node_bytes).tolist()
     [0, 1, 3, 0]
-    >>> prefix_boundary_bytes(g.with_must_keep([2]), g.node_bytes).tolist()
+    >>> from chainer_recompute.core.keep import with_must_keep
+    >>> prefix_boundary_bytes(with_must_keep(g, [2]), g.node_bytes).tolist()
     [0, 1, 3, 3]
     """
     n = graph.n

@@ -12,6 +12,7 @@ from typing import List, Optional
 
 from ..errors import LowerSetExplosionError
 from ..graph import Graph
+from ..keep import with_must_keep
 from ..lower_sets import DEFAULT_MAX_LOWER_SETS, LowerSetFamily, full_mask
 from ..plan import Plan, make_plan
 from ..memory_model import MemoryModel
@@ -51,7 +52,7 @@ def chen_candidates(graph: Graph,
     >>> chen_candidates(g)
     [0, 1, 3, 7]
     """
-    wiring = graph.with_must_keep(())  # cuts of the wiring (kept nodes cost in the plan)
+    wiring = with_must_keep(graph, ())  # cuts of the wiring (kept nodes cost in the plan)
     try:
         fam = LowerSetFamily.all(wiring, max_lower_sets)
     except LowerSetExplosionError:

@@ -55,6 +55,7 @@ import numpy as np
 
 from ..costs import node_costs, time_free_model
 from ..graph import Graph
+from ..keep import with_must_keep
 from ..lower_sets import LowerSetFamily, _rows_of_masks, _n_words
 from ..memory_model import MemoryModel
 from ..plan import Plan, infeasible_plan, make_plan
@@ -216,8 +217,7 @@ class HierProblem:
         tr = np.asarray(m.transient_bytes, dtype=np.int64)
         pmax = np.array([tr[c[j]:c[j + 1]].max() if c[j + 1] > c[j] else 0 for j in range(P)],
                         dtype=np.int64)
-        # (a node every plan keeps is read "at n": in ∂ of every prefix)
-        self._last = last_readers(g)
+        self._last = last_readers(g)  # (a kept node is read "at n": in ∂ of every prefix)
         step = np.full((P + 1, P + 1), np.iinfo(np.int64).max // 4, dtype=np.int64)
         back = above[c] + beside[c]
         for j in range(P):
@@ -250,8 +250,7 @@ class HierProblem:
         return out
 
     def _window(self, j: int, node_cost: np.ndarray
-                ) -> Tuple[List[Tuple[int, int]], np.ndarray, MemoryModel, bytes,
-                           Tuple[int, ...]]:
+                ) -> Tuple[List[Tuple[int, int]], np.ndarray, MemoryModel, bytes, Tuple]:
         """Piece ``j`` with its context: a small graph ``S, piece...,
         context..., G, F`` (S: what came before; F: every later use past the
         context, with the above bytes of A(prefix); G: the beside bytes of
@@ -297,12 +296,10 @@ class HierProblem:
                          transient_bytes=w(m.transient_bytes, 0, 0, 0), constant_bytes=0,
                          scope=m.scope)
         costs = np.concatenate(([0.0], node_cost[sl], [0.0, 0.0]))
-        # the piece's nodes every plan keeps (window ids 1..L)
         kept = np.array([g.nodes[v].must_keep for v in range(c0, c1)], dtype=bool)
         key = hashlib.sha1(b"".join([
             np.array([L, C, int(s_to_f)], dtype=np.int64).tobytes(),
-            self._sig[sl].tobytes(), np.array(far_flags, dtype=bool).tobytes(),
-            kept.tobytes(),
+            self._sig[sl].tobytes(), np.array(far_flags, dtype=bool).tobytes(), kept.tobytes(),
             np.array([above_f, beside_g], dtype=np.int64).tobytes(),
             np.array(edges, dtype=np.int64).tobytes()])).digest()
         return edges, costs, wm, key, tuple((np.flatnonzero(kept) + 1).tolist())
@@ -344,11 +341,10 @@ class HierProblem:
         # Identical pieces are planned once, with their mean costs.
         cache: Dict[bytes, _Options] = {}
         for key, (edges, fsum, tsum, wm, cnt, L, kept) in groups.items():
-            wg = Graph.from_edges([0] * len(fsum), edges,
-                                  costs=(fsum / cnt).tolist()).with_must_keep(kept)
-            wt = None if tsum is None else \
-                Graph.from_edges([0] * len(tsum), edges,
-                                 costs=(tsum / cnt).tolist()).with_must_keep(kept)
+            wg = with_must_keep(Graph.from_edges([0] * len(fsum), edges,
+                                                 costs=(fsum / cnt).tolist()), kept)
+            wt = None if tsum is None else with_must_keep(
+                Graph.from_edges([0] * len(tsum), edges, costs=(tsum / cnt).tolist()), kept)
             cache[key] = _plan_piece(wg, wm, L, wt)
         self.piece_options = [cache[k] for k in keys]
         self.n_distinct_pieces = len(cache)

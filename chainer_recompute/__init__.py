@@ -16,9 +16,11 @@ ensure_numpy_compat()  # before anything imports chainer (NumPy 2 machines)
 
 from .core.errors import (BudgetError, CaptureError, DistributedError,  # noqa: F401
                           GraphError, GraphFormatError,
-                          InfeasibleBudgetError, LowerSetExplosionError, RecomputeError,
+                          InfeasibleBudgetError, KeepError, LowerSetExplosionError,
+                          RecomputeError,
                           SchemaVersionError, UnknownSolverError, UnsafeRecomputeError)
 from .core.graph import ArrayInfo, Graph, HeldArray, Node  # noqa: F401
+from .core.keep import KeepPolicy, parse_keep  # noqa: F401
 from .core.io import load_authors_graph, load_graph, save_graph  # noqa: F401
 from .core.plan import Plan  # noqa: F401
 from .core.search import largest_batch_size, least_feasible_budget  # noqa: F401

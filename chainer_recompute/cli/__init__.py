@@ -25,6 +25,7 @@ import sys
 import traceback
 from typing import Any, Callable, Optional, Sequence
 
+from ..core.keep import parse_keep
 from .args import (EXIT_USAGE, PROG, UsageError, _argv_of, _join_negative_values, _one_line,
                    _Parser, _prepare_out, _workspace, build_parser)
 from .planning import plan_report
@@ -114,6 +115,16 @@ def _budget_of(args: argparse.Namespace) -> Any:
     return b.of_device(device.available_bytes())
 
 
+def _with_keep(args: argparse.Namespace, graph: Any) -> Any:
+    """``graph`` with the functions of the ``--keep`` links marked (kept by
+    every plan); a path that names no recorded link is refused."""
+    if not args.keep:
+        return graph
+    policy = parse_keep(args.keep)
+    policy.check_graph(graph, option="--keep")
+    return policy.mark(graph)
+
+
 def _run(args: argparse.Namespace) -> int:
     from ..progress import Progress
     if args.graph and (args.iterations or args.check_gradients):
@@ -134,6 +145,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.save_graph:
         from ..core.io import save_graph
         save_graph(graph, args.save_graph)
+    graph = _with_keep(args, graph)
     check = needs_check(args)
     if check:  # before planning: plain backprop's peak and the plan's floor
         with progress.step("estimating the memory of the run"):
@@ -148,6 +160,9 @@ def _run(args: argparse.Namespace) -> int:
                          workspace=_workspace(args),
                          scope=scope, progress=progress, subject=subject)
     report["source"] = source
+    if args.keep:
+        report["budget"]["keep"] = {"paths": list(parse_keep(args.keep).paths),
+                                    "functions": len(graph.must_keep)}
     if check:  # after planning, before anything runs at the full batch
         args.memory_estimate = est = estimate_planned(args, graph, report)
         report["memory_estimate"] = {"need_bytes": est.need_bytes,

@@ -118,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tc: least recomputation; mc: coarsest blocks (most recomputation)")
     p.add_argument("--cost", default="measured", choices=("measured", "flops", "paper"),
                    help="cost model T_v for the solver")
+    p.add_argument("--keep", action="append", default=None, metavar="PATH",
+                   help="never drop the outputs of the functions this link applies (a path "
+                        "as namedlinks() names it, e.g. /predictor/res5; repeat for more): "
+                        "every plan, the least budget's included, keeps them")
     p.add_argument("--workspace", default=None, metavar="SIZE|auto",
                    help="bound one convolution call's column buffer: a size ('64M') or "
                         "auto (chosen with the plan); calls over it build it in one copy, "
@@ -212,6 +216,8 @@ def _argv_of(args: argparse.Namespace) -> List[str]:
         if args.small:
             out.append("--small")
     out += ["--budget", args.budget]
+    for path in getattr(args, "keep", None) or ():
+        out += ["--keep", path]
     for flag, value, default in (("--budget-scope", args.budget_scope, None),
                                  ("--solver", args.solver, "auto"),
                                  ("--strategy", args.strategy, "tc"),

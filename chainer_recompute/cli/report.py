@@ -49,6 +49,10 @@ def format_report(report: Dict[str, Any]) -> str:
               else b["resolved"] if b.get("resolved")
               else f"{b['text']} (= {format_bytes(b['bytes'])})")
     lines.append(f"budget {budget} for {what}; solver {b['solver']}, strategy {b['strategy']}")
+    if b.get("keep"):
+        k = b["keep"]
+        lines.append(f"kept by every plan (--keep): {', '.join(k['paths'])} "
+                     f"({k['functions']} function{'' if k['functions'] == 1 else 's'})")
     lines.append("")
     runs = {r["label"]: r for r in report.get("runs", [])}
     measured = bool(runs)

@@ -33,7 +33,7 @@ def _apply_options(args: argparse.Namespace, report: Dict[str, Any]) -> Dict[str
     return dict(budget=budget, solver=args.solver, strategy=args.strategy, cost=args.cost,
                 budget_scope=report["budget"]["scope"],
                 check_iterations=max(3, args.iterations), verbose=args.verbose,
-                workspace=_workspace(args))
+                workspace=_workspace(args), keep=list(getattr(args, "keep", None) or ()) or None)
 
 
 class _NoErrors(logging.Filter):

@@ -68,3 +68,9 @@ class DistributedError(RecomputeError):
     """Collective planning across ChainerMN ranks failed: not a ChainerMN
     communicator, ranks that disagree (options, models, graphs against
     their plan), or a collective call that failed. Raised on every rank."""
+
+
+class KeepError(RecomputeError, ValueError):
+    """A ``keep=`` policy cannot be used: a link path that names no link of
+    the model (the message gives the closest names), a value of another
+    kind, or a predicate that raised."""

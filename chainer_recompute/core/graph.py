@@ -17,7 +17,7 @@ import dataclasses
 import functools
 from fractions import Fraction
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -154,6 +154,9 @@ class Node:
             function, ``'/'`` for the model's own forward; ``''`` where
             unknown (functions applied outside any Link, graphs not
             recorded by :func:`capture`).
+        must_keep: every plan keeps its outputs (``keep=``, see
+            :mod:`~chainer_recompute.core.keep`): the solvers count it in
+            ∂(L) of every lower set ``L`` that holds it.
     """
 
     id: int
@@ -175,6 +178,7 @@ class Node:
     inner_params: Tuple[int, ...] = ()
     unrecorded_peak_bytes: int = 0
     link: str = ""
+    must_keep: bool = False
 
     @property
     def held_bytes(self) -> int:
@@ -337,6 +341,12 @@ class Graph:
         """:attr:`edges` as an ``(E, 2)`` int64 array (made on each call: a
         graph keeps no array of its own that would outlive its planning)."""
         return np.array(self.edges, dtype=np.int64).reshape(-1, 2)
+
+    @functools.cached_property
+    def must_keep(self) -> FrozenSet[int]:
+        """The nodes every plan keeps (:attr:`Node.must_keep`; set them with
+        :func:`~chainer_recompute.core.keep.with_must_keep`)."""
+        return frozenset(v for v, node in enumerate(self.nodes) if node.must_keep)
 
     def with_cost_model(self, cost_model: str) -> "Graph":
         """The same graph under another cost model."""

@@ -50,7 +50,8 @@ def graph_to_dict(graph: Graph) -> Dict[str, Any]:
                 "backward_transient_bytes": n.backward_transient_bytes,
                 "backward_alloc_bytes": n.backward_alloc_bytes,
                 "has_backward": n.has_backward, "inner_params": list(n.inner_params),
-                "unrecorded_peak_bytes": n.unrecorded_peak_bytes, "link": n.link}
+                "unrecorded_peak_bytes": n.unrecorded_peak_bytes, "link": n.link,
+                **({"must_keep": True} if n.must_keep else {})}
 
     return {"schema_version": SCHEMA_VERSION, "batch_size": graph.batch_size,
             "cost_model": graph.cost_model, "meta": graph.meta,
@@ -93,7 +94,8 @@ def graph_from_dict(d: Dict[str, Any], source: str = "<dict>") -> Graph:
                       has_backward=n.get("has_backward", True),
                       inner_params=tuple(n.get("inner_params", ())),
                       unrecorded_peak_bytes=int(n.get("unrecorded_peak_bytes", 0)),
-                      link=str(n.get("link", "")))
+                      link=str(n.get("link", "")),
+                      must_keep=bool(n.get("must_keep", False)))
                  for n in d["nodes"]]
     except (KeyError, TypeError) as e:
         raise GraphFormatError(source, None, f"missing or malformed field {e}") from None

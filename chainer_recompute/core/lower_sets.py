@@ -154,14 +154,20 @@ def is_lower_set(graph: Graph, nodes) -> bool:
 
 
 def boundary(graph: Graph, nodes) -> int:
-    """∂(L): the nodes of ``L`` with a successor outside ``L`` (bitset).
+    """∂(L): the nodes of ``L`` with a successor outside ``L`` (bitset),
+    and those of ``L`` every plan must keep (:attr:`Graph.must_keep`: the
+    solvers' ∂ is ``∂(L) ∪ (K ∩ L)``, so that such a node is a checkpoint
+    of whichever block holds it).
 
     >>> g = Graph.from_edges([1, 1, 1], [(0, 1), (1, 2), (0, 2)])
     >>> sorted(mask_to_set(boundary(g, {0, 1})))
     [0, 1]
+    >>> from chainer_recompute.core.keep import with_must_keep
+    >>> sorted(mask_to_set(boundary(with_must_keep(g, [2]), {0, 1, 2})))
+    [2]
     """
     m = _as_mask(nodes)
-    out = 0
+    out = m & set_to_mask(graph.must_keep)
     for v, sm in enumerate(_succ_masks(graph)):
         if (m >> v) & 1 and sm & ~m:
             out |= 1 << v
@@ -358,7 +364,16 @@ def _group_any(x: np.ndarray, keys: np.ndarray, n: int) -> np.ndarray:
 
 def _derived_words(graph: Graph, words: np.ndarray, chunk: int = 1 << 14,
                    adjacency: Optional[Tuple[np.ndarray, np.ndarray]] = None):
-    """∂(L), A(L) and B(L) of every row, as words (vectorised over edges)."""
+    """∂(L), A(L) and B(L) of every row, as words (vectorised over edges);
+    ∂(L) holds the nodes of ``L`` every plan keeps (see :func:`boundary`)."""
+    bnd, a, b = _structural_words(graph, words, chunk, adjacency)
+    if graph.must_keep:
+        bnd |= words & _rows_of_masks([set_to_mask(graph.must_keep)], words.shape[1])
+    return bnd, a, b
+
+
+def _structural_words(graph: Graph, words: np.ndarray, chunk: int,
+                      adjacency: Optional[Tuple[np.ndarray, np.ndarray]]):
     kn = _kernels()
     if kn is not None:
         pw, sw = _adjacency_words(graph) if adjacency is None else adjacency

@@ -197,6 +197,8 @@ def entry_cost(graph: Graph, entry: np.ndarray, model: Optional["MemoryModel"] =
     ms = ent.copy()
     np.maximum.at(ms, eu, ent[ev])
     in_u = ms > ent
+    if graph.must_keep:  # ∂ holds what every plan keeps (lower_sets.boundary)
+        in_u[list(graph.must_keep)] = True
     keep = np.bincount(ent[in_u], weights=model.keep_bytes[in_u], minlength=J).astype(i64)
     acc = np.concatenate([[0], np.cumsum(keep)[:-1]])
     blk = np.bincount(ent, weights=model.block_bytes, minlength=J).astype(i64)
@@ -290,6 +292,9 @@ def build_schedule(graph: Graph, lower_sets: Sequence, *,
             for v in nodes:
                 if any(block_of[s] > i or block_of[s] < 0 for s in succs[v]):
                     keep[v] = True
+        for v in graph.must_keep:  # kept by every plan (lower_sets.boundary)
+            if block_of[v] >= 0:
+                keep[v] = True
     else:  # not a chain: from the bitsets
         prev = 0
         for cur in masks:

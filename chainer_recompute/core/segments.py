@@ -27,7 +27,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Segments", "detect_segments", "prefix_boundary_bytes", "node_signatures"]
+__all__ = ["Segments", "detect_segments", "last_readers", "prefix_boundary_bytes",
+           "node_signatures"]
 
 #: Relative wiring is recorded for predecessors at most this far back; an
 #: edge longer than this is recorded as "far".
@@ -104,17 +105,39 @@ def node_signatures(graph: "Graph", model: Optional["MemoryModel"] = None) -> np
     return out
 
 
-def prefix_boundary_bytes(graph: "Graph", weights: np.ndarray) -> np.ndarray:
+def last_readers(graph: "Graph", must_keep: bool = True) -> np.ndarray:
+    """Each node's last successor (``-1``: none), ``n`` for a node every
+    plan keeps (:attr:`~chainer_recompute.core.graph.Graph.must_keep`: in ∂
+    of every prefix that holds it, V included) unless ``must_keep`` is False.
+
+    >>> from chainer_recompute.core.graph import Graph
+    >>> g = Graph.from_edges([1, 2, 3], [(0, 1), (0, 2)])
+    >>> from chainer_recompute.core.keep import with_must_keep
+    >>> last_readers(g).tolist(), last_readers(with_must_keep(g, [1])).tolist()
+    ([2, -1, -1], [2, 3, -1])
+    """
+    last = np.array([max(s) if s else -1 for s in graph.succs], dtype=np.int64)
+    if must_keep and graph.must_keep:
+        last[list(graph.must_keep)] = graph.n
+    return last
+
+
+def prefix_boundary_bytes(graph: "Graph", weights: np.ndarray,
+                          must_keep: bool = True) -> np.ndarray:
     """``out[e + 1]`` = Σ weights over ∂({0, ..., e}), the nodes of the
-    prefix up to ``e`` read by a node after it, for ``e = -1 .. n - 1``.
+    prefix up to ``e`` read by a node after it (and, with ``must_keep``,
+    those every plan keeps: see :func:`last_readers`), for ``e = -1 .. n - 1``.
 
     >>> from chainer_recompute.core.graph import Graph
     >>> g = Graph.from_edges([1, 2, 3], [(0, 1), (0, 2), (1, 2)])
     >>> prefix_boundary_bytes(g, g.node_bytes).tolist()
     [0, 1, 3, 0]
+    >>> from chainer_recompute.core.keep import with_must_keep
+    >>> prefix_boundary_bytes(with_must_keep(g, [2]), g.node_bytes).tolist()
+    [0, 1, 3, 3]
     """
     n = graph.n
-    last = np.array([max(s) if s else -1 for s in graph.succs], dtype=np.int64)
+    last = last_readers(graph, must_keep)
     diff = np.zeros(n + 2, dtype=np.float64 if weights.dtype.kind == "f" else np.int64)
     ids = np.arange(n)
     live = last > ids
@@ -178,7 +201,8 @@ def detect_segments(graph: "Graph", model: Optional["MemoryModel"] = None,
         return None
     covered, s, a = best[0], -best[1], best[2]
     k = covered // s
-    bnd = prefix_boundary_bytes(graph, np.asarray(model.keep_bytes, dtype=np.int64))
+    # (the wiring's boundary: what a cut costs wherever the kept nodes are)
+    bnd = prefix_boundary_bytes(graph, np.asarray(model.keep_bytes, dtype=np.int64), False)
     # cut before node a + i*s + r: prefix e = a + i*s + r - 1, bnd index e + 1
     med = []
     for r in range(s):
@@ -205,7 +229,7 @@ def menu_offsets(graph: "Graph", seg: Segments, keep_bytes: np.ndarray, factor: 
     >>> menu_offsets(g, detect_segments(g), g.node_bytes)
     [0]
     """
-    bnd = prefix_boundary_bytes(graph, np.asarray(keep_bytes, dtype=np.int64))
+    bnd = prefix_boundary_bytes(graph, np.asarray(keep_bytes, dtype=np.int64), False)
     s, k = seg.period, seg.count
     scores = []
     for r in range(s):

@@ -163,14 +163,16 @@ def feasibility(P, budget, has_budget):
 def capacity(P, budget):
     """cap[L]: the most retained memory with which V is still reachable
     from L within the budget (-1 when it is not). A chain reaching L has
-    kept at least ∂(L), so the slack out of L is at most budget - keep(∂L)."""
+    kept at least ∂(L), so the slack out of L is at most budget - keep(∂L).
+    V's is unbounded: what the last block keeps (the nodes every plan keeps,
+    Graph.must_keep) is held during no later block."""
     R, lay, all_rows, all_blk, vptr, vrows, vblk, mptr, mnodes, node_t, node_k, trans_vals = P
     nw, nwt = lay
     c_size = 2 * nw + nwt
     c_tb, c_kb, c_blk = _columns(lay)
     K = R.shape[0]
     cap = np.full(K, -1, dtype=np.int64)
-    cap[K - 1] = budget
+    cap[K - 1] = INF // 4
     for i in range(K - 2, -1, -1):
         kbi = np.int64(R[i, c_kb])
         if kbi > budget:

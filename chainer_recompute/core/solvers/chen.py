@@ -12,6 +12,7 @@ from typing import List, Optional
 
 from ..errors import LowerSetExplosionError
 from ..graph import Graph
+from ..keep import with_must_keep
 from ..lower_sets import DEFAULT_MAX_LOWER_SETS, LowerSetFamily, full_mask
 from ..plan import Plan, make_plan
 from ..memory_model import MemoryModel
@@ -43,16 +44,19 @@ def chen_candidates(graph: Graph,
     """Chen's candidate cuts: lower sets whose boundary ∂(L) is a single
     node (articulation cuts), plus ∅ and V, as bitsets sorted by M(L).
     Falls back to the ancestor-closure family when the graph has too many
-    lower sets.
+    lower sets. The nodes every plan keeps (:attr:`Graph.must_keep`) do not
+    count in ∂(L) here: they are checkpoints of the resulting plan, and
+    its figures count them.
 
     >>> g = Graph.from_edges([1, 1, 1], [(0, 1), (1, 2)])
     >>> chen_candidates(g)
     [0, 1, 3, 7]
     """
+    wiring = with_must_keep(graph, ())  # cuts of the wiring (kept nodes cost in the plan)
     try:
-        fam = LowerSetFamily.all(graph, max_lower_sets)
+        fam = LowerSetFamily.all(wiring, max_lower_sets)
     except LowerSetExplosionError:
-        fam = LowerSetFamily.ancestor_closures(graph)
+        fam = LowerSetFamily.ancestor_closures(wiring)
     import numpy as np
     bsize = np.unpackbits(fam.boundary_words.view(np.uint8), axis=1).sum(axis=1)
     rows = [i for i in range(len(fam)) if bsize[i] == 1 or i == 0 or i == len(fam) - 1]

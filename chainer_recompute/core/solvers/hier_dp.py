@@ -55,12 +55,13 @@ import numpy as np
 
 from ..costs import node_costs, time_free_model
 from ..graph import Graph
+from ..keep import with_must_keep
 from ..lower_sets import LowerSetFamily, _rows_of_masks, _n_words
 from ..memory_model import MemoryModel
 from ..plan import Plan, infeasible_plan, make_plan
 from ..schedule import entry_cost
-from ..segments import Segments, detect_segments, menu_offsets, node_signatures, \
-    prefix_boundary_bytes
+from ..segments import Segments, detect_segments, last_readers, menu_offsets, \
+    node_signatures, prefix_boundary_bytes
 from ._dp import chain_cost, run_dp
 from ._hier_kernel import kernel, least_kernel
 
@@ -154,7 +155,7 @@ class HierProblem:
         assert seg is not None
         n = g.n
         keep = np.asarray(m.keep_bytes, dtype=np.int64)
-        bnd = prefix_boundary_bytes(g, keep)
+        bnd = prefix_boundary_bytes(g, keep, must_keep=False)  # (where to cut: the wiring)
         menu = menu_offsets(g, seg, keep, MENU_FACTOR, MENU_LIMIT)
         # inner cuts, cheapest boundary first
         self._menu_rank = sorted(menu[1:], key=lambda r: (bnd[seg.start + r + seg.period], r))
@@ -216,7 +217,7 @@ class HierProblem:
         tr = np.asarray(m.transient_bytes, dtype=np.int64)
         pmax = np.array([tr[c[j]:c[j + 1]].max() if c[j + 1] > c[j] else 0 for j in range(P)],
                         dtype=np.int64)
-        self._last = np.array([max(s) if s else -1 for s in succs], dtype=np.int64)
+        self._last = last_readers(g)  # (a kept node is read "at n": in ∂ of every prefix)
         step = np.full((P + 1, P + 1), np.iinfo(np.int64).max // 4, dtype=np.int64)
         back = above[c] + beside[c]
         for j in range(P):
@@ -249,12 +250,13 @@ class HierProblem:
         return out
 
     def _window(self, j: int, node_cost: np.ndarray
-                ) -> Tuple[List[Tuple[int, int]], np.ndarray, MemoryModel, bytes]:
+                ) -> Tuple[List[Tuple[int, int]], np.ndarray, MemoryModel, bytes, Tuple]:
         """Piece ``j`` with its context: a small graph ``S, piece...,
         context..., G, F`` (S: what came before; F: every later use past the
         context, with the above bytes of A(prefix); G: the beside bytes of
-        B(prefix)), its costs (of ``node_cost``), its memory model and a key
-        equal for identical pieces."""
+        B(prefix)), its costs (of ``node_cost``), its memory model, a key
+        equal for identical pieces, and the window ids of the piece's nodes
+        every plan keeps (:attr:`Graph.must_keep`)."""
         g, m = self.graph, self.model
         c0, c1 = int(self.cuts[j]), int(self.cuts[j + 1])
         L = c1 - c0
@@ -294,12 +296,13 @@ class HierProblem:
                          transient_bytes=w(m.transient_bytes, 0, 0, 0), constant_bytes=0,
                          scope=m.scope)
         costs = np.concatenate(([0.0], node_cost[sl], [0.0, 0.0]))
+        kept = np.array([g.nodes[v].must_keep for v in range(c0, c1)], dtype=bool)
         key = hashlib.sha1(b"".join([
             np.array([L, C, int(s_to_f)], dtype=np.int64).tobytes(),
-            self._sig[sl].tobytes(), np.array(far_flags, dtype=bool).tobytes(),
+            self._sig[sl].tobytes(), np.array(far_flags, dtype=bool).tobytes(), kept.tobytes(),
             np.array([above_f, beside_g], dtype=np.int64).tobytes(),
             np.array(edges, dtype=np.int64).tobytes()])).digest()
-        return edges, costs, wm, key
+        return edges, costs, wm, key, tuple((np.flatnonzero(kept) + 1).tolist())
 
     def _prefix_far(self, c0: int, hi: int) -> bool:
         """Whether some node before ``c0`` is read at or after ``hi``."""
@@ -323,13 +326,13 @@ class HierProblem:
         groups: Dict[bytes, List[Any]] = {}
         keys = []
         for j in range(P):
-            edges, costs, wm, key = self._window(j, free_cost)
+            edges, costs, wm, key, kept = self._window(j, free_cost)
             keys.append(key)
             own = self._window_costs(j) if timed else None
             got = groups.get(key)
             if got is None:
                 groups[key] = [edges, costs.copy(), own, wm, 1,
-                               int(self.cuts[j + 1] - self.cuts[j])]
+                               int(self.cuts[j + 1] - self.cuts[j]), kept]
             else:
                 got[1] += costs
                 if timed:
@@ -337,10 +340,11 @@ class HierProblem:
                 got[4] += 1
         # Identical pieces are planned once, with their mean costs.
         cache: Dict[bytes, _Options] = {}
-        for key, (edges, fsum, tsum, wm, cnt, L) in groups.items():
-            wg = Graph.from_edges([0] * len(fsum), edges, costs=(fsum / cnt).tolist())
-            wt = None if tsum is None else \
-                Graph.from_edges([0] * len(tsum), edges, costs=(tsum / cnt).tolist())
+        for key, (edges, fsum, tsum, wm, cnt, L, kept) in groups.items():
+            wg = with_must_keep(Graph.from_edges([0] * len(fsum), edges,
+                                                 costs=(fsum / cnt).tolist()), kept)
+            wt = None if tsum is None else with_must_keep(
+                Graph.from_edges([0] * len(tsum), edges, costs=(tsum / cnt).tolist()), kept)
             cache[key] = _plan_piece(wg, wm, L, wt)
         self.piece_options = [cache[k] for k in keys]
         self.n_distinct_pieces = len(cache)

@@ -79,8 +79,11 @@ def apply(model: chainer.Link, budget: Any, *, solver: str = "auto", strategy: s
     Raises:
         BudgetError: the budget cannot be read (nothing is changed).
         UnknownSolverError: unknown solver or strategy (nothing is changed).
+        KeepError: a ``keep=`` path names no link of ``model`` (the
+            message gives the closest names; nothing is changed).
 
     >>> model = apply(L.Classifier(net), budget='8G')        # doctest: +SKIP
+    >>> model = apply(model, budget='8G', keep=['/predictor/attn'])  # doctest: +SKIP
     """
     if not isinstance(model, chainer.Link):
         raise RecomputeError(f"apply() takes a chainer.Link, got {type(model).__name__}; for "
@@ -88,6 +91,7 @@ def apply(model: chainer.Link, budget: Any, *, solver: str = "auto", strategy: s
     base = getattr(type(model), "_chainer_recompute_base", type(model))
     runner = Recompute(base.__call__, budget, solver=solver, strategy=strategy, cost=cost,
                        **options)
+    runner.check_keep(model)  # a path that names no link: refused before anything changes
     _install(model, base, runner)
     return model
 

@@ -52,6 +52,7 @@ class PlanningMixin:
                 user reads, once, in a Trainer's report too), or, with
                 ``on_infeasible='warn'``, says it once as a warning."""
         from ...core.budget import plan_for_budget
+        graph = self._with_keep(graph)
         return plan_for_budget(graph, self.planning_budget(), solver=self.solver,
                                strategy=self.strategy, scope=self.budget_scope,
                                **self.solver_options)
@@ -65,6 +66,9 @@ class PlanningMixin:
         """A training call's budget cannot be met: raise, or say so once and
         run this signature plainly (see ``on_infeasible``)."""
         if self._raising():
+            raise e
+        from ...core.errors import KeepError
+        if isinstance(e, KeepError):  # a setting to fix, whatever on_infeasible says
             raise e
         entry.plain, entry.pending, entry.error = True, None, None
         entry.structures.clear()
@@ -126,6 +130,7 @@ class PlanningMixin:
         """A new structure of ``entry`` (first), for ``graph`` and ``plan``
         (None: planned now; ``adopted``: a plan made elsewhere for ``graph``
         before its workspace bound)."""
+        graph = self._with_keep(graph)  # (keep=: the functions every plan keeps)
         if plan is None or adopted:
             if self.workspace is not None:  # the convolutions' bound, chosen with the plan
                 graph, bound_plan = self._bound(graph)

@@ -150,6 +150,16 @@ class Recompute(PlanningMixin, MeteringMixin):
             ``loss``) is always planned at the end of its backward, and that
             graph then releases what the plan drops; a bare callable (no
             Link) always at its next call.
+        keep: functions whose outputs no plan drops: link paths as
+            ``namedlinks()`` names them (``['/predictor/res5', '/attn']``:
+            every function applied by that link or a link under it), a
+            function taking a recorded function (its ``.op``, ``.link``,
+            ``.label``) and returning True for those to keep, or a list of
+            both; ``None`` (default): none. The solvers plan with them kept
+            (their memory in every figure, the least budget included). A
+            path that names no link is refused, with the closest names: for
+            a Link's call at the first call, else at the first plan (see
+            :mod:`~chainer_recompute.core.keep`).
         free_previous_graph: False (default): the graph of an earlier call
             lives as long as something holds it, as in plain Chainer (a
             backward through it works whatever came between: a later call,
@@ -202,7 +212,7 @@ class Recompute(PlanningMixin, MeteringMixin):
                  verbose: bool = True, coordinator: Any = None, workspace: Any = None,
                  workspace_exact: bool = True, on_infeasible: str = "auto",
                  plan_at: str = "backward", free_previous_graph: bool = False,
-                 **solver_options: Any) -> None:
+                 keep: Any = None, **solver_options: Any) -> None:
         from ...core.budget import check_scope
         from ...core.costs import COST_MODELS
         from ...core.solvers import check_solver
@@ -219,6 +229,10 @@ class Recompute(PlanningMixin, MeteringMixin):
         self._device: Any = None  # the device of the latest training call's arrays
         check_solver(solver, strategy)
         _check_solver_options(solver, solver_options)
+        from ...core.keep import parse_keep
+        #: the keep= policy, parsed (:class:`~chainer_recompute.core.keep.KeepPolicy`)
+        self.keep = parse_keep(keep)
+        self._keep_checked = not self.keep.paths  # its paths checked against link names
         if on_infeasible not in ("auto", "warn", "raise"):
             raise RecomputeError(f"on_infeasible must be 'auto', 'warn' or 'raise', got "
                                  f"{on_infeasible!r}")
@@ -248,7 +262,7 @@ class Recompute(PlanningMixin, MeteringMixin):
             budget_scope=budget_scope, check_iterations=check_iterations, verbose=verbose,
             coordinator=coordinator, workspace=workspace, workspace_exact=workspace_exact,
             on_infeasible=on_infeasible, plan_at=plan_at,
-            free_previous_graph=free_previous_graph, **solver_options)
+            free_previous_graph=free_previous_graph, keep=keep, **solver_options)
         self.verbose = verbose
         self.coordinator = coordinator
         self._correction = Correction(report)  # a measured overshoot: warned once
@@ -265,6 +279,29 @@ class Recompute(PlanningMixin, MeteringMixin):
         self._entries: "collections.OrderedDict[Hashable, _Entry]" = collections.OrderedDict()
         self.last_stats: Optional[IterationStats] = None
         self._graphs: List[Any] = []  # weak references to the hooks of calls not yet let go
+
+    # ------------------------------------------------------------- keep
+    def check_keep(self, model: chainer.Link) -> None:
+        """Refuse a ``keep=`` path that names no link of ``model`` (by its
+        ``namedlinks()``), with the closest names.
+
+        Raises:
+            KeepError: a path names no link of ``model``.
+        """
+        self.keep.check_names((name for name, _ in model.namedlinks()),
+                              f"{type(model).__name__}")
+        self._keep_checked = True
+
+    def _with_keep(self, graph: Any) -> Any:
+        """``graph`` with the functions ``keep=`` names marked
+        (:attr:`~chainer_recompute.core.graph.Node.must_keep`); its paths
+        are checked against the graph's links when no model's were."""
+        if not self.keep:
+            return graph
+        if not self._keep_checked:
+            self.keep.check_graph(graph)
+            self._keep_checked = True
+        return self.keep.mark(graph)
 
     # ----------------------------------------------------------- budget
     @property
@@ -396,6 +433,8 @@ class Recompute(PlanningMixin, MeteringMixin):
             self._let_go_of_finished_graphs()
         if self._corrections:  # planned here, where no step's meter runs
             self._apply_corrections()
+        if not self._keep_checked and self._link(args) is not None:
+            self.check_keep(self._link(args))  # before anything runs
         sig = self.signature(args, kwargs)
         entry = self._entry(sig)
         if self.budget.kind == "device" and not self.budget.resolved:

@@ -179,8 +179,9 @@ def run_dp(family: LowerSetFamily, budget_bytes: Optional[int], objective: str,
     if budget is not None and budget >= _never_binds(family, pairs):
         budget = None  # every transition from every state fits: the same answers
     if budget is None and objective != "feasible":
-        if objective == "mc":  # one block: nothing retained
-            return DPResult([0, K - 1], 0.0, 0, 1, 2)
+        if objective == "mc":  # one block: nothing retained but what must be kept
+            return DPResult([0, K - 1], float(pairs.btime[K - 1]), int(pairs.bbytes[K - 1]),
+                            1, 2)
         chain = _prefix_chain(family)
         if chain is not None:  # every non-sink kept
             return DPResult(chain, float(pairs.r0[0]), 0, len(chain) - 1, len(chain))

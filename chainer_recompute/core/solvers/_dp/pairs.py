@@ -129,9 +129,13 @@ class _Pairs:
         self.total_t = int(self.node_t.sum())
         self.btime = _weighted_sum(family.boundary_words, self.node_t, g.n).astype(np.int64)
         # The most retained time any continuation from L can add: T of the
-        # nodes outside L that have a successor (each kept at most once).
+        # nodes outside L that have a successor or must be kept (each kept
+        # at most once).
         _, sw = family.adjacency()
-        nonsink = np.where(sw.any(axis=1), self.node_t, 0).astype(np.int64)
+        keepable = sw.any(axis=1)
+        if g.must_keep:
+            keepable[list(g.must_keep)] = True
+        nonsink = np.where(keepable, self.node_t, 0).astype(np.int64)
         self.r0 = int(nonsink.sum()) - _weighted_sum(family.words, nonsink, g.n).astype(np.int64)
 
     def with_costs(self, family: LowerSetFamily) -> "_Pairs":
@@ -241,11 +245,13 @@ def _feasibility(pairs: _Pairs, budget: Optional[int]):
 
 def _capacity(pairs: _Pairs, budget: int, least: np.ndarray) -> np.ndarray:
     """cap[L]: the most retained memory with which V is still reachable
-    from L within the budget (-1 when it is not)."""
+    from L within the budget (-1 when it is not); V's is unbounded: what
+    the last block keeps (the nodes every plan keeps, Graph.must_keep) is
+    held during no later block."""
     K = pairs.K
     inf = np.iinfo(np.int64).max
     cap = np.full(K, -1, dtype=np.int64)
-    cap[K - 1] = budget
+    cap[K - 1] = inf // 4
     for i in range(K - 2, -1, -1):
         if least[i] == inf:
             continue

@@ -38,6 +38,7 @@ _LAZY = {
     "remove": ("runtime.runner", "remove"),
     "runner_of": ("runtime.runner", "runner_of"),
     "Recompute": ("runtime.runner", "Recompute"),
+    "Tuning": ("runtime.runner", "Tuning"),
     "bptt": ("runtime.bptt", None),
     "distributed": ("runtime.distributed", None),
     "extensions": ("extensions", None),
@@ -46,7 +47,7 @@ _LAZY = {
 #: The public API: ``help(chainer_recompute)`` lists these.
 __all__ = [
     # the one line, and the runner it installs
-    "apply", "remove", "runner_of", "Recompute",
+    "apply", "Tuning", "remove", "runner_of", "Recompute",
     # planning without a model: graphs, plans, budgets
     "capture", "solve", "least_total_budget", "least_feasible_budget",
     "largest_batch_size", "parse_bytes", "format_bytes", "Graph", "Node", "ArrayInfo",

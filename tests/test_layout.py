@@ -137,3 +137,40 @@ def test_the_public_api_is_listed_and_importable():
     assert set(cr.__all__) <= set(dir(cr))
     text = pydoc.render_doc(cr, renderer=pydoc.plaintext)
     assert "apply(model" in text and "least_total_budget(" in text
+
+
+def test_apply_names_the_options_a_user_sets_and_takes_the_knobs_in_tuning():
+    """``apply()``'s signature names the user's options; the tuning knobs
+    go in ``cr.Tuning``; passed directly they still work, with a
+    DeprecationWarning that names the ``Tuning`` to write; given twice,
+    refused before anything changes."""
+    import inspect
+    import warnings
+    import chainer.links as L
+    import pytest
+    import chainer_recompute as cr
+    from chainer_recompute.core.errors import RecomputeError
+    named = set(inspect.signature(cr.apply).parameters)
+    assert {"budget", "solver", "strategy", "budget_scope", "capture_batch", "on_infeasible",
+            "workspace", "keep", "verbose", "tuning"} <= named
+    assert not named & {"cost", "max_plans", "max_structures", "check_iterations", "verify",
+                        "workspace_exact", "plan_at", "engine", "method"}
+    model = L.Classifier(L.Linear(4, 3))
+    cr.apply(model, budget="least", verbose=False,
+             tuning=cr.Tuning(cost="flops", check_iterations=0,
+                              solver_options={"engine": "numpy"}))
+    runner = cr.runner_of(model)
+    assert (runner.cost, runner.check_iterations, runner.solver_options) == \
+        ("flops", 0, {"engine": "numpy"})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cr.apply(model, budget="least", verbose=False, cost="paper", engine="numpy")
+    said = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
+    assert said and "Tuning(cost='paper', solver_options={'engine': 'numpy'})" in said[0]
+    assert cr.runner_of(model).cost == "paper"
+    before = cr.runner_of(model)
+    with pytest.raises(RecomputeError, match="give each once"):
+        cr.apply(model, budget="least", tuning=cr.Tuning(cost="flops"), cost="paper")
+    assert cr.runner_of(model) is before
+    with pytest.raises(RecomputeError, match="Tuning"):
+        cr.apply(model, budget="least", tuning={"cost": "flops"})

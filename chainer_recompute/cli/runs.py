@@ -30,10 +30,11 @@ def _apply_options(args: argparse.Namespace, report: Dict[str, Any]) -> Dict[str
     call, which it records at the real batch (the first iteration is left
     out of the averages)."""
     budget = report["budget"]["text"]
-    return dict(budget=budget, solver=args.solver, strategy=args.strategy, cost=args.cost,
-                budget_scope=report["budget"]["scope"],
-                check_iterations=max(3, args.iterations), verbose=args.verbose,
-                workspace=_workspace(args), keep=list(getattr(args, "keep", None) or ()) or None)
+    from ..runtime.runner import Tuning
+    return dict(budget=budget, solver=args.solver, strategy=args.strategy,
+                budget_scope=report["budget"]["scope"], verbose=args.verbose,
+                workspace=_workspace(args), keep=list(getattr(args, "keep", None) or ()) or None,
+                tuning=Tuning(cost=args.cost, check_iterations=max(3, args.iterations)))
 
 
 class _NoErrors(logging.Filter):

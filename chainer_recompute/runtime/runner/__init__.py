@@ -6,28 +6,23 @@ run every training forward under the backward driver.
 >>> loss = model(x, t); loss.backward()                 # doctest: +SKIP
 
 The first training call with a new input signature (shapes, dtypes, device,
-train mode, other arguments) runs exactly as plain Chainer would (one
-forward, the same random draws, side effects, lazy initialisation and
-BatchNorm updates) while its graph is recorded, with the backward that
-follows it. The next call with that signature plans (solves for the budget)
-and runs under the plan. Every planned iteration is checked against the
-plan as it runs (function classes, shapes and the real wiring); an
+train mode, other arguments) is planned before it runs, from two small
+captures scaled to the real batch (``capture_batch='auto'``), so that the
+budget holds from the first step; a call the captures cannot describe runs
+as plain Chainer while its graph is recorded, and the next call runs under
+a plan made from that recording. Every planned iteration is checked against
+its plan as it runs (function classes, shapes and the real wiring); an
 iteration that stops matching keeps what it has not released, records its
-new structure and the next call plans that one too: a signature keeps a few
-plans, one per structure. A model whose structure changes on almost every
-call falls back to plain Chainer with one warning.
-
-``capture_batch=N`` plans before the first call instead, from a separate
-small-batch capture scaled to the real batch, so that the budget holds from
-the first step; that capture leaves no trace (random states, persistent
-values, lazily created parameters are restored). Evaluation calls
+new structure, and the next call plans that one too. Evaluation calls
 (``chainer.using_config('train', False)``, ``no_backprop_mode``) run the
-plain forward.
+plain forward. What the defaults do: docs/defaults.md.
 """
 from ..executor import IterationStats
 from .install import _rebuild, apply, remove, runner_of  # noqa: F401 (_rebuild: old pickles)
 from .log import logger, report  # noqa: F401
 from .describe import describe_plan
 from .recompute import Recompute
+from .tuning import Tuning
 
-__all__ = ["IterationStats", "Recompute", "apply", "describe_plan", "remove", "runner_of"]
+__all__ = ["IterationStats", "Recompute", "Tuning", "apply", "describe_plan", "remove",
+           "runner_of"]

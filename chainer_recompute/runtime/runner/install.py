@@ -9,6 +9,7 @@ import chainer
 
 from ...core.errors import RecomputeError
 from .recompute import Recompute
+from .tuning import Tuning
 
 _ATTR = "_chainer_recompute"
 
@@ -54,7 +55,10 @@ def _install(model: chainer.Link, base: type, runner: Recompute) -> None:
 
 
 def apply(model: chainer.Link, budget: Any, *, solver: str = "auto", strategy: str = "tc",
-          cost: str = "measured", **options: Any) -> chainer.Link:
+          budget_scope: str = "total", capture_batch: Any = "auto",
+          on_infeasible: str = "auto", workspace: Any = None, keep: Any = None,
+          free_previous_graph: bool = False, verbose: bool = True,
+          tuning: Optional[Tuning] = None, **legacy: Any) -> chainer.Link:
     """Make ``model`` recompute, in place, and return it.
 
     The Link keeps its parameters, their paths (``save_npz`` / ``load_npz``
@@ -70,8 +74,31 @@ def apply(model: chainer.Link, budget: Any, *, solver: str = "auto", strategy: s
         model: the Link whose call returns the loss (e.g. a
             ``chainer.links.Classifier``); it may define ``forward`` or
             only ``__call__``.
-        budget: ``'8G'``, bytes, ... or ``'least'`` (see :class:`Recompute`).
-        solver, strategy, cost, options: see :class:`Recompute`.
+        budget: ``'8G'`` (8·2^30 bytes), ``'8GB'`` (8·10^9), bytes,
+            ``'least'``, ``'60%'`` (of plain Chainer's need) or
+            ``'device'`` (docs/defaults.md).
+        solver: ``'auto'``, ``'hier'``, ``'approx'``, ``'exact'``,
+            ``'chen'``, ``'chen-greedy'`` or ``'none'``.
+        strategy: ``'tc'`` (least recomputation) or ``'mc'``.
+        budget_scope: ``'total'`` (the whole iteration) or
+            ``'activations'`` (the paper's model).
+        capture_batch: how a signature's first call is planned
+            (``'auto'``: from small captures, under the budget).
+        on_infeasible: ``'auto'``, ``'raise'`` or ``'warn'``.
+        workspace: a bound on one convolution's temporary memory, ``'auto'``
+            or None.
+        keep: link paths (or a predicate on recorded functions) whose
+            outputs no plan drops.
+        free_previous_graph: opt-in: release earlier calls' graphs at the
+            next training call.
+        verbose: the one line on stderr when a plan is made.
+        tuning: the planner's and runner's knobs (:class:`Tuning`).
+        legacy: ``Tuning``'s knobs and solver options passed directly, as
+            before ``tuning=`` (deprecated: a DeprecationWarning names the
+            ``Tuning`` field); ``coordinator=`` (ChainerMN,
+            :mod:`~chainer_recompute.runtime.distributed`).
+
+    Each option is documented at length on :class:`Recompute`.
 
     Returns:
         ``model`` itself.
@@ -89,11 +116,42 @@ def apply(model: chainer.Link, budget: Any, *, solver: str = "auto", strategy: s
         raise RecomputeError(f"apply() takes a chainer.Link, got {type(model).__name__}; for "
                              f"a plain callable use chainer_recompute.Recompute(fn, budget=...)")
     base = getattr(type(model), "_chainer_recompute_base", type(model))
-    runner = Recompute(base.__call__, budget, solver=solver, strategy=strategy, cost=cost,
-                       **options)
+    options = _tuning_options(tuning, legacy)
+    runner = Recompute(base.__call__, budget, solver=solver, strategy=strategy,
+                       budget_scope=budget_scope, capture_batch=capture_batch,
+                       on_infeasible=on_infeasible, workspace=workspace, keep=keep,
+                       free_previous_graph=free_previous_graph, verbose=verbose, **options)
     runner.check_keep(model)  # a path that names no link: refused before anything changes
     _install(model, base, runner)
     return model
+
+
+def _tuning_options(tuning: Optional[Tuning], legacy: Dict[str, Any]) -> Dict[str, Any]:
+    """Recompute's keyword arguments from ``tuning`` and the knobs passed
+    to ``apply()`` directly (deprecated, still honoured)."""
+    if tuning is not None and not isinstance(tuning, Tuning):
+        raise RecomputeError(f"tuning= takes a chainer_recompute.Tuning, got "
+                             f"{type(tuning).__name__}")
+    options = (tuning or Tuning()).options()
+    legacy = dict(legacy)
+    coordinator = legacy.pop("coordinator", None)
+    if legacy:
+        import warnings
+        known = Tuning.fields()
+        said = ", ".join(f"{k}={v!r}" if k in known else f"solver_options={{{k!r}: {v!r}}}"
+                         for k, v in legacy.items())
+        warnings.warn(f"apply({', '.join(k + '=...' for k in legacy)}) is deprecated: pass "
+                      f"tuning=chainer_recompute.Tuning({said})", DeprecationWarning,
+                      stacklevel=3)
+        if tuning is not None:
+            both = [k for k in legacy if k in options and options[k] != Tuning().options().get(k)]
+            if both:
+                raise RecomputeError(f"{', '.join(both)} given both in tuning= and as apply()'s "
+                                     f"own arguments: give each once, in tuning=")
+        options.update(legacy)
+    if coordinator is not None:
+        options["coordinator"] = coordinator
+    return options
 
 
 def remove(model: chainer.Link) -> chainer.Link:

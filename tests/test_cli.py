@@ -61,7 +61,8 @@ def test_dry_run_table(capsys):
     assert not DECIMAL_UNIT.search(out), out
 
 
-@pytest.mark.parametrize("name", ["mlp", "resnet50", "resnet101", "resnet152", "vgg19",
+@pytest.mark.parametrize("name", ["mlp", "resnet50", "resnet101", "resnet152",
+                                  pytest.param("vgg19", marks=pytest.mark.slow),  # 27 s
                                   "googlenet", "densenet161", "pspnet", "unet"])
 def test_dry_run_every_network(name, capsys, tmp_path):
     """The CLI's dry run on each registry network at its reduced size."""

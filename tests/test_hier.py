@@ -82,6 +82,7 @@ def test_tc_tables_bounded_by_earlier_chains_give_the_same_plans(seed, engine):
     assert len(shared.reached) >= 8
 
 
+@pytest.mark.slow  # 45 s
 def test_least_m_compiled_and_vectorised_agree():
     from chainer_recompute.core.solvers import _hier_kernel as kern
     numba = pytest.importorskip("numba")

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -77,6 +78,7 @@ def _run(budget: str) -> list:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # 50 s
 def test_lstm_lm_prediction_and_three_quarters_of_plain():
     plain = _run("plain")
     plain_peak = max(s["peak"] for s in plain)

@@ -188,7 +188,7 @@ def test_the_loops_work_before_the_backward_is_measured_by_the_pool():
         for batch in batches:
             td_step(model, target, opt, *batch)
             stats.append(runner_of(model).last_stats)
-        (entry,) = runner_of(model)._entries.values()
+        (entry,) = runner_of(model).signatures()
         meta = entry.structures[0].graph.meta
     assert meta["allocator"] == "cupy" and "correction_bytes" not in meta
     assert meta["outside_peak_bytes"] >= 3 * 64 * 512 * 4  # the target's activations

@@ -331,7 +331,7 @@ def test_two_structures_under_one_signature():
         ours = train(Detector, batches, dict(budget=budget, cost="flops", verbose=False, capture_batch=None))
     assert_identical(plain, ours)
     runner = cr.runner_of(ours.model)
-    (entry,) = runner._entries.values()
+    (entry,) = runner.signatures()
     assert sorted(s.graph.n for s in entry.structures) == [16, 20]
     paths = [s["path"] for s in ours.stats]
     assert paths[:2] == ["recorded", "mismatch"] and paths[2:] == ["planned"] * 6, ours.stats
@@ -369,7 +369,7 @@ def test_padded_graph_network_at_several_sizes_under_a_byte_budget():
     assert runner.shapes_derived == 5
     new_shape = [m for m in said.messages if "new input shape" in m]
     assert len(new_shape) == 1 and "not bounded by the budget" in new_shape[0]
-    structures = [s for e in runner._entries.values() for s in e.structures]
+    structures = [s for e in runner.signatures() for s in e.structures]
     # solved for a new shape (not reused, nor planned again after a
     # measured overshoot): the largest recorded shape only
     solved = [s for s in structures if "reused_from" not in s.plan.info
@@ -541,7 +541,7 @@ def test_where_with_an_all_false_condition():
     ours = train(ShiftedSoftplus, batches, dict(budget="least", cost="flops", verbose=False, capture_batch=None))
     assert_identical(plain, ours)
     runner = cr.runner_of(ours.model)
-    (entry,) = runner._entries.values()
+    (entry,) = runner.signatures()
     s = entry.structures[0]
     where = [n.id for n in s.graph.nodes if n.op == "Where"]
     assert where and set(where) & s.program.dropped, "the plan drops no Where node"
@@ -556,7 +556,7 @@ def test_where_with_an_all_false_condition():
 def _dropped_weight(model: chainer.Link) -> chainer.Parameter:
     """A weight that regeneration reads: an input of a dropped node."""
     runner = cr.runner_of(model)
-    (entry,) = runner._entries.values()
+    (entry,) = runner.signatures()
     s = entry.structures[0]
     params = dict(model.namedparams())
     for v in sorted(s.program.dropped):
@@ -729,7 +729,7 @@ def test_what_the_loop_holds_into_the_backward_is_measured_once():
     loss.backward()
     del q, loss
     runner = cr.runner_of(model)
-    (entry,) = runner._entries.values()
+    (entry,) = runner.signatures()
     meta = entry.structures[0].graph.meta  # planned as its backward ended
     mib = 64 * 4096 * 4
     held = mib + x.shape[0] * 6 * 4  # and the gradient of the model's output
@@ -744,7 +744,7 @@ def test_what_the_loop_holds_into_the_backward_is_measured_once():
     model(x)  # recorded, no backward
     kept = [np.ones(mib, np.uint8)]  # the loop's own, before the next call
     model(x)  # planned from the recording
-    (entry,) = cr.runner_of(model)._entries.values()
+    (entry,) = cr.runner_of(model).signatures()
     assert not [k for k in entry.structures[0].graph.meta if k.startswith("outside")]
     del kept
 
@@ -769,7 +769,7 @@ def test_capture_batch_with_a_reshape_of_the_batch_axis():
     probe = cr.apply(TinyTransformer(), budget=budget, cost="flops", capture_batch=2,
                      verbose=False)
     cr.runner_of(probe).plan_for(probe, *batches[0])
-    (entry,) = cr.runner_of(probe)._entries.values()
+    (entry,) = cr.runner_of(probe).signatures()
     scaled = entry.structures[0].graph
     assert (scaled.meta["scaled_from"], scaled.meta["scaled_with"]) == (2, 4)
     recorded = cr.capture(TinyTransformer(), *batches[0], backward=True)

@@ -29,5 +29,6 @@ from .install import _rebuild, apply, remove, runner_of  # noqa: F401 (_rebuild:
 from .log import logger, report  # noqa: F401
 from .describe import describe_plan
 from .recompute import Recompute
+from .views import SignatureView, StructureView
 
-__all__ = ["IterationStats", "Recompute", "apply", "describe_plan", "remove", "runner_of"]
+__all__ = ["IterationStats", "Recompute", "SignatureView", "StructureView", "apply", "describe_plan", "remove", "runner_of"]

@@ -34,21 +34,12 @@ import chainer.links as L
 import chainer_recompute as cr
 from chainer_recompute.core.errors import RecomputeError
 from chainer_recompute.runtime.memory import MemoryMeter
+from harness import Run
 
 
 # --------------------------------------------------------------- harness
 def _kept(a: np.ndarray) -> tuple:
     return a.dtype.str, a.shape, a.tobytes()
-
-
-class Run:
-    """One training run: per step its peak, loss, state and the runner's
-    counters."""
-
-    def __init__(self) -> None:
-        self.peaks: List[int] = []
-        self.records: List[Dict[str, Any]] = []
-        self.stats: List[Any] = []
 
 
 def note_step(run: Run, model: chainer.Link, loss: Any, peak: int) -> None:

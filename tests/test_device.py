@@ -188,7 +188,7 @@ def test_the_loops_work_before_the_backward_is_measured_by_the_pool():
         for batch in batches:
             td_step(model, target, opt, *batch)
             stats.append(runner_of(model).last_stats)
-        (entry,) = runner_of(model)._entries.values()
+        (entry,) = runner_of(model).signatures()
         meta = entry.structures[0].graph.meta
     assert meta["allocator"] == "cupy" and "correction_bytes" not in meta
     assert meta["outside_peak_bytes"] >= 3 * 64 * 512 * 4  # the target's activations
@@ -343,5 +343,15 @@ def test_replay_models_the_pool_on_graphs_recorded_on_cupy():
     assert r.pool_total_peak_bytes is not None and r.peak_bytes == max(
         r.pool_total_peak_bytes, r.used_peak_bytes)
     assert replay(capture(model, x, t, backward=True)).pool_total_peak_bytes is None
-    plan = plan_for_budget(g, "least")  # the pool's total is what the budget bounds
-    assert plan.predicted_peak_bytes <= plan.budget_bytes
+    # the pool's total, not the live arrays', is what the budget bounds: a
+    # plan's prediction is its replayed pool total, and a byte budget under
+    # it is refused even where the live arrays alone would fit
+    from chainer_recompute.core.errors import InfeasibleBudgetError
+    from chainer_recompute.core.execution import ExecutionPlan
+    plan = plan_for_budget(g, "least")
+    ran = replay(g, ExecutionPlan(g, plan.lower_sets, frozenset(plan.kept)))
+    assert plan.predicted_peak_bytes == ran.pool_total_peak_bytes > ran.used_peak_bytes
+    plain = plan_for_budget(g, r.pool_total_peak_bytes * 2)  # plain backprop fits
+    assert plain.predicted_peak_bytes == r.pool_total_peak_bytes
+    with pytest.raises(InfeasibleBudgetError):
+        plan_for_budget(g, (ran.used_peak_bytes + plan.predicted_peak_bytes) // 2)

@@ -380,7 +380,7 @@ def test_graph_change_is_detected_and_replanned(caplog):
         model.cleargrads()
         model(x, t).backward()
     _assert_same(plain, ours)
-    (entry,) = cr.runner_of(ours)._entries.values()
+    (entry,) = cr.runner_of(ours).signatures()
     assert len(entry.structures) == 2  # one plan per structure
     assert cr.runner_of(ours).last_stats.path == "planned"
     for model in (plain, ours):  # back to the first structure: its plan is still there
@@ -485,7 +485,7 @@ def test_capture_at_a_small_batch_and_scale():
             model.cleargrads()
             model(x, t).backward()
     _assert_same(plain, ours)
-    (entry,) = cr.runner_of(ours)._entries.values()
+    (entry,) = cr.runner_of(ours).signatures()
     assert entry.structures[0].graph.meta["scaled_from"] == 2 and entry.structures[0].graph.batch_size == 8
     assert cr.runner_of(ours).last_stats.mismatch is None
 
@@ -517,7 +517,7 @@ def test_capture_batch_falls_back_when_the_model_does_not_scale(caplog):
     assert len(said) == 1 and "depends on the input shape" in said[0], said
     assert runner.last_stats.mismatch is None  # planned at full size
     assert runner.last_stats.path == "planned"
-    (entry,) = runner._entries.values()
+    (entry,) = runner.signatures()
     assert entry.recorded == 0 and entry.structures[0].graph.batch_size == 8
     assert "scaled_from" not in entry.structures[0].graph.meta
 
@@ -552,7 +552,7 @@ def test_unsafe_functions_are_kept_and_gradients_stay_identical(caplog):
     assert said and all(re.fullmatch(r"(\d+) functions cannot be recomputed safely and are kept: "
                                      r"AddNoise \(it draws fresh randomness .*\) x\1", m)
                         for m in said), said
-    (entry,) = cr.runner_of(ours)._entries.values()
+    (entry,) = cr.runner_of(ours).signatures()
     assert not set(unsafe) & entry.structures[0].program.dropped
     assert cr.runner_of(ours).last_stats.recomputed_nodes > 0
 
@@ -621,5 +621,5 @@ def test_numpy_scalar_argument_is_part_of_the_signature_by_value():
     # graph of the first (the same shapes), not recorded
     model(x, t, np.float32(0.25)).backward()
     runner = cr.runner_of(model)
-    assert runner.last_stats.path == "planned" and len(runner._entries) == 2
+    assert runner.last_stats.path == "planned" and len(runner.signatures()) == 2
     assert runner.shapes_derived == 1

@@ -55,7 +55,8 @@ def test_keys_in_log_report_and_print_report(tmp_path):
     for e in planned:
         assert e["recompute/predicted_peak_MiB"] > 0
         assert e["recompute/budget_MiB"] >= e["recompute/predicted_peak_MiB"]
-        assert e["recompute/recomputed"] >= 0
+        # at 'least' every planned step drops arrays and re-runs their forwards
+        assert e["recompute/recomputed"] > 0, e
     assert any("recompute/measured_peak_MiB" in e for e in planned)
     assert any(e.get("recompute/plain_peak_MiB", 0) > 0 and "recompute/saving_percent" in e
                for e in planned), planned

@@ -28,16 +28,9 @@ from chainer import optimizer_hooks as H
 
 import chainer_recompute as cr
 from chainer_recompute.runtime.memory import MemoryMeter
-from test_step_budget import _records
+from harness import Run, assert_same_records, outer_meter, records
 
 STEPS = 5
-
-
-class Run:
-    def __init__(self) -> None:
-        self.peaks: List[int] = []
-        self.records: List[Any] = []
-        self.stats: List[Any] = []
 
 
 def train(make: Callable[[], chainer.Link], setup: Callable[[chainer.Link], Any],
@@ -45,9 +38,7 @@ def train(make: Callable[[], chainer.Link], setup: Callable[[chainer.Link], Any]
     """``budget`` None: plain Chainer."""
     run = Run()
     gc.collect()
-    outer = MemoryMeter()
-    outer.start()
-    try:
+    with outer_meter():
         np.random.seed(0)
         model = make()
         if budget is not None:
@@ -61,14 +52,12 @@ def train(make: Callable[[], chainer.Link], setup: Callable[[chainer.Link], Any]
                 opt.update(model, *batch)
             del batch
             run.peaks.append(m.result.absolute_peak_bytes)
-            run.records.append(_records(model, getattr(model, "loss", None)))
+            run.records.append(records(model, getattr(model, "loss", None)))
             if budget is not None:
                 st = cr.runner_of(model).last_stats
                 run.stats.append((st.path, st.budget_bytes, st.predicted_peak_bytes,
                                   st.measured_peak_bytes))
         del model, opt
-    finally:
-        outer.stop()
     return run
 
 
@@ -88,9 +77,7 @@ def check(make: Callable[[], chainer.Link], setup: Callable[[chainer.Link], Any]
             f"step {k}: plain {p:,}, applied {a:,}, path {s[0]}, budget {s[1] or 0:,}, "
             f"predicted {s[2] or 0:,}" for k, (p, a, s) in
             enumerate(zip(plain.peaks, run.peaks, run.stats)))
-        for k, (a, b) in enumerate(zip(plain.records, run.records)):
-            diff = [key for key in a if a[key] != b.get(key)]
-            assert not diff, f"{name}, step {k}: differs from plain Chainer in {diff[:6]}"
+        assert_same_records(plain, run, name, shown=6)
         assert all(s[0] == "planned" for s in run.stats), f"{name}:\n{table}"
         for k, (peak, s) in enumerate(zip(run.peaks, run.stats)):
             assert peak <= s[1], f"{name}: step {k} over its budget:\n{table}"

@@ -13,7 +13,10 @@ from chainer_recompute.core.schedule import entry_cost, strategy_cost
 from chainer_recompute.core.search import least_feasible_budget, vanilla_bytes
 from chainer_recompute.core.segments import detect_segments
 from chainer_recompute.core.solvers import REGISTRY, resolve_solver
+from chainer_recompute.core.solvers._dp import numba_available
 from chainer_recompute.core.solvers.hier_dp import HierProblem, solve_hier
+
+NEEDS_NUMBA = pytest.mark.skipif(not numba_available(), reason="needs numba (the 'fast' extra)")
 
 
 def repeated_graph(seed, n_seg=8, seg_len=None, costs=False):
@@ -68,10 +71,13 @@ def test_hier_against_flat_exact_on_repeated_random_segments(seed):
 
 
 @pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize("engine", ["numba", "numpy"])
+@pytest.mark.parametrize("engine", [pytest.param("numba", marks=NEEDS_NUMBA), "numpy"])
 def test_tc_tables_bounded_by_earlier_chains_give_the_same_plans(seed, engine):
     # a problem that has solved smaller budgets skips the tc states that
     # cannot reach those chains' time; each plan is a fresh problem's
+    from chainer_recompute.core.solvers._hier_kernel import _dp_numpy, kernel
+    # the engine asked for is the one that fills the tables (not NumPy twice)
+    assert (kernel(engine) is _dp_numpy) == (engine == "numpy")
     g = repeated_graph(seed, n_seg=12, costs=True)
     shared = HierProblem(g)
     lo, van = least_feasible_budget(g, "hier"), vanilla_bytes(g)

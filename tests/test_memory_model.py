@@ -225,7 +225,7 @@ WORKER = textwrap.dedent("""
     out = {"measured": max(peaks[2:]), "first": peaks[1]}
     r = cr.runner_of(link)
     if r is not None:
-        (e,) = r._entries.values()
+        (e,) = r.signatures()
         s = e.structures[0]
         out.update(predicted=s.plan.predicted_peak_bytes, budget=s.plan.budget_bytes,
                    vanilla=s.plan.info.get("vanilla_peak_bytes"), path=r.last_stats.path,
@@ -327,7 +327,7 @@ def test_summed_gradients_are_predicted_to_the_byte():
     runner = cr.runner_of(link)
     stats = runner.last_stats
     assert stats.path == "planned" and stats.measured_peak_bytes is not None
-    (entry,) = runner._entries.values()
+    (entry,) = runner.signatures()
     s = entry.structures[0]
     assert "correction_bytes" not in s.graph.meta  # nothing was corrected
     assert s.plan.recompute
@@ -396,7 +396,7 @@ def test_dropout_residual_net_that_keeps_its_loss_is_predicted_to_the_byte(keep_
         if step == 0:
             assert stats.path == "recorded"
             continue
-        (entry,) = runner._entries.values()
+        (entry,) = runner.signatures()
         s = entry.structures[0]
         assert stats.path == "planned" and s.plan.recompute
         assert s.graph.meta["kept_after_backward"]
@@ -446,7 +446,7 @@ def test_misprediction_warns_once_corrects_and_replans(monkeypatch, caplog):
     step = {"now": "planned"}
     opt.update(link, *args)  # planned with the optimistic model: over the budget
     stats = runner.last_stats
-    (entry,) = runner._entries.values()
+    (entry,) = runner.signatures()
     assert "correction_bytes" not in entry.structures[0].graph.meta
     step["now"] = "between"
     link.forward = _when_called(link.forward, step)
@@ -456,7 +456,7 @@ def test_misprediction_warns_once_corrects_and_replans(monkeypatch, caplog):
     assert planned_in == ["between"]
     assert stats.measured_peak_bytes > stats.budget_bytes
     assert caplog.text.count("over the budget") == 1
-    (entry,) = runner._entries.values()
+    (entry,) = runner.signatures()
     s = entry.structures[0]
     assert s.graph.meta["correction_bytes"] > 0
     assert s.plan.predicted_peak_bytes >= stats.measured_peak_bytes * 0.95

@@ -320,7 +320,8 @@ def _digest(model: chainer.Link) -> str:
 
 def _plans_of(runner: Any) -> Dict[str, Any]:
     out = {}
-    for sig, entry in runner._entries.items():
+    for entry in runner.signatures():
+        sig = entry.signature
         for s in entry.structures:
             key = crmn.structure_key(crmn.structure_of(s.graph))
             out[key] = {"signature": repr(sig[0][1:]),

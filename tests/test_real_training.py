@@ -443,7 +443,7 @@ def train_steps(env: Env, model: Callable[..., Any], opt: Any, data: List[Tuple[
 
 
 def last_structures(runner: Any) -> List[Any]:
-    return [s for e in runner._entries.values() for s in e.structures]
+    return [s for e in runner.signatures() for s in e.structures]
 
 
 class MLP(chainer.Chain):
@@ -1316,7 +1316,7 @@ def test_nested_apply():
     pair = compare(scenario).assert_recomputed(["outer"], at_least=3)
     # the inner runner did not run a plan of its own inside the outer one
     assert all(s["inner"].path is None for _, s in pair.ours.stats), pair.stats_report()
-    assert not pair.ours.runners["inner"]._entries
+    assert not pair.ours.runners["inner"].signatures()
 
 
 def test_pickle_applied_model():
@@ -1334,7 +1334,7 @@ def test_pickle_applied_model():
             r1, r2 = cr.runner_of(model), cr.runner_of(model2)
             assert r2 is not None and r2 is not r1
             assert r2.options == r1.options
-            assert not r2._entries  # plans of its own, made afresh
+            assert not r2.signatures()  # plans of its own, made afresh
         env.track("model", model2)
         env.optimizers["main"] = opt2
         del model, opt
@@ -1407,7 +1407,7 @@ def test_copy_and_deepcopy_get_their_own_plans():
             runners = [cr.runner_of(m) for m in (model, shallow, deep)]
             assert all(r is not None for r in runners)
             assert len({id(r) for r in runners}) == 3
-            before = {k: list(e.structures) for k, e in runners[0]._entries.items()}
+            before = {v.signature: v.structures for v in runners[0].signatures()}
         opt_deep = chainer.optimizers.MomentumSGD(0.05)
         opt_deep.setup(deep)
         env.optimizers["deep"] = opt_deep
@@ -1415,10 +1415,10 @@ def test_copy_and_deepcopy_get_their_own_plans():
         # the shallow copy shares the parameters: the original's optimizer updates them
         train_steps(env, shallow, opt, data[5:8], start=5)
         if env.applied:
-            after = {k: list(e.structures) for k, e in runners[0]._entries.items()}
+            after = {v.signature: v.structures for v in runners[0].signatures()}
             assert before.keys() == after.keys()
             for k in before:
-                assert [id(s) for s in before[k]] == [id(s) for s in after[k]]
+                assert [id(s.program) for s in before[k]] == [id(s.program) for s in after[k]]
 
     pair = compare(scenario)
     pair.assert_recomputed(["model"], at_least=1)
@@ -1716,7 +1716,7 @@ def test_returned_outputs_are_never_dropped():
                 F.softmax_cross_entropy(dec(hs), t).backward()
                 del hs
         if applied:
-            (entry,) = cr.runner_of(enc)._entries.values()
+            (entry,) = cr.runner_of(enc).signatures()
             program = entry.structures[0].program
             relus = {n.id for n in program.graph.nodes if n.op == "ReLU"}
             assert len(relus) == 5 and not relus & program.releasable, program.dropped

@@ -18,7 +18,9 @@ from chainer_recompute.core.replay import RELEASE_MODES, replay, replay_peak
 from chainer_recompute.core.solvers._dp import numba_available
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.skipif(not numba_available(), reason="needs numba (the 'fast' extra)")
+#: the compiled engine's cases; the reference replay's run without numba
+NEEDS_NUMBA = pytest.mark.skipif(not numba_available(), reason="needs numba (the 'fast' extra)")
+ENGINES = ["python", pytest.param("numba", marks=NEEDS_NUMBA)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -66,6 +68,7 @@ def _some_plans(g, k=5):
     return [p for p in out if p is not None and p.recompute]
 
 
+@NEEDS_NUMBA
 @pytest.mark.parametrize("name", sorted(GRAPHS))
 def test_compiled_replay_is_the_reference_replay(name):
     g = GRAPHS[name]()
@@ -86,7 +89,7 @@ def test_compiled_replay_is_the_reference_replay(name):
     assert regenerated > 0  # the plans regenerate something
 
 
-@pytest.mark.parametrize("engine", ["python", "numba"])
+@pytest.mark.parametrize("engine", ENGINES)
 def test_replay_peak_of_a_plans_arrays(engine):
     g = GRAPHS["lstm_lm"]()
     search = BudgetSearch(g, "approx", "tc")
@@ -109,7 +112,7 @@ def test_unknown_engine_and_mode_are_refused():
         replay(g, None, release_mode="some")
 
 
-@pytest.mark.parametrize("engine", ["python", "numba"])
+@pytest.mark.parametrize("engine", ENGINES)
 def test_a_graph_the_model_keeps_holds_its_arrays_through_the_update(engine):
     """Only the returned loss outlives the forward, so the graph goes at the
     update, unless the model keeps it (``meta['kept_after_backward']``):
@@ -125,7 +128,7 @@ def test_a_graph_the_model_keeps_holds_its_arrays_through_the_update(engine):
     assert held > state > 0
 
 
-@pytest.mark.parametrize("engine", ["python", "numba"])
+@pytest.mark.parametrize("engine", ENGINES)
 def test_the_callers_work_between_forward_and_backward_is_where_it_was_measured(engine):
     """``meta['outside_peak_bytes']`` is a transient at the end of the
     forward (no other event changes), ``meta['outside_held_bytes']`` is held

@@ -36,7 +36,8 @@ from chainer_recompute.core.graph import UNRECORDED_TAIL_KEY, ArrayInfo, Graph, 
 from chainer_recompute.core.io import graph_from_dict, graph_to_dict
 from chainer_recompute.core.replay import RELEASE_MODES, replay
 from chainer_recompute.core.solvers._dp import numba_available
-from test_step_budget import OPTIONS, Run, check, train  # noqa: E402
+from harness import Run  # noqa: E402
+from test_step_budget import OPTIONS, check, train  # noqa: E402
 
 STEPS = 5
 #: how far the runner's predicted peak may be from the measured one

@@ -232,8 +232,7 @@ def test_vgg_block_bit_identical_with_less_memory():
     least1 = max(s.measured_peak_bytes for s in st1[1:])
     # one copy of each column buffer instead of two: a little over half
     assert least1 < 0.7 * least0, (least1, least0)
-    graph = cr.runner_of(with_ws)._entries[next(iter(cr.runner_of(with_ws)._entries))] \
-        .structures[0].graph
+    graph = cr.runner_of(with_ws).signatures()[0].structures[0].graph
     assert graph.meta["workspace_bytes"] is not None
 
 

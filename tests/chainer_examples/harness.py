@@ -781,8 +781,8 @@ def run_example(name: str, workdir: str, *, select: Optional[Callable[[Any], boo
         runner = getattr(chainer_recompute, "runner_of", lambda m: None)(link)
         plans = getattr(runner, "plans", None)
         run.n_plans.append(None if plans is None else len(plans))
-        entries = getattr(runner, "_entries", {}) or {}
-        run.n_dropped.append(max((len(s.program.dropped) for e in entries.values()
+        entries = runner.signatures() if hasattr(runner, "signatures") else ()
+        run.n_dropped.append(max((len(s.program.dropped) for e in entries
                                   for s in e.structures), default=0))
         if runner is not None:
             run.runner_info.append(f"{type(link).__name__}: "

@@ -23,6 +23,7 @@ from .log import logger, report  # noqa: F401
 from .describe import describe_plan
 from .recompute import Recompute
 from .tuning import Tuning
+from .views import SignatureView, StructureView
 
-__all__ = ["IterationStats", "Recompute", "Tuning", "apply", "describe_plan", "remove",
-           "runner_of"]
+__all__ = ["IterationStats", "Recompute", "SignatureView", "StructureView", "Tuning", "apply",
+           "describe_plan", "remove", "runner_of"]

@@ -21,6 +21,7 @@ from .metering import MeteringMixin
 from .planning import PlanningMixin
 from .signatures import _family, _signature
 from .state import _Active, _depth, _Entry
+from .views import SignatureView, views_of
 
 
 def _solver_keywords(solver: str) -> List[str]:
@@ -367,6 +368,18 @@ class Recompute(PlanningMixin, MeteringMixin):
     def plans(self) -> Dict[Hashable, Any]:
         """The plan of each signature's most recently used structure."""
         return {k: e.structures[0].plan for k, e in self._entries.items() if e.structures}
+
+    def signatures(self) -> Tuple[SignatureView, ...]:
+        """What the runner keeps for each input signature it has seen
+        (least recently used first, at most ``max_plans``): read-only
+        :class:`~.views.SignatureView` snapshots, each with its planned
+        structures (graph, plan, program, planning time), most recently
+        used first.
+
+        >>> (sig,) = cr.runner_of(model).signatures()       # doctest: +SKIP
+        >>> sig.structures[0].plan.predicted_peak_bytes     # doctest: +SKIP
+        """
+        return views_of(self._entries.items())
 
     def clear(self) -> None:
         """Forget every plan."""

@@ -62,15 +62,24 @@ def brute_force(g: Graph, model: Optional[MemoryModel] = None) -> List[Tuple[int
     """(peak, retained time) of every canonical strategy, under the paper's
     memory model or under ``model``'s weights (read from the model, the
     formula written out here)."""
+    return [(peak, t) for peak, t, _ in brute_force_chains(g, model)]
+
+
+def brute_force_chains(g: Graph, model: Optional[MemoryModel] = None,
+                       must_keep: FrozenSet[int] = frozenset()
+                       ) -> List[Tuple[int, int, FrozenSet[int]]]:
+    """(peak, retained time, kept nodes) of every chain ∅ ⊊ L_1 ⊊ ... ⊊ V
+    whose checkpoints are U_i = (∂(L_i) ∪ must_keep) ∩ V_i, from the
+    definitions (docs/paper.md §2-§3) on frozensets."""
     n = g.n
     preds = {v: set(g.preds[v]) for v in range(n)}
     succs = {v: set(g.succs[v]) for v in range(n)}
     M = [int(x) for x in g.node_bytes]
     if model is None:
-        blockw, keep, abovew, besidew = [2 * m for m in M], M, M, M
+        blockw, keepw, abovew, besidew = [2 * m for m in M], M, M, M
         trans, const = [0] * n, 0
     else:
-        blockw, keep = [int(x) for x in model.block_bytes], [int(x) for x in model.keep_bytes]
+        blockw, keepw = [int(x) for x in model.block_bytes], [int(x) for x in model.keep_bytes]
         abovew, besidew = [int(x) for x in model.above_bytes], [int(x) for x in model.beside_bytes]
         trans, const = [int(x) for x in model.transient_bytes], model.constant_bytes
     T = [int(round(x)) for x in g.node_cost]
@@ -85,20 +94,21 @@ def brute_force(g: Graph, model: Optional[MemoryModel] = None) -> List[Tuple[int
         info[L] = (bnd, sum(abovew[v] for v in A) + sum(besidew[v] for v in B))
     out = []
 
-    def rec(L: FrozenSet[int], acc: int, peak: int, t: int) -> None:
+    def rec(L: FrozenSet[int], acc: int, peak: int, t: int, kept: FrozenSet[int]) -> None:
         if L == V:
-            out.append((peak, t))
+            out.append((peak, t, kept))
             return
         for L2 in lower:
             if L < L2:
                 bnd, back = info[L2]
                 blk = L2 - L
-                U = bnd & blk
+                U = (bnd | must_keep) & blk
                 step = (const + acc + sum(blockw[v] for v in blk) + back
                         + max(trans[v] for v in blk))
-                rec(L2, acc + sum(keep[v] for v in U), max(peak, step), t + sum(T[v] for v in U))
+                rec(L2, acc + sum(keepw[v] for v in U), max(peak, step),
+                    t + sum(T[v] for v in U), kept | U)
 
-    rec(frozenset(), 0, 0, 0)
+    rec(frozenset(), 0, 0, 0, frozenset())
     return out
 
 

@@ -7,9 +7,8 @@ those nodes), on every solver, with the least figure's monotonicity.
 """
 from __future__ import annotations
 
-import itertools
 import random
-from typing import Dict, FrozenSet, List, Optional, Tuple
+from typing import FrozenSet, List, Optional, Tuple
 
 import numpy as np
 import pytest
@@ -18,58 +17,17 @@ from chainer_recompute.core.graph import Graph
 from chainer_recompute.core.keep import with_must_keep
 from chainer_recompute.core.memory_model import MemoryModel
 from chainer_recompute.core.search import least_feasible_budget
-from chainer_recompute.core.solvers import (REGISTRY, solve_approx, solve_chen,
-                                            solve_chen_greedy, solve_exact, solve_hier,
+from chainer_recompute.core.solvers import (REGISTRY, solve_approx, solve_exact, solve_hier,
                                             solve_none)
 from chainer_recompute.core.schedule import build_schedule, entry_cost, strategy_cost
 
-from test_bruteforce import ENGINES, KINDS, random_dag, random_model
+from test_bruteforce import ENGINES, KINDS, brute_force_chains, random_dag, random_model
 
 
 def brute_force_keep(g: Graph, keep: FrozenSet[int], model: Optional[MemoryModel] = None
                      ) -> List[Tuple[int, int, FrozenSet[int]]]:
-    """(peak, retained time, kept nodes) of every chain ∅ ⊊ L_1 ⊊ ... ⊊ V
-    whose checkpoints are U_i = (∂(L_i) ∪ keep) ∩ V_i, from the definitions
-    (docs/paper.md §2-§3) on frozensets."""
-    n = g.n
-    preds = {v: set(g.preds[v]) for v in range(n)}
-    succs = {v: set(g.succs[v]) for v in range(n)}
-    M = [int(x) for x in g.node_bytes]
-    if model is None:
-        blockw, keepw, abovew, besidew = [2 * m for m in M], M, M, M
-        trans, const = [0] * n, 0
-    else:
-        blockw, keepw = [int(x) for x in model.block_bytes], [int(x) for x in model.keep_bytes]
-        abovew, besidew = [int(x) for x in model.above_bytes], [int(x) for x in model.beside_bytes]
-        trans, const = [int(x) for x in model.transient_bytes], model.constant_bytes
-    T = [int(round(x)) for x in g.node_cost]
-    V = frozenset(range(n))
-    lower = [frozenset(s) for r in range(n + 1) for s in itertools.combinations(range(n), r)
-             if all(preds[v] <= set(s) for v in s)]
-    info: Dict[FrozenSet[int], Tuple[FrozenSet[int], int]] = {}
-    for L in lower:
-        bnd = frozenset(v for v in L if succs[v] - L)
-        A = {w for v in L for w in succs[v]} - L
-        B = {u for w in A for u in preds[w]} - L
-        info[L] = (bnd, sum(abovew[v] for v in A) + sum(besidew[v] for v in B))
-    out = []
-
-    def rec(L: FrozenSet[int], acc: int, peak: int, t: int, kept: FrozenSet[int]) -> None:
-        if L == V:
-            out.append((peak, t, kept))
-            return
-        for L2 in lower:
-            if L < L2:
-                bnd, back = info[L2]
-                blk = L2 - L
-                U = (bnd | keep) & blk
-                step = (const + acc + sum(blockw[v] for v in blk) + back
-                        + max(trans[v] for v in blk))
-                rec(L2, acc + sum(keepw[v] for v in U), max(peak, step),
-                    t + sum(T[v] for v in U), kept | U)
-
-    rec(frozenset(), 0, 0, 0, frozenset())
-    return out
+    """test_bruteforce's enumeration with ``keep`` kept in every block."""
+    return brute_force_chains(g, model, keep)
 
 
 def _random_case(seed: int, with_model: bool):

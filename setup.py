@@ -30,7 +30,7 @@ setup(
         # memory.png and schedule.png of `chainer-recompute --out DIR` and
         # `chainer-recompute plot` (chainer_recompute/plotting.py).
         "plot": ["matplotlib>=3.5"],
-        # Compiled DP kernels (chainer_recompute/core/solvers/_dp_numba.py) and
+        # Compiled DP kernels (chainer_recompute/core/kernels/dp.py) and
         # orjson for reading the authors' graph files; without them the solvers
         # run on NumPy alone and the files are read by json, with the same answers.
         "fast": ["numba>=0.59", "orjson>=3.9"],

@@ -9,7 +9,7 @@ import pytest
 import chainer_recompute
 
 #: Modules whose examples need what a default install lacks.
-OPTIONAL = {"chainer_recompute.core.solvers._dp_numba",  # numba ('fast' extra)
+OPTIONAL = {"chainer_recompute.core.kernels.dp",  # numba ('fast' extra)
             "chainer_recompute.plotting"}  # matplotlib ('plot' extra)
 
 MODULES = sorted(m.name for m in pkgutil.walk_packages(chainer_recompute.__path__,

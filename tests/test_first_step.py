@@ -352,8 +352,9 @@ def test_nothing_of_the_planner_stays_between_steps(monkeypatch):
     """The replays' and the budget search's caches (flat NumPy arrays per
     graph, in the meter of a step on NumPy) are let go once a plan is
     made: between training steps the planner holds nothing."""
-    from chainer_recompute.core import _replay_kernel, budget, replay
-    if not _replay_kernel.kernel_available():
+    from chainer_recompute.core import budget, kernels, replay
+    from chainer_recompute.core.kernels import replay as _replay_kernel
+    if not kernels.numba_available():
         pytest.skip("numba is not installed: the compiled replay keeps no context")
     monkeypatch.setattr(replay, "KERNEL_MIN_NODES", 0)  # every replay compiled
     np.random.seed(0)

@@ -90,7 +90,7 @@ def test_tc_tables_bounded_by_earlier_chains_give_the_same_plans(seed, engine):
 
 @pytest.mark.slow  # 45 s
 def test_least_m_compiled_and_vectorised_agree():
-    from chainer_recompute.core.solvers import _hier_kernel as kern
+    from chainer_recompute.core.kernels import hier as kern
     numba = pytest.importorskip("numba")
     for seed in range(8):
         p = HierProblem(repeated_graph(seed, n_seg=12, costs=True))

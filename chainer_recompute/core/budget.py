@@ -574,9 +574,9 @@ def release_caches() -> None:
 
     >>> release_caches()
     """
-    from . import _replay_kernel
+    from .kernels import replay as replay_kernel
     _RELEASABLE.clear()
-    del _replay_kernel._CONTEXTS[:]
+    del replay_kernel._CONTEXTS[:]
 
 
 def least_total_budget(graph: Graph, solver: str = "auto", strategy: str = "tc",

@@ -74,3 +74,8 @@ class KeepError(RecomputeError, ValueError):
     """A ``keep=`` policy cannot be used: a link path that names no link of
     the model (the message gives the closest names), a value of another
     kind, or a predicate that raised."""
+
+
+class EngineUnavailableError(RecomputeError, ImportError):
+    """An engine was asked for by name (``engine='numba'``) and is not
+    installed; nothing falls back to another engine silently."""

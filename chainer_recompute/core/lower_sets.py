@@ -120,7 +120,7 @@ def _adjacency_words(graph: Graph) -> Tuple[np.ndarray, np.ndarray]:
     return _rows_of_masks(pm, nw), _rows_of_masks(sm, nw)
 
 
-#: The compiled kernels' module (:mod:`.solvers._dp_numba`) once the DP's
+#: The compiled kernels' module (:mod:`.kernels.dp`) once the DP's
 #: compiled engine has loaded it in this process (it sets this), else
 #: ``None``; the family's arrays are then built by the kernels (the same
 #: arrays as the NumPy code's).

@@ -57,6 +57,7 @@ import numpy as np
 
 from .execution import ExecutionPlan
 from .graph import UNRECORDED_TAIL_KEY, Graph
+from .kernels import pick_engine
 from .pool import PoolModel
 
 __all__ = ["RELEASE_MODES", "REPLAY_ENGINES", "ReplayResult", "replay", "replay_peak",
@@ -71,9 +72,10 @@ __all__ = ["RELEASE_MODES", "REPLAY_ENGINES", "ReplayResult", "replay", "replay_
 RELEASE_MODES = ("none", "checkpoints", "all")
 #: ``python``: the replay below, event by event in Python (the reference);
 #: ``numba``: the same replay compiled
-#: (:mod:`~chainer_recompute.core._replay_kernel`; the same total at every
-#: event, not for graphs recorded on CuPy); ``auto``: compiled on graphs of
-#: at least :data:`KERNEL_MIN_NODES` nodes when numba is installed.
+#: (:mod:`~chainer_recompute.core.kernels.replay`; the same total at every
+#: event, not for graphs recorded on CuPy; an error without numba);
+#: ``auto``: compiled on graphs of at least :data:`KERNEL_MIN_NODES` nodes
+#: when numba is installed.
 REPLAY_ENGINES = ("auto", "python", "numba")
 #: Graphs smaller than this are replayed in Python by ``engine='auto'``
 #: (a few milliseconds; loading the compiled loop costs more).
@@ -400,17 +402,16 @@ def held_caller_input_bytes(graph: Graph) -> int:
 
 
 def _engine(graph: Graph, engine: Optional[str]) -> str:
-    engine = "auto" if engine is None else engine
-    if engine not in REPLAY_ENGINES:
+    """``'numba'`` or ``'python'`` (see :data:`REPLAY_ENGINES`)."""
+    if engine not in (None,) + REPLAY_ENGINES:
         raise ValueError(f"unknown replay engine {engine!r}; accepted: {list(REPLAY_ENGINES)}")
-    if engine == "python" or graph.meta.get("allocator") == "cupy":
-        return "python"
-    from ._replay_kernel import kernel_available
-    if not kernel_available():
+    if graph.meta.get("allocator") == "cupy":
         if engine == "numba":
-            raise ValueError("replay engine 'numba' needs numba (the 'fast' extra)")
+            raise ValueError("replay engine 'numba' does not model CuPy's memory pool: this "
+                             "graph was recorded on CuPy; pass engine='auto' or 'python'")
         return "python"
-    return "numba" if engine == "numba" or graph.n >= KERNEL_MIN_NODES else "python"
+    return pick_engine(engine, what="replay", reference="python",
+                       pays=lambda: engine == "numba" or graph.n >= KERNEL_MIN_NODES)
 
 
 def replay_peak(graph: Graph, dropped: Optional[np.ndarray] = None,
@@ -426,7 +427,7 @@ def replay_peak(graph: Graph, dropped: Optional[np.ndarray] = None,
         return replay(graph, _ArrayPlan(graph, dropped, block_of), release_mode=release_mode,
                       engine="python").peak_bytes
     import sys
-    from ._replay_kernel import context_of, run_kernel
+    from .kernels.replay import context_of, run_kernel
     trace = run_kernel(context_of(graph, sys.modules[__name__]), dropped, block_of,
                        release_mode)[0]
     return int(trace.max())
@@ -706,7 +707,7 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
 def _replay_compiled(graph: Graph, plan: Optional[ExecutionPlan],
                      release_mode: str) -> ReplayResult:
     import sys
-    from ._replay_kernel import context_of, run_kernel
+    from .kernels.replay import context_of, run_kernel
     ctx = context_of(graph, sys.modules[__name__])
     if plan is None:
         dropped = block_of = None

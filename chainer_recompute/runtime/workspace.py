@@ -124,40 +124,22 @@ def _out_size(size: int, k: int, s: int, p: int, cover_all: bool, d: int) -> int
     return _conv_utils.get_conv_outsize(size, k, s, p, cover_all=cover_all, d=d)
 
 
-def _fill_columns(x: Any, col: Any, sy: int, sx: int, ph: int, pw: int,
-                  dy: int, dx: int) -> None:
-    """:func:`_columns`' copy as one loop over ``col`` in its memory order
-    (compiled by numba): the writes are sequential and the reads stay
-    within ``kh`` rows of each channel, where NumPy's strided copies read
-    one element per cache line (a transposing copy)."""
-    n, c, h, w = x.shape
-    oh, ow, kh, kw = col.shape[1], col.shape[2], col.shape[4], col.shape[5]
-    for b in range(n):
-        for p in range(oh):
-            for q in range(ow):
-                for ch in range(c):
-                    for j in range(kh):
-                        r = p * sy - ph + j * dy
-                        for i in range(kw):
-                            s = q * sx - pw + i * dx
-                            if 0 <= r < h and 0 <= s < w:
-                                col[b, p, q, ch, j, i] = x[b, ch, r, s]
-                            else:
-                                col[b, p, q, ch, j, i] = 0
-
-
+#: The column copy's engine: ``None`` until first used, then the compiled
+#: loop (:func:`~chainer_recompute.core.kernels.columns.fill_columns`) when
+#: :func:`~chainer_recompute.core.kernels.pick_engine` picks numba, else
+#: ``False`` (NumPy's strided copies below).
 _compiled_fill: Any = None
 
 
 def _compiled_columns() -> Any:
-    """:func:`_fill_columns` compiled, or None without numba."""
+    """The compiled column copy, or None when NumPy's runs (no numba)."""
     global _compiled_fill
     if _compiled_fill is None:
-        from ..core.solvers._dp import numba_available
+        from ..core import kernels
         _compiled_fill = False
-        if numba_available():
-            import numba
-            _compiled_fill = numba.njit(cache=True, nogil=True)(_fill_columns)
+        if kernels.pick_engine("auto", what="column copy") == "numba":
+            from ..core.kernels.columns import fill_kernel
+            _compiled_fill = fill_kernel()
     return _compiled_fill or None
 
 

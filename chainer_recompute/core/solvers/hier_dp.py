@@ -1,8 +1,7 @@
 """The hierarchical DP: plan each distinct segment once, then chain them
 (docs/algorithm.md, "Planning at scale").
 
-Pure core: numpy only (the chain DP's loop is compiled with numba when the
-``fast`` extra is installed).
+Pure core: numpy only (the chain DP's table: :mod:`..kernels.hier`).
 
 The graph is cut at *positions* ``0 = c_0 < c_1 < ... < c_P = n``: the
 lower set of position ``j`` is the topological prefix ``{0, ..., c_j - 1}``.
@@ -62,8 +61,8 @@ from ..plan import Plan, infeasible_plan, make_plan
 from ..schedule import entry_cost
 from ..segments import Segments, detect_segments, last_readers, menu_offsets, \
     node_signatures, prefix_boundary_bytes
-from ._dp import chain_cost, run_dp
-from ._hier_kernel import kernel, least_kernel
+from ..kernels.hier import kernel, least_kernel
+from . import _dp
 
 logger = logging.getLogger(__name__)
 
@@ -427,7 +426,7 @@ class HierProblem:
                 lo = mid
         return int(hi + m.constant_bytes)
 
-    def _least_m(self, bc: int) -> Tuple[np.ndarray, List[Tuple[int, int]]]:
+    def _least_m(self, bc: int, engine: Optional[str] = None) -> Tuple[np.ndarray, List[Tuple[int, int]]]:
         """Least retained memory reaching each position within ``bc``
         (``-1``: unreachable) and the back-pointers ``(j, option)``, over
         the long blocks and each piece's time-free options (``option``
@@ -437,7 +436,8 @@ class HierProblem:
         ptr, o_peak, o_keep = self._flat_options(time_free=True)
         least = np.empty(P + 1, dtype=np.int64)
         back = np.empty((P + 1, 2), dtype=np.int64)
-        least_kernel()(P, self.step, self.dm, ptr, o_peak, o_keep, bc, least, back)
+        fill = least_kernel(engine, _dp.ENGINE)
+        fill(P, self.step, self.dm, ptr, o_peak, o_keep, bc, least, back)
         return least, [(int(j), int(o)) for j, o in back]
 
     def edges(self) -> np.ndarray:
@@ -518,7 +518,7 @@ class HierProblem:
         bc = (self.vanilla_bytes() if budget_bytes is None else int(budget_bytes)) \
             - m.constant_bytes
         if strategy == "feasible":
-            least, back = self._least_m(bc)
+            least, back = self._least_m(bc, engine)
             if least[-1] < 0:
                 return None
             steps = []
@@ -573,8 +573,8 @@ def _chain_dp(prob: HierProblem, bc: int, strategy: str,
         lb = max((t for b, t in prob.reached if b <= bc), default=-1)
         if lb > 0:
             need = lb - most
-    kernel(engine)(P, U, prob.step, prob.dm, dt, ptr, o_peak, o_keep, o_dt, bc, best, src,
-                   how, strategy == "tc", need)
+    kernel(engine, _dp.ENGINE)(P, U, prob.step, prob.dm, dt, ptr, o_peak, o_keep, o_dt, bc,
+                               best, src, how, strategy == "tc", need)
     fin = np.flatnonzero(best[P] < inf)
     if len(fin) == 0:
         return None
@@ -626,7 +626,7 @@ def _plan_piece(wg: Graph, wm: MemoryModel, L: int, timed: Optional[Graph] = Non
         ft = fam.with_costs(timed)
         ft.cache["pairs"] = pairs.with_costs(ft)
     last = len(fam) - 1
-    whole = chain_cost(fam, [last])
+    whole = _dp.chain_cost(fam, [last])
     lo = int((wm.block_bytes[1:L + 1] + wm.transient_bytes[1:L + 1]).max())
     hi = int(whole.peak_bytes)
     budgets = sorted({int(lo * (hi / max(lo, 1)) ** (i / (OPTION_BUDGETS - 1)))
@@ -637,7 +637,7 @@ def _plan_piece(wg: Graph, wm: MemoryModel, L: int, timed: Optional[Graph] = Non
     keepw, tcost, fcost = wm.keep_bytes, ft.graph.node_cost, wg.node_cost
     for b in budgets:
         for f, obj in ((ft, "tc"), (fam, "feasible")):
-            res = run_dp(f, b, obj, engine="numpy")
+            res = _dp.run_dp(f, b, obj, engine="numpy")
             if res.chain is None:
                 continue
             rows = tuple(res.chain[1:])
@@ -645,7 +645,7 @@ def _plan_piece(wg: Graph, wm: MemoryModel, L: int, timed: Optional[Graph] = Non
             if rows in found:
                 free[rows] = free[rows] or is_free
                 continue
-            cc = chain_cost(f, list(rows))
+            cc = _dp.chain_cost(f, list(rows))
             kept = 0
             for u in cc.checkpoints:
                 kept |= u

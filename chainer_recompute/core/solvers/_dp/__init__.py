@@ -3,8 +3,8 @@ approximate solvers (docs/paper.md §4-§6), under a memory model
 (:class:`~chainer_recompute.core.memory_model.MemoryModel`, the paper's by
 default).
 
-Pure core: numpy only (the optional compiled kernels in :mod:`._dp_numba`
-need numba).
+Pure core: numpy only (the optional compiled kernels in
+:mod:`~chainer_recompute.core.kernels.dp` need numba).
 
 Table: for each lower set ``L`` (row of a :class:`LowerSetFamily`, rows
 sorted by size so every subset precedes its supersets) a Pareto frontier
@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, List, Optional
 import numpy as np
 
 from ... import lower_sets as _lower_sets
+from ...kernels import ENGINES, numba_available, pick_engine  # noqa: F401 (re-exported)
 from ...lower_sets import LowerSetFamily
 from .compiled import _closure_rows, _run_compiled  # noqa: F401 (_closure_rows: tests)
 from .numpy_engine import DENSE_LIMIT, _dense, _sparse
@@ -54,7 +55,6 @@ logger = logging.getLogger(__name__)
 #: ``numba`` or ``numpy``; the environment variable
 #: ``CHAINER_RECOMPUTE_DP_ENGINE`` sets the default.
 ENGINE = os.environ.get("CHAINER_RECOMPUTE_DP_ENGINE", "auto")
-ENGINES = ("auto", "numba", "numpy")
 #: ``auto`` uses the compiled kernels when K²·(T+1)/2 (inclusion pairs
 #: times retained-time levels) exceeds this (a NumPy run long enough to
 #: repay importing numba and loading the kernels), or when this process
@@ -63,18 +63,6 @@ COMPILED_MIN_WORK = 20_000_000
 #: The compiled DP keeps a dense table of at most K·(T+1) entries (12 bytes
 #: each) up to this many; larger problems use the NumPy frontiers.
 COMPILED_DENSE_LIMIT = 40_000_000
-
-
-_NUMBA: Optional[bool] = None
-
-
-def numba_available() -> bool:
-    """Whether the compiled kernels can be used (numba is importable)."""
-    global _NUMBA
-    if _NUMBA is None:
-        import importlib.util
-        _NUMBA = importlib.util.find_spec("numba") is not None
-    return _NUMBA
 
 
 def loaded_kernels():
@@ -88,7 +76,7 @@ def _load_kernels():
     read from numba's on-disk cache) by solving a tiny graph: later solves
     of any size then pay no loading."""
     if _lower_sets._KERNELS is None:
-        from .. import _dp_numba as kn
+        from ...kernels import dp as kn
         _lower_sets._KERNELS = kn
         try:
             _warm_up()
@@ -109,23 +97,17 @@ def _warm_up() -> None:
 
 
 def _pick_engine(engine: Optional[str], family: LowerSetFamily, total_t: int) -> str:
-    engine = ENGINE if engine is None else engine
-    if engine not in ENGINES:
-        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
-    if engine == "numpy":
-        return "numpy"
-    if engine == "numba":
-        if not numba_available():
-            raise ImportError("engine='numba' needs numba: pip install 'chainer-recompute[fast]'")
-        _load_kernels()
-        return "numba"
-    if not numba_available():
-        return "numpy"
+    """``'numba'`` (the kernels loaded) or ``'numpy'``, through
+    :func:`~chainer_recompute.core.kernels.pick_engine`; ``auto`` picks the
+    kernels when the problem repays loading them (:data:`COMPILED_MIN_WORK`)
+    or this process has loaded them already."""
     K = len(family)
-    if loaded_kernels() is not None or K * K * (total_t + 1) // 2 > COMPILED_MIN_WORK:
+    picked = pick_engine(engine, what="flat DP", default=ENGINE,
+                         pays=lambda: (loaded_kernels() is not None
+                                       or K * K * (total_t + 1) // 2 > COMPILED_MIN_WORK))
+    if picked == "numba":
         _load_kernels()
-        return "numba"
-    return "numpy"
+    return picked
 
 
 def run_dp(family: LowerSetFamily, budget_bytes: Optional[int], objective: str,
@@ -145,10 +127,12 @@ def run_dp(family: LowerSetFamily, budget_bytes: Optional[int], objective: str,
     topological prefixes, when the family holds them) and mc takes the
     single block V, on either engine.
 
-    ``engine``: ``numba`` (compiled kernels, :mod:`.._dp_numba`: a feasible
-    chain found first by a one-state-per-row heuristic bounds the optimum,
-    and every state that cannot reach it is pruned), ``numpy`` (vectorised
-    NumPy), ``auto`` or ``None`` (:data:`ENGINE`). ``method`` (NumPy
+    ``engine``: ``numba`` (compiled kernels,
+    :mod:`~chainer_recompute.core.kernels.dp`: a feasible chain found first
+    by a one-state-per-row heuristic bounds the optimum, and every state
+    that cannot reach it is pruned; an error without numba), ``numpy``
+    (vectorised NumPy), ``auto`` or ``None`` (:data:`ENGINE`; see
+    :func:`~chainer_recompute.core.kernels.pick_engine`). ``method`` (NumPy
     engine): ``dense`` (a table row of T+1 entries per lower set, fast on
     small families), ``sparse`` (Pareto frontiers, for large families), or
     ``auto`` (dense while the table has at most :data:`DENSE_LIMIT`

@@ -1,4 +1,4 @@
-"""The DP on the compiled kernels (:mod:`.._dp_numba`): the family as flat
+"""The DP on the compiled kernels (:mod:`~chainer_recompute.core.kernels.dp`): the family as flat
 arrays, an incumbent (the DP on the ancestor closures, or a greedy chain),
 guesses of the optimum from the top, and the pruned dense table
 (:func:`_run_compiled`).
@@ -39,12 +39,12 @@ GUESS_RACE = 16
 
 
 def _kernel_args(family: LowerSetFamily, pairs: _Pairs) -> tuple:
-    """The family as the flat arrays of :mod:`.._dp_numba` (cached)."""
+    """The family as the flat arrays of :mod:`~chainer_recompute.core.kernels.dp` (cached)."""
     args = family.cache.get("kernel_args")
     if args is not None:
         return args
     from ...lower_sets import _n_words
-    from .. import _dp_numba as kn
+    from ...kernels import dp as kn
     g = family.graph
     n, K = g.n, pairs.K
     all_rows = pairs.by_blk.astype(np.int64)
@@ -76,7 +76,7 @@ def _chain_from(src: np.ndarray, K: int) -> List[int]:
 
 def _run_compiled(family: LowerSetFamily, pairs: _Pairs, budget: Optional[int],
                   objective: str) -> DPResult:
-    """The DP on the compiled kernels (:mod:`.._dp_numba`).
+    """The DP on the compiled kernels (:mod:`~chainer_recompute.core.kernels.dp`).
 
     1. With a budget (:func:`run_dp` drops one that can never bind), the
        most retained memory with which V is still reachable from each row
@@ -96,7 +96,7 @@ def _run_compiled(family: LowerSetFamily, pairs: _Pairs, budget: Optional[int],
     """
     import time
 
-    from .. import _dp_numba as kn
+    from ...kernels import dp as kn
     t0 = time.perf_counter()
     P = _kernel_args(family, pairs)
     K, T = pairs.K, pairs.total_t
@@ -223,7 +223,7 @@ def _run_compiled(family: LowerSetFamily, pairs: _Pairs, budget: Optional[int],
 
 
 class _Table:
-    """The compiled dense DP's table (see :func:`.._dp_numba.dense`).
+    """The compiled dense DP's table (see :func:`~chainer_recompute.core.kernels.dp.dense`).
 
     Each row L holds only the retained times that can occur there and
     survive the pruning: at most T of the non-sinks in L (only they are
@@ -262,7 +262,7 @@ class _Table:
         K = self.K
         if not self.touched[K - 1]:
             return np.zeros(0, dtype=np.int64)
-        from .. import _dp_numba as kn
+        from ...kernels import dp as kn
         return self.t_low[K - 1] + np.flatnonzero(
             self.opt[self.off[K - 1]:self.off[K]] != kn.INF)
 

@@ -1,45 +1,36 @@
-"""The hierarchical DP's chain table (:func:`~.hier_dp._chain_dp`), in
-loops compiled by numba (the ``fast`` extra) or vectorised over the time
-units with numpy. Both fill ``best[q, t]``, ``src`` and ``how`` as the
-module doc of :mod:`~.hier_dp` says; a state of row ``q`` whose retained
+"""The hierarchical DP's chain table
+(:func:`~chainer_recompute.core.solvers.hier_dp._chain_dp`), on both
+engines: loops compiled by numba (the ``fast`` extra) or vectorised over
+the time units with numpy. Both fill ``best[q, t]``, ``src`` and ``how`` as the
+module doc of :mod:`~chainer_recompute.core.solvers.hier_dp` says; a state of row ``q`` whose retained
 time is below ``need[q]`` is not used as a source (branch and bound, see
-:func:`~.hier_dp._chain_dp`)."""
+:func:`~chainer_recompute.core.solvers.hier_dp._chain_dp`)."""
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+import sys
+from typing import Any, Optional
 
 import numpy as np
 
+from . import compiled, pick_engine
 
-def kernel(engine: Optional[str]):
-    """The table's filler for ``engine`` (``None``: the DPs' default)."""
-    from ._dp import ENGINE, numba_available
-    engine = ENGINE if engine is None else engine
-    if engine == "numpy" or not numba_available():
+
+def kernel(engine: Optional[str], default: str = "auto") -> Any:
+    """The table's filler for ``engine`` (``None``: ``default``; the
+    hierarchical DP passes the flat DPs',
+    :data:`~chainer_recompute.core.solvers._dp.ENGINE`): :func:`_dp_loops`
+    compiled, or :func:`_dp_numpy` (see :func:`~.pick_engine`)."""
+    if pick_engine(engine, what="hierarchical DP", default=default) == "numpy":
         return _dp_numpy
-    k = _COMPILED.get("dp")
-    if k is None:
-        import numba
-        g = globals()  # the helper the loops call, compiled first (numba needs it so)
-        if not hasattr(g["_relax"], "py_func"):
-            g["_relax"] = numba.njit(cache=True, nogil=True)(_relax)
-        k = _COMPILED["dp"] = numba.njit(cache=True, nogil=True)(_dp_loops)
-    return k
+    return compiled(sys.modules[__name__], "_dp_loops", helpers=("_relax",))
 
 
-def least_kernel():
-    """:func:`_least_loops`, compiled when numba is there."""
-    from ._dp import numba_available
-    if not numba_available():
+def least_kernel(engine: Optional[str] = None, default: str = "auto") -> Any:
+    """The one-state-per-position table's filler for ``engine`` (as
+    :func:`kernel`): :func:`_least_loops` compiled, or :func:`_least_numpy`."""
+    if pick_engine(engine, what="hierarchical DP", default=default) == "numpy":
         return _least_numpy
-    k = _COMPILED.get("least")
-    if k is None:
-        import numba
-        k = _COMPILED["least"] = numba.njit(cache=True, nogil=True)(_least_loops)
-    return k
-
-
-_COMPILED: Dict[str, Any] = {}
+    return compiled(sys.modules[__name__], "_least_loops")
 
 
 def _least_numpy(P, step, dm, ptr, o_peak, o_keep, bc, least, back):

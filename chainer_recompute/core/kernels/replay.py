@@ -1,7 +1,8 @@
 """The replay of :mod:`~chainer_recompute.core.replay` as one compiled loop
 over flat arrays (numba), for large graphs.
 
-Pure core: numpy only (numba compiles the loop when it is installed).
+Pure core: numpy only (numba compiles the loop; :mod:`chainer_recompute.core.replay`
+picks the engine through :func:`~chainer_recompute.core.kernels.pick_engine`).
 
 It follows the reference replay (``replay(..., engine='python')``) event
 by event and gives the same total at every event (the tests compare the
@@ -14,15 +15,17 @@ allocation) are replayed by the reference replay only.
 """
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .execution import backward_readers, releasable_nodes
-from .graph import Graph
+from ..execution import backward_readers, releasable_nodes
+from ..graph import Graph
+from . import compiled
 
-__all__ = ["ReplayContext", "context_of", "kernel_available", "run_kernel"]
+__all__ = ["ReplayContext", "context_of", "run_kernel"]
 
 #: event kinds of the kernel's timeline
 FORWARD, END, REGENERATE, BACKWARD, UPDATE, UNRECORDED = 0, 1, 2, 3, 4, 5
@@ -184,28 +187,9 @@ def context_of(graph: Graph, helpers: Any) -> ReplayContext:
     return ctx
 
 
-_COMPILED: Dict[str, Any] = {}
-
-
-def kernel_available() -> bool:
-    """Whether the compiled loop can be used (numba is installed)."""
-    global _NUMBA
-    if _NUMBA is None:
-        import importlib.util
-        _NUMBA = importlib.util.find_spec("numba") is not None
-    return _NUMBA
-
-
-_NUMBA: Optional[bool] = None
-
-
-def _kernel():
-    k = _COMPILED.get("replay")
-    if k is None:
-        import numba
-        _jit_helpers()
-        k = _COMPILED["replay"] = numba.njit(cache=True, nogil=True)(_replay_loop)
-    return k
+def _kernel() -> Any:
+    return compiled(sys.modules[__name__], "_replay_loop",
+                    helpers=("_grow", "_attr_hold", "_hold", "_drop", "_release", "_regenerable"))
 
 
 def run_kernel(ctx: ReplayContext, dropped: Optional[np.ndarray], block_of: Optional[np.ndarray],
@@ -623,14 +607,3 @@ def _regenerable(u, regen, stack_v, stack_k, in_p, in_i, producer, pc, constown,
         regen[v] = 1 if ok else 0
         sp -= 1
     return regen[u] == 1
-
-
-def _jit_helpers() -> None:
-    """Compile the helpers the loop calls (numba needs them as compiled
-    functions in the loop's globals)."""
-    import numba
-    g = globals()
-    for name in ("_grow", "_attr_hold", "_hold", "_drop", "_release", "_regenerable"):
-        f = g[name]
-        if not hasattr(f, "py_func"):
-            g[name] = numba.njit(cache=True, nogil=True)(f)

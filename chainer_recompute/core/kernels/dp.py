@@ -1,5 +1,6 @@
-"""Compiled kernels of the DP (numba), used by :mod:`._dp` when numba is
-installed (the ``fast`` extra); the NumPy path computes the same optima.
+"""Compiled kernels of the flat DP (numba), used by
+:mod:`~chainer_recompute.core.solvers._dp` when numba is installed (the
+``fast`` extra); the NumPy path computes the same optima.
 
 Pure core: numpy and numba only. Importing this module imports numba and
 compiles nothing: the kernels are compiled on first use and cached on disk.
@@ -192,11 +193,11 @@ def capacity(P, budget):
             if not _superset(R, nw, c_size, i, j):
                 continue
             step = keys[p] - bi + np.int64(R[j, c_size + 1])
-            if True and step > slack:
+            if step > slack:
                 continue
             if nwt > 0:
                 step += _transient(R, nw, nwt, trans_vals, i, j)
-                if True and step > slack:
+                if step > slack:
                     continue
             if budget - step <= best:
                 continue

@@ -1,0 +1,140 @@
+"""Each algorithm's two engines (see :mod:`chainer_recompute.core.kernels`):
+the compiled one against the reference one when numba is installed, and,
+with numba made missing (the availability check patched), ``'auto'`` runs
+the reference engine and ``'numba'`` raises instead of running it."""
+import numpy as np
+import pytest
+
+from chainer_recompute.core import kernels
+from chainer_recompute.core.errors import EngineUnavailableError
+from chainer_recompute.core.graph import Graph
+from chainer_recompute.core.kernels import hier as hier_kernel
+from chainer_recompute.core.replay import replay
+from chainer_recompute.core.solvers import solve_exact
+from chainer_recompute.core.solvers.hier_dp import HierProblem, solve_hier
+
+needs_numba = pytest.mark.skipif(not kernels.numba_available(),
+                                 reason="needs numba (the 'fast' extra)")
+
+
+@pytest.fixture
+def no_numba(monkeypatch):
+    """numba made missing for every engine switch (and the column copy's
+    choice made again)."""
+    from chainer_recompute.runtime import workspace as ws
+    monkeypatch.setattr(kernels, "numba_available", lambda: False)
+    monkeypatch.setattr(ws, "_compiled_fill", None)
+
+
+def _diamond() -> Graph:
+    return Graph.from_edges([1, 2, 3, 4], [(0, 1), (0, 2), (1, 3), (2, 3)], costs=[1, 1, 1, 1])
+
+
+def _repeated(layers: int = 6) -> Graph:
+    """A chain of identical two-node layers (the hierarchical DP's case)."""
+    n = 2 * layers
+    return Graph.from_edges([4, 8] * layers, [(v, v + 1) for v in range(n - 1)],
+                            costs=[1, 3] * layers)
+
+
+def test_pick_engine_names_and_rules():
+    assert kernels.pick_engine("numpy", what="x") == "numpy"
+    assert kernels.pick_engine("python", what="x", reference="python") == "python"
+    assert kernels.pick_engine("auto", what="x", pays=False) == "numpy"
+    with pytest.raises(ValueError, match="unknown x engine 'fortran'"):
+        kernels.pick_engine("fortran", what="x")
+    want = "numba" if kernels.numba_available() else "numpy"
+    assert kernels.pick_engine(None, what="x") == want
+
+
+def test_numba_asked_for_without_numba_raises_everywhere(no_numba):
+    g = _diamond()
+    assert kernels.pick_engine("auto", what="x") == "numpy"
+    with pytest.raises(EngineUnavailableError, match="pip install 'chainer-recompute\\[fast\\]'"):
+        kernels.pick_engine("numba", what="x")
+    with pytest.raises(EngineUnavailableError, match="flat DP"):
+        solve_exact(g, 15, engine="numba")
+    with pytest.raises(EngineUnavailableError, match="replay"):
+        replay(g, engine="numba")
+    with pytest.raises(EngineUnavailableError, match="hierarchical DP"):
+        hier_kernel.kernel("numba")
+    with pytest.raises(EngineUnavailableError, match="hierarchical DP"):
+        hier_kernel.least_kernel("numba")
+    assert issubclass(EngineUnavailableError, ImportError)
+
+
+def test_auto_runs_the_reference_engines_without_numba(no_numba):
+    from chainer_recompute.runtime import workspace as ws
+    g = _diamond()
+    assert solve_exact(g, 15, engine="auto").overhead == 1
+    assert replay(g, engine="auto").peak_bytes == replay(g, engine="python").peak_bytes
+    assert hier_kernel.kernel("auto") is hier_kernel._dp_numpy
+    assert hier_kernel.least_kernel("auto") is hier_kernel._least_numpy
+    assert ws._compiled_columns() is None
+
+
+def test_hierarchical_dp_numpy_engine_without_numba(no_numba):
+    g = _repeated()
+    prob = HierProblem(g)
+    least = prob.least_budget()
+    for strategy in ("tc", "mc", "feasible"):
+        assert prob.solve(least, strategy, "numpy") is not None
+        assert prob.solve(least - 1, strategy, "numpy") is None
+    assert solve_hier(g, least, engine="numpy").feasible
+
+
+@needs_numba
+def test_flat_dp_engines_agree():
+    rng = np.random.RandomState(0)
+    for _ in range(5):
+        n = 9
+        edges = [(u, v) for u in range(n) for v in range(u + 1, n) if rng.rand() < 0.3]
+        edges += [(v, v + 1) for v in range(n - 1)]
+        g = Graph.from_edges(list(rng.randint(1, 9, n)), sorted(set(edges)),
+                             costs=list(rng.randint(1, 5, n)))
+        for b in (30, 40, 60):
+            for strategy in ("tc", "mc"):
+                a = solve_exact(g, b, strategy=strategy, engine="numpy")
+                c = solve_exact(g, b, strategy=strategy, engine="numba")
+                assert (a.feasible, a.overhead) == (c.feasible, c.overhead)
+
+
+@needs_numba
+def test_replay_engines_agree():
+    g = _repeated(8)
+    from chainer_recompute.core.search import least_feasible_budget
+    plan = solve_exact(g, least_feasible_budget(g, "exact"), strategy="tc")
+    assert plan.feasible
+    from chainer_recompute.core.execution import ExecutionPlan
+    ep = ExecutionPlan(g, plan.lower_sets, frozenset(plan.kept))
+    assert ep.dropped
+    for p in (None, ep):
+        a = replay(g, p, engine="python")
+        b = replay(g, p, engine="numba")
+        assert a.peak_bytes == b.peak_bytes
+        assert list(a.memory_bytes) == list(b.memory_bytes)
+
+
+@needs_numba
+def test_hierarchical_dp_engines_agree():
+    g = _repeated(8)
+    prob = HierProblem(g)
+    least = prob.least_budget()
+    for b in (least, least + 8, least + 40):
+        for strategy in ("tc", "mc", "feasible"):
+            assert prob.solve(b, strategy, "numpy") == HierProblem(g).solve(b, strategy, "numba")
+
+
+@needs_numba
+def test_column_copy_engines_agree():
+    from chainer_recompute.runtime import workspace as ws
+    x = np.random.RandomState(1).randn(2, 3, 7, 6)
+    oh, ow = ws._out_size(7, 3, 2, 1, False, 1), ws._out_size(6, 3, 2, 1, False, 1)
+    want = ws._columns(np, x, 3, 3, 2, 2, 1, 1, 1, 1, oh, ow)
+    fill, ws._compiled_fill = ws._compiled_fill, False
+    try:
+        numpys = ws._columns(np, x, 3, 3, 2, 2, 1, 1, 1, 1, oh, ow)
+    finally:
+        ws._compiled_fill = fill
+    assert ws._compiled_columns() is not None
+    assert np.array_equal(want, numpys)

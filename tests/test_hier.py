@@ -75,7 +75,7 @@ def test_hier_against_flat_exact_on_repeated_random_segments(seed):
 def test_tc_tables_bounded_by_earlier_chains_give_the_same_plans(seed, engine):
     # a problem that has solved smaller budgets skips the tc states that
     # cannot reach those chains' time; each plan is a fresh problem's
-    from chainer_recompute.core.solvers._hier_kernel import _dp_numpy, kernel
+    from chainer_recompute.core.kernels.hier import _dp_numpy, kernel
     # the engine asked for is the one that fills the tables (not NumPy twice)
     assert (kernel(engine) is _dp_numpy) == (engine == "numpy")
     g = repeated_graph(seed, n_seg=12, costs=True)

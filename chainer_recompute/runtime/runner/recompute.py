@@ -120,7 +120,7 @@ class Recompute(PlanningMixin, MeteringMixin):
             the planner sees their transients. ``workspace_exact`` (default
             True): bit-identical one-call kernels only (a column buffer
             built in one copy instead of Chainer's two); False: chunked to
-            fit the bound, not bit-identical on OpenBLAS (README).
+            fit the bound, not bit-identical on OpenBLAS (docs/workspaces.md).
         check_iterations: how many planned iterations per plan have their
             peak measured by the allocator (NumPy: tracemalloc, slower
             while on) and checked against the budget; on CuPy every

@@ -27,14 +27,16 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def _imports(path: Path):
-    """Modules of the package that ``path`` imports (outside TYPE_CHECKING)."""
+def _imports(path: Path, type_checking: bool = False):
+    """Modules of the package that ``path`` imports (``type_checking``:
+    those under ``if TYPE_CHECKING:`` too)."""
     name = _module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     tree = ast.parse(path.read_text())
     skip = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) and \
+                not type_checking:
             skip.update(id(n) for n in ast.walk(node))
     for node in ast.walk(tree):
         if id(node) in skip:
@@ -57,16 +59,30 @@ def _imports(path: Path):
                     yield alias.name
 
 
-def test_no_import_cycles():
+def _cycles(type_checking: bool):
     modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
     g = nx.DiGraph()
     for name, path in modules.items():
         g.add_node(name)
-        for target in _imports(path):
+        for target in _imports(path, type_checking):
             if target in modules and target != name and not name.startswith(target + "."):
                 g.add_edge(name, target)
-    cycles = [sorted(c) for c in nx.strongly_connected_components(g) if len(c) > 1]
-    assert cycles == [], f"import cycles: {cycles}"
+    return [sorted(c) for c in nx.strongly_connected_components(g) if len(c) > 1]
+
+
+def test_no_import_cycles():
+    assert _cycles(False) == [], f"import cycles: {_cycles(False)}"
+
+
+#: The one cycle left when TYPE_CHECKING imports count: the runner's mixins
+#: (issue #33: the runner as composed objects). Nothing else may join it.
+_KNOWN_TYPE_CHECKING_CYCLE = ["chainer_recompute.runtime.runner.metering",
+                              "chainer_recompute.runtime.runner.planning",
+                              "chainer_recompute.runtime.runner.recompute"]
+
+
+def test_no_import_cycles_counting_type_checking_imports():
+    assert _cycles(True) in ([], [_KNOWN_TYPE_CHECKING_CYCLE]), _cycles(True)
 
 
 def test_core_never_imports_chainer_or_runtime():

@@ -312,10 +312,10 @@ class ChainRecompute:
             if meter is not None:
                 meter.meter.stop()
                 self._open_meter = None
-            self._close_tape()
+            self.close_tape()
             raise
         if self._recording is not None and not self._recording_claimed:
-            self._close_tape()  # no backward of ours follows (one step: plain backprop)
+            self.close_tape()  # no backward of ours follows (one step: plain backprop)
         return out
 
     run = __call__
@@ -343,7 +343,7 @@ class ChainRecompute:
             return self._run(cell, seqs, len(seqs[0]), state, explicit, None, predict_only=True)
         finally:
             RandomStates.restore(rng)
-            self._close_tape()
+            self.close_tape()
             for link, name, value in restore or ():
                 setattr(link, name, value)
 
@@ -613,9 +613,14 @@ class ChainRecompute:
         """Tape CuPy's draws from now until this call's backward is done
         (:func:`~chainer_recompute.runtime.device.recording_random`): a step
         run again from a checkpoint draws what it drew the first time."""
-        self._close_tape()  # the last call's loss was never backpropagated
+        self.close_tape()  # the last call's loss was never backpropagated
         self._recording = recording_random(cell.device)
         self._recording_claimed = False
+
+    def learn_grads_cleared(self) -> None:
+        """At a run's backward: whether the loop cleared the parameters'
+        gradients before it (the PTB example does), for the next plans."""
+        self._grads_cleared = not any(p.grad is not None for p in self._params())
 
     def claim_tape(self) -> None:
         """A run of this call will backpropagate: the tape of CuPy's draws
@@ -623,7 +628,9 @@ class ChainRecompute:
         it), not closed at the end of the call."""
         self._recording_claimed = True
 
-    def _close_tape(self) -> None:
+    def close_tape(self) -> None:
+        """The run's backward is over (or no backward of ours follows): stop
+        taping CuPy's draws."""
         if self._recording is not None:
             self._recording.close()
             self._recording = None
@@ -651,7 +658,7 @@ class ChainRecompute:
                            if p.grad is not None]
         return check
 
-    def _finish_check(self, run: "_Run", backward: Optional[MemoryMeasurement]) -> None:
+    def finish_check(self, run: "_Run", backward: Optional[MemoryMeasurement]) -> None:
         check, run.meter = run.meter, None
         self._open_meter = None
         check.meter.stop()

@@ -7,7 +7,7 @@ the summed loss whose ``backward()`` runs that backward pass.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from . import _chainer  # noqa: F401
 import chainer
@@ -15,8 +15,18 @@ import chainer
 from ..core.errors import RecomputeError
 from .device import RandomStates, device_of
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .bptt import BPTTStats, ChainRecompute
+
+class RunnerSide(Protocol):
+    """What a run calls on its :class:`~chainer_recompute.runtime.bptt.ChainRecompute`."""
+
+    def claim_tape(self) -> None: ...
+
+    def learn_grads_cleared(self) -> None: ...
+
+    def finish_check(self, run: Any, backward: Any) -> None: ...
+
+    def close_tape(self) -> None: ...
+
 
 logger = logging.getLogger(__name__)
 
@@ -188,7 +198,7 @@ class _Cell:
 class _Run:
     """The forward pass and, later, the backward of one call."""
 
-    def __init__(self, runner: "ChainRecompute", cell: _Cell, t: int,
+    def __init__(self, runner: RunnerSide, cell: _Cell, t: int,
                  state0: Tuple[Any, ...]) -> None:
         self.runner = runner
         self.cell = cell
@@ -327,7 +337,7 @@ class _Run:
     meter: Any = None
     grads_before = 0
     forward_peak: Optional[int] = None
-    stats: Optional["BPTTStats"] = None
+    stats: Any = None  # the call's BPTTStats
 
     def backward_all(self, gy: Any) -> None:
         if self.done:
@@ -340,7 +350,7 @@ class _Run:
             # whether the loop clears the gradients before backward() (the
             # PTB example does); learnt for the next plans
             if self.grads_before:
-                runner._grads_cleared = not any(p.grad is not None for p in runner._params())
+                runner.learn_grads_cleared()
         meter = self.cell.device.meter() if self.meter is not None else None
         rng_before = RandomStates.save()
         ok = False
@@ -360,10 +370,10 @@ class _Run:
                 self.grad = ()
                 self.gy = None
                 meter.stop()
-                runner._finish_check(self, meter.result if ok else None)
+                runner.finish_check(self, meter.result if ok else None)
             self.done = True
             RandomStates.restore(rng_before)
-            runner._close_tape()
+            runner.close_tape()
             if not self.cell.explicit:
                 self.cell.set_state(self.final_state)
                 for link, name, value in self.final_outputs:

@@ -5,19 +5,25 @@ runner's measurement of the update) after each update."""
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, List
+from typing import Any, Callable, List, Protocol
 
 from . import _chainer  # noqa: F401
 import chainer
 
-if TYPE_CHECKING:
-    from .executor import IterationHook
+
+class LiveIteration(Protocol):
+    """What this module needs of a live iteration (the executor's
+    ``IterationHook``): told before an optimizer updates a parameter in
+    place."""
+
+    def before_param_update(self, param: Any, copy: Callable[[], Any]) -> None: ...
+
 
 # Hooks whose released blocks were computed from parameters that an
 # optimizer update must save first (snapshot-on-update, see the
 # docstring of ``runtime.executor``). ``UpdateRule.update`` is patched only
 # while one is alive.
-_LIVE: "weakref.WeakSet[IterationHook]" = weakref.WeakSet()
+_LIVE: "weakref.WeakSet[LiveIteration]" = weakref.WeakSet()
 _LIVE_COUNT = [0]
 _ORIGINAL_UPDATE: List[Any] = []  # the unpatched UpdateRule.update while patched
 
@@ -80,7 +86,7 @@ def _unpatch_update_rule() -> None:
         chainer.optimizer.UpdateRule.update = _ORIGINAL_UPDATE.pop()
 
 
-def _add_live(hook: "IterationHook") -> None:
+def _add_live(hook: LiveIteration) -> None:
     if hook in _LIVE:
         return
     _patch_update_rule()

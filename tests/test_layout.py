@@ -113,20 +113,13 @@ except ImportError as e:
     assert lines[1].startswith("apply needs chainer")
 
 
-#: The most lines a module of the package may have: one job per module.
-MAX_LINES = 800
-
-
-def test_every_module_is_small_and_says_its_job():
-    over = {}
+def test_every_module_says_its_job():
+    """Every module opens with a docstring saying its job. (No cap on lines:
+    one job per file is the rule, and a cap split the runner into mixins by
+    size, issue #33.)"""
     for path in PACKAGE.rglob("*.py"):
         rel = path.relative_to(PACKAGE).as_posix()
-        text = path.read_text()
-        assert ast.get_docstring(ast.parse(text)), f"{rel} opens with no docstring"
-        n = len(text.splitlines())
-        if n > MAX_LINES:
-            over[rel] = n
-    assert over == {}, f"modules over {MAX_LINES} lines (split them by job): {over}"
+        assert ast.get_docstring(ast.parse(path.read_text())), f"{rel} opens with no docstring"
 
 
 def test_package_cites_only_documents_the_repository_has():

@@ -136,6 +136,11 @@ def _tuning_options(tuning: Optional[Tuning], legacy: Dict[str, Any]) -> Dict[st
     legacy = dict(legacy)
     coordinator = legacy.pop("coordinator", None)
     if legacy:
+        defaults = Tuning().options()
+        both = [k for k in legacy if tuning is not None and options.get(k) != defaults.get(k)]
+        if both:
+            raise RecomputeError(f"{', '.join(both)} given both in tuning= and as apply()'s "
+                                 f"own arguments: give each once, in tuning=")
         import warnings
         known = Tuning.fields()
         said = ", ".join(f"{k}={v!r}" if k in known else f"solver_options={{{k!r}: {v!r}}}"
@@ -143,11 +148,6 @@ def _tuning_options(tuning: Optional[Tuning], legacy: Dict[str, Any]) -> Dict[st
         warnings.warn(f"apply({', '.join(k + '=...' for k in legacy)}) is deprecated: pass "
                       f"tuning=chainer_recompute.Tuning({said})", DeprecationWarning,
                       stacklevel=3)
-        if tuning is not None:
-            both = [k for k in legacy if k in options and options[k] != Tuning().options().get(k)]
-            if both:
-                raise RecomputeError(f"{', '.join(both)} given both in tuning= and as apply()'s "
-                                     f"own arguments: give each once, in tuning=")
         options.update(legacy)
     if coordinator is not None:
         options["coordinator"] = coordinator

@@ -114,34 +114,22 @@ def _graph_arrays(hook: Any) -> List[Any]:
     return found
 
 
-def _distinct_bytes(dev: Any, arrays: List[Any]) -> int:
+def _distinct_bytes(dev: Any, arrays: List[Any], as_shown: bool = False) -> int:
     """Bytes of ``arrays`` as the allocator holds them: each buffer once
-    (views count their base)."""
+    (views count their base). ``as_shown``: each array once at its own
+    size (a call's inputs: a batch sliced from a data set held in memory is
+    what it shows, its base being the caller's)."""
     from ..capture import is_array, root_of
     seen: set = set()
     total = 0
     for a in arrays:
         if not is_array(a):
             continue
-        r = root_of(a)
+        r = a if as_shown else root_of(a)
         if id(r) in seen:
             continue
         seen.add(id(r))
         total += dev.allocation_bytes(getattr(r, "nbytes", a.nbytes))
-    return total
-
-
-def _input_bytes(dev: Any, arrays: List[Any]) -> int:
-    """Bytes of a call's array arguments at their own sizes: a view (a
-    batch sliced from a dataset held in memory) is counted as what it
-    shows, its base being the caller's."""
-    from ..capture import is_array
-    seen: set = set()
-    total = 0
-    for a in arrays:
-        if is_array(a) and id(a) not in seen:
-            seen.add(id(a))
-            total += dev.allocation_bytes(a.nbytes)
     return total
 
 
@@ -268,7 +256,7 @@ class MeteringMixin:
         meter.start()
         dev.adopt(meter, own + inputs)
         self._meter = _OpenMeter(meter, entry, hook.stats, weakref.ref(hook),
-                                 _distinct_bytes(dev, own) + _input_bytes(dev, inputs),
+                                 _distinct_bytes(dev, own) + _distinct_bytes(dev, inputs, as_shown=True),
                                  meter.current_bytes(), dev.meter,
                                  link_ref=weakref.ref(link) if link is not None else None,
                                  user_held=user_held)

@@ -35,6 +35,11 @@ OUTSIDE_KEYS = ("outside_peak_bytes", "outside_held_bytes")
 #: disabled), above the level where it began: :attr:`Node.unrecorded_peak_bytes`
 #: of a node after the last one.
 UNRECORDED_TAIL_KEY = "unrecorded_tail_peak_bytes"
+#: ``meta`` key of how many calls of the model one training step holds at
+#: once (a WGAN-GP critic: the penalty's call, the fake and the real batch,
+#: then one backward through all three): see
+#: :func:`~chainer_recompute.core.replay.step_calls`.
+STEP_CALLS_KEY = "calls_per_step"
 #: ``meta`` keys scaled with the graph, as its transients are.
 SCALED_META_KEYS = OUTSIDE_KEYS + (UNRECORDED_TAIL_KEY,)
 

@@ -34,6 +34,12 @@ array, from the recorded graph:
   target network's forward: ``meta['outside_peak_bytes']``, a transient at
   the end of the forward, and ``meta['outside_held_bytes']``, held from the
   backward on), as the recording measured it;
+- a step that holds several calls of the model at once
+  (``meta['calls_per_step']`` = k: a WGAN-GP critic's penalty call, then the
+  fake and the real batch, then one backward through all three): each call
+  runs under the same plan, and whatever order their backward passes
+  interleave in, the step holds at most k times one call's bytes above
+  what they share (:func:`step_calls`);
 - work inside the forward that was not recorded (functions applied with
   backprop disabled: a frozen teacher's forward), as the recording measured
   it: its peak (``Node.unrecorded_peak_bytes``, the meta key
@@ -56,7 +62,7 @@ from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 import numpy as np
 
 from .execution import ExecutionPlan
-from .graph import UNRECORDED_TAIL_KEY, Graph
+from .graph import STEP_CALLS_KEY, UNRECORDED_TAIL_KEY, Graph
 from .kernels import pick_engine
 from .pool import PoolModel
 
@@ -125,6 +131,47 @@ def state_constant_bytes(graph: Graph) -> int:
                  if a.kind == "input" and a.name and a.view_of is None)
     return int(params + sb.get("optimizer_state", 0) + sb.get("persistents", 0) + inputs
                + int(graph.meta.get("correction_bytes", 0)))
+
+
+def shared_bytes(graph: Graph) -> int:
+    """What the calls of one step share: parameters, optimizer state,
+    persistent arrays and a measured correction (:func:`state_constant_bytes`
+    less the caller's inputs, which each call has of its own). The
+    parameters' gradients are left out: bounded per call, they are counted
+    once per call (an upper bound)."""
+    sb = graph.state_bytes
+    return int(sb.get("params", graph.param_bytes) + sb.get("optimizer_state", 0)
+               + sb.get("persistents", 0) + int(graph.meta.get("correction_bytes", 0)))
+
+
+def step_calls(graph: Graph) -> int:
+    """How many calls of the model one step holds at once
+    (``meta['calls_per_step']``, 1 unless the runtime saw more). Each runs
+    under the same plan, so at any moment the step holds at most ``k``
+    times one call's bytes above :func:`shared_bytes`: every replayed peak
+    and event is ``m + (k - 1)·(m - shared)`` (:func:`per_step`).
+
+    >>> g = Graph.from_edges([4, 4], [(0, 1)])
+    >>> step_calls(g), step_calls(g.replace(meta={STEP_CALLS_KEY: 3}))
+    (1, 3)
+    """
+    return max(1, int(graph.meta.get(STEP_CALLS_KEY, 1)))
+
+
+def per_step(graph: Graph, memory: Any) -> Any:
+    """One call's replayed ``memory`` (bytes, or an array of them) as the
+    step of :func:`step_calls` calls holds it: ``memory + (k - 1)·(memory -
+    shared)``, monotone in ``memory`` (so the plan with the least peak is
+    the same for every ``k``).
+
+    >>> g = Graph.from_edges([4, 4], [(0, 1)]).replace(meta={STEP_CALLS_KEY: 2})
+    >>> per_step(g, shared_bytes(g) + 100) - shared_bytes(g)
+    200
+    """
+    k = step_calls(graph)
+    if k == 1:
+        return memory
+    return memory + (k - 1) * (memory - shared_bytes(graph))
 
 
 def outside_bytes(graph: Graph) -> Tuple[int, int]:
@@ -430,7 +477,7 @@ def replay_peak(graph: Graph, dropped: Optional[np.ndarray] = None,
     from .kernels.replay import context_of, run_kernel
     trace = run_kernel(context_of(graph, sys.modules[__name__]), dropped, block_of,
                        release_mode)[0]
-    return int(trace.max())
+    return int(per_step(graph, int(trace.max())))
 
 
 class _ArrayPlan(ExecutionPlan):
@@ -694,14 +741,16 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
         end = mem.events.index("end of forward") + 1
         trace[:end] += held_end
         mem.used_trace[:end] = [u + held_end for u in mem.used_trace[:end]]
+    trace = per_step(graph, trace)
     k = int(np.argmax(trace)) if len(trace) else 0
     return ReplayResult(peak_bytes=int(trace[k]) if len(trace) else constant,
                         peak_event=mem.events[k] if mem.events else "",
                         constant_bytes=constant, events=tuple(mem.events),
                         memory_bytes=trace, recomputed=recomputed,
-                        used_peak_bytes=max(mem.used_trace, default=constant),
-                        pool_total_peak_bytes=(None if mem.pool is None
-                                               else int(mem.pool.peak_total_bytes)))
+                        used_peak_bytes=int(per_step(graph, max(mem.used_trace,
+                                                                default=constant))),
+                        pool_total_peak_bytes=(None if mem.pool is None else
+                                               int(per_step(graph, mem.pool.peak_total_bytes))))
 
 
 def _replay_compiled(graph: Graph, plan: Optional[ExecutionPlan],
@@ -716,6 +765,7 @@ def _replay_compiled(graph: Graph, plan: Optional[ExecutionPlan],
         dropped[list(plan.dropped)] = True
         block_of = np.asarray(plan.block_of, dtype=np.int64)
     trace, kinds, us, ws, recomputed = run_kernel(ctx, dropped, block_of, release_mode)
+    trace = per_step(graph, trace)
     events = ctx.labels(kinds, us, ws)
     k = int(np.argmax(trace))
     return ReplayResult(peak_bytes=int(trace[k]), peak_event=events[k],

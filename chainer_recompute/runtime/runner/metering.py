@@ -51,6 +51,9 @@ class _OpenMeter:
     # reference, bytes): counted in ``own``, but the caller's if still
     # alive at the end (a list of batches; a dataset they are views of)
     user_held: List[Tuple[Any, int]] = dataclasses.field(default_factory=list)
+    # ids of the buffers of the inputs counted in ``own`` (a step's later
+    # calls add theirs: see Recompute._continue_meter)
+    input_ids: set = dataclasses.field(default_factory=set)
 
     def measured(self, absolute_peak_bytes: int) -> int:
         """The model's bytes when the meter read ``absolute_peak_bytes``."""
@@ -218,6 +221,11 @@ class MeteringMixin:
     # whether that graph was still alive at the forward's first function
     # when last seen (None: never seen)
     _held_at_start: Optional[bool] = None
+    # the most calls of the model one step has held at once (see
+    # _count_step_calls), and this call's earlier ones in its step
+    _step_calls: int = 1
+    _step_others: List[Any] = []  # (weak references: a hook holds arrays)
+    _said_step_calls: bool = False
 
     def _start_meter(self, entry: _Entry, hook: IterationHook, link: Optional[chainer.Link],
                      args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
@@ -233,8 +241,10 @@ class MeteringMixin:
         tracing began, and are adopted by the tracing so that their frees
         are seen; on CuPy the pool also holds other models' arrays), plus
         what the allocator holds above its level at the call."""
-        from ..device import device_of
         arrays = list(args) + list(kwargs.values())
+        if self._step_others and self._continue_meter(entry, hook, link, arrays):
+            return
+        from ..device import device_of
         dev = device_of(arrays)
         if not dev.is_gpu and all(s.checked >= self.check_iterations
                                   for s in entry.structures):
@@ -248,10 +258,14 @@ class MeteringMixin:
         if previous is not None and previous is not hook and (
                 previous.backward_done or previous.program is None):
             # (a call whose backward is still to come, a discriminator's
-            # other batch, is another iteration's: not counted here)
+            # other batch, is in this step's meter if one runs from it:
+            # see _find_step)
             held = _graph_arrays(previous)
             user_held = _previous_inputs(dev, previous, held)
             own += held
+        for other in filter(None, (r() for r in self._step_others)):
+            if other is not previous:  # (the step's earlier calls, none measured)
+                own += _graph_arrays(other)
         meter = dev.meter()
         meter.start()
         dev.adopt(meter, own + inputs)
@@ -260,15 +274,59 @@ class MeteringMixin:
                                  meter.current_bytes(), dev.meter,
                                  link_ref=weakref.ref(link) if link is not None else None,
                                  user_held=user_held)
+        from ..capture import root_of
+        self._meter.input_ids = {id(root_of(a)) for a in inputs}
         self._meter.after_recording = bool(held) and previous.recording
         self._meter.finalizer = weakref.finalize(self, _abandon, meter)
-        hook.on_backward_done = lambda _hook: self._stop_meter(done=True)
+        self._stop_when_done(hook)
 
-    def _close_step(self) -> None:
+    def _close_step(self, continued: bool = False) -> None:
         """The next call: the previous iteration is over; measure and check
-        what is left of it."""
-        if self._meter is not None:
+        what is left of it. ``continued``: the next call is in the same
+        step, its earlier calls' backward still to come: the meter goes on
+        (:meth:`_start_meter` hands it to the new call)."""
+        if self._meter is not None and not continued:
             self._stop_meter()
+
+    def _continue_meter(self, entry: _Entry, hook: IterationHook,
+                        link: Optional[chainer.Link], arrays: List[Any]) -> bool:
+        """A later call of a step whose meter runs from its first call: the
+        same meter, its level and counted bytes kept, measures on for this
+        call (its plan is the one checked at the step's end). Its inputs not
+        counted yet are counted at their size (the caller's batch, made
+        before the step; one made inside the step, a generator's output, is
+        then counted twice: an overestimate). False when no meter runs."""
+        open_ = self._meter
+        if open_ is None:
+            return False
+        from ..capture import root_of
+        from ..device import device_of
+        dev = device_of(arrays)
+        new = [a for a in _own_arrays(None, arrays) if id(root_of(a)) not in open_.input_ids]
+        open_.input_ids.update(id(root_of(a)) for a in new)
+        open_.own += _distinct_bytes(dev, new, as_shown=True)
+        dev.adopt(open_.meter, new)
+        hook.input_roots = _weak_roots(new)
+        if open_.watcher is not None:  # (a tail: the update is still to come)
+            from ..executor import remove_update_watcher
+            remove_update_watcher(open_.watcher)
+            open_.watcher = None
+        open_.tail, open_.waiting, open_.structure = False, None, None
+        open_.entry, open_.stats, open_.hook = entry, hook.stats, weakref.ref(hook)
+        open_.link_ref = weakref.ref(link) if link is not None else None
+        self._stop_when_done(hook)
+        return True
+
+    def _stop_when_done(self, hook: IterationHook) -> None:
+        """At the end of ``hook``'s backward, the meter (if it is still
+        this call's) goes on through the update."""
+        runner = weakref.ref(self)
+
+        def done(h: IterationHook) -> None:
+            r = runner()
+            if r is not None and r._meter is not None and r._meter.hook() is h:
+                r._stop_meter(done=True)
+        hook.on_backward_done = done
 
     def _stop_meter(self, done: bool = False) -> None:
         if self._meter is None:
@@ -347,7 +405,10 @@ class MeteringMixin:
         peak, the plan's predicted and measured peaks and the saving."""
         if stats.measured_peak_bytes is None:
             return
-        stats.plain_peak_bytes = plain_peak(s.graph, s.plan)[0]
+        from ...core.replay import step_calls
+        # (plain Chainer's step of several calls: a bound, no saving said)
+        stats.plain_peak_bytes = plain_peak(s.graph, s.plan)[0] \
+            if step_calls(s.graph) == 1 else None
         correction = int(s.graph.meta.get("correction_bytes", 0))
         if correction in self._said_measured or s.checked < min(2, self.check_iterations):
             return  # (said from the second step: the first has no state, no gradients yet)
@@ -428,6 +489,58 @@ class MeteringMixin:
             if h is not None and r is not None:
                 h._held_at_start = r._held_at_start = any(f() is not None for f in funcs)
         hook.on_first_function = first
+
+    def _find_step(self, mark: Any) -> None:
+        """The earlier calls of this training step (``mark``: see
+        ``_step_mark``) whose graphs are alive with a backward still to come
+        (a WGAN-GP critic: the penalty's call, backpropagated again later,
+        then the fake batch, at the real one's call): one backward runs
+        through all of them, so the step holds them all at once
+        (``_step_others``). This call's meter is then the step's, from its
+        first call on (:meth:`_close_step`, :meth:`_start_meter`)."""
+        alive, others = [], []
+        for ref in self._graphs:
+            h = ref()
+            if h is None or h.let_go_done or not any(c.func() is not None for c in h.calls):
+                continue  # (its graph is gone)
+            alive.append(ref)
+            if getattr(h, "step_mark", None) == mark and h.forward_done and (
+                    not h.backward_done or h.no_release):
+                others.append(ref)
+        self._graphs = alive
+        self._step_others = others
+
+    def _count_step_calls(self, entry: _Entry, args: Tuple[Any, ...]) -> None:
+        """A step that holds more calls of the model at once than its plan
+        was made for (:meth:`_find_step`): the plan is made again, before
+        this call runs, for as many (``meta['calls_per_step']``: every call
+        under the same plan, the step's peak the calls' bytes above what
+        they share, see :func:`~chainer_recompute.core.replay.step_calls`);
+        later plans are made so from the start (``_add``). The earlier calls
+        of the step that reveals them ran under the plan made for fewer:
+        that step may exceed the budget (said once)."""
+        others = self._step_others
+        k = 1 + len(others)
+        if k <= self._step_calls:
+            return
+        self._step_calls = k
+        if (self.budget_scope != "total" or self.coordinator is not None
+                or not entry.structures):
+            return  # (planned for them when planned: see _add)
+        from ...core.graph import STEP_CALLS_KEY
+        from ...core.units import format_bytes
+        b = self.budget_bytes
+        level = logging.INFO if self._said_step_calls else logging.WARNING
+        self._said_step_calls = True
+        report.log(level, "%s is called %d times in one training step before a backward "
+                   "through them all; planned again for %d calls per step (each under the "
+                   "same plan)%s", self._name(args), k, k,
+                   f"; this step ran its earlier calls under a plan for fewer and may exceed "
+                   f"the budget {format_bytes(b)}" if b is not None else "")
+        for s in list(entry.structures):
+            self._replan(entry, s, **{STEP_CALLS_KEY: k})
+        if self._meter is not None:  # measured, not checked: its earlier calls ran another plan
+            self._meter.after_recording = True
 
     def _replan(self, entry: _Entry, s: _Structure, **meta: Any) -> None:
         """Plan ``s``'s graph again with ``meta`` set (what a measurement

@@ -24,6 +24,16 @@ from .state import _Active, _depth, _Entry
 from .views import SignatureView, views_of
 
 
+def _step_mark(link: Optional[chainer.Link]) -> Any:
+    """Which training step a call is in: the optimizer's update count of
+    the model's parameters (calls between two updates share it); None for
+    a bare callable (its calls are told apart by their backward alone)."""
+    if link is None:
+        return None
+    from ..param_updates import _update_count
+    return max((_update_count(p) for p in link.params()), default=-1)
+
+
 def _solver_keywords(solver: str) -> List[str]:
     """The keyword options ``solver`` takes besides those the runner sets."""
     import inspect
@@ -193,6 +203,11 @@ class Recompute(PlanningMixin, MeteringMixin):
     match it is recorded and planned from its recording (that step is not
     held to the budget: one warning under a byte budget). The second shape
     is recorded plainly, with one warning when a byte budget is set.
+
+    A step that calls ``fn`` several times before one backward through
+    them all (a discriminator on the real and the fake batch) is planned
+    for that many calls per step from the call that reveals them, and
+    measured as one step (docs/defaults.md).
 
     >>> runner = Recompute(loss_fn, budget='2G')            # doctest: +SKIP
     >>> loss = runner(x, t); loss.backward()                # doctest: +SKIP
@@ -440,8 +455,11 @@ class Recompute(PlanningMixin, MeteringMixin):
                 self._close_step()  # an evaluation between two steps is not in either
             return self.fn(*args, **kwargs)
         # The previous iteration (its update included) is over: checked
-        # before anything else runs (planning's memory is in no iteration).
-        self._close_step()
+        # before anything else runs (planning's memory is in no iteration),
+        # unless this call is a later one of the same step.
+        mark = _step_mark(self._link(args))
+        self._find_step(mark)
+        self._close_step(continued=bool(self._step_others))
         if self.free_previous_graph:
             self._let_go_of_finished_graphs()
         if self._corrections:  # planned here, where no step's meter runs
@@ -454,6 +472,7 @@ class Recompute(PlanningMixin, MeteringMixin):
             from ..device import device_of
             self._device = device_of(list(args) + list(kwargs.values()))
         self._count_held_graph(entry)
+        self._count_step_calls(entry, args)
         if entry.error is not None:
             self._infeasible(entry, entry.error)  # raises, or runs this signature plainly
         entry.calls += 1
@@ -500,6 +519,7 @@ class Recompute(PlanningMixin, MeteringMixin):
         if entry.structures:
             self._watch_held_graph(hook)
             self._start_meter(entry, hook, link, args, kwargs)
+        hook.step_mark = mark
         self._last_hook = weakref.ref(hook)
         self._graphs.append(self._last_hook)
         limit = entry.structures[0].graph.meta.get("workspace_bytes") \

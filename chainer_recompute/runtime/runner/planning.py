@@ -17,7 +17,8 @@ import chainer
 
 from ...core.budget import release_caches
 from ...core.errors import InfeasibleBudgetError
-from ...core.graph import Graph
+from ...core.graph import STEP_CALLS_KEY, Graph
+from ...core.replay import step_calls
 from ...core.units import format_bytes
 from ..capture import batch_size_of, leave_no_trace, state_bytes
 from ..executor import IterationHook, Program
@@ -75,7 +76,8 @@ class PlanningMixin:
         level = logging.INFO if self._reported_infeasible else logging.WARNING
         self._reported_infeasible = True
         report.log(level, "%s; this input signature runs without recomputation, its peak "
-                   "not bounded by the budget (on_infeasible='raise' raises instead)", e)
+                   "not bounded by the budget (on_infeasible='raise' raises instead)",
+                   str(e))  # (not the error: a handler keeping records would keep its frames)
 
     def _bound(self, graph: Graph) -> Tuple[Graph, Any]:
         """``graph`` with its convolutions' transients under the workspace
@@ -131,20 +133,26 @@ class PlanningMixin:
         (None: planned now; ``adopted``: a plan made elsewhere for ``graph``
         before its workspace bound)."""
         graph = self._with_keep(graph)  # (keep=: the functions every plan keeps)
-        if plan is None or adopted:
-            if self.workspace is not None:  # the convolutions' bound, chosen with the plan
-                graph, bound_plan = self._bound(graph)
+        if self._step_calls > step_calls(graph) and self.coordinator is None and \
+                self.budget_scope == "total":  # (see _count_step_calls)
+            graph = graph.replace(meta={**graph.meta, STEP_CALLS_KEY: self._step_calls})
+        try:
+            if plan is None or adopted:
+                if self.workspace is not None:  # the convolutions' bound, chosen with the plan
+                    graph, bound_plan = self._bound(graph)
+                    if plan is None:
+                        plan = bound_plan
                 if plan is None:
-                    plan = bound_plan
-            if plan is None:
-                plan = self.plan(graph)
-        program = Program(graph, plan.lower_sets, frozenset(plan.kept), param_refs=param_refs)
-        program.multi_backward = multi_backward
-        program.backward_known = backward_known
-        s = _Structure(graph, plan, program, time.perf_counter() - t0)
-        if plan.recompute:
-            self._decide_release(s)
-        release_caches()  # nothing of the planner's stays into the steps
+                    plan = self.plan(graph)
+            program = Program(graph, plan.lower_sets, frozenset(plan.kept),
+                              param_refs=param_refs)
+            program.multi_backward = multi_backward
+            program.backward_known = backward_known
+            s = _Structure(graph, plan, program, time.perf_counter() - t0)
+            if plan.recompute:
+                self._decide_release(s)
+        finally:
+            release_caches()  # nothing of the planner's stays into the steps (raised or not)
         entry.structures.insert(0, s)
         del entry.structures[self.max_structures:]
         # said at the end of the first step that runs on it, with what it
@@ -306,10 +314,12 @@ class PlanningMixin:
                     g2, _ = self._capture_at(args, kwargs, batch, 2 * small)
                 graph = g1.scale_between(g2, batch)
                 p1, p2 = g1.meta.get("plain_measured_bytes"), g2.meta.get("plain_measured_bytes")
-                if p1 is not None and p2 is not None:
+                if p1 is not None and p2 is not None and p2 > p1:
                     # plain Chainer's peak as the captures measured it, on
                     # the line through them (the capture's graph is freed
-                    # by then: what it holds is in the measure)
+                    # by then: what it holds is in the measure); not said
+                    # where the smaller batch measured more (a one-time
+                    # allocation in the first capture: the line means nothing)
                     graph = graph.replace(meta=dict(
                         graph.meta, plain_measured_bytes=int(p1 + (p2 - p1) * (batch - small)
                                                              / small),

@@ -69,7 +69,7 @@ def wgan_gp_step(critic: chainer.Link, opt: Any, x_real: Any, x_fake: Any, eps: 
 
 
 def train(make: Callable[[], chainer.Link], step: Callable[..., Any],
-          data: List[Tuple[Any, ...]], budget: Any = None) -> Run:
+          data: List[Tuple[Any, ...]], budget: Any = None, **options: Any) -> Run:
     """Whole steps measured from outside (update included); ``budget`` None:
     plain Chainer."""
     run = Run()
@@ -78,7 +78,7 @@ def train(make: Callable[[], chainer.Link], step: Callable[..., Any],
         np.random.seed(0)
         model = make()
         if budget is not None:
-            cr.apply(model, budget=budget, verbose=False)
+            cr.apply(model, budget=budget, verbose=False, **options)
         opt = chainer.optimizers.Adam(1e-4, beta1=0.5)
         opt.setup(model)
         for batch in data:
@@ -106,24 +106,23 @@ def table(plain: Run, run: Run) -> str:
                                              (TanhCritic, wgan_gp_step, False)],
                          ids=["dcgan-discriminator", "wgan-gp-critic"])
 def test_calls_of_one_step_planned_together(make, step, mid, caplog):
-    """``'least'``: the least figure is the whole step's, learned in the
-    first steps (each measured correction raises it): every step, the first
-    included, at or under the figure the run settles on, and the last three
-    under their own figure. A byte budget between that figure
-    and plain Chainer's peak (``mid``): every step after the first under
-    it, the first said at the call that shows a later call of the step.
-    The critic's penalty call, backpropagated with double backprop inside
-    the step, holds a second-order graph that no plan models: measured and
-    corrected at the first step of each plan it runs on (see
-    docs/limits.md); its least figure is checked, not a mid budget."""
+    """``'least'``: the least figure is the whole step's from the step that
+    shows the calls on: every step, the first included, at or under it,
+    with a saving. A byte budget between that figure and plain Chainer's
+    peak (``mid``): every step after the first under it, the first said at
+    the call that shows a later call of the step. The critic's penalty
+    call, backpropagated with double backprop inside the step, releases
+    nothing from then on and is planned as holding plain Chainer's peak;
+    its second-order graph is measured and corrected; a plan of many blocks
+    misses more of its step (docs/limits.md), so its mid budget is not
+    checked."""
     data = gan_data(steps=6)
     plain = train(make, step, data)
     least = train(make, step, data, "least")
     assert_same_records(plain, least, "least")
     settled = least.stats[-1][0]
-    assert max(least.peaks) <= settled, table(plain, least)
-    assert all(p <= s[0] for p, s in list(zip(least.peaks, least.stats))[-3:]), \
-        table(plain, least)
+    assert all(p <= s[0] for p, s in zip(least.peaks, least.stats)), table(plain, least)
+    assert len({s[0] for s in least.stats}) == 1, table(plain, least)  # (no correction)
     assert settled < max(plain.peaks), table(plain, least)  # a saving, whole steps
     if not mid:
         return
@@ -175,3 +174,25 @@ def test_replay_of_k_calls(engine):
     assert list(three.memory_bytes) == [m + 2 * (m - shared) for m in one.memory_bytes]
     assert three.peak_bytes == one.peak_bytes + 2 * (one.peak_bytes - shared) == \
         replay_peak(g.replace(meta={**g.meta, STEP_CALLS_KEY: 3}), engine=engine)
+
+
+def test_calls_per_step_plans_the_first_step_for_them(caplog):
+    """``calls_per_step=2``: the discriminator's first call is planned for
+    the step's two calls (nothing is said at the second), and every step,
+    the first included, is under a byte budget just above the step's least
+    figure, bit for bit plain Chainer's. A value that is not a positive int
+    is refused."""
+    data = gan_data(steps=3)
+    plain = train(Discriminator, dcgan_step, data)
+    least = train(Discriminator, dcgan_step, data, "least")
+    budget = least.stats[-1][0] * 102 // 100
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="chainer_recompute"):
+        run = train(Discriminator, dcgan_step, data, budget, calls_per_step=2)
+    assert_same_records(plain, run, "calls_per_step=2")
+    assert all(p <= budget for p in run.peaks), table(plain, run)
+    assert all(s[0] == budget for s in run.stats), table(plain, run)
+    assert not [r for r in caplog.records if "calls per step" in r.getMessage()]
+    for bad in (0, 1.5, True):
+        with pytest.raises(cr.RecomputeError, match="calls_per_step"):
+            cr.apply(Discriminator(), budget="least", calls_per_step=bad)

@@ -40,6 +40,12 @@ UNRECORDED_TAIL_KEY = "unrecorded_tail_peak_bytes"
 #: then one backward through all three): see
 #: :func:`~chainer_recompute.core.replay.step_calls`.
 STEP_CALLS_KEY = "calls_per_step"
+#: ``meta`` keys of how many of those calls hold their whole graph (a
+#: penalty's call backpropagated with double backprop inside the step
+#: releases nothing from then on), and one call's plain peak, which bounds
+#: what such a call holds.
+WHOLE_CALLS_KEY = "whole_calls_per_step"
+WHOLE_PEAK_KEY = "whole_call_peak_bytes"
 #: ``meta`` keys scaled with the graph, as its transients are.
 SCALED_META_KEYS = OUTSIDE_KEYS + (UNRECORDED_TAIL_KEY,)
 

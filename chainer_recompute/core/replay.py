@@ -39,7 +39,8 @@ array, from the recorded graph:
   fake and the real batch, then one backward through all three): each call
   runs under the same plan, and whatever order their backward passes
   interleave in, the step holds at most k times one call's bytes above
-  what they share (:func:`step_calls`);
+  what they share, a call that holds its whole graph (double backprop
+  inside the step) at most plain Chainer's peak (:func:`per_step`);
 - work inside the forward that was not recorded (functions applied with
   backprop disabled: a frozen teacher's forward), as the recording measured
   it: its peak (``Node.unrecorded_peak_bytes``, the meta key
@@ -62,7 +63,7 @@ from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 import numpy as np
 
 from .execution import ExecutionPlan
-from .graph import STEP_CALLS_KEY, UNRECORDED_TAIL_KEY, Graph
+from .graph import STEP_CALLS_KEY, UNRECORDED_TAIL_KEY, WHOLE_CALLS_KEY, WHOLE_PEAK_KEY, Graph
 from .kernels import pick_engine
 from .pool import PoolModel
 
@@ -158,20 +159,39 @@ def step_calls(graph: Graph) -> int:
     return max(1, int(graph.meta.get(STEP_CALLS_KEY, 1)))
 
 
+def whole_calls(graph: Graph) -> int:
+    """How many of a step's :func:`step_calls` calls hold their whole graph
+    (``meta['whole_calls_per_step']``: a penalty's call backpropagated
+    with double backprop inside the step releases nothing from then on);
+    0 without one call's plain peak (``meta['whole_call_peak_bytes']``)."""
+    if WHOLE_PEAK_KEY not in graph.meta:
+        return 0
+    return max(0, min(step_calls(graph) - 1, int(graph.meta.get(WHOLE_CALLS_KEY, 0))))
+
+
 def per_step(graph: Graph, memory: Any) -> Any:
     """One call's replayed ``memory`` (bytes, or an array of them) as the
-    step of :func:`step_calls` calls holds it: ``memory + (k - 1)·(memory -
-    shared)``, monotone in ``memory`` (so the plan with the least peak is
-    the same for every ``k``).
+    step of ``k`` = :func:`step_calls` calls holds it, ``d`` =
+    :func:`whole_calls` of them holding their whole graph, bounded by one
+    call's plain peak ``P``: ``memory + (k - 1 - d)·(memory - shared) +
+    d·(P - shared)``, monotone in ``memory`` (so the plan with the least
+    peak is the same for every ``k`` and ``d``).
 
     >>> g = Graph.from_edges([4, 4], [(0, 1)]).replace(meta={STEP_CALLS_KEY: 2})
     >>> per_step(g, shared_bytes(g) + 100) - shared_bytes(g)
     200
+    >>> g = g.replace(meta={STEP_CALLS_KEY: 3, WHOLE_CALLS_KEY: 1,
+    ...                     WHOLE_PEAK_KEY: shared_bytes(g) + 500})
+    >>> per_step(g, shared_bytes(g) + 100) - shared_bytes(g)
+    700
     """
     k = step_calls(graph)
     if k == 1:
         return memory
-    return memory + (k - 1) * (memory - shared_bytes(graph))
+    shared = shared_bytes(graph)
+    d = whole_calls(graph)
+    whole = d * (int(graph.meta.get(WHOLE_PEAK_KEY, 0)) - shared) if d else 0
+    return memory + (k - 1 - d) * (memory - shared) + whole
 
 
 def outside_bytes(graph: Graph) -> Tuple[int, int]:

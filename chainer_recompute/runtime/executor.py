@@ -529,7 +529,10 @@ class IterationHook(Recorder):
             self._update_state["updated"] = True
             weakref.finalize(self, _after_update, weakref.ref(p), self._update_state)
         if p.returns_loss and not p.multi_backward and \
-                not any(h.program is p for h in _LIVE if h is not self):
+                not any(h.program is p or (h._link_ref is not None and
+                                           self._link_ref is not None and
+                                           h._link_ref() is self._link_ref())
+                        for h in _LIVE if h is not self):
             # On probation, a model that returns its loss (a Classifier, a
             # model keeping ``self.loss``) called once before this update:
             # its graph, which the model keeps into the next call, is
@@ -537,7 +540,8 @@ class IterationHook(Recorder):
             # second time, which the update count catches. Saving its
             # parameters would add their size to the next step's peak, in
             # no plan (a discriminator called twice, on real and fake
-            # batches, still saves them).
+            # batches, still saves them, whether its calls ran on one plan
+            # or on two: one made again for two calls per step).
             return
         for a, p in self.params.items():
             if p is param and a not in self.snapshots and a not in self._inner:

@@ -57,8 +57,9 @@ def _install(model: chainer.Link, base: type, runner: Recompute) -> None:
 def apply(model: chainer.Link, budget: Any, *, solver: str = "auto", strategy: str = "tc",
           budget_scope: str = "total", capture_batch: Any = "auto",
           on_infeasible: str = "auto", workspace: Any = None, keep: Any = None,
-          free_previous_graph: bool = False, verbose: bool = True,
-          tuning: Optional[Tuning] = None, **legacy: Any) -> chainer.Link:
+          free_previous_graph: bool = False, calls_per_step: Optional[int] = None,
+          verbose: bool = True, tuning: Optional[Tuning] = None,
+          **legacy: Any) -> chainer.Link:
     """Make ``model`` recompute, in place, and return it.
 
     The Link keeps its parameters, their paths (``save_npz`` / ``load_npz``
@@ -91,6 +92,10 @@ def apply(model: chainer.Link, budget: Any, *, solver: str = "auto", strategy: s
             outputs no plan drops.
         free_previous_graph: opt-in: release earlier calls' graphs at the
             next training call.
+        calls_per_step: how many times a training step calls the model
+            before one backward through them all (2 for a discriminator on
+            the real and the fake batch), to plan the first step for them;
+            None: found when a step shows them.
         verbose: the one line on stderr when a plan is made.
         tuning: the planner's and runner's knobs (:class:`Tuning`).
         legacy: ``Tuning``'s knobs and solver options passed directly, as
@@ -120,7 +125,8 @@ def apply(model: chainer.Link, budget: Any, *, solver: str = "auto", strategy: s
     runner = Recompute(base.__call__, budget, solver=solver, strategy=strategy,
                        budget_scope=budget_scope, capture_batch=capture_batch,
                        on_infeasible=on_infeasible, workspace=workspace, keep=keep,
-                       free_previous_graph=free_previous_graph, verbose=verbose, **options)
+                       free_previous_graph=free_previous_graph, calls_per_step=calls_per_step,
+                       verbose=verbose, **options)
     runner.check_keep(model)  # a path that names no link: refused before anything changes
     _install(model, base, runner)
     return model

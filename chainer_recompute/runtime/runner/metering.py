@@ -224,6 +224,7 @@ class MeteringMixin:
     # the most calls of the model one step has held at once (see
     # _count_step_calls), and this call's earlier ones in its step
     _step_calls: int = 1
+    _whole_calls: int = 0  # of those, calls holding their whole graph (double backprop)
     _step_others: List[Any] = []  # (weak references: a hook holds arrays)
     _said_step_calls: bool = False
 
@@ -519,26 +520,32 @@ class MeteringMixin:
         later plans are made so from the start (``_add``). The earlier calls
         of the step that reveals them ran under the plan made for fewer:
         that step may exceed the budget (said once)."""
-        others = self._step_others
-        k = 1 + len(others)
-        if k <= self._step_calls:
+        others = [h for h in (r() for r in self._step_others) if h is not None]
+        k, d = 1 + len(others), sum(1 for h in others if h.no_release)
+        more, whole = k > self._step_calls, d > self._whole_calls
+        if not (more or whole):
             return
-        self._step_calls = k
+        self._step_calls, self._whole_calls = max(k, self._step_calls), max(d, self._whole_calls)
         if (self.budget_scope != "total" or self.coordinator is not None
                 or not entry.structures):
             return  # (planned for them when planned: see _add)
-        from ...core.graph import STEP_CALLS_KEY
         from ...core.units import format_bytes
-        b = self.budget_bytes
+        k, b = self._step_calls, self.budget_bytes
         level = logging.INFO if self._said_step_calls else logging.WARNING
         self._said_step_calls = True
-        report.log(level, "%s is called %d times in one training step before a backward "
-                   "through them all; planned again for %d calls per step (each under the "
-                   "same plan)%s", self._name(args), k, k,
+        what = (f"{self._name(args)} is called {k} times in one training step before a "
+                f"backward through them all" if more else
+                f"a call of {self._name(args)} is backpropagated with double backprop inside "
+                f"the step and holds its whole graph")
+        hint = f" (apply(..., calls_per_step={k}) plans the first step for them)" if more else ""
+        report.log(level, "%s; planned again for %d calls per step (each under the same "
+                   "plan%s)%s", what, k,
+                   f", {self._whole_calls} holding plain Chainer's peak" if self._whole_calls
+                   else "",
                    f"; this step ran its earlier calls under a plan for fewer and may exceed "
-                   f"the budget {format_bytes(b)}" if b is not None else "")
+                   f"the budget {format_bytes(b)}{hint}" if b is not None else "")
         for s in list(entry.structures):
-            self._replan(entry, s, **{STEP_CALLS_KEY: k})
+            self._replan(entry, s)  # (for the calls per step seen: _add)
         if self._meter is not None:  # measured, not checked: its earlier calls ran another plan
             self._meter.after_recording = True
 

@@ -17,8 +17,8 @@ import chainer
 
 from ...core.budget import release_caches
 from ...core.errors import InfeasibleBudgetError
-from ...core.graph import STEP_CALLS_KEY, Graph
-from ...core.replay import step_calls
+from ...core.graph import STEP_CALLS_KEY, WHOLE_CALLS_KEY, WHOLE_PEAK_KEY, Graph
+from ...core.replay import replay_peak
 from ...core.units import format_bytes
 from ..capture import batch_size_of, leave_no_trace, state_bytes
 from ..executor import IterationHook, Program
@@ -133,9 +133,9 @@ class PlanningMixin:
         (None: planned now; ``adopted``: a plan made elsewhere for ``graph``
         before its workspace bound)."""
         graph = self._with_keep(graph)  # (keep=: the functions every plan keeps)
-        if self._step_calls > step_calls(graph) and self.coordinator is None and \
+        if self._step_calls > 1 and self.coordinator is None and \
                 self.budget_scope == "total":  # (see _count_step_calls)
-            graph = graph.replace(meta={**graph.meta, STEP_CALLS_KEY: self._step_calls})
+            graph = self._for_step_calls(graph)
         try:
             if plan is None or adopted:
                 if self.workspace is not None:  # the convolutions' bound, chosen with the plan
@@ -172,6 +172,19 @@ class PlanningMixin:
                 self._said_unsafe.add(said)
                 report.warning("%s", said)
         return s
+
+    def _for_step_calls(self, graph: Graph) -> Graph:
+        """``graph`` for the calls per step seen (``meta['calls_per_step']``,
+        and those holding their whole graph with one call's plain peak,
+        see :func:`~chainer_recompute.core.replay.per_step`)."""
+        meta = {**graph.meta, STEP_CALLS_KEY: self._step_calls}
+        meta.pop(WHOLE_CALLS_KEY, None)
+        meta.pop(WHOLE_PEAK_KEY, None)
+        if self._whole_calls:
+            one = graph.replace(meta={**meta, STEP_CALLS_KEY: 1})
+            meta[WHOLE_CALLS_KEY] = self._whole_calls
+            meta[WHOLE_PEAK_KEY] = replay_peak(one)
+        return graph.replace(meta=meta)
 
     def _plan_pending(self, entry: _Entry, args: Tuple[Any, ...],
                       kwargs: Dict[str, Any]) -> None:

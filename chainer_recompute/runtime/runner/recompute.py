@@ -184,6 +184,12 @@ class Recompute(PlanningMixin, MeteringMixin):
             its ``loss`` into the next forward holds none of it there: less
             memory, but a backward through such a graph afterwards raises
             :class:`UnsafeRecomputeError`.
+        calls_per_step: how many times a training step calls ``fn`` before
+            one backward through them all (a discriminator on the real and
+            the fake batch: 2), when known: every plan is made for that many
+            from the first call. None (default): found at the call that
+            shows a later call of a step, and planned for from there (that
+            step's earlier calls ran under a plan for fewer; said once).
         **solver_options: passed to the solver.
 
     Input shapes that change from call to call (a batch padded to its
@@ -207,7 +213,8 @@ class Recompute(PlanningMixin, MeteringMixin):
     A step that calls ``fn`` several times before one backward through
     them all (a discriminator on the real and the fake batch) is planned
     for that many calls per step from the call that reveals them, and
-    measured as one step (docs/defaults.md).
+    measured as one step; ``calls_per_step`` plans the first step so too
+    (docs/defaults.md).
 
     >>> runner = Recompute(loss_fn, budget='2G')            # doctest: +SKIP
     >>> loss = runner(x, t); loss.backward()                # doctest: +SKIP
@@ -228,7 +235,8 @@ class Recompute(PlanningMixin, MeteringMixin):
                  verbose: bool = True, coordinator: Any = None, workspace: Any = None,
                  workspace_exact: bool = True, on_infeasible: str = "auto",
                  plan_at: str = "backward", free_previous_graph: bool = False,
-                 keep: Any = None, **solver_options: Any) -> None:
+                 keep: Any = None, calls_per_step: Optional[int] = None,
+                 **solver_options: Any) -> None:
         from ...core.budget import check_scope
         from ...core.costs import COST_MODELS
         from ...core.solvers import check_solver
@@ -257,6 +265,13 @@ class Recompute(PlanningMixin, MeteringMixin):
             raise RecomputeError(f"plan_at must be 'backward' or 'call', got {plan_at!r}")
         self.plan_at = plan_at
         self.free_previous_graph = bool(free_previous_graph)
+        if calls_per_step is not None and (not isinstance(calls_per_step, int) or isinstance(
+                calls_per_step, bool) or calls_per_step < 1):
+            raise RecomputeError(f"calls_per_step must be None or a positive int (how many times "
+                                 f"a training step calls the model before one backward through "
+                                 f"them all), got {calls_per_step!r}")
+        if calls_per_step is not None:
+            self._step_calls = calls_per_step  # (planned so from the first call: _add)
         if cost not in COST_MODELS:
             raise RecomputeError(f"unknown cost model {cost!r}; known: {sorted(COST_MODELS)}")
         if capture_batch is not None and capture_batch != "auto" and (
@@ -278,7 +293,8 @@ class Recompute(PlanningMixin, MeteringMixin):
             budget_scope=budget_scope, check_iterations=check_iterations, verbose=verbose,
             coordinator=coordinator, workspace=workspace, workspace_exact=workspace_exact,
             on_infeasible=on_infeasible, plan_at=plan_at,
-            free_previous_graph=free_previous_graph, keep=keep, **solver_options)
+            free_previous_graph=free_previous_graph, keep=keep, calls_per_step=calls_per_step,
+            **solver_options)
         self.verbose = verbose
         self.coordinator = coordinator
         self._correction = Correction(report)  # a measured overshoot: warned once

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import gc
 import json
 import os
@@ -679,11 +680,12 @@ def section_tc_overhead(ctx: Context, batch: int) -> None:
     # default (plain Chainer once checked) and with its hook kept on.
     keep = cr.apply(copy.deepcopy(base), budget=2 * m_bytes, verbose=False)
     runner = cr.runner_of(keep)
-    _, _, _, stats = run_steps(keep, x, t, step, 2 + runner.check_iterations, None, xp)
+    _, _, _, stats = run_steps(keep, x, t, step, 2 + runner.spec.check_iterations, None, xp)
 
     def options(plain_when_nothing_dropped: bool, verify: bool) -> Callable[[], None]:
         def set_() -> None:
-            runner.plain_when_nothing_dropped, runner.verify = plain_when_nothing_dropped, verify
+            runner.plain_when_nothing_dropped = plain_when_nothing_dropped
+            runner.spec = dataclasses.replace(runner.spec, verify=verify)
         return set_
 
     times = timed_rounds({"plain": (plain, None), "keep": (keep, options(True, True)),

@@ -74,7 +74,7 @@ def worker(name: str, budget: str, solver: str) -> dict:
            "time_s": sum(times[2:]) / 2}
     runner = cr.runner_of(link)
     if runner is not None:
-        (entry,) = runner._entries.values()
+        (entry,) = runner.entries.values()
         s = entry.structures[0]
         stats = runner.last_stats
         out.update(predicted=s.plan.predicted_peak_bytes, budget=s.plan.budget_bytes,

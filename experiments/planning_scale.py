@@ -221,7 +221,7 @@ def apply_check(name: str, make, steps: int = 3) -> Dict[str, Any]:
         # the runner's own clock: from the recorded graph to the plan and
         # its release mode (at the end of the recorded backward, plan_at's
         # default), the structures of every signature summed
-        planning = sum(s.planning_time_s for e in runner._entries.values() for s in e.structures)
+        planning = sum(s.planning_time_s for e in runner.entries.values() for s in e.structures)
         out["runs"].append({
             "budget": label, "budget_bytes": plan.budget_bytes, "solver": plan.solver,
             "planning_s": planning, "first_step_extra_s": walls[0] - pwalls[0],

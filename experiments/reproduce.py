@@ -216,7 +216,7 @@ def worker(net: str, method: str, batch: int, *, measured: int, optimizer: str, 
                         "least_feasible_bytes": e.least_feasible_bytes, "calls": calls}
         structure = None
         if runner is not None:
-            entry = next(iter(runner._entries.values()), None)
+            entry = next(iter(runner.entries.values()), None)
             structure = entry.structures[0] if entry and entry.structures else None
         step(f"call {i + 1} of {n_calls} ({'warm-up' if i < warm else 'measured'})")
         with MemoryMeter() as m:
@@ -227,7 +227,7 @@ def worker(net: str, method: str, batch: int, *, measured: int, optimizer: str, 
              "load": load_avg()}
         if runner is not None:
             st = runner.last_stats
-            entry = next(iter(runner._entries.values()))
+            entry = next(iter(runner.entries.values()))
             now = entry.structures[0] if entry.structures else None
             c.update(path=st.path, recomputed_nodes=st.recomputed_nodes,
                      runtime_measured_bytes=st.measured_peak_bytes,
@@ -250,7 +250,7 @@ def worker(net: str, method: str, batch: int, *, measured: int, optimizer: str, 
         "process_s": time.perf_counter() - t_start, "status": "ok"}
     if runner is not None:
         from chainer_recompute.core.replay import replay
-        entry = next(iter(runner._entries.values()))
+        entry = next(iter(runner.entries.values()))
         s = entry.structures[0]
         plan, g = s.plan, s.graph
         rp = replay(g, s.program if plan.recompute else None,

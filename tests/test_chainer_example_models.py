@@ -155,7 +155,7 @@ def compare(make, batch, steps=5, expect="recomputed", **kw) -> None:
     else:
         assert expect == "recorded", expect
         assert runner.test_paths == ["recorded"] * steps, runner.test_paths
-        assert len(runner.signatures()) == min(steps, runner.max_plans)
+        assert len(runner.signatures()) == min(steps, runner.spec.max_plans)
 
 
 def reported(model, *args, **kwargs):

@@ -49,7 +49,7 @@ def _inputs(n=64, seed=0):
 
 
 def test_gpu_meter_has_a_scope():
-    # runner._start_meter read meter.scope, which a GPU meter never set
+    # the step meter read meter.scope, which a GPU meter never set
     meter = CupyDevice(FakeCupy()).meter()
     assert meter.scope == SCOPE_CUPY
     meter.start()

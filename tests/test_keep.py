@@ -277,7 +277,7 @@ def test_training_under_keep_is_identical_and_never_drops_the_kept_link() -> Non
     assert not any(l.startswith("/predictor/b2") for l in seen["released"] | seen["regenerated"])
     runner = cr.runner_of(model)
     plan = next(iter(runner.plans.values()))
-    s = next(iter(runner._entries.values())).structures[0]
+    s = runner.signatures()[0].structures[0]
     marked = {v for v, n in enumerate(s.graph.nodes) if n.link.startswith("/predictor/b2")}
     assert marked and marked == s.graph.must_keep and marked <= plan.kept
     assert not marked & s.program.dropped
@@ -288,7 +288,7 @@ def test_training_under_keep_is_identical_and_never_drops_the_kept_link() -> Non
 
 def test_keep_by_function() -> None:
     model, _, seen = _train(lambda node: node.op == "Tanh", applied=True, steps=3)
-    s = next(iter(cr.runner_of(model)._entries.values())).structures[0]
+    s = cr.runner_of(model).signatures()[0].structures[0]
     tanh = {v for v, n in enumerate(s.graph.nodes) if n.op == "Tanh"}
     assert tanh and tanh == s.graph.must_keep and not tanh & s.program.dropped
 

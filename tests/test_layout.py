@@ -74,15 +74,23 @@ def test_no_import_cycles():
     assert _cycles(False) == [], f"import cycles: {_cycles(False)}"
 
 
-#: The one cycle left when TYPE_CHECKING imports count: the runner's mixins
-#: (issue #33: the runner as composed objects). Nothing else may join it.
-_KNOWN_TYPE_CHECKING_CYCLE = ["chainer_recompute.runtime.runner.metering",
-                              "chainer_recompute.runtime.runner.planning",
-                              "chainer_recompute.runtime.runner.recompute"]
-
-
 def test_no_import_cycles_counting_type_checking_imports():
-    assert _cycles(True) in ([], [_KNOWN_TYPE_CHECKING_CYCLE]), _cycles(True)
+    assert _cycles(True) == [], f"import cycles counting TYPE_CHECKING: {_cycles(True)}"
+
+
+def test_no_mixin_class():
+    """The runner is composed of objects with one job each (issue #33): no
+    class of the package is a mixin or built from one, and the runners
+    inherit nothing."""
+    runners = {"Recompute", "ChainRecompute", "Planner", "StepMeter"}
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                bases = [ast.unparse(b) for b in node.bases]
+                assert "mixin" not in node.name.lower(), (path, node.name)
+                assert not any("mixin" in b.lower() for b in bases), (path, node.name, bases)
+                if node.name in runners:
+                    assert not bases, (path, node.name, bases)
 
 
 def test_core_never_imports_chainer_or_runtime():
@@ -169,14 +177,14 @@ def test_apply_names_the_options_a_user_sets_and_takes_the_knobs_in_tuning():
              tuning=cr.Tuning(cost="flops", check_iterations=0,
                               solver_options={"engine": "numpy"}))
     runner = cr.runner_of(model)
-    assert (runner.cost, runner.check_iterations, runner.solver_options) == \
+    assert (runner.spec.cost, runner.spec.check_iterations, runner.spec.solver_options) == \
         ("flops", 0, {"engine": "numpy"})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         cr.apply(model, budget="least", verbose=False, cost="paper", engine="numpy")
     said = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
     assert said and "Tuning(cost='paper', solver_options={'engine': 'numpy'})" in said[0]
-    assert cr.runner_of(model).cost == "paper"
+    assert cr.runner_of(model).spec.cost == "paper"
     before = cr.runner_of(model)
     with pytest.raises(RecomputeError, match="give each once"):
         cr.apply(model, budget="least", tuning=cr.Tuning(cost="flops"), cost="paper")

@@ -437,12 +437,12 @@ def test_misprediction_warns_once_corrects_and_replans(monkeypatch, caplog):
     opt.setup(link)
     opt.update(link, *args)  # recorded (the report logger propagates to caplog)
     planned_in = []
-    real_plan = runner.plan
+    real_plan = runner.planner.plan
 
     def plan(graph):  # where the correction's planning runs
         planned_in.append(step["now"])
         return real_plan(graph)
-    runner.plan = plan
+    runner.planner.plan = plan
     step = {"now": "planned"}
     opt.update(link, *args)  # planned with the optimistic model: over the budget
     stats = runner.last_stats

@@ -280,12 +280,14 @@ def test_auto_against_brute_force(exact):
     g = capture(model, x, backward=True, cost_model="flops")
     tried = _brute_force(g, "least", exact)
     best = min(p.predicted_peak_bytes for _, p in tried)
-    plan, bg = plan_with_workspace(g, "least", "auto", exact=exact)
+    chosen_plan = plan_with_workspace(g, "least", "auto", exact=exact)
+    plan, bg = chosen_plan.plan, chosen_plan.graph
     assert plan.predicted_peak_bytes == best
     # the largest bound (fewest chunks) that reaches it, up to the chunks
     # it gives: no bound larger than the chosen one reaches the least peak
     # with fewer chunks
-    chosen = bg.meta["workspace_bytes"]
+    chosen = chosen_plan.workspace_bytes
+    assert chosen == bg.meta["workspace_bytes"]
     chunks = [n.attrs.get("workspace_chunks") for n in bg.nodes]
     for limit, p in tried:
         if p.predicted_peak_bytes == best and (chosen is not None and
@@ -296,7 +298,7 @@ def test_auto_against_brute_force(exact):
     # at a budget between the least and plain: the least recomputation
     budget = int(best * 1.3)
     tried = _brute_force(g, budget, exact)
-    plan, _ = plan_with_workspace(g, budget, "auto", exact=exact)
+    plan = plan_with_workspace(g, budget, "auto", exact=exact).plan
     assert plan.overhead == min(p.overhead for _, p in tried)
     assert plan.predicted_peak_bytes <= budget
 

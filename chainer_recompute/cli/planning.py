@@ -40,7 +40,7 @@ def plan_report(graph: Any, budget: Any, *, solver: str = "auto", strategy: str 
         if workspace is not None:  # the convolutions' bound (--workspace)
             from ..core.workspace import bounded_graph, plan_with_workspace
             graph = (plan_with_workspace(graph, spec, "auto", solver=solver,
-                                         strategy=strategy)[1] if workspace == "auto"
+                                         strategy=strategy).graph if workspace == "auto"
                      else bounded_graph(graph, workspace))
         plan, least_plan, least_bytes, plain_peak, times, search = _plan_total(
             graph, budget_bytes, solver, strategy, progress)

@@ -353,13 +353,29 @@ def parse_workspace(workspace: Any) -> WorkspaceSpec:
     return int(value)
 
 
+@dataclasses.dataclass(frozen=True)
+class WorkspacePlan:
+    """A plan made under a convolution workspace bound
+    (:func:`plan_with_workspace`).
+
+    Attributes:
+        plan: the :class:`~chainer_recompute.core.plan.Plan`.
+        graph: the graph it was made on: the convolutions' transients
+            under the bound (:func:`bounded_graph`).
+        workspace_bytes: the bound the calls must run under (None: none).
+    """
+
+    plan: Any
+    graph: Graph
+    workspace_bytes: Optional[int]
+
+
 def plan_with_workspace(graph: Graph, budget: Any, workspace: WorkspaceSpec, *,
                         solver: str = "approx", strategy: str = "tc", scope: str = "total",
-                        exact: bool = True, **solver_options: Any) -> Tuple[Any, Graph]:
+                        exact: bool = True, **solver_options: Any) -> WorkspacePlan:
     """The plan for ``budget`` with convolution workspaces bounded by
-    ``workspace`` (bytes, ``'auto'`` or ``None``), and the bounded graph it
-    was made on (its ``meta['workspace_bytes']`` is the bound the calls
-    must run under).
+    ``workspace`` (bytes, ``'auto'`` or ``None``), with the bounded graph
+    it was made on and the bound (:class:`WorkspacePlan`).
 
     ``'auto'`` plans under each of :func:`candidate_limits` and takes, for
     a budget in bytes, the plan with the least recomputation that fits
@@ -373,17 +389,17 @@ def plan_with_workspace(graph: Graph, budget: Any, workspace: WorkspaceSpec, *,
             is that of the smallest bound's search).
 
     >>> g = Graph.from_edges([4, 4, 4], [(0, 1), (1, 2)])
-    >>> plan, bg = plan_with_workspace(g, 'least', 'auto', scope='activations')
-    >>> bg.meta['workspace_bytes'] is None
-    True
+    >>> chosen = plan_with_workspace(g, 'least', 'auto', scope='activations')
+    >>> chosen.workspace_bytes is None, chosen.plan.feasible
+    (True, True)
     """
     from .budget import plan_for_budget, resolve_budget
     from .errors import InfeasibleBudgetError
     budget = resolve_budget(graph, budget, scope)  # a share: of the unbounded graph's plain
     if workspace != "auto":
         bg = bounded_graph(graph, workspace, exact)
-        return plan_for_budget(bg, budget, solver=solver, strategy=strategy, scope=scope,
-                               **solver_options), bg
+        return WorkspacePlan(plan_for_budget(bg, budget, solver=solver, strategy=strategy,
+                                             scope=scope, **solver_options), bg, workspace)
     least = budget.is_least
     tried: List[Tuple[Optional[int], Any, Graph]] = []
     error: Optional[Exception] = None
@@ -407,11 +423,11 @@ def plan_with_workspace(graph: Graph, budget: Any, workspace: WorkspaceSpec, *,
         best = min(p.budget_bytes for _, p, _ in tried)
         limit, plan, bg = max((t for t in tried if t[1].budget_bytes <= best),
                               key=lambda t: size(t[0]))
-        return plan, bg
+        return WorkspacePlan(plan, bg, limit)
     limit, plan, bg = min(tried, key=lambda t: (t[1].overhead, -size(t[0])))
-    return plan, bg
+    return WorkspacePlan(plan, bg, limit)
 
 
-__all__ = ["CONV_OPS", "ConvCall", "Kernel", "bounded_graph", "candidate_limits", "conv_call",
+__all__ = ["CONV_OPS", "ConvCall", "Kernel", "WorkspacePlan", "bounded_graph", "candidate_limits", "conv_call",
            "conv_calls", "conv_kernel", "deconv_kernel", "gradw_kernel", "parse_workspace",
            "plan_with_workspace"]

@@ -540,12 +540,7 @@ def _model_name(runner: Any) -> str:
 
 
 def _options_digest(runner: Any) -> str:
-    b = runner.budget
-    opts = (("budget", b.bytes if b.kind == "bytes" else b.text), ("solver", runner.solver), ("strategy", runner.strategy),
-            ("cost", runner.cost), ("budget_scope", runner.budget_scope),
-            ("capture_batch", runner.capture_batch), ("keep", runner.keep.describe()),
-            ) + tuple(sorted((k, repr(v)) for k, v in runner.solver_options.items()))
-    return ", ".join(f"{k}={v}" for k, v in opts)
+    return runner.spec.digest(runner.budget)
 
 
 # ------------------------------------------------------------------ apply

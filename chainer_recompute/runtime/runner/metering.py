@@ -6,21 +6,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 import weakref
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from .. import _chainer  # noqa: F401
 import chainer
 
-from ...core.errors import InfeasibleBudgetError
 from ..executor import IterationHook, IterationStats
 from .describe import describe_step, plain_peak
+from ..correction import Correction
 from .log import logger, report
 from .state import _Entry, _Structure
 
-if TYPE_CHECKING:
-    from .recompute import Recompute
 
 
 @dataclasses.dataclass(eq=False)
@@ -52,7 +49,7 @@ class _OpenMeter:
     # alive at the end (a list of batches; a dataset they are views of)
     user_held: List[Tuple[Any, int]] = dataclasses.field(default_factory=list)
     # ids of the buffers of the inputs counted in ``own`` (a step's later
-    # calls add theirs: see Recompute._continue_meter)
+    # calls add theirs: see StepMeter._continue)
     input_ids: set = dataclasses.field(default_factory=set)
 
     def measured(self, absolute_peak_bytes: int) -> int:
@@ -181,9 +178,9 @@ def _update_targets(link_ref: Any) -> Optional[set]:
     return {id(p) for p in link.params() if getattr(p, "update_rule", None) is not None}
 
 
-def _watch_updates(runner: "Recompute", open_: _OpenMeter) -> None:
+def _watch_updates(steps: "StepMeter", open_: _OpenMeter) -> None:
     from ..executor import add_update_watcher
-    ref = weakref.ref(runner)
+    ref = weakref.ref(steps)
 
     def updated(param: Any) -> bool:
         """After each parameter update; True when done watching."""
@@ -192,43 +189,65 @@ def _watch_updates(runner: "Recompute", open_: _OpenMeter) -> None:
             return True
         open_.waiting.discard(id(param))
         if not open_.waiting:
-            r._stop_meter()
+            r.stop()
             return True
         return False
     open_.watcher = updated
     add_update_watcher(updated)
 
 
-def _graph_died(runner_ref: Any, open_: _OpenMeter) -> None:
-    runner = runner_ref()
-    if runner is not None and runner._meter is open_:
-        runner._stop_meter()
+def _graph_died(steps_ref: Any, open_: _OpenMeter) -> None:
+    steps = steps_ref()
+    if steps is not None and steps._meter is open_:
+        steps.stop()
 
 
-class MeteringMixin:
-    """The :class:`~.Recompute` methods that measure a planned step and
-    check it against its plan."""
+class StepMeter:
+    """Measures a runner's planned steps and checks them against their
+    plans: a step's peak from its first call of the model through the
+    optimizer's update (:meth:`start`), what an earlier call's graph still
+    holds at the next (:meth:`count_held_graph`), the calls of one step
+    held at once (:meth:`find_step`, :meth:`count_step_calls`), and the
+    correction of a plan that a step overshot (:meth:`apply_corrections`,
+    at the next call: planned by ``planner``).
 
-    _meter: Optional["_OpenMeter"] = None
-    # structures measured over their budget, to plan again at the next call:
-    # id(structure) -> (entry, structure, correction bytes)
-    _corrections: Optional[Dict[int, Tuple[_Entry, _Structure, int]]] = None
-    _last_hook: Any = None  # a weak reference to the previous call's IterationHook
-    _said_measured: set  # corrections whose plan's first measured step was said
-    # the function nodes of the previous call's graph (weak references)
-    # when this call found it alive
-    _held_previous: Optional[List[Any]] = None
-    # whether that graph was still alive at the forward's first function
-    # when last seen (None: never seen)
-    _held_at_start: Optional[bool] = None
-    # the most calls of the model one step has held at once (see
-    # _count_step_calls), and this call's earlier ones in its step
-    _step_calls: int = 1
-    _whole_calls: int = 0  # of those, calls holding their whole graph (double backprop)
-    _step_others: List[Any] = []  # (weak references: a hook holds arrays)
-    _said_step_calls: bool = False
+    Args:
+        spec: the runner's options (:class:`~.spec.RunnerSpec`).
+        planner: the runner's :class:`~.planning.Planner` (replans).
+    """
 
-    def _start_meter(self, entry: _Entry, hook: IterationHook, link: Optional[chainer.Link],
+    def __init__(self, spec: Any, planner: Any) -> None:
+        self.spec, self.planner = spec, planner
+        self._meter: Optional[_OpenMeter] = None
+        # structures measured over their budget, to plan again at the next
+        # call: id(structure) -> (entry, structure, correction bytes)
+        self.corrections: Optional[Dict[int, Tuple[_Entry, _Structure, int]]] = None
+        self._correction = Correction(report)  # a measured overshoot: warned once
+        self._said_measured: set = set()  # corrections whose plan's first measured step was said
+        self.last_hook: Any = None  # a weak reference to the previous call's IterationHook
+        # weak references to the hooks of calls whose graphs may be alive
+        self._graphs: List[Any] = []
+        # the function nodes of the previous call's graph (weak references)
+        # when this call found it alive
+        self._held_previous: Optional[List[Any]] = None
+        # whether that graph was still alive at the forward's first function
+        # when last seen (None: never seen)
+        self.held_at_start: Optional[bool] = None
+        # this call's earlier ones in its step (weak references: a hook holds arrays)
+        self._step_others: List[Any] = []
+        self._said_step_calls = False
+
+    def in_step(self) -> bool:
+        """Whether this training call is a later one of a step whose
+        earlier calls' backward is still to come (after :meth:`find_step`)."""
+        return bool(self._step_others)
+
+    def track(self, hook: IterationHook) -> None:
+        """``hook`` is this training call's: the previous call's at the next."""
+        self.last_hook = weakref.ref(hook)
+        self._graphs.append(self.last_hook)
+
+    def start(self, entry: _Entry, hook: IterationHook, link: Optional[chainer.Link],
                      args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         """Measure this iteration's peak, from the call to the end of its
         backward, then on through the optimizer's update of the model's
@@ -243,24 +262,24 @@ class MeteringMixin:
         are seen; on CuPy the pool also holds other models' arrays), plus
         what the allocator holds above its level at the call."""
         arrays = list(args) + list(kwargs.values())
-        if self._step_others and self._continue_meter(entry, hook, link, arrays):
+        if self._step_others and self._continue(entry, hook, link, arrays):
             return
         from ..device import device_of
         dev = device_of(arrays)
-        if not dev.is_gpu and all(s.checked >= self.check_iterations
+        if not dev.is_gpu and all(s.checked >= self.spec.check_iterations
                                   for s in entry.structures):
             return
         own = _own_arrays(link, [])
         inputs = _own_arrays(None, arrays)
         hook.input_roots = _weak_roots(inputs)
-        previous = self._last_hook() if self._last_hook is not None else None
+        previous = self.last_hook() if self.last_hook is not None else None
         held: List[Any] = []
         user_held: List[Tuple[Any, int]] = []
         if previous is not None and previous is not hook and (
                 previous.backward_done or previous.program is None):
             # (a call whose backward is still to come, a discriminator's
             # other batch, is in this step's meter if one runs from it:
-            # see _find_step)
+            # see find_step)
             held = _graph_arrays(previous)
             user_held = _previous_inputs(dev, previous, held)
             own += held
@@ -281,15 +300,15 @@ class MeteringMixin:
         self._meter.finalizer = weakref.finalize(self, _abandon, meter)
         self._stop_when_done(hook)
 
-    def _close_step(self, continued: bool = False) -> None:
+    def close_step(self, continued: bool = False) -> None:
         """The next call: the previous iteration is over; measure and check
         what is left of it. ``continued``: the next call is in the same
         step, its earlier calls' backward still to come: the meter goes on
-        (:meth:`_start_meter` hands it to the new call)."""
+        (:meth:`start` hands it to the new call)."""
         if self._meter is not None and not continued:
-            self._stop_meter()
+            self.stop()
 
-    def _continue_meter(self, entry: _Entry, hook: IterationHook,
+    def _continue(self, entry: _Entry, hook: IterationHook,
                         link: Optional[chainer.Link], arrays: List[Any]) -> bool:
         """A later call of a step whose meter runs from its first call: the
         same meter, its level and counted bytes kept, measures on for this
@@ -321,15 +340,15 @@ class MeteringMixin:
     def _stop_when_done(self, hook: IterationHook) -> None:
         """At the end of ``hook``'s backward, the meter (if it is still
         this call's) goes on through the update."""
-        runner = weakref.ref(self)
+        steps = weakref.ref(self)
 
         def done(h: IterationHook) -> None:
-            r = runner()
+            r = steps()
             if r is not None and r._meter is not None and r._meter.hook() is h:
-                r._stop_meter(done=True)
+                r.stop(done=True)
         hook.on_backward_done = done
 
-    def _stop_meter(self, done: bool = False) -> None:
+    def stop(self, done: bool = False) -> None:
         if self._meter is None:
             return
         open_, self._meter = self._meter, None
@@ -411,10 +430,10 @@ class MeteringMixin:
         stats.plain_peak_bytes = plain_peak(s.graph, s.plan)[0] \
             if step_calls(s.graph) == 1 else None
         correction = int(s.graph.meta.get("correction_bytes", 0))
-        if correction in self._said_measured or s.checked < min(2, self.check_iterations):
+        if correction in self._said_measured or s.checked < min(2, self.spec.check_iterations):
             return  # (said from the second step: the first has no state, no gradients yet)
         self._said_measured.add(correction)
-        level = logging.INFO if self.verbose else logging.DEBUG
+        level = logging.INFO if self.spec.verbose else logging.DEBUG
         report.log(level, "%s", describe_step(s.graph, s.plan, s.planning_time_s,
                                               stats.measured_peak_bytes,
                                               corrected=bool(correction)))
@@ -423,34 +442,34 @@ class MeteringMixin:
                measured: int) -> None:
         """A peak over the budget (total scope): the memory model is to be
         corrected by what the plan missed, and the structure planned again
-        at the model's next call (:meth:`_apply_corrections`): the check
+        at the model's next call (:meth:`apply_corrections`): the check
         runs inside the step (at the end of its backward, or of the
         optimizer's update), and planning there would add the planner's
         memory to the step the budget bounds."""
-        if self.budget_scope != "total":
+        if self.spec.budget_scope != "total":
             return
         correction = self._correction.overshoot(measured, s.plan.budget_bytes,
                                                 s.plan.predicted_peak_bytes)
         if not correction:
             return
-        if self._corrections is None:
-            self._corrections = {}
+        if self.corrections is None:
+            self.corrections = {}
         # the backward's and the update's checks of one step: the larger miss
-        _, _, before = self._corrections.get(id(s), (entry, s, 0))
-        self._corrections[id(s)] = (entry, s, max(before, correction))
+        _, _, before = self.corrections.get(id(s), (entry, s, 0))
+        self.corrections[id(s)] = (entry, s, max(before, correction))
 
-    def _apply_corrections(self) -> None:
+    def apply_corrections(self) -> None:
         """At a training call, before its meter starts: the structures that
         overshot their budget planned again with the memory model corrected
         by what they missed. A budget the corrected model cannot meet is
         raised (or warned about) by the call of that signature."""
-        pending, self._corrections = self._corrections, None
+        pending, self.corrections = self.corrections, None
         for entry, s, correction in (pending or {}).values():
             if s in entry.structures:
-                self._replan(entry, s, correction_bytes=int(
+                self.planner.replan(entry, s, correction_bytes=int(
                     s.graph.meta.get("correction_bytes", 0)) + correction)
 
-    def _check_held_graph(self, entry: _Entry, hook: IterationHook) -> None:
+    def check_held_graph(self, entry: _Entry, hook: IterationHook) -> None:
         """At the end of a planned forward whose call found the previous
         call's graph alive: a plan that counted that graph through the
         forward (``held_into_next_forward``, assumed for a model that keeps
@@ -476,29 +495,29 @@ class MeteringMixin:
             s.plan = dataclasses.replace(s.plan, predicted_peak_bytes=int(peak), info=info)
             hook.stats.predicted_peak_bytes = s.plan.predicted_peak_bytes
 
-    def _watch_held_graph(self, hook: IterationHook) -> None:
+    def watch_held_graph(self, hook: IterationHook) -> None:
         """Whether the previous call's graph, alive at this call, is still
         alive when ``hook``'s forward applies its first function."""
         funcs = self._held_previous
         if funcs is None:
             return
         ref = weakref.ref(hook)  # (no cycle: the hook dies with its graph)
-        runner = weakref.ref(self)
+        steps = weakref.ref(self)
 
         def first() -> None:
-            h, r = ref(), runner()
+            h, r = ref(), steps()
             if h is not None and r is not None:
-                h._held_at_start = r._held_at_start = any(f() is not None for f in funcs)
+                h._held_at_start = r.held_at_start = any(f() is not None for f in funcs)
         hook.on_first_function = first
 
-    def _find_step(self, mark: Any) -> None:
+    def find_step(self, mark: Any) -> None:
         """The earlier calls of this training step (``mark``: see
         ``_step_mark``) whose graphs are alive with a backward still to come
         (a WGAN-GP critic: the penalty's call, backpropagated again later,
         then the fake batch, at the real one's call): one backward runs
         through all of them, so the step holds them all at once
         (``_step_others``). This call's meter is then the step's, from its
-        first call on (:meth:`_close_step`, :meth:`_start_meter`)."""
+        first call on (:meth:`close_step`, :meth:`start`)."""
         alive, others = [], []
         for ref in self._graphs:
             h = ref()
@@ -511,9 +530,9 @@ class MeteringMixin:
         self._graphs = alive
         self._step_others = others
 
-    def _count_step_calls(self, entry: _Entry, args: Tuple[Any, ...]) -> None:
+    def count_step_calls(self, entry: _Entry, args: Tuple[Any, ...]) -> None:
         """A step that holds more calls of the model at once than its plan
-        was made for (:meth:`_find_step`): the plan is made again, before
+        was made for (:meth:`find_step`): the plan is made again, before
         this call runs, for as many (``meta['calls_per_step']``: every call
         under the same plan, the step's peak the calls' bytes above what
         they share, see :func:`~chainer_recompute.core.replay.step_calls`);
@@ -522,48 +541,34 @@ class MeteringMixin:
         that step may exceed the budget (said once)."""
         others = [h for h in (r() for r in self._step_others) if h is not None]
         k, d = 1 + len(others), sum(1 for h in others if h.no_release)
-        more, whole = k > self._step_calls, d > self._whole_calls
+        more, whole = k > self.planner.step_calls, d > self.planner.whole_calls
         if not (more or whole):
             return
-        self._step_calls, self._whole_calls = max(k, self._step_calls), max(d, self._whole_calls)
-        if (self.budget_scope != "total" or self.coordinator is not None
+        self.planner.step_calls, self.planner.whole_calls = max(k, self.planner.step_calls), max(d, self.planner.whole_calls)
+        if (self.spec.budget_scope != "total" or self.planner.coordinator is not None
                 or not entry.structures):
             return  # (planned for them when planned: see _add)
         from ...core.units import format_bytes
-        k, b = self._step_calls, self.budget_bytes
+        k, b = self.planner.step_calls, self.planner.budget_bytes
         level = logging.INFO if self._said_step_calls else logging.WARNING
         self._said_step_calls = True
-        what = (f"{self._name(args)} is called {k} times in one training step before a "
+        what = (f"{self.planner._name(args)} is called {k} times in one training step before a "
                 f"backward through them all" if more else
-                f"a call of {self._name(args)} is backpropagated with double backprop inside "
+                f"a call of {self.planner._name(args)} is backpropagated with double backprop inside "
                 f"the step and holds its whole graph")
         hint = f" (apply(..., calls_per_step={k}) plans the first step for them)" if more else ""
         report.log(level, "%s; planned again for %d calls per step (each under the same "
                    "plan%s)%s", what, k,
-                   f", {self._whole_calls} holding plain Chainer's peak" if self._whole_calls
+                   f", {self.planner.whole_calls} holding plain Chainer's peak" if self.planner.whole_calls
                    else "",
                    f"; this step ran its earlier calls under a plan for fewer and may exceed "
                    f"the budget {format_bytes(b)}{hint}" if b is not None else "")
         for s in list(entry.structures):
-            self._replan(entry, s)  # (for the calls per step seen: _add)
+            self.planner.replan(entry, s)  # (for the calls per step seen: _add)
         if self._meter is not None:  # measured, not checked: its earlier calls ran another plan
             self._meter.after_recording = True
 
-    def _replan(self, entry: _Entry, s: _Structure, **meta: Any) -> None:
-        """Plan ``s``'s graph again with ``meta`` set (what a measurement
-        added to the memory model), in place of ``s``; a budget that cannot
-        be met then is kept on the entry (raised or warned about by the
-        call of that signature)."""
-        graph = s.graph.replace(meta={**s.graph.meta, **meta})
-        t0 = time.perf_counter()
-        entry.structures.remove(s)
-        try:
-            self._add(entry, graph, s.program.param_refs, s.program.multi_backward, t0,
-                      backward_known=s.program.backward_known)
-        except InfeasibleBudgetError as e:
-            entry.error = e
-
-    def _count_held_graph(self, entry: _Entry) -> None:
+    def count_held_graph(self, entry: _Entry) -> None:
         """The graph of the model's previous call, its backward run, is
         still alive at this call (the loop keeps its ``loss`` into the next
         forward, the model keeps an output in an attribute): as in plain
@@ -576,10 +581,10 @@ class MeteringMixin:
         them. (A model known to keep its graph is planned so from the
         start: :meth:`_recorded`, :meth:`_capture_at`.)"""
         self._held_previous = None
-        if (self.free_previous_graph or self.budget_scope != "total" or not entry.structures
-                or self.coordinator is not None):  # (a coordinator replans collectively)
+        if (self.spec.free_previous_graph or self.spec.budget_scope != "total" or not entry.structures
+                or self.planner.coordinator is not None):  # (a coordinator replans collectively)
             return
-        previous = self._last_hook() if self._last_hook is not None else None
+        previous = self.last_hook() if self.last_hook is not None else None
         if previous is None or not previous.backward_done or previous.let_go_done:
             return
         if not any(c.func() is not None for c in previous.calls):
@@ -589,7 +594,21 @@ class MeteringMixin:
         self._held_previous = [c.func for c in previous.calls]  # (weak references)
         s = entry.structures[0]
         if not s.graph.meta.get("held_into_next_forward", False) and \
-                self._held_at_start is not False:  # (not seen let go before its forward)
+                self.held_at_start is not False:  # (not seen let go before its forward)
             logger.info("the graph of the model's previous call is still held at its next "
                         "call; planned again with it alive through the forward")
-            self._replan(entry, s, held_into_next_forward=True)
+            self.planner.replan(entry, s, held_into_next_forward=True)
+
+    def let_go_of_finished_graphs(self) -> None:
+        """The graphs of earlier calls whose backward has run release what
+        they hold (see ``free_previous_graph``)."""
+        waiting = []
+        for ref in self._graphs:
+            hook = ref()
+            if hook is None:
+                continue
+            if hook.backward_done:
+                hook.let_go()
+            else:  # its backward is still to come (a discriminator's other batch)
+                waiting.append(ref)
+        self._graphs = waiting

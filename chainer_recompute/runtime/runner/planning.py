@@ -16,6 +16,7 @@ from .. import _chainer  # noqa: F401
 import chainer
 
 from ...core.budget import release_caches
+from ...core.budget_spec import Budget
 from ...core.errors import InfeasibleBudgetError
 from ...core.graph import STEP_CALLS_KEY, WHOLE_CALLS_KEY, WHOLE_PEAK_KEY, Graph
 from ...core.replay import replay_peak
@@ -24,7 +25,20 @@ from ..capture import batch_size_of, leave_no_trace, state_bytes
 from ..executor import IterationHook, Program
 from .describe import describe_plan
 from .log import logger, report
+from .spec import RunnerSpec
 from .state import _Active, _Entry, _Recording, _Structure
+
+
+def link_of(args: Tuple[Any, ...]) -> Optional[chainer.Link]:
+    """The Link a call applies (its first argument, for a Link's call)."""
+    return args[0] if args and isinstance(args[0], chainer.Link) else None
+
+
+def name_of(fn: Any, args: Tuple[Any, ...]) -> str:
+    """The name a runner's messages give the model of a call."""
+    link = link_of(args)
+    return type(link).__name__ if link is not None else \
+        getattr(fn, "__qualname__", "the model")
 
 
 def _keeps_graph(link: chainer.Link, hook: Any) -> bool:
@@ -39,8 +53,116 @@ def _keeps_graph(link: chainer.Link, hook: Any) -> bool:
 
 
 
-class PlanningMixin:
-    """The :class:`~.Recompute` methods that make its plans."""
+class Planner:
+    """Makes a runner's plans: from captures, a recorded iteration, the
+    shapes of a signature's family, or again (a correction, more calls per
+    step); what the executor releases; the budget, resolved.
+
+    Args:
+        fn: the runner's callable.
+        spec: the runner's options (:class:`~.spec.RunnerSpec`).
+        budget: the budget as parsed (``'device'`` resolved at the first plan).
+        entries: the runner's signatures (:class:`~.signatures.SignatureCache`).
+        coordinator: plans collectively across processes, or None.
+    """
+
+    def __init__(self, fn: Any, spec: RunnerSpec, budget: Budget, entries: Any,
+                 coordinator: Any = None) -> None:
+        self.fn, self.spec, self.entries, self.coordinator = fn, spec, entries, coordinator
+        #: what a coordinator is given to solve with: the runner's bound ``solve``
+        self.runner_solve: Optional[Any] = None
+        #: the budget as parsed (:class:`~chainer_recompute.core.budget_spec.Budget`);
+        #: ``'device'`` is resolved at the first plan (:meth:`resolve_device_budget`)
+        self.budget: Budget = budget
+        self.device: Any = None  # the device of the latest training call's arrays
+        self.keep_checked = not spec.keep.paths  # its paths checked against link names
+        self.ran_planned = False  # a planned iteration has run
+        self.shapes_derived = 0  # signatures planned from their family's graphs
+        # the most calls of the model one step has held at once, and of those
+        # the calls holding their whole graph (see StepMeter.count_step_calls)
+        self.step_calls, self.whole_calls = spec.calls_per_step or 1, 0
+        self.refusal = ""  # why captures could not plan a first call
+        self._reported_infeasible = False
+        self._said_unsafe: set = set()  # unsafe-function warnings given (one each)
+        self._said_capture = False  # capture_batch refused a model (warned once)
+        self._said_new_shape = False  # a new input shape recorded plainly (warned once)
+        self._said_planning = False  # a step over the budget by planning in it (warned once)
+
+    # ------------------------------------------------------------- keep
+    def check_keep(self, model: chainer.Link) -> None:
+        """Refuse a ``keep=`` path that names no link of ``model`` (by its
+        ``namedlinks()``), with the closest names.
+
+        Raises:
+            KeepError: a path names no link of ``model``.
+        """
+        self.spec.keep.check_names((name for name, _ in model.namedlinks()),
+                                   f"{type(model).__name__}")
+        self.keep_checked = True
+
+    def _with_keep(self, graph: Any) -> Any:
+        """``graph`` with the functions ``keep=`` names marked
+        (:attr:`~chainer_recompute.core.graph.Node.must_keep`); its paths
+        are checked against the graph's links when no model's were."""
+        keep = self.spec.keep
+        if not keep:
+            return graph
+        if not self.keep_checked:
+            keep.check_graph(graph)
+            self.keep_checked = True
+        return keep.mark(graph)
+
+    # ----------------------------------------------------------- budget
+    @property
+    def budget_bytes(self) -> Optional[int]:
+        """The budget in bytes: a size, or ``'device'`` once resolved; None
+        for ``'least'`` and a share (resolved per signature, in its plan's
+        ``budget_bytes``)."""
+        return self.budget.bytes if self.budget.kind in ("bytes", "device") else None
+
+    def available_bytes(self) -> Optional[int]:
+        """For a ``'device'`` budget not yet resolved: what the device of
+        the latest training call's arrays can give now (before
+        :data:`~chainer_recompute.core.budget_spec.DEVICE_MARGIN`); None
+        otherwise."""
+        if self.budget.kind != "device" or self.budget.resolved:
+            return None
+        from ..device import CPU
+        return (self.device or CPU).available_bytes()
+
+    def resolve_device_budget(self, available_bytes: Optional[int] = None) -> None:
+        """Fix a ``'device'`` budget at ``available_bytes`` less the margin
+        (default: :meth:`available_bytes`); a coordinator passes the least
+        of every rank's. Once resolved, it stays for the runner's life."""
+        if self.budget.kind != "device" or self.budget.resolved:
+            return
+        b = self.budget.of_device(available_bytes if available_bytes is not None
+                                  else self.available_bytes())
+        self.budget = b
+        logger.info("budget %s", b.describe())
+
+    def planning_budget(self) -> Budget:
+        """The budget planning uses: ``'device'`` resolved (at the first
+        plan), a share resolved by the planner for each graph."""
+        if self.budget.kind == "device":
+            self.resolve_device_budget()
+        return self.budget
+
+    def budget_bytes_for(self, graph: Any) -> Optional[int]:
+        """The budget in bytes for ``graph``'s signature: a share resolved
+        against plain Chainer's need for it; None for ``'least'``."""
+        b = self.planning_budget()
+        if b.kind == "share":
+            from ...core.budget import plain_need_bytes
+            return b.of_plain(plain_need_bytes(graph, self.spec.budget_scope)).bytes
+        return b.bytes
+
+    def _name(self, args: Tuple[Any, ...]) -> str:
+        return name_of(self.fn, args)
+
+    @staticmethod
+    def _link(args: Tuple[Any, ...]) -> Optional[chainer.Link]:
+        return link_of(args)
 
     # ------------------------------------------- public: for a coordinator
     def solve(self, graph: Graph) -> Any:
@@ -54,16 +176,16 @@ class PlanningMixin:
                 ``on_infeasible='warn'``, says it once as a warning."""
         from ...core.budget import plan_for_budget
         graph = self._with_keep(graph)
-        return plan_for_budget(graph, self.planning_budget(), solver=self.solver,
-                               strategy=self.strategy, scope=self.budget_scope,
-                               **self.solver_options)
+        return plan_for_budget(graph, self.planning_budget(), solver=self.spec.solver,
+                               strategy=self.spec.strategy, scope=self.spec.budget_scope,
+                               **self.spec.solver_options)
 
     def _raising(self) -> bool:
         """Whether an infeasible budget raises from a training call now."""
-        return self.on_infeasible == "raise" or (self.on_infeasible == "auto"
-                                                 and not self._ran_planned)
+        return self.spec.on_infeasible == "raise" or (self.spec.on_infeasible == "auto"
+                                                 and not self.ran_planned)
 
-    def _infeasible(self, entry: _Entry, e: InfeasibleBudgetError) -> None:
+    def infeasible(self, entry: _Entry, e: InfeasibleBudgetError) -> None:
         """A training call's budget cannot be met: raise, or say so once and
         run this signature plainly (see ``on_infeasible``)."""
         if self._raising():
@@ -79,35 +201,40 @@ class PlanningMixin:
                    "not bounded by the budget (on_infeasible='raise' raises instead)",
                    str(e))  # (not the error: a handler keeping records would keep its frames)
 
-    def _bound(self, graph: Graph) -> Tuple[Graph, Any]:
+    def _bound(self, graph: Graph) -> Tuple[Graph, Any, Optional[int]]:
         """``graph`` with its convolutions' transients under the workspace
-        bound, and for ``'auto'`` (the bound whose plan fits best) the plan
-        made under that bound (None otherwise: planned by :meth:`plan`)."""
+        bound, for ``'auto'`` (the bound whose plan fits best) the plan
+        made under that bound (None otherwise: planned by :meth:`plan`),
+        and the bound (None: none)."""
         from ...core.workspace import bounded_graph, plan_with_workspace
-        if self.workspace != "auto" or self.budget_scope != "total":
-            limit = None if self.workspace == "auto" else self.workspace
-            return bounded_graph(graph, limit, self.workspace_exact), None
-        budget = self.planning_budget()
+        spec = self.spec
+        if spec.workspace != "auto" or spec.budget_scope != "total":
+            limit = None if spec.workspace == "auto" else spec.workspace
+            return bounded_graph(graph, limit, spec.workspace_exact), None, limit
         try:
-            plan, bounded = plan_with_workspace(
-                graph, budget, "auto", solver=self.solver, strategy=self.strategy,
-                scope=self.budget_scope, exact=self.workspace_exact, **self.solver_options)
+            chosen = plan_with_workspace(
+                graph, self.planning_budget(), "auto", solver=spec.solver,
+                strategy=spec.strategy, scope=spec.budget_scope, exact=spec.workspace_exact,
+                **spec.solver_options)
         except InfeasibleBudgetError:
-            return bounded_graph(graph, None), None  # solve reports it
+            return bounded_graph(graph, None), None, None  # solve reports it
         # a coordinator plans collectively: its plan, for the bounded graph
-        return bounded, plan if self.coordinator is None else None
+        return (chosen.graph, chosen.plan if self.coordinator is None else None,
+                chosen.workspace_bytes)
 
     def plan(self, graph: Graph) -> Any:
         """A plan for ``graph``: solved here, or, with a coordinator, the
-        one it gives (``coordinator.plan(graph, self.solve)``)."""
+        one it gives (``coordinator.plan(graph, solve)``, ``solve`` the
+        runner's :meth:`~.Recompute.solve`, :attr:`runner_solve`: a
+        coordinator knows the runner by it)."""
         return (self.solve(graph) if self.coordinator is None
-                else self.coordinator.plan(graph, self.solve))
+                else self.coordinator.plan(graph, self.runner_solve or self.solve))
 
     def planned_graphs(self) -> List[Graph]:
         """The graph of every planned structure of every signature (each
         once), most recently used signature last."""
         seen: Dict[int, Graph] = {}
-        for entry in self._entries.values():
+        for entry in self.entries.values():
             for s in entry.structures:
                 seen.setdefault(id(s.graph), s.graph)
         return list(seen.values())
@@ -117,29 +244,30 @@ class PlanningMixin:
         collective re-plan) in place of every structure planned for
         ``replacing`` (one of :meth:`planned_graphs`); ``graph`` is
         ``replacing`` with other measurements (a correction)."""
-        for entry in list(self._entries.values()):
+        for entry in list(self.entries.values()):
             for s in list(entry.structures):
                 if s.graph is not replacing:
                     continue
                 entry.structures.remove(s)
-                self._add(entry, graph, s.program.param_refs, s.program.multi_backward,
+                self.add(entry, graph, s.program.param_refs, s.program.multi_backward,
                           time.perf_counter(), plan=plan, adopted=True)
 
     # ------------------------------------------------------------ plans
-    def _add(self, entry: _Entry, graph: Graph, param_refs: Dict[int, Any],
+    def add(self, entry: _Entry, graph: Graph, param_refs: Dict[int, Any],
              multi_backward: bool, t0: float, plan: Any = None,
              backward_known: bool = False, adopted: bool = False) -> _Structure:
         """A new structure of ``entry`` (first), for ``graph`` and ``plan``
         (None: planned now; ``adopted``: a plan made elsewhere for ``graph``
         before its workspace bound)."""
         graph = self._with_keep(graph)  # (keep=: the functions every plan keeps)
-        if self._step_calls > 1 and self.coordinator is None and \
-                self.budget_scope == "total":  # (see _count_step_calls)
+        if self.step_calls > 1 and self.coordinator is None and \
+                self.spec.budget_scope == "total":  # (see StepMeter.count_step_calls)
             graph = self._for_step_calls(graph)
+        limit = None  # the convolutions' workspace bound its calls run under
         try:
             if plan is None or adopted:
-                if self.workspace is not None:  # the convolutions' bound, chosen with the plan
-                    graph, bound_plan = self._bound(graph)
+                if self.spec.workspace is not None:  # the convolutions' bound, chosen with the plan
+                    graph, bound_plan, limit = self._bound(graph)
                     if plan is None:
                         plan = bound_plan
                 if plan is None:
@@ -148,13 +276,13 @@ class PlanningMixin:
                               param_refs=param_refs)
             program.multi_backward = multi_backward
             program.backward_known = backward_known
-            s = _Structure(graph, plan, program, time.perf_counter() - t0)
+            s = _Structure(graph, plan, program, time.perf_counter() - t0, limit)
             if plan.recompute:
-                self._decide_release(s)
+                self.decide_release(s)
         finally:
             release_caches()  # nothing of the planner's stays into the steps (raised or not)
         entry.structures.insert(0, s)
-        del entry.structures[self.max_structures:]
+        del entry.structures[self.spec.max_structures:]
         # said at the end of the first step that runs on it, with what it
         # measured (:meth:`_say_measured`)
         logger.debug("%s", describe_plan(graph, plan, s.planning_time_s))
@@ -173,24 +301,38 @@ class PlanningMixin:
                 report.warning("%s", said)
         return s
 
+    def replan(self, entry: _Entry, s: _Structure, **meta: Any) -> None:
+        """Plan ``s``'s graph again with ``meta`` set (what a measurement
+        added to the memory model), in place of ``s``; a budget that cannot
+        be met then is kept on the entry (raised or warned about by the
+        call of that signature)."""
+        graph = s.graph.replace(meta={**s.graph.meta, **meta})
+        t0 = time.perf_counter()
+        entry.structures.remove(s)
+        try:
+            self.add(entry, graph, s.program.param_refs, s.program.multi_backward, t0,
+                     backward_known=s.program.backward_known)
+        except InfeasibleBudgetError as e:
+            entry.error = e
+
     def _for_step_calls(self, graph: Graph) -> Graph:
         """``graph`` for the calls per step seen (``meta['calls_per_step']``,
         and those holding their whole graph with one call's plain peak,
         see :func:`~chainer_recompute.core.replay.per_step`)."""
-        meta = {**graph.meta, STEP_CALLS_KEY: self._step_calls}
+        meta = {**graph.meta, STEP_CALLS_KEY: self.step_calls}
         meta.pop(WHOLE_CALLS_KEY, None)
         meta.pop(WHOLE_PEAK_KEY, None)
-        if self._whole_calls:
+        if self.whole_calls:
             one = graph.replace(meta={**meta, STEP_CALLS_KEY: 1})
-            meta[WHOLE_CALLS_KEY] = self._whole_calls
+            meta[WHOLE_CALLS_KEY] = self.whole_calls
             meta[WHOLE_PEAK_KEY] = replay_peak(one)
         return graph.replace(meta=meta)
 
-    def _plan_pending(self, entry: _Entry, args: Tuple[Any, ...],
+    def plan_pending(self, entry: _Entry, args: Tuple[Any, ...],
                       kwargs: Dict[str, Any]) -> None:
         self._plan_recorded(entry, self._link(args))
 
-    def _plan_when_backward_ends(self, entry: _Entry, hook: IterationHook,
+    def plan_when_backward_ends(self, entry: _Entry, hook: IterationHook,
                                  link: Optional[chainer.Link]) -> None:
         """Plan as soon as the recorded backward has run every function,
         still inside it: the recorded iteration runs as plain Chainer and is
@@ -216,7 +358,7 @@ class PlanningMixin:
             if lk is None:
                 return
             keeps = _keeps_graph(lk, h)
-            if self.plan_at != "backward" and not keeps:
+            if self.spec.plan_at != "backward" and not keeps:
                 return
             try:
                 s = self._plan_recorded(entry, lk)
@@ -234,7 +376,7 @@ class PlanningMixin:
         it (``keeps``): then the graph lives through the update and, unless
         ``free_previous_graph`` lets it go, into the next call's forward."""
         return {"kept_after_backward": keeps,
-                "held_into_next_forward": keeps and not self.free_previous_graph}
+                "held_into_next_forward": keeps and not self.spec.free_previous_graph}
 
     def _recorded(self, entry: _Entry, link: Optional[chainer.Link]) -> "_Recording":
         """The graph of ``entry``'s recorded iteration (made from its hook
@@ -250,7 +392,7 @@ class PlanningMixin:
             # the replay counts what it still holds then
             meta = {"state_bytes": state_bytes(link),
                     **self._kept_meta(_keeps_graph(link, hook))}
-        graph = hook.graph(cost_model=self.cost, batch_size=entry.batch,
+        graph = hook.graph(cost_model=self.spec.cost, batch_size=entry.batch,
                            name=type(link).__name__ if link is not None else "model",
                            meta=meta,
                            fill=hook.program.graph if hook.program is not None else None)
@@ -272,7 +414,7 @@ class PlanningMixin:
         t0 = time.perf_counter()
         rec = self._recorded(entry, link)
         entry.pending = None
-        s = self._add(entry, rec.graph, rec.param_refs, rec.multi_backward, t0,
+        s = self.add(entry, rec.graph, rec.param_refs, rec.multi_backward, t0,
                       plan=self._family_plan(entry, rec.graph),
                       backward_known=rec.backward_known)
         hook = rec.hook()
@@ -282,12 +424,12 @@ class PlanningMixin:
             hook.planned = s.program
         return s
 
-    def _captures(self, batch: Optional[int]) -> bool:
+    def captures(self, batch: Optional[int]) -> bool:
         """Whether the first call of a signature at ``batch`` is planned
         from a separate capture (see ``capture_batch``)."""
-        if self.capture_batch == "auto":
+        if self.spec.capture_batch == "auto":
             return batch is not None and batch >= 3
-        return self.capture_batch is not None
+        return self.spec.capture_batch is not None
 
     def _say_recorded(self, args: Tuple[Any, ...], batch: Optional[int], why: str) -> None:
         """The first call of a signature runs plainly, recorded: said once
@@ -299,7 +441,7 @@ class PlanningMixin:
                    "plan made from it", self._name(args),
                    "" if batch is None else f" at batch {batch}", why)
 
-    def _plan_separately(self, entry: _Entry, args: Tuple[Any, ...],
+    def plan_separately(self, entry: _Entry, args: Tuple[Any, ...],
                          kwargs: Dict[str, Any]) -> bool:
         """Plan from a separate capture that leaves no trace. With
         ``capture_batch`` below the real batch: two small captures (at
@@ -312,12 +454,12 @@ class PlanningMixin:
         from ...core.errors import GraphError
         t0 = time.perf_counter()
         batch = batch_size_of(args, kwargs)
-        small = self.capture_batch
+        small = self.spec.capture_batch
         if small == "auto":
-            if not self._captures(batch):
-                self._refusal = ("its arguments have no batch dimension" if batch is None else
+            if not self.captures(batch):
+                self.refusal = ("its arguments have no batch dimension" if batch is None else
                                  "a batch under 3 cannot be planned from smaller captures")
-                self._say_recorded(args, batch, self._refusal)
+                self._say_recorded(args, batch, self.refusal)
                 return False
             small = 1 if batch <= 4 else 2
             try:
@@ -338,34 +480,34 @@ class PlanningMixin:
                                                              / small),
                         plain_measured_at=[small, 2 * small]))
             except Exception as e:  # noqa: BLE001 - said, and the call is recorded instead
-                self._refusal = (f"captures at batch {small} and {2 * small} cannot plan "
+                self.refusal = (f"captures at batch {small} and {2 * small} cannot plan "
                                  f"it ({type(e).__name__}: {e})")
-                self._say_recorded(args, batch, self._refusal)
+                self._say_recorded(args, batch, self.refusal)
                 return False
-            self._add(entry, graph, hook.param_refs, hook.multi_backward, t0)
+            self.add(entry, graph, hook.param_refs, hook.multi_backward, t0)
             return True
         if small is None or batch is None or small >= batch:
             graph, hook = self._capture_at(args, kwargs, batch, batch)
-            self._add(entry, graph, hook.param_refs, hook.multi_backward, t0)
+            self.add(entry, graph, hook.param_refs, hook.multi_backward, t0)
             return True
         other = min(2 * small, batch - 1)
         if other <= small:  # batch = capture_batch + 1: capture it whole
             graph, hook = self._capture_at(args, kwargs, batch, batch)
-            self._add(entry, graph, hook.param_refs, hook.multi_backward, t0)
+            self.add(entry, graph, hook.param_refs, hook.multi_backward, t0)
             return True
         g1, hook = self._capture_at(args, kwargs, batch, small)
         g2, _ = self._capture_at(args, kwargs, batch, other)
         try:
             graph = g1.scale_between(g2, batch)
         except GraphError as e:
-            self._refusal = f"capture_batch={small} cannot plan {self._name(args)}: {e}"
+            self.refusal = f"capture_batch={small} cannot plan {self._name(args)}: {e}"
             level = logging.INFO if self._said_capture else logging.WARNING
             self._said_capture = True
             report.log(level, "%s; its first call at batch %d runs plainly (not bounded by the "
                        "budget) and the next ones run under a plan made from it",
-                       self._refusal, batch)
+                       self.refusal, batch)
             return False
-        self._add(entry, graph, hook.param_refs, hook.multi_backward, t0)
+        self.add(entry, graph, hook.param_refs, hook.multi_backward, t0)
         return True
 
     def _capture_at(self, args: Tuple[Any, ...], kwargs: Dict[str, Any], batch: Optional[int],
@@ -420,7 +562,7 @@ class PlanningMixin:
             meta = {"state_bytes": sb, **self._kept_meta(keeps),
                     # plain Chainer's forward and backward at this batch, measured
                     "plain_measured_bytes": own + peak}
-        graph = hook.graph(cost_model=self.cost, batch_size=small,
+        graph = hook.graph(cost_model=self.spec.cost, batch_size=small,
                            name=type(link).__name__ if link is not None else "model",
                            meta=meta)
         return graph, hook
@@ -430,7 +572,7 @@ class PlanningMixin:
         """The other signatures of ``entry``'s family with a graph: planned
         (their current structure's) or recorded and waiting to be planned."""
         out = []
-        for e in list(self._entries.values()):
+        for e in list(self.entries.values()):
             if e is entry or e.family != entry.family or e.plain:
                 continue
             if e.structures:
@@ -463,7 +605,7 @@ class PlanningMixin:
         from ...core.errors import GraphError
         v = entry.dims
         points: Dict[Tuple[int, ...], Tuple[_Entry, Graph]] = {}
-        for e in list(self._entries.values()):
+        for e in list(self.entries.values()):
             if e is entry or e.family != entry.family or e.plain or e.dims in points \
                     or e.dims == v:
                 continue
@@ -514,13 +656,13 @@ class PlanningMixin:
         for), its replayed peak on ``graph`` as its prediction (no solver
         run); None when none does (or in the activations scope, with
         workspace bounds or a coordinator: those plan each graph)."""
-        if (self.budget_scope != "total" or self.workspace is not None
+        if (self.spec.budget_scope != "total" or self.spec.workspace is not None
                 or self.coordinator is not None):
             return None
         from ...core.budget import limit_of
         from ...core.execution import ExecutionPlan
         from ...core.replay import replay
-        planned = [e for e in self._entries.values()
+        planned = [e for e in self.entries.values()
                    if e is not entry and e.family == entry.family and e.structures
                    and not e.plain and e.structures[0].graph.n == graph.n
                    and [n.op for n in e.structures[0].graph.nodes] == [n.op for n in graph.nodes]]
@@ -541,12 +683,12 @@ class PlanningMixin:
                                            budget_bytes=budget, info=info)
         return None
 
-    def _plan_in_call(self, entry: _Entry, args: Tuple[Any, ...],
+    def plan_in_call(self, entry: _Entry, args: Tuple[Any, ...],
                       kwargs: Dict[str, Any]) -> bool:
         """Plan the first call of a signature inside it, before its meter
         starts: from the recorded shapes of its family
         (:meth:`_plan_from_family`), else from a separate capture
-        (:meth:`_plan_separately`); False when neither can (the call is
+        (:meth:`plan_separately`); False when neither can (the call is
         then recorded, said there). The planner's memory (and the
         captures') is in that step and in no plan: on NumPy under a byte
         budget it is measured, and when it and the model's own arrays
@@ -557,8 +699,8 @@ class PlanningMixin:
 
         def plan() -> bool:
             return bool((self.coordinator is None and self._plan_from_family(entry, args, kwargs))
-                        or (self.capture_batch is not None
-                            and self._plan_separately(entry, args, kwargs)))
+                        or (self.spec.capture_batch is not None
+                            and self.plan_separately(entry, args, kwargs)))
         arrays = list(args) + list(kwargs.values())
         dev = device_of(arrays)
         if self.budget_bytes is None or dev.is_gpu or self._said_planning:
@@ -615,7 +757,7 @@ class PlanningMixin:
                     graph, src = g1.scale_batch(batch), e1
                     break
         if graph is None:
-            if self._captures(batch):
+            if self.captures(batch):
                 return False  # planned from a separate capture instead
             if self.budget_bytes is not None and not self._said_new_shape:
                 self._said_new_shape = True
@@ -651,16 +793,16 @@ class PlanningMixin:
                 rec = self._recorded(big, link)
                 big.pending = None
                 try:
-                    self._add(big, rec.graph, rec.param_refs, rec.multi_backward,
+                    self.add(big, rec.graph, rec.param_refs, rec.multi_backward,
                               time.perf_counter(), backward_known=rec.backward_known)
                 except InfeasibleBudgetError:
                     big.pending = rec
                 else:
                     plan = self._family_plan(entry, graph)
-        self._add(entry, graph, refs, multi, t0, plan=plan, backward_known=known)
+        self.add(entry, graph, refs, multi, t0, plan=plan, backward_known=known)
         return True
 
-    def _decide_release(self, s: _Structure) -> None:
+    def decide_release(self, s: _Structure) -> None:
         """What the executor keeps after a node's last backward reader
         (replay.RELEASE_MODES): the mode that makes a second backward pass
         cheapest among those whose replayed peak fits the budget (total
@@ -673,7 +815,7 @@ class PlanningMixin:
         budget = s.plan.budget_bytes
         modes = ["all", "checkpoints"] if s.program.multi_backward else ["checkpoints"]
         s.program.release_mode = "none"
-        if self.budget_scope != "total" or budget is None:
+        if self.spec.budget_scope != "total" or budget is None:
             # The paper's model does not bound the real peak: keep what a
             # second pass needs, or checkpoints where that costs nothing.
             base = replay(s.graph, s.program, release_mode="none").peak_bytes
@@ -687,7 +829,7 @@ class PlanningMixin:
                     s.program.release_mode = mode
                     break
         s.program.release_mode_decided = s.program.multi_backward
-        if s.program.release_mode != "none" and self.budget_scope == "total":
+        if s.program.release_mode != "none" and self.spec.budget_scope == "total":
             # what the plan will really hold: its prediction in that mode
             peak = replay(s.graph, s.program, release_mode=s.program.release_mode).peak_bytes
             s.plan = dataclasses.replace(s.plan, predicted_peak_bytes=peak)

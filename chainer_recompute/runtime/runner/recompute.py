@@ -1,10 +1,12 @@
-"""The :class:`Recompute` runner: its options, its signatures' plans and
-the training call that records, plans or runs a step under its plan."""
+"""The :class:`Recompute` runner: the training call that records, plans or
+runs a step under its plan, coordinating a :class:`~.planning.Planner`
+(plans, the budget), a :class:`~.metering.StepMeter` (measurement and
+correction) and a :class:`~.signatures.SignatureCache` (each input
+signature's plans), with the options parsed once into a
+:class:`~.spec.RunnerSpec`."""
 from __future__ import annotations
 
-import collections
-import weakref
-from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Hashable, Optional, Tuple
 
 from .. import _chainer  # noqa: F401
 import chainer
@@ -13,14 +15,14 @@ from ...core.errors import InfeasibleBudgetError, RecomputeError
 from ...core.budget_spec import Budget, parse_budget
 from ...core.units import format_bytes
 from ..capture import batch_size_of
-from ..correction import Correction
 from ..executor import IterationHook, IterationStats
 from ..workspace import bounded
 from .log import logger, report
-from .metering import MeteringMixin
-from .planning import PlanningMixin
-from .signatures import _family, _signature
-from .state import _Active, _depth, _Entry
+from .metering import StepMeter
+from .planning import Planner, link_of, name_of
+from .signatures import SignatureCache, _signature
+from .spec import RunnerSpec
+from .state import _Active, _depth
 from .views import SignatureView, views_of
 
 
@@ -34,34 +36,7 @@ def _step_mark(link: Optional[chainer.Link]) -> Any:
     return max((_update_count(p) for p in link.params()), default=-1)
 
 
-def _solver_keywords(solver: str) -> List[str]:
-    """The keyword options ``solver`` takes besides those the runner sets."""
-    import inspect
-    from ...core.solvers import REGISTRY
-    names = {"max_lower_sets"}  # read by the budget search itself
-    for name in (("approx", "hier") if solver == "auto" else (solver,)):
-        for p in inspect.signature(REGISTRY[name]).parameters.values():
-            if p.kind is p.KEYWORD_ONLY:
-                names.add(p.name)
-    return sorted(names - {"strategy", "model"})
-
-
-def _check_solver_options(solver: str, options: Dict[str, Any]) -> None:
-    """Refuse, at once, a keyword that neither the runner nor the solver
-    takes (else a TypeError from inside the solver at the first plan)."""
-    import inspect
-    known = _solver_keywords(solver)
-    runner = [p.name for p in inspect.signature(Recompute.__init__).parameters.values()
-              if p.kind is p.KEYWORD_ONLY]
-    unknown = sorted(k for k in options if k not in known)
-    if unknown:
-        raise RecomputeError(
-            f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
-            f"apply() and Recompute take {', '.join(runner)}, and solver {solver!r} "
-            f"takes {', '.join(known)}")
-
-
-class Recompute(PlanningMixin, MeteringMixin):
+class Recompute:
     """A callable that runs ``fn`` with recomputation.
 
     Args:
@@ -237,56 +212,25 @@ class Recompute(PlanningMixin, MeteringMixin):
                  plan_at: str = "backward", free_previous_graph: bool = False,
                  keep: Any = None, calls_per_step: Optional[int] = None,
                  **solver_options: Any) -> None:
-        from ...core.budget import check_scope
-        from ...core.costs import COST_MODELS
-        from ...core.solvers import check_solver
-        check_scope(budget_scope)
-        from ...core.workspace import parse_workspace
-        try:
-            self.workspace = parse_workspace(workspace)
-        except ValueError as e:
-            raise RecomputeError(str(e)) from None
-        self.workspace_exact = bool(workspace_exact)
-        #: the budget as parsed (:class:`~chainer_recompute.core.budget_spec.Budget`);
-        #: ``'device'`` is resolved at the first plan (:meth:`resolve_device_budget`)
-        self.budget: Budget = parse_budget(budget)
-        self._device: Any = None  # the device of the latest training call's arrays
-        check_solver(solver, strategy)
-        _check_solver_options(solver, solver_options)
-        from ...core.keep import parse_keep
-        #: the keep= policy, parsed (:class:`~chainer_recompute.core.keep.KeepPolicy`)
-        self.keep = parse_keep(keep)
-        self._keep_checked = not self.keep.paths  # its paths checked against link names
-        if on_infeasible not in ("auto", "warn", "raise"):
-            raise RecomputeError(f"on_infeasible must be 'auto', 'warn' or 'raise', got "
-                                 f"{on_infeasible!r}")
-        self.on_infeasible = on_infeasible
-        if plan_at not in ("backward", "call"):
-            raise RecomputeError(f"plan_at must be 'backward' or 'call', got {plan_at!r}")
-        self.plan_at = plan_at
-        self.free_previous_graph = bool(free_previous_graph)
-        if calls_per_step is not None and (not isinstance(calls_per_step, int) or isinstance(
-                calls_per_step, bool) or calls_per_step < 1):
-            raise RecomputeError(f"calls_per_step must be None or a positive int (how many times "
-                                 f"a training step calls the model before one backward through "
-                                 f"them all), got {calls_per_step!r}")
-        if calls_per_step is not None:
-            self._step_calls = calls_per_step  # (planned so from the first call: _add)
-        if cost not in COST_MODELS:
-            raise RecomputeError(f"unknown cost model {cost!r}; known: {sorted(COST_MODELS)}")
-        if capture_batch is not None and capture_batch != "auto" and (
-                not isinstance(capture_batch, int) or isinstance(capture_batch, bool)
-                or capture_batch < 1):
-            raise RecomputeError(f"capture_batch must be 'auto', a positive int or None, got "
-                                 f"{capture_batch!r}")
+        spec = RunnerSpec.parse(
+            solver=solver, strategy=strategy, cost=cost, max_plans=max_plans,
+            max_structures=max_structures, capture_batch=capture_batch, verify=verify,
+            budget_scope=budget_scope, check_iterations=check_iterations, verbose=verbose,
+            workspace=workspace, workspace_exact=workspace_exact, on_infeasible=on_infeasible,
+            plan_at=plan_at, free_previous_graph=free_previous_graph, keep=keep,
+            calls_per_step=calls_per_step, **solver_options)
         self.fn = fn
-        self.solver, self.strategy, self.cost = solver, strategy, cost
-        self.solver_options = solver_options
-        self.max_plans, self.max_structures = max_plans, max_structures
-        self.capture_batch = capture_batch
-        self.verify = verify
-        self.budget_scope = budget_scope
-        self.check_iterations = check_iterations
+        self.coordinator = coordinator
+        #: each input signature's plans (:class:`~.signatures.SignatureCache`)
+        self.entries = SignatureCache(spec.max_plans)
+        #: makes the plans (:class:`~.planning.Planner`); holds the budget
+        self.planner = Planner(fn, spec, parse_budget(budget), self.entries, coordinator)
+        self.planner.runner_solve = self.solve
+        #: measures the steps and corrects their plans (:class:`~.metering.StepMeter`)
+        self.steps = StepMeter(spec, self.planner)
+        self._spec = spec
+        #: the options as given (a model copied or sent to another process
+        #: gets a runner made from them)
         self.options: Dict[str, Any] = dict(
             budget=budget, solver=solver, strategy=strategy, cost=cost, max_plans=max_plans,
             max_structures=max_structures, capture_batch=capture_batch, verify=verify,
@@ -295,24 +239,20 @@ class Recompute(PlanningMixin, MeteringMixin):
             on_infeasible=on_infeasible, plan_at=plan_at,
             free_previous_graph=free_previous_graph, keep=keep, calls_per_step=calls_per_step,
             **solver_options)
-        self.verbose = verbose
-        self.coordinator = coordinator
-        self._correction = Correction(report)  # a measured overshoot: warned once
-        self._said_measured: set = set()  # see _say_measured
-        self._reported_infeasible = False
-        self._said_unsafe: set = set()  # unsafe-function warnings given (one each)
-        self._said_capture = False  # capture_batch refused a model (warned once)
-        self._said_new_shape = False  # a new input shape recorded plainly (warned once)
-        self._said_mismatch = False  # a call off its plan under a byte budget (warned once)
-        self._said_planning = False  # a step over the budget by planning in it (warned once)
-        self._ran_planned = False  # a planned iteration has run
-        self.shapes_derived = 0  # signatures planned from their family's graphs
-        self._refusal = ""
-        self._entries: "collections.OrderedDict[Hashable, _Entry]" = collections.OrderedDict()
         self.last_stats: Optional[IterationStats] = None
-        self._graphs: List[Any] = []  # weak references to the hooks of calls not yet let go
+        self._said_mismatch = False  # a call off its plan under a byte budget (warned once)
 
-    # ------------------------------------------------------------- keep
+    # ---------------------------------------------------------- options
+    @property
+    def spec(self) -> RunnerSpec:
+        """The options, parsed (:class:`~.spec.RunnerSpec`); set a new one
+        with :func:`dataclasses.replace` (its planner and meter follow)."""
+        return self._spec
+
+    @spec.setter
+    def spec(self, spec: RunnerSpec) -> None:
+        self._spec = self.planner.spec = self.steps.spec = spec
+
     def check_keep(self, model: chainer.Link) -> None:
         """Refuse a ``keep=`` path that names no link of ``model`` (by its
         ``namedlinks()``), with the closest names.
@@ -320,85 +260,76 @@ class Recompute(PlanningMixin, MeteringMixin):
         Raises:
             KeepError: a path names no link of ``model``.
         """
-        self.keep.check_names((name for name, _ in model.namedlinks()),
-                              f"{type(model).__name__}")
-        self._keep_checked = True
-
-    def _with_keep(self, graph: Any) -> Any:
-        """``graph`` with the functions ``keep=`` names marked
-        (:attr:`~chainer_recompute.core.graph.Node.must_keep`); its paths
-        are checked against the graph's links when no model's were."""
-        if not self.keep:
-            return graph
-        if not self._keep_checked:
-            self.keep.check_graph(graph)
-            self._keep_checked = True
-        return self.keep.mark(graph)
+        self.planner.check_keep(model)
 
     # ----------------------------------------------------------- budget
     @property
+    def budget(self) -> Budget:
+        """The budget as parsed (:class:`~chainer_recompute.core.budget_spec.Budget`);
+        ``'device'`` is resolved at the first plan (:meth:`resolve_device_budget`)."""
+        return self.planner.budget
+
+    @property
     def budget_least(self) -> bool:
         """Whether the budget is ``'least'``."""
-        return self.budget.is_least
+        return self.planner.budget.is_least
 
     @property
     def budget_bytes(self) -> Optional[int]:
         """The budget in bytes: a size, or ``'device'`` once resolved; None
         for ``'least'`` and a share (resolved per signature, in its plan's
         ``budget_bytes``)."""
-        return self.budget.bytes if self.budget.kind in ("bytes", "device") else None
+        return self.planner.budget_bytes
 
     def available_bytes(self) -> Optional[int]:
         """For a ``'device'`` budget not yet resolved: what the device of
         the latest training call's arrays can give now (before
         :data:`~chainer_recompute.core.budget_spec.DEVICE_MARGIN`); None
         otherwise."""
-        if self.budget.kind != "device" or self.budget.resolved:
-            return None
-        from ..device import CPU
-        return (self._device or CPU).available_bytes()
+        return self.planner.available_bytes()
 
     def resolve_device_budget(self, available_bytes: Optional[int] = None) -> None:
         """Fix a ``'device'`` budget at ``available_bytes`` less the margin
         (default: :meth:`available_bytes`); a coordinator passes the least
         of every rank's. Once resolved, it stays for the runner's life."""
-        if self.budget.kind != "device" or self.budget.resolved:
-            return
-        b = self.budget.of_device(available_bytes if available_bytes is not None
-                                  else self.available_bytes())
-        self.budget = b
-        logger.info("budget %s", b.describe())
+        self.planner.resolve_device_budget(available_bytes)
 
-    def planning_budget(self) -> Budget:
-        """The budget planning uses: ``'device'`` resolved (at the first
-        plan), a share resolved by the planner for each graph."""
-        if self.budget.kind == "device":
-            self.resolve_device_budget()
-        return self.budget
+    @property
+    def shapes_derived(self) -> int:
+        """How many signatures were planned from their family's graphs."""
+        return self.planner.shapes_derived
 
-    def budget_bytes_for(self, graph: Any) -> Optional[int]:
-        """The budget in bytes for ``graph``'s signature: a share resolved
-        against plain Chainer's need for it; None for ``'least'``."""
-        b = self.planning_budget()
-        if b.kind == "share":
-            from ...core.budget import plain_need_bytes
-            return b.of_plain(plain_need_bytes(graph, self.budget_scope)).bytes
-        return b.bytes
+    # ------------------------------------------- public: for a coordinator
+    def solve(self, graph: Any) -> Any:
+        """``graph`` solved here, for this runner's budget and options (what
+        a coordinator's root calls; :meth:`plan` asks the coordinator).
 
-    def _name(self, args: Tuple[Any, ...]) -> str:
-        link = self._link(args)
-        return type(link).__name__ if link is not None else \
-            getattr(self.fn, "__qualname__", "the model")
+        Raises:
+            InfeasibleBudgetError: the budget cannot be met."""
+        return self.planner.solve(graph)
 
-    @staticmethod
-    def _link(args: Tuple[Any, ...]) -> Optional[chainer.Link]:
-        return args[0] if args and isinstance(args[0], chainer.Link) else None
+    def plan(self, graph: Any) -> Any:
+        """A plan for ``graph``: solved here, or, with a coordinator, the
+        one it gives (``coordinator.plan(graph, self.solve)``)."""
+        return self.planner.plan(graph)
+
+    def planned_graphs(self) -> list:
+        """The graph of every planned structure of every signature (each
+        once), most recently used signature last."""
+        return self.planner.planned_graphs()
+
+    def adopt(self, graph: Any, plan: Any, *, replacing: Any) -> None:
+        """Run ``plan`` (made elsewhere, for ``graph``: a coordinator's
+        collective re-plan) in place of every structure planned for
+        ``replacing`` (one of :meth:`planned_graphs`); ``graph`` is
+        ``replacing`` with other measurements (a correction)."""
+        self.planner.adopt(graph, plan, replacing=replacing)
 
     # ------------------------------------------------------------ plans
     @property
     def plans(self) -> Dict[Hashable, Any]:
         """The plan of each signature's most recently used structure."""
-        return {k: e.structures[0].plan for k, e in self._entries.items() if e.structures}
+        return {k: e.structures[0].plan for k, e in self.entries.items() if e.structures}
 
     def signatures(self) -> Tuple[SignatureView, ...]:
         """What the runner keeps for each input signature it has seen
@@ -410,21 +341,11 @@ class Recompute(PlanningMixin, MeteringMixin):
         >>> (sig,) = cr.runner_of(model).signatures()       # doctest: +SKIP
         >>> sig.structures[0].plan.predicted_peak_bytes     # doctest: +SKIP
         """
-        return views_of(self._entries.items())
+        return views_of(self.entries.items())
 
     def clear(self) -> None:
         """Forget every plan."""
-        self._entries.clear()
-
-    def _entry(self, sig: Hashable) -> _Entry:
-        entry = self._entries.get(sig)
-        if entry is None:
-            entry = self._entries[sig] = _Entry(*_family(sig))
-            while len(self._entries) > self.max_plans:
-                self._entries.popitem(last=False)
-        else:
-            self._entries.move_to_end(sig)
-        return entry
+        self.entries.clear()
 
     @staticmethod
     def signature(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Hashable:
@@ -439,12 +360,12 @@ class Recompute(PlanningMixin, MeteringMixin):
         plan), ``'capture'`` (the first call with ``capture_batch``: plans
         from a separate capture first) or ``'record'`` (runs plainly while
         its graph is recorded); None for a signature it has not seen."""
-        entry = self._entries.get(signature)
+        entry = self.entries.get(signature)
         if entry is None:
             return None
         return ("plain" if entry.plain else "plan" if entry.pending is not None
                 else "run" if entry.structures
-                else "capture" if entry.calls == 1 and self._captures(entry.batch)
+                else "capture" if entry.calls == 1 and self.planner.captures(entry.batch)
                 else "record")
 
     def plans_before_forward(self, signature: Hashable) -> bool:
@@ -455,42 +376,44 @@ class Recompute(PlanningMixin, MeteringMixin):
     def plan_for(self, *args: Any, **kwargs: Any) -> Any:
         """The plan for these inputs: the current one, or one made now from
         a separate capture that leaves no trace."""
-        if self._corrections:
-            self._apply_corrections()
-        entry = self._entry(self.signature(args, kwargs))
+        if self.steps.corrections:
+            self.steps.apply_corrections()
+        entry = self.entries.entry(self.signature(args, kwargs))
         if entry.pending is not None:
-            self._plan_pending(entry, args, kwargs)
-        if not entry.structures and not self._plan_separately(entry, args, kwargs):
-            raise RecomputeError(self._refusal)
+            self.planner.plan_pending(entry, args, kwargs)
+        if not entry.structures and not self.planner.plan_separately(entry, args, kwargs):
+            raise RecomputeError(self.planner.refusal)
         return entry.structures[0].plan
 
     # ------------------------------------------------------------- call
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        steps, planner = self.steps, self.planner
         if not (chainer.config.train and chainer.config.enable_backprop) or _depth() > 0:
             if _depth() == 0:
-                self._close_step()  # an evaluation between two steps is not in either
+                steps.close_step()  # an evaluation between two steps is not in either
             return self.fn(*args, **kwargs)
         # The previous iteration (its update included) is over: checked
         # before anything else runs (planning's memory is in no iteration),
         # unless this call is a later one of the same step.
-        mark = _step_mark(self._link(args))
-        self._find_step(mark)
-        self._close_step(continued=bool(self._step_others))
-        if self.free_previous_graph:
-            self._let_go_of_finished_graphs()
-        if self._corrections:  # planned here, where no step's meter runs
-            self._apply_corrections()
-        if not self._keep_checked and self._link(args) is not None:
-            self.check_keep(self._link(args))  # before anything runs
+        link = link_of(args)
+        mark = _step_mark(link)
+        steps.find_step(mark)
+        steps.close_step(continued=steps.in_step())
+        if self.spec.free_previous_graph:
+            steps.let_go_of_finished_graphs()
+        if steps.corrections:  # planned here, where no step's meter runs
+            steps.apply_corrections()
+        if not planner.keep_checked and link is not None:
+            planner.check_keep(link)  # before anything runs
         sig = self.signature(args, kwargs)
-        entry = self._entry(sig)
+        entry = self.entries.entry(sig)
         if self.budget.kind == "device" and not self.budget.resolved:
             from ..device import device_of
-            self._device = device_of(list(args) + list(kwargs.values()))
-        self._count_held_graph(entry)
-        self._count_step_calls(entry, args)
+            planner.device = device_of(list(args) + list(kwargs.values()))
+        steps.count_held_graph(entry)
+        steps.count_step_calls(entry, args)
         if entry.error is not None:
-            self._infeasible(entry, entry.error)  # raises, or runs this signature plainly
+            planner.infeasible(entry, entry.error)  # raises, or runs this signature plainly
         entry.calls += 1
         entry.batch = batch_size_of(args, kwargs)
         if self.coordinator is not None:
@@ -500,25 +423,24 @@ class Recompute(PlanningMixin, MeteringMixin):
             return self.fn(*args, **kwargs)
         try:
             if entry.pending is not None:
-                self._plan_pending(entry, args, kwargs)
+                planner.plan_pending(entry, args, kwargs)
             elif not entry.structures and entry.calls == 1:
                 # a new shape of a recorded family first (no capture), then
                 # a separate capture
-                self._plan_in_call(entry, args, kwargs)
+                planner.plan_in_call(entry, args, kwargs)
         except InfeasibleBudgetError as e:
-            self._infeasible(entry, e)
+            planner.infeasible(entry, e)
             self.last_stats = IterationStats(path="plain")
             return self.fn(*args, **kwargs)
         for s in entry.structures:
             if s.program.multi_backward and not s.program.release_mode_decided:
-                self._decide_release(s)
-        link = self._link(args)
+                planner.decide_release(s)
         if len(entry.structures) == 1 and not entry.structures[0].program.dropped and \
-                entry.structures[0].checked >= self.check_iterations and \
+                entry.structures[0].checked >= self.spec.check_iterations and \
                 self.plain_when_nothing_dropped:
             # A plan that drops nothing, checked against the allocator: plain
             # Chainer, no hook (its structure is no longer followed).
-            self._last_hook = None
+            steps.last_hook = None
             s = entry.structures[0]
             stats = self.last_stats = IterationStats(0, path="planned")
             stats.n_nodes, stats.release_mode = s.program.n, s.program.release_mode
@@ -531,23 +453,20 @@ class Recompute(PlanningMixin, MeteringMixin):
         # end could not switch back (a loss with and without its box term).
         programs = sorted((s.program for s in entry.structures), key=lambda p: p.n)
         hook = IterationHook(programs, link=link,
-                             args=list(args) + list(kwargs.values()), verify=self.verify)
+                             args=list(args) + list(kwargs.values()), verify=self.spec.verify)
         if entry.structures:
-            self._watch_held_graph(hook)
-            self._start_meter(entry, hook, link, args, kwargs)
+            steps.watch_held_graph(hook)
+            steps.start(entry, hook, link, args, kwargs)
         hook.step_mark = mark
-        self._last_hook = weakref.ref(hook)
-        self._graphs.append(self._last_hook)
-        limit = entry.structures[0].graph.meta.get("workspace_bytes") \
-            if entry.structures else None
-        with _Active(), hook, bounded(limit, self.workspace_exact):
+        steps.track(hook)
+        limit = entry.structures[0].workspace_bytes if entry.structures else None
+        with _Active(), hook, bounded(limit, self.spec.workspace_exact):
             out = self.fn(*args, **kwargs)
         hook.finish(out)
-        if self._held_previous is not None:
-            self._check_held_graph(entry, hook)
+        steps.check_held_graph(entry, hook)
         self.last_stats = hook.stats
         if hook.stats.path == "planned":
-            self._ran_planned = True
+            planner.ran_planned = True
         for s in entry.structures:
             if s.program is hook.program:
                 hook.stats.predicted_peak_bytes = s.plan.predicted_peak_bytes
@@ -555,7 +474,7 @@ class Recompute(PlanningMixin, MeteringMixin):
         if hook.recording:
             entry.pending = hook
             if self.coordinator is None:
-                self._plan_when_backward_ends(entry, hook, link)
+                planner.plan_when_backward_ends(entry, hook, link)
             if entry.structures:
                 entry.recorded += 1
                 self._mismatched(hook, args)
@@ -565,7 +484,7 @@ class Recompute(PlanningMixin, MeteringMixin):
                     report.warning(
                         "the graph of %s changed on %d of its %d calls "
                         "with the same input signature; running it without recomputation "
-                        "from now on", self._name(args),
+                        "from now on", name_of(self.fn, args),
                         entry.recorded, entry.calls)
         else:
             used = hook.program
@@ -598,23 +517,9 @@ class Recompute(PlanningMixin, MeteringMixin):
         report.warning("the model's graph changed from its plan's in a call of %s (%s): %s. "
                        "From there this step keeps what it has not released, as plain Chainer "
                        "does, and is not held to the budget %s; its structure is recorded and "
-                       "planned for the next calls", self._name(args), hook.stats.mismatch,
+                       "planned for the next calls", name_of(self.fn, args), hook.stats.mismatch,
                        cause, format_bytes(self.budget_bytes))
 
-    def _let_go_of_finished_graphs(self) -> None:
-        """The graphs of earlier calls whose backward has run release what
-        they hold (see ``free_previous_graph``)."""
-        waiting = []
-        for ref in self._graphs:
-            hook = ref()
-            if hook is None:
-                continue
-            if hook.backward_done:
-                hook.let_go()
-            else:  # its backward is still to come (a discriminator's other batch)
-                waiting.append(ref)
-        self._graphs = waiting
-
     def __repr__(self) -> str:
-        return (f"Recompute(budget={self.budget.describe()}, solver={self.solver!r}, strategy={self.strategy!r}, "
-                f"signatures={len(self._entries)})")
+        return (f"Recompute(budget={self.budget.describe()}, solver={self.spec.solver!r}, "
+                f"strategy={self.spec.strategy!r}, signatures={len(self.entries)})")

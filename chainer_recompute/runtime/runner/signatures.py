@@ -1,9 +1,11 @@
 """Input signatures of a training call (shapes, dtypes, device, train
-mode, other arguments) and their shape families (the same signature but
-for shapes and numbers)."""
+mode, other arguments), their shape families (the same signature but
+for shapes and numbers), and what a runner keeps per signature
+(:class:`SignatureCache`)."""
 from __future__ import annotations
 
-from typing import Any, Dict, Hashable, List, Tuple
+import collections
+from typing import Any, Dict, Hashable, Iterator, List, Optional, Tuple
 
 import numpy
 
@@ -58,3 +60,50 @@ def _family(sig: Hashable) -> Tuple[Hashable, Tuple[int, ...]]:
         return x
 
     return walk(sig), tuple(dims)
+
+
+class SignatureCache:
+    """What a runner keeps per input signature (an ``_Entry`` each: its
+    planned structures, a recording waiting to be planned, counters), the
+    ``max_plans`` most recently used.
+
+    >>> cache = SignatureCache(max_plans=1)
+    >>> a = cache.entry(_signature((), {}))
+    >>> cache.entry(_signature((1,), {})) is not a, len(cache)
+    (True, 1)
+    """
+
+    def __init__(self, max_plans: int) -> None:
+        self.max_plans = max_plans
+        self._entries: "collections.OrderedDict[Hashable, Any]" = collections.OrderedDict()
+
+    def entry(self, sig: Hashable) -> Any:
+        """``sig``'s entry, made if new (the least recently used one then
+        forgotten beyond ``max_plans``), now the most recently used."""
+        from .state import _Entry
+        entry = self._entries.get(sig)
+        if entry is None:
+            entry = self._entries[sig] = _Entry(*_family(sig))
+            while len(self._entries) > self.max_plans:
+                self._entries.popitem(last=False)
+        else:
+            self._entries.move_to_end(sig)
+        return entry
+
+    def get(self, sig: Hashable) -> Optional[Any]:
+        return self._entries.get(sig)
+
+    def items(self) -> List[Tuple[Hashable, Any]]:
+        return list(self._entries.items())
+
+    def values(self) -> List[Any]:
+        return list(self._entries.values())
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[Hashable]:
+        return iter(list(self._entries))

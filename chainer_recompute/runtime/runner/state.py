@@ -34,11 +34,13 @@ _Recording = collections.namedtuple(
 class _Structure:
     """One planned graph of a signature."""
 
-    __slots__ = ("graph", "plan", "program", "planning_time_s", "checked")
+    __slots__ = ("graph", "plan", "program", "planning_time_s", "checked", "workspace_bytes")
 
-    def __init__(self, graph: Graph, plan: Any, program: Program, planning_time_s: float):
+    def __init__(self, graph: Graph, plan: Any, program: Program, planning_time_s: float,
+                 workspace_bytes: Optional[int] = None):
         self.graph, self.plan, self.program = graph, plan, program
         self.planning_time_s = planning_time_s
+        self.workspace_bytes = workspace_bytes  # the convolutions' bound its calls run under
         self.checked = 0  # planned iterations whose peak was measured
 
 

@@ -1,0 +1,130 @@
+"""A runner's options, checked once, as one frozen value
+(:class:`RunnerSpec`): what its planner, its step meter and a coordinator
+read, and what ranks compare (:meth:`RunnerSpec.digest`)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Optional
+
+from ...core.errors import RecomputeError
+from ...core.keep import KeepPolicy
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerSpec:
+    """The options of a :class:`~.Recompute` but its budget (resolved later:
+    ``'device'``, a share) and its coordinator, each documented there.
+
+    >>> spec = RunnerSpec.parse(solver='approx')
+    >>> spec.solver, spec.budget_scope, spec.capture_batch
+    ('approx', 'total', 'auto')
+    """
+
+    solver: str = "auto"
+    strategy: str = "tc"
+    cost: str = "measured"
+    max_plans: int = 8
+    max_structures: int = 4
+    capture_batch: Any = "auto"
+    verify: bool = True
+    budget_scope: str = "total"
+    check_iterations: int = 3
+    verbose: bool = True
+    workspace: Any = None  # parsed: bytes, 'auto' or None
+    workspace_exact: bool = True
+    on_infeasible: str = "auto"
+    plan_at: str = "backward"
+    free_previous_graph: bool = False
+    keep: KeepPolicy = dataclasses.field(default_factory=KeepPolicy)
+    calls_per_step: Optional[int] = None
+    solver_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, *, workspace: Any = None, keep: Any = None, **options: Any) -> "RunnerSpec":
+        """Check every option and parse ``workspace`` and ``keep``; keyword
+        arguments that are not fields of the spec are the solver's
+        (checked against it).
+
+        Raises:
+            RecomputeError: an option out of its range (the message names
+                what it takes).
+            UnknownSolverError: an unknown solver or strategy.
+            KeepError: ``keep`` cannot be read.
+        """
+        from ...core.budget import check_scope
+        from ...core.costs import COST_MODELS
+        from ...core.keep import parse_keep
+        from ...core.solvers import check_solver
+        from ...core.workspace import parse_workspace
+        names = {f.name for f in dataclasses.fields(cls)} - {"solver_options"}
+        solver_options = {k: v for k, v in options.items() if k not in names}
+        fields = {k: v for k, v in options.items() if k in names}
+        spec = dataclasses.replace(cls(), **fields, solver_options=solver_options)
+        check_scope(spec.budget_scope)
+        try:
+            parsed = parse_workspace(workspace)
+        except ValueError as e:
+            raise RecomputeError(str(e)) from None
+        check_solver(spec.solver, spec.strategy)
+        _check_solver_options(spec.solver, solver_options)
+        if spec.on_infeasible not in ("auto", "warn", "raise"):
+            raise RecomputeError(f"on_infeasible must be 'auto', 'warn' or 'raise', got "
+                                 f"{spec.on_infeasible!r}")
+        if spec.plan_at not in ("backward", "call"):
+            raise RecomputeError(f"plan_at must be 'backward' or 'call', got {spec.plan_at!r}")
+        if spec.cost not in COST_MODELS:
+            raise RecomputeError(f"unknown cost model {spec.cost!r}; known: "
+                                 f"{sorted(COST_MODELS)}")
+        cb = spec.capture_batch
+        if cb is not None and cb != "auto" and (not isinstance(cb, int) or isinstance(cb, bool)
+                                                or cb < 1):
+            raise RecomputeError(f"capture_batch must be 'auto', a positive int or None, got "
+                                 f"{cb!r}")
+        k = spec.calls_per_step
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
+            raise RecomputeError(f"calls_per_step must be None or a positive int (how many "
+                                 f"times a training step calls the model before one backward "
+                                 f"through them all), got {k!r}")
+        return dataclasses.replace(spec, workspace=parsed, keep=parse_keep(keep),
+                                   free_previous_graph=bool(spec.free_previous_graph),
+                                   workspace_exact=bool(spec.workspace_exact))
+
+    def digest(self, budget: Any) -> str:
+        """What must agree between the ranks of a data-parallel run: the
+        budget as given (``budget``: a
+        :class:`~chainer_recompute.core.budget_spec.Budget`) and every
+        option that changes a plan."""
+        opts = (("budget", budget.bytes if budget.kind == "bytes" else budget.text),
+                ("solver", self.solver), ("strategy", self.strategy), ("cost", self.cost),
+                ("budget_scope", self.budget_scope), ("capture_batch", self.capture_batch),
+                ("keep", self.keep.describe()), ("workspace", self.workspace),
+                ("workspace_exact", self.workspace_exact), ("plan_at", self.plan_at),
+                ("calls_per_step", self.calls_per_step),
+                ) + tuple(sorted((k, repr(v)) for k, v in self.solver_options.items()))
+        return ", ".join(f"{k}={v}" for k, v in opts)
+
+
+def _solver_keywords(solver: str) -> list:
+    """The keyword options ``solver`` takes besides those the runner sets."""
+    import inspect
+    from ...core.solvers import REGISTRY
+    names = {"max_lower_sets"}  # read by the budget search itself
+    for name in (("approx", "hier") if solver == "auto" else (solver,)):
+        for p in inspect.signature(REGISTRY[name]).parameters.values():
+            if p.kind is p.KEYWORD_ONLY:
+                names.add(p.name)
+    return sorted(names - {"strategy", "model"})
+
+
+def _check_solver_options(solver: str, options: Mapping[str, Any]) -> None:
+    """Refuse, at once, a keyword that neither the runner nor the solver
+    takes (else a TypeError from inside the solver at the first plan)."""
+    known = _solver_keywords(solver)
+    unknown = sorted(k for k in options if k not in known)
+    if unknown:
+        runner = sorted({f.name for f in dataclasses.fields(RunnerSpec)} - {"solver_options"}
+                        | {"budget", "coordinator"})
+        raise RecomputeError(
+            f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+            f"apply() and Recompute take {', '.join(runner)}, and solver {solver!r} "
+            f"takes {', '.join(known)}")

@@ -69,7 +69,8 @@ class Planner:
     def __init__(self, fn: Any, spec: RunnerSpec, budget: Budget, entries: Any,
                  coordinator: Any = None) -> None:
         self.fn, self.spec, self.entries, self.coordinator = fn, spec, entries, coordinator
-        #: what a coordinator is given to solve with: the runner's bound ``solve``
+        #: what a coordinator is given to solve with: the runner's bound
+        #: ``solve`` (a weak method)
         self.runner_solve: Optional[Any] = None
         #: the budget as parsed (:class:`~chainer_recompute.core.budget_spec.Budget`);
         #: ``'device'`` is resolved at the first plan (:meth:`resolve_device_budget`)
@@ -227,8 +228,10 @@ class Planner:
         one it gives (``coordinator.plan(graph, solve)``, ``solve`` the
         runner's :meth:`~.Recompute.solve`, :attr:`runner_solve`: a
         coordinator knows the runner by it)."""
-        return (self.solve(graph) if self.coordinator is None
-                else self.coordinator.plan(graph, self.runner_solve or self.solve))
+        if self.coordinator is None:
+            return self.solve(graph)
+        solve = self.runner_solve() if self.runner_solve is not None else None
+        return self.coordinator.plan(graph, solve or self.solve)
 
     def planned_graphs(self) -> List[Graph]:
         """The graph of every planned structure of every signature (each

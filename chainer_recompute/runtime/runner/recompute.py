@@ -6,6 +6,7 @@ signature's plans), with the options parsed once into a
 :class:`~.spec.RunnerSpec`."""
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Dict, Hashable, Optional, Tuple
 
 from .. import _chainer  # noqa: F401
@@ -225,7 +226,8 @@ class Recompute:
         self.entries = SignatureCache(spec.max_plans)
         #: makes the plans (:class:`~.planning.Planner`); holds the budget
         self.planner = Planner(fn, spec, parse_budget(budget), self.entries, coordinator)
-        self.planner.runner_solve = self.solve
+        # (weakly: a runner freed with its model is not kept in a cycle)
+        self.planner.runner_solve = weakref.WeakMethod(self.solve)
         #: measures the steps and corrects their plans (:class:`~.metering.StepMeter`)
         self.steps = StepMeter(spec, self.planner)
         self._spec = spec
@@ -387,16 +389,31 @@ class Recompute:
 
     # ------------------------------------------------------------- call
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        steps, planner = self.steps, self.planner
         if not (chainer.config.train and chainer.config.enable_backprop) or _depth() > 0:
             if _depth() == 0:
-                steps.close_step()  # an evaluation between two steps is not in either
+                self.steps.close_step()  # an evaluation between two steps is not in either
             return self.fn(*args, **kwargs)
-        # The previous iteration (its update included) is over: checked
-        # before anything else runs (planning's memory is in no iteration),
-        # unless this call is a later one of the same step.
         link = link_of(args)
         mark = _step_mark(link)
+        entry = self._begin(link, mark, args, kwargs)
+        if entry.plain or not self._plan_before_forward(entry, args, kwargs):
+            self.last_stats = IterationStats(path="plain")
+            return self.fn(*args, **kwargs)
+        if self._checked_plain(entry):
+            return self.fn(*args, **kwargs)
+        hook, out = self._run(entry, link, mark, args, kwargs)
+        self._after_forward(entry, hook, link, args, kwargs)
+        return out
+
+    def _begin(self, link: Optional[chainer.Link], mark: Any, args: Tuple[Any, ...],
+               kwargs: Dict[str, Any]) -> Any:
+        """The start of a training call, before anything of it runs: the
+        previous step closed (measured, checked) unless this call is a
+        later one of the same step, corrections and graphs held from earlier
+        calls planned for, and this call's signature entry (raises a budget
+        that cannot be met, or sets the entry to run plainly)."""
+        steps, planner = self.steps, self.planner
+        # (planning's memory is in no iteration: before any meter starts)
         steps.find_step(mark)
         steps.close_step(continued=steps.in_step())
         if self.spec.free_previous_graph:
@@ -418,9 +435,15 @@ class Recompute:
         entry.batch = batch_size_of(args, kwargs)
         if self.coordinator is not None:
             self.coordinator.on_call(self, sig, self.call_state(sig))
-        if entry.plain:
-            self.last_stats = IterationStats(path="plain")
-            return self.fn(*args, **kwargs)
+        return entry
+
+    def _plan_before_forward(self, entry: Any, args: Tuple[Any, ...],
+                             kwargs: Dict[str, Any]) -> bool:
+        """Plan what is to be planned before the forward (a recorded
+        iteration, a first call from its family's shapes or from captures)
+        and decide the release mode of plans backpropagated twice. False:
+        the budget cannot be met and this signature runs plainly (said)."""
+        planner = self.planner
         try:
             if entry.pending is not None:
                 planner.plan_pending(entry, args, kwargs)
@@ -430,23 +453,33 @@ class Recompute:
                 planner.plan_in_call(entry, args, kwargs)
         except InfeasibleBudgetError as e:
             planner.infeasible(entry, e)
-            self.last_stats = IterationStats(path="plain")
-            return self.fn(*args, **kwargs)
+            return False
         for s in entry.structures:
             if s.program.multi_backward and not s.program.release_mode_decided:
                 planner.decide_release(s)
-        if len(entry.structures) == 1 and not entry.structures[0].program.dropped and \
-                entry.structures[0].checked >= self.spec.check_iterations and \
-                self.plain_when_nothing_dropped:
-            # A plan that drops nothing, checked against the allocator: plain
-            # Chainer, no hook (its structure is no longer followed).
-            steps.last_hook = None
-            s = entry.structures[0]
-            stats = self.last_stats = IterationStats(0, path="planned")
-            stats.n_nodes, stats.release_mode = s.program.n, s.program.release_mode
-            stats.predicted_peak_bytes = s.plan.predicted_peak_bytes
-            stats.budget_bytes = s.plan.budget_bytes
-            return self.fn(*args, **kwargs)
+        return True
+
+    def _checked_plain(self, entry: Any) -> bool:
+        """A plan that drops nothing, checked against the allocator, runs as
+        plain Chainer, no hook (its structure is no longer followed): True
+        then, its stats set."""
+        if not (len(entry.structures) == 1 and not entry.structures[0].program.dropped
+                and entry.structures[0].checked >= self.spec.check_iterations
+                and self.plain_when_nothing_dropped):
+            return False
+        self.steps.last_hook = None
+        s = entry.structures[0]
+        stats = self.last_stats = IterationStats(0, path="planned")
+        stats.n_nodes, stats.release_mode = s.program.n, s.program.release_mode
+        stats.predicted_peak_bytes = s.plan.predicted_peak_bytes
+        stats.budget_bytes = s.plan.budget_bytes
+        return True
+
+    def _run(self, entry: Any, link: Optional[chainer.Link], mark: Any,
+             args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[IterationHook, Any]:
+        """The forward under the backward driver (recording when there is
+        no plan), its meter started; the driver and the output."""
+        steps = self.steps
         # Fewest functions first (most recently used first among equals): a
         # forward that goes on past a plan's last function switches to a
         # longer plan that matches it, while one that stops before a plan's
@@ -463,7 +496,16 @@ class Recompute:
         with _Active(), hook, bounded(limit, self.spec.workspace_exact):
             out = self.fn(*args, **kwargs)
         hook.finish(out)
-        steps.check_held_graph(entry, hook)
+        return hook, out
+
+    def _after_forward(self, entry: Any, hook: IterationHook, link: Optional[chainer.Link],
+                       args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        """After the forward: its stats; a recorded iteration set to be
+        planned (a planned call that left its plan counted, and a signature
+        whose structure keeps changing run plainly from now on); the plan
+        used made the most recent."""
+        planner = self.planner
+        self.steps.check_held_graph(entry, hook)
         self.last_stats = hook.stats
         if hook.stats.path == "planned":
             planner.ran_planned = True
@@ -471,31 +513,29 @@ class Recompute:
             if s.program is hook.program:
                 hook.stats.predicted_peak_bytes = s.plan.predicted_peak_bytes
                 hook.stats.budget_bytes = s.plan.budget_bytes
-        if hook.recording:
-            entry.pending = hook
-            if self.coordinator is None:
-                planner.plan_when_backward_ends(entry, hook, link)
-            if entry.structures:
-                entry.recorded += 1
-                self._mismatched(hook, args)
-                if entry.recorded >= self.PLAIN_AFTER and 2 * entry.recorded > entry.calls:
-                    entry.plain, entry.pending = True, None
-                    entry.structures.clear()
-                    report.warning(
-                        "the graph of %s changed on %d of its %d calls "
-                        "with the same input signature; running it without recomputation "
-                        "from now on", name_of(self.fn, args),
-                        entry.recorded, entry.calls)
-        else:
+        if not hook.recording:
             used = hook.program
             entry.structures.sort(key=lambda s: s.program is not used)
-        if hook.recording:
-            # what the caller's own work allocates before this graph's
-            # backward (its loss, a target network's forward) is measured
-            # into the recorded graph (the last thing before the return)
-            from ..device import device_of
-            hook.watch_outside(device_of(list(args) + list(kwargs.values())))
-        return out
+            return
+        entry.pending = hook
+        if self.coordinator is None:
+            planner.plan_when_backward_ends(entry, hook, link)
+        if entry.structures:
+            entry.recorded += 1
+            self._mismatched(hook, args)
+            if entry.recorded >= self.PLAIN_AFTER and 2 * entry.recorded > entry.calls:
+                entry.plain, entry.pending = True, None
+                entry.structures.clear()
+                report.warning(
+                    "the graph of %s changed on %d of its %d calls "
+                    "with the same input signature; running it without recomputation "
+                    "from now on", name_of(self.fn, args),
+                    entry.recorded, entry.calls)
+        # what the caller's own work allocates before this graph's backward
+        # (its loss, a target network's forward) is measured into the
+        # recorded graph (the last thing before the return)
+        from ..device import device_of
+        hook.watch_outside(device_of(list(args) + list(kwargs.values())))
 
     def _mismatched(self, hook: IterationHook, args: Tuple[Any, ...]) -> None:
         """A planned call stopped matching its plan: from there it keeps

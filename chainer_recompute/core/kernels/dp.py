@@ -77,6 +77,26 @@ def _transient(R, nw, nwt, trans_vals, i, j):
 
 
 @njit(cache=True, inline="always")
+def _step(R, nw, nwt, trans_vals, key, bi, i, j, slack, has_budget):
+    """The memory a block from row ``i`` to row ``j`` needs while it runs
+    (``key``: row ``j``'s block key in the window, ``bi``: row ``i``'s),
+    or -1 when ``j`` is not a proper superset of ``i`` or the step passes
+    ``slack`` (``has_budget``): the test every kernel but :func:`dense`
+    makes of a transition (see the module doc)."""
+    c_size = 2 * nw + nwt
+    if not _superset(R, nw, c_size, i, j):
+        return -1
+    step = key - bi + np.int64(R[j, c_size + 1])
+    if has_budget and step > slack:
+        return -1
+    if nwt > 0:
+        step += _transient(R, nw, nwt, trans_vals, i, j)
+        if has_budget and step > slack:
+            return -1
+    return step
+
+
+@njit(cache=True, inline="always")
 def _deltas(R, nw, nwt, node_t, node_k, i, j):
     """``(ΔT, ΔM)`` of the transition from row ``i`` to row ``j``: T and
     keep of ∂L' less those of ∂L' ∩ ∂L. Inlined into every kernel."""
@@ -123,7 +143,6 @@ def feasibility(P, budget, has_budget):
     and the row it came from; the number of transitions tried."""
     R, lay, all_rows, all_blk, vptr, vrows, vblk, mptr, mnodes, node_t, node_k, trans_vals = P
     nw, nwt = lay
-    c_size = 2 * nw + nwt
     c_tb, c_kb, c_blk = _columns(lay)
     K = R.shape[0]
     least = np.full(K, INF, dtype=np.int64)
@@ -141,16 +160,8 @@ def feasibility(P, budget, has_budget):
         bi = np.int64(R[i, c_blk])
         for p in range(lo, hi):
             j = rows[p]
-            # Proper superset within the slack? (see the module doc)
-            if not _superset(R, nw, c_size, i, j):
+            if _step(R, nw, nwt, trans_vals, keys[p], bi, i, j, slack, has_budget) < 0:
                 continue
-            step = keys[p] - bi + np.int64(R[j, c_size + 1])
-            if has_budget and step > slack:
-                continue
-            if nwt > 0:
-                step += _transient(R, nw, nwt, trans_vals, i, j)
-                if has_budget and step > slack:
-                    continue
             d_t, d_m = _deltas(R, nw, nwt, node_t, node_k, i, j)
             n += 1
             v = li + d_m
@@ -169,7 +180,6 @@ def capacity(P, budget):
     Graph.must_keep) is held during no later block."""
     R, lay, all_rows, all_blk, vptr, vrows, vblk, mptr, mnodes, node_t, node_k, trans_vals = P
     nw, nwt = lay
-    c_size = 2 * nw + nwt
     c_tb, c_kb, c_blk = _columns(lay)
     K = R.shape[0]
     cap = np.full(K, -1, dtype=np.int64)
@@ -189,16 +199,9 @@ def capacity(P, budget):
             cj = cap[j]
             if cj <= best:  # min(.., cj - ΔM) cannot beat best (ΔM >= 0)
                 continue
-            # Proper superset within the slack? (see the module doc)
-            if not _superset(R, nw, c_size, i, j):
+            step = _step(R, nw, nwt, trans_vals, keys[p], bi, i, j, slack, True)
+            if step < 0:
                 continue
-            step = keys[p] - bi + np.int64(R[j, c_size + 1])
-            if step > slack:
-                continue
-            if nwt > 0:
-                step += _transient(R, nw, nwt, trans_vals, i, j)
-                if step > slack:
-                    continue
             if budget - step <= best:
                 continue
             d_t, d_m = _deltas(R, nw, nwt, node_t, node_k, i, j)
@@ -220,7 +223,6 @@ def greedy(P, budget, has_budget, tc, cap, lam):
     Returns (t, m, src) per row."""
     R, lay, all_rows, all_blk, vptr, vrows, vblk, mptr, mnodes, node_t, node_k, trans_vals = P
     nw, nwt = lay
-    c_size = 2 * nw + nwt
     c_tb, c_kb, c_blk = _columns(lay)
     K = R.shape[0]
     bt = np.full(K, -1, dtype=np.int64)
@@ -243,16 +245,8 @@ def greedy(P, budget, has_budget, tc, cap, lam):
             j = rows[p]
             if has_budget and cap[j] < m:
                 continue
-            # Proper superset within the slack? (see the module doc)
-            if not _superset(R, nw, c_size, i, j):
+            if _step(R, nw, nwt, trans_vals, keys[p], bi, i, j, slack, has_budget) < 0:
                 continue
-            step = keys[p] - bi + np.int64(R[j, c_size + 1])
-            if has_budget and step > slack:
-                continue
-            if nwt > 0:
-                step += _transient(R, nw, nwt, trans_vals, i, j)
-                if has_budget and step > slack:
-                    continue
             d_t, d_m = _deltas(R, nw, nwt, node_t, node_k, i, j)
             nm = m + d_m
             if has_budget and nm > cap[j]:
@@ -321,22 +315,15 @@ def dense(P, budget, has_budget, tc, cap, T, bound, incumbent, off, t0, opt, src
         base = off[i] - t0[i]  # row i's entry of time t is base + t
         src_base = base
         t_top = t0[i] + off[i + 1] - off[i] - 1
-        if tc:
-            for t in range(t_top, t0[i] - 1, -1):
-                m = opt[base + t]
-                if m < run:
-                    run = m
-                    ts[n] = t
-                    ms[n] = m
-                    n += 1
-        else:
-            for t in range(t0[i], t_top + 1):
-                m = opt[base + t]
-                if m < run:
-                    run = m
-                    ts[n] = t
-                    ms[n] = m
-                    n += 1
+        # tc: from the most retained time down; mc: up from the least
+        first, stop, by = (t_top, t0[i] - 1, -1) if tc else (t0[i], t_top + 1, 1)
+        for t in range(first, stop, by):
+            m = opt[base + t]
+            if m < run:
+                run = m
+                ts[n] = t
+                ms[n] = m
+                n += 1
         if n == 0:
             continue
         for a in range(n // 2):

@@ -170,23 +170,14 @@ def _dp_loops(P, U, step, dm, dt, ptr, o_peak, o_keep, o_dt, bc, best, src, how,
         # the row's frontier
         n = fp[q]
         run = inf
-        if tc:
-            for t in range(U, -1, -1):
-                if t < need[q]:
-                    break
-                v = best[q, t]
-                if v < run:
-                    run = v
-                    ft[n] = t
-                    fm[n] = v
-                    n += 1
-        else:
-            for t in range(U + 1):
-                v = best[q, t]
-                if v < run:
-                    run = v
-                    ft[n] = t
-                    fm[n] = v
-                    n += 1
+        # tc: from the most retained time down to need[q]; mc: up from 0
+        first, stop, by = (U, max(need[q], 0) - 1, -1) if tc else (0, U + 1, 1)
+        for t in range(first, stop, by):
+            v = best[q, t]
+            if v < run:
+                run = v
+                ft[n] = t
+                fm[n] = v
+                n += 1
         fp[q + 1] = n
         least[q] = run

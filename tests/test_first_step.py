@@ -16,7 +16,7 @@ first included, is at or under its budget.
 from __future__ import annotations
 
 import gc
-from typing import Any, Callable, List, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
 import pytest
@@ -34,25 +34,30 @@ STEPS = 5
 
 
 def train(make: Callable[[], chainer.Link], setup: Callable[[chainer.Link], Any],
-          batches: List[Tuple[Any, ...]], budget: Any = None) -> Run:
-    """``budget`` None: plain Chainer."""
+          batches: List[Tuple[Any, ...]], budget: Any = None,
+          step: Optional[Callable[..., Any]] = None, **options: Any) -> Run:
+    """``budget`` None: plain Chainer (else ``apply()`` with ``options``
+    too). ``step(model, opt, *batch)``: one training step, returning its
+    loss; default ``opt.update(model, *batch)``, the loss the model keeps."""
     run = Run()
     gc.collect()
     with outer_meter():
         np.random.seed(0)
         model = make()
         if budget is not None:
-            cr.apply(model, budget=budget, verbose=False)
+            cr.apply(model, budget=budget, verbose=False, **options)
         opt = setup(model)
         for batch in batches:
             # a new batch per step, as a loop's converter makes it, counted
             # by the meter (the list's arrays were made before it started)
             batch = tuple(a.copy() for a in batch)
             with MemoryMeter() as m:
-                opt.update(model, *batch)
+                loss = opt.update(model, *batch) if step is None else step(model, opt, *batch)
             del batch
             run.peaks.append(m.result.absolute_peak_bytes)
-            run.records.append(records(model, getattr(model, "loss", None)))
+            run.records.append(records(model, getattr(model, "loss", None) if step is None
+                                       else loss))
+            del loss
             if budget is not None:
                 st = cr.runner_of(model).last_stats
                 run.stats.append((st.path, st.budget_bytes, st.predicted_peak_bytes,

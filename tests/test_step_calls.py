@@ -8,11 +8,9 @@ step after the one that showed the calls (that one is said), bit for bit
 plain Chainer's."""
 from __future__ import annotations
 
-import gc
 import logging
 from typing import Any, Callable, List, Tuple
 
-import numpy as np
 import pytest
 
 import chainer
@@ -20,8 +18,8 @@ import chainer.functions as F
 import chainer.links as L
 
 import chainer_recompute as cr
-from chainer_recompute.runtime.memory import MemoryMeter
-from harness import Run, assert_same_records, outer_meter, records
+import test_first_step as first_step
+from harness import Run, assert_same_records
 from test_default_patterns import TanhCritic, gan_data
 
 
@@ -68,37 +66,22 @@ def wgan_gp_step(critic: chainer.Link, opt: Any, x_real: Any, x_fake: Any, eps: 
     return loss
 
 
+def adam(model: chainer.Link) -> Any:
+    opt = chainer.optimizers.Adam(1e-4, beta1=0.5)
+    opt.setup(model)
+    return opt
+
+
 def train(make: Callable[[], chainer.Link], step: Callable[..., Any],
           data: List[Tuple[Any, ...]], budget: Any = None, **options: Any) -> Run:
-    """Whole steps measured from outside (update included); ``budget`` None:
-    plain Chainer."""
-    run = Run()
-    gc.collect()
-    with outer_meter():
-        np.random.seed(0)
-        model = make()
-        if budget is not None:
-            cr.apply(model, budget=budget, verbose=False, **options)
-        opt = chainer.optimizers.Adam(1e-4, beta1=0.5)
-        opt.setup(model)
-        for batch in data:
-            batch = tuple(a.copy() for a in batch)  # (made each step, as a converter does)
-            with MemoryMeter() as m:
-                loss = step(model, opt, *batch)
-            run.records.append(records(model, loss))
-            del batch, loss
-            run.peaks.append(m.result.absolute_peak_bytes)
-            if budget is not None:
-                st = cr.runner_of(model).last_stats
-                run.stats.append((st.budget_bytes, st.predicted_peak_bytes,
-                                  st.measured_peak_bytes))
-        del model, opt
-    return run
+    """Whole steps measured from outside, update included
+    (:func:`test_first_step.train`, Adam); ``budget`` None: plain Chainer."""
+    return first_step.train(make, adam, data, budget, step=step, **options)
 
 
 def table(plain: Run, run: Run) -> str:
-    return "\n".join(f"step {k}: plain {p:,}, applied {a:,}, budget {s[0] or 0:,}, "
-                     f"predicted {s[1] or 0:,}, runner measured {s[2] or 0:,}"
+    return "\n".join(f"step {k}: plain {p:,}, applied {a:,}, budget {s[1] or 0:,}, "
+                     f"predicted {s[2] or 0:,}, runner measured {s[3] or 0:,}"
                      for k, (p, a, s) in enumerate(zip(plain.peaks, run.peaks, run.stats)))
 
 
@@ -120,9 +103,9 @@ def test_calls_of_one_step_planned_together(make, step, mid, caplog):
     plain = train(make, step, data)
     least = train(make, step, data, "least")
     assert_same_records(plain, least, "least")
-    settled = least.stats[-1][0]
-    assert all(p <= s[0] for p, s in zip(least.peaks, least.stats)), table(plain, least)
-    assert len({s[0] for s in least.stats}) == 1, table(plain, least)  # (no correction)
+    settled = least.stats[-1][1]
+    assert all(p <= s[1] for p, s in zip(least.peaks, least.stats)), table(plain, least)
+    assert len({s[1] for s in least.stats}) == 1, table(plain, least)  # (no correction)
     assert settled < max(plain.peaks), table(plain, least)  # a saving, whole steps
     if not mid:
         return
@@ -132,7 +115,7 @@ def test_calls_of_one_step_planned_together(make, step, mid, caplog):
         run = train(make, step, data, budget)
     assert_same_records(plain, run, f"budget {budget}")
     assert all(p <= budget for p in run.peaks[1:]), table(plain, run)
-    assert all(s[0] == budget for s in run.stats), table(plain, run)  # (planned, not plain)
+    assert all(s[1] == budget for s in run.stats), table(plain, run)  # (planned, not plain)
     said = [r.getMessage() for r in caplog.records if "calls per step" in r.getMessage()]
     assert said and "may exceed the budget" in said[0], said
 
@@ -185,13 +168,13 @@ def test_calls_per_step_plans_the_first_step_for_them(caplog):
     data = gan_data(steps=3)
     plain = train(Discriminator, dcgan_step, data)
     least = train(Discriminator, dcgan_step, data, "least")
-    budget = least.stats[-1][0] * 102 // 100
+    budget = least.stats[-1][1] * 102 // 100
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="chainer_recompute"):
         run = train(Discriminator, dcgan_step, data, budget, calls_per_step=2)
     assert_same_records(plain, run, "calls_per_step=2")
     assert all(p <= budget for p in run.peaks), table(plain, run)
-    assert all(s[0] == budget for s in run.stats), table(plain, run)
+    assert all(s[1] == budget for s in run.stats), table(plain, run)
     assert not [r for r in caplog.records if "calls per step" in r.getMessage()]
     for bad in (0, 1.5, True):
         with pytest.raises(cr.RecomputeError, match="calls_per_step"):

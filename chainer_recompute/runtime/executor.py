@@ -632,6 +632,20 @@ class IterationHook(Recorder):
             else:
                 for name in p.derived.get(u, ()):  # transient: drop what forward made
                     setattr(owner_of(f, name), name, None)
+        if self.no_release and self.forward_done:
+            self._unpin_spent()
+
+    def _unpin_spent(self) -> None:
+        """Under ``no_release`` (double backprop) nothing is released
+        again once the forward is done, so a source pinned for regeneration
+        (an array plain Chainer frees: a ``Linear``'s output that ``tanh``
+        reads) is of no further use once no released node starts from it:
+        unpinned, the graph holds what plain Chainer's holds."""
+        p = self.program
+        needed = {p.graph.nodes[u].inputs[j] for u in self.released if u < p.n
+                  for j in p.sources.get(u, ())}
+        for a in [a for a in self.kept if a in p.source_arrays and a not in needed]:
+            del self.kept[a]
 
     def _check_updates(self, u: int, in_ids: Tuple[int, ...]) -> None:
         """An optimizer updated a parameter that node ``u`` reads since the

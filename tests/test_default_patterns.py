@@ -10,6 +10,8 @@ option but the budget.
 """
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 import chainer
@@ -17,6 +19,7 @@ import chainer.functions as F
 import chainer.links as L
 from chainer.graph_optimizations.static_graph import static_graph
 
+import test_first_step as first_step
 from test_first_step import LazyMLP
 from test_real_training import Critic, compare
 
@@ -194,3 +197,54 @@ def test_static_graph_classifier_with_adam():
             env.snap(f"{i} update", loss=model.loss)
 
     compare(scenario, **DEFAULTS)
+
+
+def _static_data(batch: int = 64):
+    rs = np.random.RandomState(5)
+    return [(rs.randn(batch, 40).astype(np.float32), rs.randint(0, 10, batch).astype(np.int32))
+            for _ in range(6)]
+
+
+def _adam(model: chainer.Link) -> chainer.Optimizer:
+    opt = chainer.optimizers.Adam()
+    opt.setup(model)
+    return opt
+
+
+def test_static_graph_runs_plainly_said_before_its_first_step(caplog):
+    """A planned ``@static_graph`` chain crashed inside Chainer's schedule
+    builder (a released retained array read as the next function was
+    added) and its captures kept schedules of their own: the model runs as
+    plain Chainer instead, said once before its first step, with plain
+    Chainer's peaks and results, whatever the budget."""
+    data = _static_data()
+    plain = first_step.train(lambda: L.Classifier(StaticMLP()), _adam, data)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="chainer_recompute"):
+        run = first_step.train(lambda: L.Classifier(StaticMLP()), _adam, data, "least")
+    first_step.assert_same_records(plain, run, "least")
+    assert run.peaks == plain.peaks
+    assert all(s[0] == "plain" for s in run.stats)
+    said = [r.getMessage() for r in caplog.records if "@static_graph" in r.getMessage()]
+    assert len(said) == 1 and "/predictor" in said[0] and "use_static_graph" in said[0], said
+
+
+def test_static_graph_define_by_run_is_planned():
+    """With ``chainer.config.use_static_graph = False`` the same chain runs
+    define-by-run: planned, every step under ``'least'`` and a byte budget,
+    the first included, bit for bit plain Chainer's."""
+    with chainer.using_config("use_static_graph", False):
+        first_step.check(lambda: L.Classifier(StaticMLP()), _adam, _static_data())
+
+
+def test_a_captured_static_graph_is_not_recomputed():
+    """Recorded as it runs (``capture``, as the CLI does), a ``@static_graph``
+    chain's functions are marked as not recomputable, with the reason:
+    those run while its schedule is built and the schedule's own node."""
+    import chainer_recompute as cr
+    x, t = _static_data(batch=8)[0]
+    graph = cr.capture(L.Classifier(StaticMLP()), x, t)
+    reasons = {n.op: n.attrs.get("unsafe_reason", "") for n in graph.nodes
+               if not n.recomputable}
+    assert "StaticScheduleFunction" in reasons, [n.op for n in graph.nodes]
+    assert all("@static_graph" in r for r in reasons.values()), reasons

@@ -42,7 +42,7 @@ from .arrays import (_arrays_in, _variables_in, attribute_arrays, buffer_print, 
                      function_op, gone_watch, is_array, node_nbytes, persistent_array_ids,
                      root_of)
 from .links import LinkPaths
-from .safety import _WRITES_INPUTS, _config_key, analyse_function
+from .safety import _WRITES_INPUTS, _config_key, analyse_function, static_graph_reason
 from .unrecorded import Aside, Made, ParameterIndex, UnrecordedWork
 
 logger = logging.getLogger(__name__)
@@ -356,8 +356,10 @@ class Recorder(chainer.FunctionHook):
         if any(b is not None for b in inputs_before):
             _WRITES_INPUTS[key] = modified
         drew = RandomStates.numpy_changed(rng_before)
-        if modified:
-            call.recomputable, call.reason = False, "its forward modifies its inputs in place"
+        static = static_graph_reason(function)
+        if modified or static:
+            call.recomputable = False
+            call.reason = static or "its forward modifies its inputs in place"
             roles = {n: "written" for _, n in written}
         elif self.analyse:
             res = analyse_function(function, tuple(in_data), out, held, drew, written)

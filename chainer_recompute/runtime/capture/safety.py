@@ -103,6 +103,33 @@ def _rerun(f: chainer.FunctionNode, in_data: Tuple[Any, ...],
             vars(o).update(d)
 
 
+def static_graph_reason(f: Any) -> Optional[str]:
+    """Why ``f``, a function of a ``@static_graph`` chain, cannot be
+    recomputed (None: it is not one). While the chain's schedule is built,
+    Chainer's schedule reads every function's retained arrays as the next
+    one is added (a released one crashes it), and a built schedule runs as
+    one function that writes into the schedule's own arrays."""
+    if getattr(chainer.config, "schedule_func", None) is not None:
+        return "it runs in a @static_graph chain while its schedule is built"
+    t = type(f)
+    if t.__name__ == "StaticScheduleFunction" and t.__module__.startswith("chainer."):
+        return "it is a @static_graph chain's schedule, which reuses its own arrays"
+    return None
+
+
+def static_graph_chains(link: Any) -> List[str]:
+    """The paths of ``link``'s links (itself included) whose ``__call__``
+    or ``forward`` is wrapped by Chainer's ``@static_graph``."""
+    found = []
+    for path, sub in link.namedlinks():
+        for name in ("__call__", "forward"):
+            f = getattr(type(sub), name, None)
+            if getattr(f, "__module__", "") == "chainer.graph_optimizations.static_graph":
+                found.append(path or "/")
+                break
+    return found
+
+
 def analyse_function(f: chainer.FunctionNode, in_data: Tuple[Any, ...],
                      out_data: Tuple[Any, ...], held: Sequence[Tuple[Any, str, Any]],
                      rng_drawn: bool, written: Sequence[Tuple[Any, str]]) -> Analysis:

@@ -243,6 +243,9 @@ class Recompute:
             **solver_options)
         self.last_stats: Optional[IterationStats] = None
         self._said_mismatch = False  # a call off its plan under a byte budget (warned once)
+        #: the model's @static_graph chains (None: not looked for yet)
+        self._static_chains: Optional[Tuple[str, ...]] = None
+        self._said_static = False
 
     # ---------------------------------------------------------- options
     @property
@@ -394,6 +397,9 @@ class Recompute:
                 self.steps.close_step()  # an evaluation between two steps is not in either
             return self.fn(*args, **kwargs)
         link = link_of(args)
+        if self._static_graph(link):
+            self.last_stats = IterationStats(path="plain")
+            return self.fn(*args, **kwargs)
         mark = _step_mark(link)
         entry = self._begin(link, mark, args, kwargs)
         if entry.plain or not self._plan_before_forward(entry, args, kwargs):
@@ -404,6 +410,28 @@ class Recompute:
         hook, out = self._run(entry, link, mark, args, kwargs)
         self._after_forward(entry, hook, link, args, kwargs)
         return out
+
+    def _static_graph(self, link: Optional[chainer.Link]) -> bool:
+        """Whether the model has a ``@static_graph`` chain (looked for at
+        the first training call, said then): Chainer's static schedule
+        keeps and reuses its own arrays, which no plan can drop, and a
+        capture at another batch size would build and keep a schedule of
+        its own; so the model runs as plain Chainer, its budget not
+        applied."""
+        if self._static_chains is None:
+            from ..capture.safety import static_graph_chains
+            self._static_chains = tuple(static_graph_chains(link)) if link is not None else ()
+        if not (self._static_chains and getattr(chainer.config, "use_static_graph", True)):
+            return False  # (use_static_graph=False: the chains run define-by-run)
+        if not self._said_static:
+            self._said_static = True
+            report.warning(
+                "%s has @static_graph chains (%s): Chainer's static schedule keeps its own "
+                "arrays, which recomputation cannot drop; it runs as plain Chainer and the "
+                "budget is not applied (remove @static_graph, or run with "
+                "chainer.config.use_static_graph = False, to plan it)",
+                name_of(self.fn, (link,)), ", ".join(self._static_chains))
+        return True
 
     def _begin(self, link: Optional[chainer.Link], mark: Any, args: Tuple[Any, ...],
                kwargs: Dict[str, Any]) -> Any:

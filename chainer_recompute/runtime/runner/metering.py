@@ -563,6 +563,11 @@ class StepMeter:
                    else "",
                    f"; this step ran its earlier calls under a plan for fewer and may exceed "
                    f"the budget {format_bytes(b)}{hint}" if b is not None else "")
+        if whole and b is not None:  # (said once: the correction that follows is said too)
+            report.log(level, "what the double backprop of %s's call builds (its second-order "
+                       "graph) is in no recording: the next step measures it and may exceed the "
+                       "budget %s once, then the memory model is corrected",
+                       self.planner._name(args), format_bytes(b))
         for s in list(entry.structures):
             self.planner.replan(entry, s)  # (for the calls per step seen: _add)
         if self._meter is not None:  # measured, not checked: its earlier calls ran another plan

@@ -6,10 +6,10 @@ Graph and a solver's Plan: which nodes are dropped, when (after which
 function) their arrays can be released, which block each belongs to, which
 backward reads which arrays.
 
-An :class:`IterationHook` drives one training iteration. It is a
-:class:`~chainer_recompute.runtime.capture.Recorder`, so it knows which
+An :class:`IterationHook` drives one training iteration. It holds a
+:class:`~chainer_recompute.runtime.capture.Recorder`, which tells it which
 recorded array every input of every function is; while the model's forward
-runs (a global ``FunctionHook``) it:
+runs (a global ``FunctionHook`` forwarding to its recorder) it:
 
 - checks each function against the candidate plans of this input signature
   (its class and input shapes before it runs; its real wiring, which
@@ -91,23 +91,33 @@ from .program import (PROBATION, IterationStats, Program, _after_mismatch,  # no
 logger = logging.getLogger(__name__)
 
 
-class IterationHook(Recorder):
+class IterationHook(chainer.FunctionHook):
     """Drives one forward/backward of a planned model (see module doc).
+
+    It holds a :class:`Recorder` (``recorder``), which maps each function
+    to its node of the planned graph (and records it when no plan fits)
+    and calls this hook back before and after each function's forward and
+    backward. This hook is what Chainer calls: registered for the forward
+    (a ``with`` block) and on each function it saw (its backward), so the
+    graph's functions keep it, and it keeps the recorder (which refers to
+    it weakly: no reference cycle).
 
     Args:
         programs: the candidate plans of this input signature, the one to
             try first first; empty to record only.
-        link, args: as for :class:`Recorder`.
+        link, args, measure, analyse: as for :class:`Recorder`.
         verify: checksum the parameters and inputs that regeneration reads.
     """
 
     def __init__(self, programs: Sequence[Program] = (), *, link: Any = None,
                  args: Sequence[Any] = (), verify: bool = True, measure: bool = True,
                  analyse: bool = True) -> None:
-        super().__init__(measure=measure, analyse=analyse, link=link, args=args)
+        self.name = f"chainer_recompute-run-{id(self):x}"  # (unique: see Recorder)
+        self.recorder = Recorder(measure=measure, analyse=analyse, link=link, args=args,
+                                 driver=self)
         self.candidates: List[Program] = list(programs)
         self.program: Optional[Program] = self.candidates[0] if self.candidates else None
-        self.recording = self.program is None
+        self.recorder.recording = self.program is None
         self.verify = verify
         self.mismatch_at: Optional[int] = None
         self.kept: Dict[int, Any] = {}  # array id -> pinned array
@@ -152,6 +162,25 @@ class IterationHook(Recorder):
         # checksum, and without patching the optimizer)
         self._param_t: Dict[int, int] = {}
 
+    # ------------------------------------- Chainer's calls, to the recorder
+    def forward_preprocess(self, function: Any, in_data: Tuple[Any, ...]) -> None:
+        self.recorder.forward_preprocess(function, in_data)
+
+    def forward_postprocess(self, function: Any, in_data: Tuple[Any, ...]) -> None:
+        self.recorder.forward_postprocess(function, in_data)
+
+    def backward_preprocess(self, function: Any, in_data: Any, out_grad: Any) -> None:
+        self.recorder.backward_preprocess(function, in_data, out_grad)
+
+    def backward_postprocess(self, function: Any, in_data: Any, out_grad: Any) -> None:
+        self.recorder.backward_postprocess(function, in_data, out_grad)
+
+    def added(self, function: Any = None) -> None:
+        self.recorder.added(function)
+
+    def deleted(self, function: Any = None) -> None:
+        self.recorder.deleted(function)
+
     @property
     def mismatch(self) -> Optional[str]:
         return self.stats.mismatch
@@ -164,7 +193,7 @@ class IterationHook(Recorder):
         self.mismatch_at = index
         self.stats.mismatch = message
         self.stats.path = "mismatch"
-        self.recording = True
+        self.recorder.recording = True
 
     # ---------------------------------------------------------- forward
     def before_forward(self, call: Call, function: Any, in_data: Tuple[Any, ...]) -> None:
@@ -246,10 +275,10 @@ class IterationHook(Recorder):
     def after_mapping(self, call: Call) -> None:
         if not self.executing:
             return
-        alive = [p for p in self.candidates if _matches_after(p, call, self.param_refs)]
+        alive = [p for p in self.candidates if _matches_after(p, call, self.recorder.param_refs)]
         if not alive:
             i = call.index
-            self._set_mismatch(i, _after_mismatch(self.program, call, self.param_refs))
+            self._set_mismatch(i, _after_mismatch(self.program, call, self.recorder.param_refs))
             self._unpin(i)  # pinned under an unverified wiring
             return
         self.candidates = alive
@@ -266,13 +295,16 @@ class IterationHook(Recorder):
         self._pinned_ok.discard(i)
 
     def finish(self, result: Any = None) -> None:
-        super().finish(result)
-        if self.executing and len(self.calls) != self.program.n:
-            self._set_mismatch(len(self.calls), f"the forward applied {len(self.calls)} "
+        """The forward has returned (``result``): the recorder maps its
+        last function, then what the plan releases at the forward's end is
+        released."""
+        self.recorder.finish(result)
+        if self.executing and len(self.recorder.calls) != self.program.n:
+            self._set_mismatch(len(self.recorder.calls), f"the forward applied {len(self.recorder.calls)} "
                                                 f"functions, but the planned graph has "
                                                 f"{self.program.n}")
         if self.executing:
-            self.candidates = [p for p in self.candidates if p.n == len(self.calls)]
+            self.candidates = [p for p in self.candidates if p.n == len(self.recorder.calls)]
             for u in self.program.release_at.get(self.program.n, ()):
                 if u in self._pinned_ok:
                     self._release(u)
@@ -288,11 +320,11 @@ class IterationHook(Recorder):
         loss link's ``self.loss``) holds no more than a planned one. A
         later backward pass through it regenerates as usual."""
         if (self.program is not None or self.no_release or self.multi_backward
-                or program.n != len(self.calls) or not program.dropped):
+                or program.n != len(self.recorder.calls) or not program.dropped):
             return
         self.program = program
         self.candidates = [program]
-        self.recording = False
+        self.recorder.recording = False
         self._needs, self._done = program.needs, program.done
         for u in sorted(program.dropped):
             if u in program.releasable and self._regenerable(u):
@@ -304,14 +336,14 @@ class IterationHook(Recorder):
         p = self.program
         releasable = frozenset(u for u in p.releasable if u < (self.mismatch_at or 0))
         self._needs, self._done = {}, {}  # new dicts: the plan's own must stay as they are
-        for c in self.calls:
+        for c in self.recorder.calls:
             need = set()
             derived = p.derived.get(c.index, ()) if c.index < p.n else ()
             if c.keep_out or derived:
                 need.add(c.index)
             for j in c.keep_in:
                 if c.in_ids is not None and j < len(c.in_ids):
-                    prod = self.arrays[c.in_ids[j]].producer
+                    prod = self.recorder.arrays[c.in_ids[j]].producer
                     if prod is not None:
                         need.add(prod)
             need &= releasable
@@ -320,9 +352,9 @@ class IterationHook(Recorder):
 
     # ---------------------------------------------------------- release
     def _release(self, u: int) -> None:
-        if u in self.released or u >= len(self.calls):
+        if u in self.released or u >= len(self.recorder.calls):
             return
-        f = self.calls[u].func()
+        f = self.recorder.calls[u].func()
         if f is None:
             return
         for a in self.program.graph.nodes[u].outputs:
@@ -333,11 +365,11 @@ class IterationHook(Recorder):
         # backward pass that never reaches this link's functions (pix2pix's
         # updater unchains the encoder's outputs and backpropagates through
         # the decoder again), and the caller's Variable holds them anyway.
-        out_ids = self.calls[u].out_ids or ()
+        out_ids = self.recorder.calls[u].out_ids or ()
         for k, ref in enumerate(f.outputs or ()):
             vnode = ref()
             if (vnode is not None and vnode._data is not None
-                    and not (k < len(out_ids) and out_ids[k] in self.returned)):
+                    and not (k < len(out_ids) and out_ids[k] in self.recorder.returned)):
                 vnode._data = None  # keep shape and dtype (docs/chainer_internals.md §2)
                 outs.append(k)
         had_retained = f._retained_output_data is not None and bool(f._output_indexes_to_retain)
@@ -362,14 +394,14 @@ class IterationHook(Recorder):
         self.let_go_done = True
         self.kept.clear()
         self.snapshots.clear()
-        for call in self.calls:
+        for call in self.recorder.calls:
             f = call.func()
             if f is None:
                 continue
             out_ids = call.out_ids or ()
             for k, ref in enumerate(f.outputs or ()):
                 vnode = ref()
-                if vnode is not None and not (k < len(out_ids) and out_ids[k] in self.returned):
+                if vnode is not None and not (k < len(out_ids) and out_ids[k] in self.recorder.returned):
                     vnode._data = None
             f._retained_output_data = None
             for xnode in f.inputs or ():
@@ -377,7 +409,7 @@ class IterationHook(Recorder):
                 # constant): this function's own; not a Parameter's, nor a
                 # Variable the caller passed (another graph may read it)
                 if (xnode._data is not None and xnode.creator_node is None
-                        and not xnode.requires_grad and xnode not in self.arg_nodes
+                        and not xnode.requires_grad and xnode not in self.recorder.arg_nodes
                         and xnode.get_variable_or_none() is None):
                     xnode._data = None
             for owner, name, _ in attribute_arrays(f):
@@ -411,7 +443,7 @@ class IterationHook(Recorder):
             self._bw_left = None
         if self._reach is None or i not in self._reach:
             self._extend_reach(function)
-        if chainer.config.enable_backprop or not self.forward_done:
+        if chainer.config.enable_backprop or not self.recorder.forward_done:
             # Double backprop reads the arrays in a second-order graph; a
             # backward inside the forward (chainer.grad) will be followed
             # by another: keep everything from now on.
@@ -429,7 +461,7 @@ class IterationHook(Recorder):
             if not self._bw_left:
                 self._bw_left = None
                 self.backward_done = True
-                self.end_session()  # (before planning, which on_backward_done may run)
+                self.recorder.end_session()  # (before planning, which on_backward_done may run)
                 if self.on_backward_done is not None:
                     self.on_backward_done(self)
         if self.program is None:
@@ -456,17 +488,17 @@ class IterationHook(Recorder):
         known = self._regen_ok.get(u)
         if known is not None:
             return known
-        call = self.calls[u]
+        call = self.recorder.calls[u]
         f = call.func()
         ok = f is not None
         self._regen_ok[u] = ok  # provisional, against cycles
         for a in call.inner_ids if ok else ():
             self._inner.add(a)
-            self._watch_param(a, self.param_refs.get(a))
+            self._watch_param(a, self.recorder.param_refs.get(a))
         for j, a in enumerate(call.in_ids or ()) if ok else ():
-            info = self.arrays[a]
+            info = self.recorder.arrays[a]
             if info.kind == "param":
-                self._watch_param(a, self.param_refs.get(a))
+                self._watch_param(a, self.recorder.param_refs.get(a))
                 continue
             if a in self.kept:
                 continue
@@ -481,7 +513,7 @@ class IterationHook(Recorder):
                 continue
             if info.producer not in self.released and f.inputs[j]._data is not None:
                 continue  # held (retained by some function); released later only if regenerable
-            if info.producer >= len(self.calls) or not self._regenerable(info.producer):
+            if info.producer >= len(self.recorder.calls) or not self._regenerable(info.producer):
                 ok = False
                 break
         self._regen_ok[u] = ok
@@ -495,10 +527,10 @@ class IterationHook(Recorder):
         stack = [function]
         while stack:
             f = stack.pop()
-            i = self.index_of.get(id(f))
+            i = self.recorder.index_of.get(id(f))
             if i is None or i in reach:
                 continue
-            if self.calls[i].func() is not f:
+            if self.recorder.calls[i].func() is not f:
                 continue
             if not any(x.requires_grad for x in (f.inputs or ())):
                 continue
@@ -529,9 +561,7 @@ class IterationHook(Recorder):
             self._update_state["updated"] = True
             weakref.finalize(self, _after_update, weakref.ref(p), self._update_state)
         if p.returns_loss and not p.multi_backward and \
-                not any(h.program is p or (h._link_ref is not None and
-                                           self._link_ref is not None and
-                                           h._link_ref() is self._link_ref())
+                not any(h.program is p or _same_link(h.recorder, self.recorder)
                         for h in _LIVE if h is not self):
             # On probation, a model that returns its loss (a Classifier, a
             # model keeping ``self.loss``) called once before this update:
@@ -582,36 +612,36 @@ class IterationHook(Recorder):
             u = stack.pop()
             if u in order:
                 continue
-            f = self.calls[u].func()
+            f = self.recorder.calls[u].func()
             if f is None:
-                raise RecomputeError(f"cannot regenerate node {u} ({self.calls[u].op}): its "
+                raise RecomputeError(f"cannot regenerate node {u} ({self.recorder.calls[u].op}): its "
                                      f"function node no longer exists")
             order.add(u)
-            for j, a in enumerate(self.calls[u].in_ids or ()):
+            for j, a in enumerate(self.recorder.calls[u].in_ids or ()):
                 if self._input_array(f, j, a, values) is None:
-                    prod = self.arrays[a].producer
+                    prod = self.recorder.arrays[a].producer
                     if prod is None or prod not in p.releasable:
                         raise RecomputeError(
-                            f"cannot regenerate node {u} ({self.calls[u].op}): its input array "
+                            f"cannot regenerate node {u} ({self.recorder.calls[u].op}): its input array "
                             f"{a} is not available and is not recomputable")
                     stack.append(prod)
         for u in sorted(order):
-            f = self.calls[u].func()
-            in_ids = self.calls[u].in_ids or ()
+            f = self.recorder.calls[u].func()
+            in_ids = self.recorder.calls[u].in_ids or ()
             in_data = tuple(self._input_array(f, j, a, values) for j, a in enumerate(in_ids))
-            inner = self.calls[u].inner_ids
+            inner = self.recorder.calls[u].inner_ids
             self._check_updates(u, in_ids + inner)
             if self.verify:
                 self._check_sources(u, in_ids + inner, in_data + tuple(
                     self.params[a].array if a in self.params else None for a in inner))
             outs = self._run_forward(f, u, in_data)
             self.stats.recomputed_nodes += 1
-            for a, y in zip(self.calls[u].out_ids or (), outs):
+            for a, y in zip(self.recorder.calls[u].out_ids or (), outs):
                 values[a] = y
             if u in self.released and u not in wanted and self._live_reader(u):
                 wanted.add(u)  # a checkpoint released after an earlier backward pass
             if u in wanted and u in self.released:
-                for a, y in zip(self.calls[u].out_ids or (), outs):
+                for a, y in zip(self.recorder.calls[u].out_ids or (), outs):
                     if a in p.source_arrays:
                         self.kept[a] = y  # later blocks start from it again
                 out_idx, had_retained = self.released.pop(u)
@@ -632,7 +662,7 @@ class IterationHook(Recorder):
             else:
                 for name in p.derived.get(u, ()):  # transient: drop what forward made
                     setattr(owner_of(f, name), name, None)
-        if self.no_release and self.forward_done:
+        if self.no_release and self.recorder.forward_done:
             self._unpin_spent()
 
     def _unpin_spent(self) -> None:
@@ -661,10 +691,10 @@ class IterationHook(Recorder):
                 continue
             if self.program is not None:
                 self.program.multi_backward = True  # the next iterations save it
-            name = self.arrays[a].name or a
+            name = self.recorder.arrays[a].name or a
             raise UnsafeRecomputeError(
                 f"parameter {name} was updated by an optimizer after the forward pass and "
-                f"before the backward that recomputes node {u} ({self.calls[u].op}) (the graph "
+                f"before the backward that recomputes node {u} ({self.recorder.calls[u].op}) (the graph "
                 f"is backpropagated again after an update); its values were not saved, so "
                 f"recomputing would give a result different from plain Chainer's. From the "
                 f"next iteration on, the parameters are saved before such an update; to "
@@ -677,14 +707,14 @@ class IterationHook(Recorder):
             if expected is None or x is None:
                 continue
             if fingerprint(x) != expected:
-                info = self.arrays[a]
+                info = self.recorder.arrays[a]
                 what = (f"parameter {info.name or a}" if info.kind == "param"
                         else f"input array {info.name or a}")
                 if self.program is not None:
                     self.program.multi_backward = True  # the next iterations keep a copy
                 raise UnsafeRecomputeError(
                     f"{what} was modified in place between the forward pass and the backward "
-                    f"that recomputes node {u} ({self.calls[u].op}); recomputing it would give "
+                    f"that recomputes node {u} ({self.recorder.calls[u].op}); recomputing it would give "
                     f"a result different from plain Chainer's. If an optimizer updated it "
                     f"between two backward passes through the same graph, the next iterations "
                     f"keep a copy for that; otherwise do not write to a parameter's or an "
@@ -709,3 +739,9 @@ class IterationHook(Recorder):
                 setattr(owner, name, original)
             f._input_indexes_to_retain, f._output_indexes_to_retain = keep_in, keep_out
         return outs
+
+
+def _same_link(a: Recorder, b: Recorder) -> bool:
+    """Whether two recordings ran the same Link."""
+    return (a._link_ref is not None and b._link_ref is not None
+            and a._link_ref() is b._link_ref())

@@ -123,6 +123,11 @@ class Recorder(chainer.FunctionHook):
         analyse: find what is safe to recompute (see the module docstring).
         link: the Link being run (names parameters by their paths).
         args: the call's arguments, so that inputs can be told apart.
+        driver: the object told of each call (``before_forward``,
+            ``after_mapping``, ``before_backward``, ``after_backward``):
+            the executor's :class:`~chainer_recompute.runtime.executor.IterationHook`,
+            which is then what Chainer calls, forwarding to this recorder.
+            Held weakly; None: this recorder's own (no-op) methods.
 
     Use it as a ``with`` block around the forward; call :meth:`finish`
     when the forward has returned; :meth:`graph` builds the Graph (after
@@ -139,10 +144,16 @@ class Recorder(chainer.FunctionHook):
     name = "chainer_recompute.Recorder"
 
     def __init__(self, *, measure: bool = True, analyse: bool = True,
-                 link: Optional[chainer.Link] = None, args: Sequence[Any] = ()) -> None:
+                 link: Optional[chainer.Link] = None, args: Sequence[Any] = (),
+                 driver: Any = None) -> None:
         # A unique name: several recorders (nested models, a GAN's two
         # models) may hook the same function.
         self.name = f"chainer_recompute-{id(self):x}"
+        # What the calls are reported to (before_forward, after_mapping,
+        # before_backward, after_backward): the executor's hook, which
+        # Chainer calls and which forwards to this recorder; held weakly
+        # (it holds this recorder), and hooked on each function in its stead
+        self._driver = weakref.ref(driver) if driver is not None else None
         self.measure, self.analyse = measure, analyse
         self.recording = True
         self.on_cupy = False  # a recorded call ran on CuPy: the graph's allocator is its pool
@@ -212,7 +223,7 @@ class Recorder(chainer.FunctionHook):
         self.calls.append(call)
         self.index_of[id(function)] = call.index
         self._top.append(call)
-        self.before_forward(call, function, in_data)
+        self._events().before_forward(call, function, in_data)
         self._wrap(call, function, in_data)
 
     def forward_postprocess(self, function: Any, in_data: Tuple[Any, ...]) -> None:
@@ -235,7 +246,7 @@ class Recorder(chainer.FunctionHook):
         finally:
             self._depth -= 1
         self._describe(call, function, in_data, out, roles)
-        function.add_hook(self)  # to see its backward
+        function.add_hook(self._events())  # to see its backward
         # Held until its inputs and outputs are mapped at the next function:
         # a result thrown away at once would take its node with it.
         call._func_strong = function
@@ -264,6 +275,12 @@ class Recorder(chainer.FunctionHook):
         self._top.clear()
         self._depth = 0
         self._unrecorded.end_tail()
+
+    def _events(self) -> Any:
+        """The driver (see ``driver``), or this recorder (its own no-op
+        callbacks) without one."""
+        driver = self._driver() if self._driver is not None else None
+        return self if driver is None else driver
 
     def before_forward(self, call: Call, function: Any, in_data: Tuple[Any, ...]) -> None:
         """Called before each recorded function runs (the executor's hook)."""
@@ -489,7 +506,7 @@ class Recorder(chainer.FunctionHook):
                 self._watch.append(weakref.ref(var, self._death_callback(aid)))
         call.out_ids = tuple(out_ids)
         call._out = None
-        self.after_mapping(call)
+        self._events().after_mapping(call)
         call._func_strong = None
 
     def _param_array(self, param: Any) -> int:
@@ -526,7 +543,7 @@ class Recorder(chainer.FunctionHook):
             self.end_outside()
         if not self.forward_done:
             self.backward_during_forward = True
-        self.before_backward(i, function)
+        self._events().before_backward(i, function)
         if self.recording:
             self.backward_order.append(i)
             dev = device_of(tuple(in_data) + tuple(out_grad))
@@ -554,7 +571,7 @@ class Recorder(chainer.FunctionHook):
                 call.bwd_alloc = int(m.retained_bytes)
                 call.bwd_transient = max(0, m.peak_bytes - m.retained_bytes)
             self.calls[i].bwd_time_s = time.perf_counter() - t0
-        self.after_backward(i, function)
+        self._events().after_backward(i, function)
 
     def _begin_session(self, dev: Device) -> None:
         """On NumPy, one tracing session from the first recorded backward

@@ -97,7 +97,7 @@ def _graph_arrays(hook: Any) -> List[Any]:
     from ..capture import attribute_arrays
     found: List[Any] = list(getattr(hook, "kept", {}).values())
     found.extend(getattr(hook, "snapshots", {}).values())
-    for call in hook.calls:
+    for call in hook.recorder.calls:
         f = call.func()
         if f is None:
             continue
@@ -296,7 +296,7 @@ class StepMeter:
                                  user_held=user_held)
         from ..capture import root_of
         self._meter.input_ids = {id(root_of(a)) for a in inputs}
-        self._meter.after_recording = bool(held) and previous.recording
+        self._meter.after_recording = bool(held) and previous.recorder.recording
         self._meter.finalizer = weakref.finalize(self, _abandon, meter)
         self._stop_when_done(hook)
 
@@ -521,10 +521,10 @@ class StepMeter:
         alive, others = [], []
         for ref in self._graphs:
             h = ref()
-            if h is None or h.let_go_done or not any(c.func() is not None for c in h.calls):
+            if h is None or h.let_go_done or not any(c.func() is not None for c in h.recorder.calls):
                 continue  # (its graph is gone)
             alive.append(ref)
-            if getattr(h, "step_mark", None) == mark and h.forward_done and (
+            if getattr(h, "step_mark", None) == mark and h.recorder.forward_done and (
                     not h.backward_done or h.no_release):
                 others.append(ref)
         self._graphs = alive
@@ -592,11 +592,11 @@ class StepMeter:
         previous = self.last_hook() if self.last_hook is not None else None
         if previous is None or not previous.backward_done or previous.let_go_done:
             return
-        if not any(c.func() is not None for c in previous.calls):
+        if not any(c.func() is not None for c in previous.recorder.calls):
             return  # freed, as by StandardUpdater (``del loss`` after the backward)
-        if previous.recording and previous.planned is not None:
+        if previous.recorder.recording and previous.planned is not None:
             previous.release_as_planned(previous.planned)
-        self._held_previous = [c.func for c in previous.calls]  # (weak references)
+        self._held_previous = [c.func for c in previous.recorder.calls]  # (weak references)
         s = entry.structures[0]
         if not s.graph.meta.get("held_into_next_forward", False) and \
                 self.held_at_start is not False:  # (not seen let go before its forward)

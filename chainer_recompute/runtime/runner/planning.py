@@ -47,7 +47,7 @@ def _keeps_graph(link: chainer.Link, hook: Any) -> bool:
     for sub in link.links():
         for v in vars(sub).values():
             if isinstance(v, chainer.Variable) and not isinstance(v, chainer.Parameter) \
-                    and v.node in hook.array_of:
+                    and v.node in hook.recorder.array_of:
                 return True
     return False
 
@@ -395,11 +395,11 @@ class Planner:
             # the replay counts what it still holds then
             meta = {"state_bytes": state_bytes(link),
                     **self._kept_meta(_keeps_graph(link, hook))}
-        graph = hook.graph(cost_model=self.spec.cost, batch_size=entry.batch,
+        graph = hook.recorder.graph(cost_model=self.spec.cost, batch_size=entry.batch,
                            name=type(link).__name__ if link is not None else "model",
                            meta=meta,
                            fill=hook.program.graph if hook.program is not None else None)
-        if hook.backward_during_forward:
+        if hook.recorder.backward_during_forward:
             # chainer.grad inside the forward (a gradient penalty): planned as
             # usual; from the moment such a backward starts, the executor
             # releases nothing more and regenerates what it needs.
@@ -409,7 +409,7 @@ class Planner:
         # graph backpropagated again after an update is seen by it (and
         # passed on to the plan); otherwise parameters are saved before
         # updates on probation.
-        entry.pending = rec = _Recording(graph, hook.param_refs, hook.multi_backward,
+        entry.pending = rec = _Recording(graph, hook.recorder.param_refs, hook.multi_backward,
                                          hook.backward_done, weakref.ref(hook))
         return rec
 
@@ -487,16 +487,16 @@ class Planner:
                                  f"it ({type(e).__name__}: {e})")
                 self._say_recorded(args, batch, self.refusal)
                 return False
-            self.add(entry, graph, hook.param_refs, hook.multi_backward, t0)
+            self.add(entry, graph, hook.recorder.param_refs, hook.multi_backward, t0)
             return True
         if small is None or batch is None or small >= batch:
             graph, hook = self._capture_at(args, kwargs, batch, batch)
-            self.add(entry, graph, hook.param_refs, hook.multi_backward, t0)
+            self.add(entry, graph, hook.recorder.param_refs, hook.multi_backward, t0)
             return True
         other = min(2 * small, batch - 1)
         if other <= small:  # batch = capture_batch + 1: capture it whole
             graph, hook = self._capture_at(args, kwargs, batch, batch)
-            self.add(entry, graph, hook.param_refs, hook.multi_backward, t0)
+            self.add(entry, graph, hook.recorder.param_refs, hook.multi_backward, t0)
             return True
         g1, hook = self._capture_at(args, kwargs, batch, small)
         g2, _ = self._capture_at(args, kwargs, batch, other)
@@ -510,7 +510,7 @@ class Planner:
                        "budget) and the next ones run under a plan made from it",
                        self.refusal, batch)
             return False
-        self.add(entry, graph, hook.param_refs, hook.multi_backward, t0)
+        self.add(entry, graph, hook.recorder.param_refs, hook.multi_backward, t0)
         return True
 
     def _capture_at(self, args: Tuple[Any, ...], kwargs: Dict[str, Any], batch: Optional[int],
@@ -565,7 +565,7 @@ class Planner:
             meta = {"state_bytes": sb, **self._kept_meta(keeps),
                     # plain Chainer's forward and backward at this batch, measured
                     "plain_measured_bytes": own + peak}
-        graph = hook.graph(cost_model=self.spec.cost, batch_size=small,
+        graph = hook.recorder.graph(cost_model=self.spec.cost, batch_size=small,
                            name=type(link).__name__ if link is not None else "model",
                            meta=meta)
         return graph, hook

@@ -541,7 +541,7 @@ class Recompute:
             if s.program is hook.program:
                 hook.stats.predicted_peak_bytes = s.plan.predicted_peak_bytes
                 hook.stats.budget_bytes = s.plan.budget_bytes
-        if not hook.recording:
+        if not hook.recorder.recording:
             used = hook.program
             entry.structures.sort(key=lambda s: s.program is not used)
             return
@@ -563,7 +563,7 @@ class Recompute:
         # (its loss, a target network's forward) is measured into the
         # recorded graph (the last thing before the return)
         from ..device import device_of
-        hook.watch_outside(device_of(list(args) + list(kwargs.values())))
+        hook.recorder.watch_outside(device_of(list(args) + list(kwargs.values())))
 
     def _mismatched(self, hook: IterationHook, args: Tuple[Any, ...]) -> None:
         """A planned call stopped matching its plan: from there it keeps

@@ -16,6 +16,7 @@ first included, is at or under its budget.
 from __future__ import annotations
 
 import gc
+import logging
 from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
@@ -236,6 +237,28 @@ def test_the_first_line_says_the_saving_as_measured(caplog):
     assert f"peak {format_bytes(int(measured))} measured" in lines[0], lines[0]
     assert f"{saving:.0f}% less than plain Chainer's {format_bytes(int(plain))}" in lines[0]
     assert "forward and backward measured at batch 2 and 4, scaled" in lines[0], lines[0]
+
+
+def test_planners_memory_over_a_small_models_budget_is_said(caplog):
+    """On a model of a few hundred KiB the first call's captures and
+    planning (Python objects mostly) take as much as its activations: that
+    step's peak is over the figure it planned for, and it is said, with
+    the figure, for ``'least'`` as for a byte budget; the next steps are
+    under it."""
+    def make():
+        return MLP(sizes=(32, 64, 64, 10))
+    data = vectors(batch=64, width=32)
+    for budget in ("least", None):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="chainer_recompute"):
+            run = train(make, optimizer(lambda: chainer.optimizers.Adam()), data,
+                        budget or least.stats[-1][1])
+        said = [r.getMessage() for r in caplog.records if "planner's memory" in r.getMessage()]
+        figure = run.stats[0][1]
+        assert run.peaks[0] > figure and said and cr.format_bytes(figure) in said[0], (
+            run.peaks, figure, said)
+        assert all(p <= s[1] for p, s in zip(run.peaks[1:], run.stats[1:])), run.peaks
+        least = run
 
 
 def test_graph_network_whose_node_count_changes_every_batch():

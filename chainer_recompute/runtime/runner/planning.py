@@ -706,7 +706,7 @@ class Planner:
                             and self.plan_separately(entry, args, kwargs)))
         arrays = list(args) + list(kwargs.values())
         dev = device_of(arrays)
-        if self.budget_bytes is None or dev.is_gpu or self._said_planning:
+        if dev.is_gpu or self._said_planning or self.spec.budget_scope != "total":
             return plan()
         meter = dev.meter()
         meter.start()
@@ -717,16 +717,17 @@ class Planner:
             planner = meter.stop().peak_bytes
         if not planned:  # recorded instead (said there)
             return False
+        # (the budget as resolved for this plan: 'least' and a share too)
+        budget = self.budget_bytes or entry.structures[0].plan.budget_bytes
         own = _distinct_bytes(dev, _own_arrays(self._link(args), arrays))
-        if own + planner > self.budget_bytes:
+        if budget is not None and own + planner > budget:
             self._said_planning = True
             report.warning(
                 "planning %s (input dimensions %s) inside its first call took %s (the "
                 "planner's memory, in no plan) on top of the model's own %s (parameters, "
                 "gradients, optimizer state, inputs): this step peaks at %s or more, over the "
                 "budget %s", self._name(args), entry.dims, format_bytes(planner),
-                format_bytes(own), format_bytes(own + planner),
-                format_bytes(self.budget_bytes))
+                format_bytes(own), format_bytes(own + planner), format_bytes(budget))
         return True
 
     def _plan_from_family(self, entry: _Entry, args: Tuple[Any, ...],

@@ -261,6 +261,27 @@ def test_planners_memory_over_a_small_models_budget_is_said(caplog):
         least = run
 
 
+def test_planning_again_at_a_call_is_measured_and_said(caplog):
+    """A plan made again at a training call (here after a correction of one
+    byte) is planned inside that step: on a deep and narrow network, whose
+    planning takes more than its arrays, its memory with the model's own
+    arrays is over the budget, and it is said."""
+    model = cr.apply(MLP(sizes=(8,) * 30 + (10,)), budget="least", verbose=False)
+    opt = optimizer(lambda: chainer.optimizers.Adam())(model)
+    data = vectors(batch=16, width=8)
+    runner = cr.runner_of(model)
+    with caplog.at_level(logging.WARNING, logger="chainer_recompute"):
+        for x, t in data[:2]:
+            opt.update(model, x, t)
+        caplog.clear()
+        (view,) = runner.signatures()
+        entry = runner.entries.get(view.signature)
+        runner.steps.corrections = {0: (entry, entry.structures[0], 1)}
+        opt.update(model, *data[2])
+    said = [r.getMessage() for r in caplog.records if "again at a training call" in r.getMessage()]
+    assert len(said) == 1 and "planner's memory" in said[0], [r.getMessage() for r in caplog.records]
+
+
 def test_graph_network_whose_node_count_changes_every_batch():
     """A new atom count at every batch under a byte budget: the first
     shapes planned from captures, the next ones from the recorded shapes

@@ -5,12 +5,13 @@ a backward pass."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import time
 import warnings
 import weakref
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from .. import _chainer  # noqa: F401
 import chainer
@@ -87,7 +88,8 @@ class Planner:
         self._said_unsafe: set = set()  # unsafe-function warnings given (one each)
         self._said_capture = False  # capture_batch refused a model (warned once)
         self._said_new_shape = False  # a new input shape recorded plainly (warned once)
-        self._said_planning = False  # a step over the budget by planning in it (warned once)
+        self._said_planning: set = set()  # steps over the budget by planning in them (once each)
+        self.plans_made = 0  # structures added (planned or adopted), to see planning in a call
 
     # ------------------------------------------------------------- keep
     def check_keep(self, model: chainer.Link) -> None:
@@ -262,6 +264,7 @@ class Planner:
         """A new structure of ``entry`` (first), for ``graph`` and ``plan``
         (None: planned now; ``adopted``: a plan made elsewhere for ``graph``
         before its workspace bound)."""
+        self.plans_made += 1
         graph = self._with_keep(graph)  # (keep=: the functions every plan keeps)
         if self.step_calls > 1 and self.coordinator is None and \
                 self.spec.budget_scope == "total":  # (see StepMeter.count_step_calls)
@@ -693,42 +696,51 @@ class Planner:
         (:meth:`_plan_from_family`), else from a separate capture
         (:meth:`plan_separately`); False when neither can (the call is
         then recorded, said there). The planner's memory (and the
-        captures') is in that step and in no plan: on NumPy under a byte
-        budget it is measured, and when it and the model's own arrays
-        (parameters, gradients, optimizer state, inputs) are over the
-        budget, that step is, and it is said once."""
-        from ..device import device_of
-        from .metering import _distinct_bytes, _own_arrays
-
-        def plan() -> bool:
+        captures') is in that step and in no plan (:meth:`watch_planning`)."""
+        with self.watch_planning(entry, args, kwargs, "inside its first call"):
             return bool((self.coordinator is None and self._plan_from_family(entry, args, kwargs))
                         or (self.spec.capture_batch is not None
                             and self.plan_separately(entry, args, kwargs)))
+
+    @contextlib.contextmanager
+    def watch_planning(self, entry: _Entry, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                       where: str) -> Iterator[None]:
+        """Planning inside a training call (a first call, or a plan made
+        again at a call after a correction): the planner's memory is in
+        that step and in no plan. On NumPy (on a GPU it is host memory,
+        outside the budget) it is measured, and when with the model's own
+        arrays (parameters, gradients, optimizer state, inputs) it is over
+        the budget (as resolved for the plan: ``'least'``'s figure too),
+        that step is, and it is said (once for each ``where``)."""
+        from ..device import device_of
+        from .metering import _distinct_bytes, _own_arrays
         arrays = list(args) + list(kwargs.values())
         dev = device_of(arrays)
-        if dev.is_gpu or self._said_planning or self.spec.budget_scope != "total":
-            return plan()
+        if dev.is_gpu or where in self._said_planning or self.spec.budget_scope != "total":
+            yield
+            return
+        made = self.plans_made
         meter = dev.meter()
         meter.start()
-        planned = False
         try:
-            planned = plan()
+            yield
         finally:
             planner = meter.stop().peak_bytes
-        if not planned:  # recorded instead (said there)
-            return False
-        # (the budget as resolved for this plan: 'least' and a share too)
+        if self.plans_made == made or not entry.structures:
+            return  # nothing planned (a call recorded instead is said there)
         budget = self.budget_bytes or entry.structures[0].plan.budget_bytes
-        own = _distinct_bytes(dev, _own_arrays(self._link(args), arrays))
+        # (the call's inputs at their own size: a batch sliced from a data set
+        # held in memory is what it shows, the data set the caller's)
+        own = (_distinct_bytes(dev, _own_arrays(self._link(args), []))
+               + _distinct_bytes(dev, arrays, as_shown=True))
         if budget is not None and own + planner > budget:
-            self._said_planning = True
+            self._said_planning.add(where)
             report.warning(
-                "planning %s (input dimensions %s) inside its first call took %s (the "
-                "planner's memory, in no plan) on top of the model's own %s (parameters, "
-                "gradients, optimizer state, inputs): this step peaks at %s or more, over the "
-                "budget %s", self._name(args), entry.dims, format_bytes(planner),
-                format_bytes(own), format_bytes(own + planner), format_bytes(budget))
-        return True
+                "planning %s (input dimensions %s) %s took %s (the planner's memory, in no "
+                "plan) on top of the model's own %s (parameters, gradients, optimizer state, "
+                "inputs): this step peaks at %s or more, over the budget %s",
+                self._name(args), entry.dims, where, format_bytes(planner), format_bytes(own),
+                format_bytes(own + planner), format_bytes(budget))
 
     def _plan_from_family(self, entry: _Entry, args: Tuple[Any, ...],
                           kwargs: Dict[str, Any]) -> bool:

@@ -446,8 +446,6 @@ class Recompute:
         steps.close_step(continued=steps.in_step())
         if self.spec.free_previous_graph:
             steps.let_go_of_finished_graphs()
-        if steps.corrections:  # planned here, where no step's meter runs
-            steps.apply_corrections()
         if not planner.keep_checked and link is not None:
             planner.check_keep(link)  # before anything runs
         sig = self.signature(args, kwargs)
@@ -455,8 +453,13 @@ class Recompute:
         if self.budget.kind == "device" and not self.budget.resolved:
             from ..device import device_of
             planner.device = device_of(list(args) + list(kwargs.values()))
-        steps.count_held_graph(entry)
-        steps.count_step_calls(entry, args)
+        # plans made again here, where no step's meter runs: after a
+        # correction, for a graph held into this call, for more calls per step
+        with planner.watch_planning(entry, args, kwargs, "again at a training call"):
+            if steps.corrections:
+                steps.apply_corrections()
+            steps.count_held_graph(entry)
+            steps.count_step_calls(entry, args)
         if entry.error is not None:
             planner.infeasible(entry, entry.error)  # raises, or runs this signature plainly
         entry.calls += 1

@@ -166,7 +166,7 @@ def _record(link: chainer.Link, x: Any, t: Any, *, cost_model: str, name: str,
             loss.backward()
     del loss
     return rec.graph(cost_model=cost_model, batch_size=int(x.shape[0]), name=name,
-                     meta={"state_bytes": sb})
+                     facts={"state_bytes": sb})
 
 
 def dry_run_graph(name: str, batch_size: int, *, small: bool = False, device: Any = "@numpy",
@@ -374,7 +374,7 @@ def extrapolate_input_size(recorded: Sequence[Tuple[int, Graph]], side: int) -> 
     meta = dict(g1.meta)
     meta["extrapolated"] = {"from_input_sides": [s for s, _ in recorded], "to_input_side": side}
     return Graph(arrays, nodes, batch_size=g1.batch_size, cost_model=g1.cost_model,
-                 meta=meta, backward_order=g1.backward_order)
+                 meta=meta, step=g1.step, backward_order=g1.backward_order)
 
 
 def _same_structure(g1: Graph, g: Graph, s1: int, s: int) -> None:

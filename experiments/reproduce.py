@@ -273,7 +273,7 @@ def worker(net: str, method: str, batch: int, *, measured: int, optimizer: str, 
             vanilla_replay={"peak_bytes": van.peak_bytes, **peak_parts(g, van)},
             predicted_peak_bytes=rp.peak_bytes,
             structures=len(entry.structures),
-            workspace_bytes=g.meta.get("workspace_bytes"),
+            workspace_bytes=g.step.workspace_bytes,
             workspace_calls=sum(1 for n in g.nodes if n.attrs.get("workspace_chunks")))
         if save_graph:
             Path(save_graph).parent.mkdir(parents=True, exist_ok=True)

@@ -189,9 +189,9 @@ def test_the_loops_work_before_the_backward_is_measured_by_the_pool():
             td_step(model, target, opt, *batch)
             stats.append(runner_of(model).last_stats)
         (entry,) = runner_of(model).signatures()
-        meta = entry.structures[0].graph.meta
-    assert meta["allocator"] == "cupy" and "correction_bytes" not in meta
-    assert meta["outside_peak_bytes"] >= 3 * 64 * 512 * 4  # the target's activations
+        step = entry.structures[0].graph.step
+    assert step.allocator == "cupy" and step.correction_bytes == 0
+    assert step.outside_peak_bytes >= 3 * 64 * 512 * 4  # the target's activations
     assert [s.path for s in stats] == ["recorded"] + ["planned"] * 3
     for s in stats[1:]:
         assert s.n_dropped and s.measured_pool_total_bytes <= s.budget_bytes, s
@@ -338,7 +338,7 @@ def test_replay_models_the_pool_on_graphs_recorded_on_cupy():
     model(x, t)
     with fake.active():
         g = capture(model, x, t, backward=True)
-    assert g.meta["allocator"] == "cupy"
+    assert g.step.allocator == "cupy"
     r = replay(g)
     assert r.pool_total_peak_bytes is not None and r.peak_bytes == max(
         r.pool_total_peak_bytes, r.used_peak_bytes)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from chainer_recompute.core.errors import GraphError, GraphFormatError, SchemaVersionError
-from chainer_recompute.core.graph import ArrayInfo, Graph, Node
+from chainer_recompute.core.graph import ArrayInfo, Graph, Node, StepFacts
 from chainer_recompute.core.io import load_authors_graph, load_graph, save_graph
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,6 +92,29 @@ def test_json_round_trip_and_schema_version(tmp_path):
         load_graph(tmp_path / "bad.json")
 
 
+def test_step_facts_are_typed_and_files_of_earlier_versions_read(tmp_path):
+    """What a graph records of the step around it is typed (``graph.step``),
+    saved under ``step`` (schema 3) and read back equal; a version 2 file
+    that kept the facts among ``meta``'s notes is read with them as facts,
+    its notes left in ``meta``; facts given both ways are refused."""
+    g = Graph.from_edges([4, 8], [(0, 1)], costs=[1, 2]).with_step(
+        state_bytes={"params": 64}, correction_bytes=12, calls_per_step=2, returned=[2])
+    g = g.replace(meta={"model": "m"})
+    assert g.step.returned == (2,) and g.step.calls_per_step == 2 and g.state_bytes == {"params": 64}
+    save_graph(g, tmp_path / "g.json")
+    data = json.loads((tmp_path / "g.json").read_text())
+    assert data["schema_version"] == 3 and data["meta"] == {"model": "m"}
+    assert data["step"] == {"state_bytes": {"params": 64}, "returned": [2], "calls_per_step": 2,
+                            "correction_bytes": 12}
+    assert load_graph(tmp_path / "g.json").step == g.step
+    old = dict(data, schema_version=2, meta={"model": "m", **data.pop("step")})
+    (tmp_path / "v2.json").write_text(json.dumps(old))
+    h = load_graph(tmp_path / "v2.json")
+    assert h.step == g.step and h.meta == {"model": "m"}
+    with pytest.raises(GraphError, match="both"):
+        Graph(g.arrays, g.nodes, meta={"correction_bytes": 1}, step=StepFacts())
+
+
 @needs_graphs
 @pytest.mark.parametrize("name,n_nodes", [("vgg19", 46), ("resnet50", 176), ("unet", 60),
                                           ("densenet", 568)])
@@ -170,7 +193,7 @@ def _careful(path):
 
 
 def _same_graph(a, b):
-    return (a.arrays == b.arrays and a.nodes == b.nodes and a.meta == b.meta
+    return (a.arrays == b.arrays and a.nodes == b.nodes and a.meta == b.meta and a.step == b.step
             and a.cost_model == b.cost_model)
 
 
@@ -280,15 +303,15 @@ def test_the_callers_work_scales_with_the_graph():
     transients do, and is interpolated between two recorded shapes."""
     def at(batch, peak, held):
         return Graph.from_edges([8 * batch, 8 * batch], [(0, 1)]).replace(
-            batch_size=batch, meta=dict(outside_peak_bytes=peak, outside_held_bytes=held))
+            batch_size=batch).with_step(outside_peak_bytes=peak, outside_held_bytes=held)
     g2 = at(2, 1000, 200)
-    assert g2.scale_batch(6).meta["outside_peak_bytes"] == 3000
-    assert g2.scale_batch(6).meta["outside_held_bytes"] == 600
+    assert g2.scale_batch(6).step.outside_peak_bytes == 3000
+    assert g2.scale_batch(6).step.outside_held_bytes == 600
     g4 = at(4, 1800, 200)
     g = g2.scale_between(g4, 8)
-    assert (g.meta["outside_peak_bytes"], g.meta["outside_held_bytes"]) == (3400, 200)
-    assert "outside_peak_bytes" not in Graph.from_edges([8], []).replace(
-        batch_size=2).scale_batch(4).meta
+    assert (g.step.outside_peak_bytes, g.step.outside_held_bytes) == (3400, 200)
+    assert Graph.from_edges([8], []).replace(
+        batch_size=2).scale_batch(4).step.outside_peak_bytes == 0
 
 
 # ------------------------------------------------ a model at several shapes

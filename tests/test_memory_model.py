@@ -98,7 +98,7 @@ def test_json_schema_2_keeps_the_measurements_and_reads_version_1(tmp_path):
     g = capture(lambda v: F.sum(F.reshape(lnk(v), (-1,))), np.ones((2, 3, 8, 8), np.float32),
                 backward=True)
     d = graph_to_dict(g)
-    assert d["schema_version"] == 2
+    assert d["schema_version"] == 3
     g2 = graph_from_dict(json.loads(json.dumps(d)))
     assert g2.nodes[0].forward_transient_bytes == g.nodes[0].forward_transient_bytes
     assert g2.backward_order == g.backward_order
@@ -329,7 +329,7 @@ def test_summed_gradients_are_predicted_to_the_byte():
     assert stats.path == "planned" and stats.measured_peak_bytes is not None
     (entry,) = runner.signatures()
     s = entry.structures[0]
-    assert "correction_bytes" not in s.graph.meta  # nothing was corrected
+    assert s.graph.step.correction_bytes == 0  # nothing was corrected
     assert s.plan.recompute
     over = stats.measured_peak_bytes - s.plan.predicted_peak_bytes
     assert 0 <= over <= _LOSS_GRAD_BYTES, (stats.measured_peak_bytes, s.plan.predicted_peak_bytes)
@@ -399,8 +399,8 @@ def test_dropout_residual_net_that_keeps_its_loss_is_predicted_to_the_byte(keep_
         (entry,) = runner.signatures()
         s = entry.structures[0]
         assert stats.path == "planned" and s.plan.recompute
-        assert s.graph.meta["kept_after_backward"]
-        assert "correction_bytes" not in s.graph.meta  # nothing was corrected
+        assert s.graph.step.kept_after_backward
+        assert s.graph.step.correction_bytes == 0  # nothing was corrected
         over = stats.measured_peak_bytes - s.plan.predicted_peak_bytes
         assert 0 <= over <= _PREVIOUS_LOSS_BYTES, (step, stats.measured_peak_bytes,
                                                    s.plan.predicted_peak_bytes)
@@ -426,7 +426,7 @@ def test_misprediction_warns_once_corrects_and_replans(monkeypatch, caplog):
 
     def optimistic(graph, *plan, **kw):
         peak = real_replay(graph, *plan, **kw)
-        if shrink["on"] and "correction_bytes" not in graph.meta:
+        if shrink["on"] and graph.step.correction_bytes == 0:
             return int(peak * 0.8)
         return peak
 
@@ -458,7 +458,7 @@ def test_misprediction_warns_once_corrects_and_replans(monkeypatch, caplog):
     assert caplog.text.count("over the budget") == 1
     (entry,) = runner.signatures()
     s = entry.structures[0]
-    assert s.graph.meta["correction_bytes"] > 0
+    assert s.graph.step.correction_bytes > 0
     assert s.plan.predicted_peak_bytes >= stats.measured_peak_bytes * 0.95
     shrink["on"] = False
     after = runner.last_stats
@@ -478,7 +478,7 @@ def test_overshoot_that_the_corrected_model_cannot_meet_raises_at_the_next_call(
 
     def optimistic(graph, *plan, **kw):
         peak = real_replay(graph, *plan, **kw)
-        if "correction_bytes" not in graph.meta:
+        if graph.step.correction_bytes == 0:
             return int(peak * 0.7)
         return peak
 

@@ -328,7 +328,7 @@ def _plans_of(runner: Any) -> Dict[str, Any]:
                         "lower_sets": [sorted(ls) for ls in s.plan.lower_sets],
                         "kept": sorted(s.plan.kept),
                         "budget": s.plan.budget_bytes,
-                        "correction": int(s.graph.meta.get("correction_bytes", 0))}
+                        "correction": s.graph.step.correction_bytes}
     return out
 
 

@@ -332,7 +332,7 @@ def test_two_structures_under_one_signature():
     assert paths[:2] == ["recorded", "mismatch"] and paths[2:] == ["planned"] * 6, ours.stats
     assert dropped_steps(ours) == 6
     short = next(s for s in entry.structures if s.graph.n == 16)
-    assert "correction_bytes" not in short.graph.meta
+    assert short.graph.step.correction_bytes == 0
     for st in ours.stats[2::2]:  # the box-free steps: their own plan's figures
         assert st["predicted_peak_bytes"] == short.plan.predicted_peak_bytes
         assert st["measured_peak_bytes"] <= st["budget_bytes"] == budget
@@ -370,7 +370,7 @@ def test_padded_graph_network_at_several_sizes_under_a_byte_budget():
     # solved for a new shape (not reused, nor planned again after a
     # measured overshoot): the largest recorded shape only
     solved = [s for s in structures if "reused_from" not in s.plan.info
-              and "correction_bytes" not in s.graph.meta]
+              and s.graph.step.correction_bytes == 0]
     assert len(solved) <= 1, [(s.graph.batch_size, s.plan.info.get("reused_from"))
                               for s in structures]
     assert any("reused_from" in s.plan.info for s in structures)
@@ -727,14 +727,14 @@ def test_what_the_loop_holds_into_the_backward_is_measured_once():
     del q, loss
     runner = cr.runner_of(model)
     (entry,) = runner.signatures()
-    meta = entry.structures[0].graph.meta  # planned as its backward ended
+    step = entry.structures[0].graph.step  # planned as its backward ended
     mib = 64 * 4096 * 4
     held = mib + x.shape[0] * 6 * 4  # and the gradient of the model's output
-    assert held <= meta["outside_held_bytes"] < held + 1024, meta
+    assert held <= step.outside_held_bytes < held + 1024, step
     # the matmul's and the tanh's outputs, and the tanh's backward beside
     # them, less the gradients cleared before (the replay's previous
     # gradients are still there at the end of the forward)
-    assert 3 * mib - grads <= meta["outside_peak_bytes"] < 3 * mib - grads + 4096, meta
+    assert 3 * mib - grads <= step.outside_peak_bytes < 3 * mib - grads + 4096, step
 
     model = QNet()
     cr.apply(model, budget="least", cost="flops", verbose=False)
@@ -742,7 +742,8 @@ def test_what_the_loop_holds_into_the_backward_is_measured_once():
     kept = [np.ones(mib, np.uint8)]  # the loop's own, before the next call
     model(x)  # planned from the recording
     (entry,) = cr.runner_of(model).signatures()
-    assert not [k for k in entry.structures[0].graph.meta if k.startswith("outside")]
+    step = entry.structures[0].graph.step
+    assert (step.outside_peak_bytes, step.outside_held_bytes) == (0, 0)
     del kept
 
 

@@ -52,11 +52,11 @@ GRAPHS = {
 
 
 def _outside(g, peak=300_000, held=7_000):
-    return g.replace(meta=dict(g.meta, outside_peak_bytes=peak, outside_held_bytes=held))
+    return g.with_step(outside_peak_bytes=peak, outside_held_bytes=held)
 
 
 def _kept(g):
-    return g.replace(meta=dict(g.meta, kept_after_backward=True))
+    return g.with_step(kept_after_backward=True)
 
 
 def _some_plans(g, k=5):
@@ -115,7 +115,7 @@ def test_unknown_engine_and_mode_are_refused():
 @pytest.mark.parametrize("engine", ENGINES)
 def test_a_graph_the_model_keeps_holds_its_arrays_through_the_update(engine):
     """Only the returned loss outlives the forward, so the graph goes at the
-    update, unless the model keeps it (``meta['kept_after_backward']``):
+    update, unless the model keeps it (``step.kept_after_backward``):
     then the update's temporary comes on top of what plain Chainer's graph
     still holds (every retained array, the Gaussian's noise)."""
     g = GRAPHS["vae"]()
@@ -130,8 +130,8 @@ def test_a_graph_the_model_keeps_holds_its_arrays_through_the_update(engine):
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_the_callers_work_between_forward_and_backward_is_where_it_was_measured(engine):
-    """``meta['outside_peak_bytes']`` is a transient at the end of the
-    forward (no other event changes), ``meta['outside_held_bytes']`` is held
+    """``step.outside_peak_bytes`` is a transient at the end of the
+    forward (no other event changes), ``step.outside_held_bytes`` is held
     from the backward on, the update included."""
     g = GRAPHS["vae"]()
     ep = ExecutionPlan(g, *(lambda p: (p.lower_sets, frozenset(p.kept)))(_some_plans(g)[0]))

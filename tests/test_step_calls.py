@@ -182,17 +182,17 @@ def test_replay_of_k_calls(engine):
     calls share, k times over: plain and planned, each replay engine."""
     if engine == "numba":
         pytest.importorskip("numba")
-    from chainer_recompute.core.graph import STEP_CALLS_KEY, Graph
+    from chainer_recompute.core.graph import Graph
     from chainer_recompute.core.replay import replay, replay_peak, shared_bytes
     g = Graph.from_edges([400, 300, 200, 100], [(0, 1), (1, 2), (2, 3)])
-    g = g.replace(meta={"state_bytes": {"params": 1000, "optimizer_state": 500}})
+    g = g.with_step(state_bytes={"params": 1000, "optimizer_state": 500})
     one = replay(g, None, engine=engine)
-    three = replay(g.replace(meta={**g.meta, STEP_CALLS_KEY: 3}), None, engine=engine)
+    three = replay(g.with_step(calls_per_step=3), None, engine=engine)
     shared = shared_bytes(g)
     assert shared == 1500
     assert list(three.memory_bytes) == [m + 2 * (m - shared) for m in one.memory_bytes]
     assert three.peak_bytes == one.peak_bytes + 2 * (one.peak_bytes - shared) == \
-        replay_peak(g.replace(meta={**g.meta, STEP_CALLS_KEY: 3}), engine=engine)
+        replay_peak(g.with_step(calls_per_step=3), engine=engine)
 
 
 def test_calls_per_step_plans_the_first_step_for_them(caplog):

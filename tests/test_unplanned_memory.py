@@ -14,7 +14,7 @@ measured peak. The models keep only their loss's value (as a reporter
 does), not its graph, so that plain Chainer's peak is one step's.
 
 The graph's new parts (``ArrayInfo.made_at``, ``Node.unrecorded_peak_bytes``
-and its tail in ``meta``, ``Node.inner_params``) are checked on the recorded
+and its tail in ``step``, ``Node.inner_params``) are checked on the recorded
 graphs and on a small graph written by hand, in both replay engines.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ import chainer.links as L
 
 import chainer_recompute as cr
 from chainer_recompute.core.execution import ExecutionPlan
-from chainer_recompute.core.graph import UNRECORDED_TAIL_KEY, ArrayInfo, Graph, Node
+from chainer_recompute.core.graph import ArrayInfo, Graph, Node, StepFacts
 from chainer_recompute.core.io import graph_from_dict, graph_to_dict
 from chainer_recompute.core.replay import RELEASE_MODES, replay
 from chainer_recompute.core.solvers._dp import numba_available
@@ -274,7 +274,7 @@ def test_the_recorder_places_unrecorded_work() -> None:
     peaks = [n.unrecorded_peak_bytes for n in g.nodes]
     assert peaks[0] >= 2 * one and peaks[3] >= 2 * one, peaks
     assert peaks[1] == peaks[2] == peaks[4] == 0, peaks
-    assert g.meta[UNRECORDED_TAIL_KEY] >= 2 * one
+    assert g.step.unrecorded_tail_peak_bytes >= 2 * one
     (h,) = g.nodes[1].outputs
     assert g.arrays[h].dies_at == 4  # dropped during the work before node 3
     events = replay(g, engine="python").events
@@ -326,7 +326,7 @@ def _hand_graph() -> Graph:
         Node(3, "D", (3,), (4,), retained_inputs=(3,)),
     ]
     return Graph(arrays, nodes, batch_size=1,
-                 meta={UNRECORDED_TAIL_KEY: 11 * mib, "returned": [4]})
+                 step=StepFacts(unrecorded_tail_peak_bytes=11 * mib, returned=(4,)))
 
 
 def test_hand_graph_replay() -> None:
@@ -343,11 +343,11 @@ def test_hand_graph_replay() -> None:
     assert at["unrecorded work after the last function"] == \
         base + 2 * mib + 2 * mib + 2 * mib + 4 + 11 * mib
     assert r.peak_event == "unrecorded work after the last function"
-    assert graph_from_dict(graph_to_dict(g)).meta[UNRECORDED_TAIL_KEY] == 11 * mib
+    assert graph_from_dict(graph_to_dict(g)).step.unrecorded_tail_peak_bytes == 11 * mib
     # a batch twice as large: the work's peaks as the transients
     big = g.scale_batch(2)
     assert big.nodes[1].unrecorded_peak_bytes == 14 * mib
-    assert big.meta[UNRECORDED_TAIL_KEY] == 22 * mib and big.arrays[5].made_at == 1
+    assert big.step.unrecorded_tail_peak_bytes == 22 * mib and big.arrays[5].made_at == 1
 
 
 @pytest.mark.skipif(not numba_available(), reason="needs numba (the 'fast' extra)")

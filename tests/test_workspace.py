@@ -233,7 +233,7 @@ def test_vgg_block_bit_identical_with_less_memory():
     # one copy of each column buffer instead of two: a little over half
     assert least1 < 0.7 * least0, (least1, least0)
     graph = cr.runner_of(with_ws).signatures()[0].structures[0].graph
-    assert graph.meta["workspace_bytes"] is not None
+    assert graph.step.workspace_bytes is not None
 
 
 def test_vgg_block_chunked_under_half():
@@ -287,7 +287,7 @@ def test_auto_against_brute_force(exact):
     # it gives: no bound larger than the chosen one reaches the least peak
     # with fewer chunks
     chosen = chosen_plan.workspace_bytes
-    assert chosen == bg.meta["workspace_bytes"]
+    assert chosen == bg.step.workspace_bytes
     chunks = [n.attrs.get("workspace_chunks") for n in bg.nodes]
     for limit, p in tried:
         if p.predicted_peak_bytes == best and (chosen is not None and

@@ -34,7 +34,7 @@ def _load_graph(args: argparse.Namespace) -> Tuple[Any, Dict[str, Any]]:
     source = {"graph": path, "format": "authors" if authors else "json",
               "nodes": graph.n, "batch_size": graph.batch_size,
               "default_scope": "activations" if authors else (
-                  "total" if "state_bytes" in graph.meta else "activations")}
+                  "total" if graph.step.state_bytes else "activations")}
     return graph, source
 
 

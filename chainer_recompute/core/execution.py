@@ -47,7 +47,7 @@ def backward_readers(graph: Graph, releasable: FrozenSet[int],
 
 def releasable_nodes(graph: Graph) -> FrozenSet[int]:
     """The nodes a plan may release: recomputable, except those whose
-    outputs are all returned by the forward (``graph.meta['returned']``)
+    outputs are all returned by the forward (``graph.step.returned``)
     and that hold no derived attribute (releasing them frees nothing: the
     caller's Variables hold the arrays, and that is all they retain; and
     regenerating them would recompute for nothing).
@@ -55,7 +55,7 @@ def releasable_nodes(graph: Graph) -> FrozenSet[int]:
     >>> sorted(releasable_nodes(Graph.from_edges([4, 4], [(0, 1)])))
     [0, 1]
     """
-    returned = set(graph.meta.get("returned", ()))
+    returned = set(graph.step.returned)
     held = {node.id for node in graph.nodes
             if node.outputs and not any(h.role == "derived" for h in node.held)
             and returned.issuperset(node.outputs)}
@@ -83,7 +83,7 @@ class ExecutionPlan:
             arrays are not made by a dropped node: what regeneration starts
             from (held until then); ``source_arrays``: those made by nodes.
         releasable: recomputable nodes, except those whose outputs are all
-            returned by the forward (``graph.meta['returned']``) and that
+            returned by the forward (``graph.step.returned``) and that
             hold no derived attribute: the only ones ever released.
         needs, done: see :func:`backward_readers`.
         block_of, block_nodes: each node's block; the dropped nodes of

@@ -26,28 +26,107 @@ from .errors import GraphError
 from .units import format_bytes
 
 ARRAY_KINDS = ("input", "param", "intermediate", "output")
-#: ``meta`` keys of what the caller's own work allocates between the forward
-#: and the backward (see :func:`~chainer_recompute.core.replay.outside_bytes`):
-#: scaled with the graph, as its transients are.
-OUTSIDE_KEYS = ("outside_peak_bytes", "outside_held_bytes")
-#: ``meta`` key of the peak of work the forward did after its last recorded
-#: function with functions it did not record (applied with backprop
-#: disabled), above the level where it began: :attr:`Node.unrecorded_peak_bytes`
-#: of a node after the last one.
-UNRECORDED_TAIL_KEY = "unrecorded_tail_peak_bytes"
-#: ``meta`` key of how many calls of the model one training step holds at
-#: once (a WGAN-GP critic: the penalty's call, the fake and the real batch,
-#: then one backward through all three): see
-#: :func:`~chainer_recompute.core.replay.step_calls`.
-STEP_CALLS_KEY = "calls_per_step"
-#: ``meta`` keys of how many of those calls hold their whole graph (a
-#: penalty's call backpropagated with double backprop inside the step
-#: releases nothing from then on), and one call's plain peak, which bounds
-#: what such a call holds.
-WHOLE_CALLS_KEY = "whole_calls_per_step"
-WHOLE_PEAK_KEY = "whole_call_peak_bytes"
-#: ``meta`` keys scaled with the graph, as its transients are.
-SCALED_META_KEYS = OUTSIDE_KEYS + (UNRECORDED_TAIL_KEY,)
+
+
+@dataclass(frozen=True)
+class StepFacts:
+    """What a graph records of the training step around its forward pass,
+    beside its arrays and nodes: what the memory model replays
+    (:mod:`~chainer_recompute.core.replay`) and what the runtime measured.
+    Typed, immutable, one field per meaning: ``graph.with_step(...)`` gives
+    a graph with some changed.
+
+    Attributes:
+        state_bytes: bytes that do not depend on the plan, as recorded:
+            ``params``, ``param_grads``, ``optimizer_state``,
+            ``update_transient``, ``persistents`` (see
+            :attr:`Graph.state_bytes`); empty where not recorded (the
+            authors' files).
+        returned: the array ids the forward returned.
+        kept_after_backward: the model keeps an output of its graph after
+            the backward (an attribute): the graph is not gone at the update.
+        grads_in_forward: the parameters' gradients of the previous step
+            are alive through the forward (a loop that clears them after).
+        held_into_next_forward: the graph is held into the model's next
+            call: what it holds after its backward is alive through the
+            next forward.
+        outside_peak_bytes, outside_held_bytes: what the caller's work
+            between the forward and the backward allocates: its peak above
+            the forward's end, and what is still held when the backward
+            begins. Scaled with the graph.
+        unrecorded_tail_peak_bytes: the peak of work the forward did after
+            its last recorded function with functions it did not record
+            (applied with backprop disabled). Scaled with the graph.
+        calls_per_step: how many calls of the model one training step
+            holds at once (a WGAN-GP critic: 3); see
+            :func:`~chainer_recompute.core.replay.step_calls`.
+        whole_calls_per_step, whole_call_peak_bytes: how many of those hold
+            their whole graph (a penalty's call backpropagated with double
+            backprop inside the step), and one call's plain peak, which
+            bounds what such a call holds.
+        correction_bytes: what a measured step missed, added to every
+            replayed event (the runtime's correction).
+        allocator: ``'numpy'``, or ``'cupy'`` for a graph recorded on
+            CuPy (its replay models the memory pool).
+        plain_measured_bytes, plain_measured_at: plain Chainer's peak as the
+            recording (or the captures, at the batch sizes ``at``) measured it.
+        workspace_bytes, workspace_exact: the convolutions' workspace bound
+            the graph's transients are under (None: unbounded), and whether
+            chunks are sized exactly (see :mod:`~chainer_recompute.core.workspace`).
+        derived_from: the input dimensions of the recorded shapes this
+            graph's sizes were derived from (None: recorded or captured).
+
+    >>> StepFacts().calls_per_step, StepFacts(correction_bytes=8).correction_bytes
+    (1, 8)
+    """
+
+    state_bytes: Mapping[str, int] = field(default_factory=dict)
+    returned: Tuple[int, ...] = ()
+    kept_after_backward: bool = False
+    grads_in_forward: bool = True
+    held_into_next_forward: bool = False
+    outside_peak_bytes: int = 0
+    outside_held_bytes: int = 0
+    unrecorded_tail_peak_bytes: int = 0
+    calls_per_step: int = 1
+    whole_calls_per_step: int = 0
+    whole_call_peak_bytes: Optional[int] = None
+    correction_bytes: int = 0
+    allocator: str = "numpy"
+    plain_measured_bytes: Optional[int] = None
+    plain_measured_at: Optional[Tuple[int, ...]] = None
+    workspace_bytes: Optional[int] = None
+    workspace_exact: bool = False
+    derived_from: Optional[Tuple[int, ...]] = None
+
+    #: the fields scaled with the graph's batch size, as its transients are
+    SCALED = ("outside_peak_bytes", "outside_held_bytes", "unrecorded_tail_peak_bytes")
+
+    def __post_init__(self) -> None:
+        for name in ("returned", "plain_measured_at", "derived_from"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, tuple):
+                object.__setattr__(self, name, tuple(int(x) for x in v))
+        object.__setattr__(self, "state_bytes",
+                           {k: int(v) for k, v in dict(self.state_bytes).items()})
+
+    @classmethod
+    def split(cls, meta: Mapping[str, Any]) -> Tuple["StepFacts", Dict[str, Any]]:
+        """The facts among ``meta``'s keys (the files of earlier versions
+        kept them there, by the same names), and the rest (notes)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return (cls(**{k: v for k, v in meta.items() if k in names}),
+                {k: v for k, v in meta.items() if k not in names})
+
+    def as_dict(self) -> Dict[str, Any]:
+        """The fields that differ from their defaults, JSON-able."""
+        default = StepFacts()
+        out = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if v != getattr(default, f.name):
+                out[f.name] = list(v) if isinstance(v, tuple) else v
+        return out
 
 
 @dataclass(frozen=True)
@@ -205,9 +284,12 @@ class Graph:
             topological order (each input is produced by an earlier node).
         batch_size: the batch the graph was captured at (for scaling).
         cost_model: ``paper``, ``flops`` or ``measured`` (see ``costs``).
-        meta: free-form, JSON-able information (model name, source file;
-            ``meta['state_bytes']``: parameter, gradient and optimizer-state
-            bytes, see :attr:`state_bytes`).
+        meta: notes for people, JSON-able (model name, source file, how
+            it was scaled); nothing reads them to compute. Keys named as
+            :class:`StepFacts` fields (the files of earlier versions kept
+            the facts there) become ``step``'s, when ``step`` is not given.
+        step: what the graph records of the training step around it
+            (:class:`StepFacts`).
         backward_order: node ids in the order their backward ran in the
             recorded iteration (``None`` where not recorded).
 
@@ -219,11 +301,19 @@ class Graph:
     def __init__(self, arrays: Sequence[ArrayInfo], nodes: Sequence[Node], *,
                  batch_size: Optional[int] = None, cost_model: str = "paper",
                  meta: Optional[Mapping[str, Any]] = None,
-                 backward_order: Optional[Sequence[int]] = None) -> None:
+                 backward_order: Optional[Sequence[int]] = None,
+                 step: Optional[StepFacts] = None) -> None:
         self.arrays: Tuple[ArrayInfo, ...] = tuple(arrays)
         self.nodes: Tuple[Node, ...] = tuple(nodes)
         self.batch_size = batch_size
-        self.meta: Dict[str, Any] = dict(meta or {})
+        facts, notes = StepFacts.split(meta or {})
+        if step is not None:
+            if facts != StepFacts():
+                raise GraphError(f"step facts given both as step and in meta "
+                                 f"({sorted(facts.as_dict())}): set them on step")
+            facts = step
+        self.step: StepFacts = facts
+        self.meta: Dict[str, Any] = notes
         self.backward_order: Optional[Tuple[int, ...]] = (
             None if backward_order is None else tuple(int(v) for v in backward_order))
         self._validate()
@@ -380,10 +470,18 @@ class Graph:
     def replace(self, *, arrays: Optional[Sequence[ArrayInfo]] = None,
                 nodes: Optional[Sequence[Node]] = None, **kw: Any) -> "Graph":
         kwargs = dict(batch_size=self.batch_size, cost_model=self.cost_model, meta=self.meta,
-                      backward_order=self.backward_order)
+                      backward_order=self.backward_order, step=self.step)
         kwargs.update(kw)
         return Graph(self.arrays if arrays is None else arrays,
                      self.nodes if nodes is None else nodes, **kwargs)
+
+    def with_step(self, **changes: Any) -> "Graph":
+        """This graph with some of its :class:`StepFacts` changed.
+
+        >>> Graph.from_edges([4], []).with_step(calls_per_step=2).step.calls_per_step
+        2
+        """
+        return self.replace(step=dataclasses.replace(self.step, **changes))
 
     def arrays_of_kind(self, *kinds: str) -> List[ArrayInfo]:
         return [a for a in self.arrays if a.kind in kinds]
@@ -395,7 +493,7 @@ class Graph:
         optimizer was known), ``update_transient`` (the largest temporary
         of an optimizer update) and ``persistents`` (BatchNorm statistics);
         empty for graphs that do not record them (the authors' files)."""
-        return {k: int(v) for k, v in self.meta.get("state_bytes", {}).items()}
+        return dict(self.step.state_bytes)
 
     @functools.cached_property
     def integral_costs(self) -> bool:
@@ -511,10 +609,10 @@ class Graph:
                 backward_time_s=None if node.backward_time_s is None else node.backward_time_s * ratio))
         meta = dict(self.meta)
         meta.setdefault("scaled_from", old)
-        for key in SCALED_META_KEYS:  # the caller's and unrecorded work, as the transients
-            if key in meta:
-                meta[key] = int(meta[key]) * batch_size // old
-        return self.replace(arrays=arrays, nodes=nodes, batch_size=batch_size, meta=meta)
+        step = dataclasses.replace(self.step, **{  # the caller's and unrecorded work
+            key: getattr(self.step, key) * batch_size // old for key in StepFacts.SCALED})
+        return self.replace(arrays=arrays, nodes=nodes, batch_size=batch_size, meta=meta,
+                            step=step)
 
     def scale_between(self, other: "Graph", batch_size: int) -> "Graph":
         """The graph at ``batch_size``, from this graph and ``other``, the
@@ -704,14 +802,10 @@ class Graph:
                 backward_alloc_bytes=value([o.backward_alloc_bytes for o in same], what),
                 forward_time_s=timed(big.forward_time_s),
                 backward_time_s=timed(big.backward_time_s)))
-        meta = dict(first.meta)
-        for key in SCALED_META_KEYS:  # the caller's and unrecorded work, as the transients
-            v = max(0, value([int(g.meta.get(key, 0)) for g in graphs], key))
-            if v:
-                meta[key] = v
-            else:
-                meta.pop(key, None)
-        return first.replace(arrays=arrays, nodes=nodes, meta=meta)
+        step = dataclasses.replace(first.step, **{  # the caller's and unrecorded work
+            key: max(0, value([getattr(g.step, key) for g in graphs], key))
+            for key in StepFacts.SCALED})
+        return first.replace(arrays=arrays, nodes=nodes, step=step)
 
     # ------------------------------------------------------------ export
     def to_networkx(self):

@@ -10,7 +10,7 @@ import os
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 from .errors import GraphError, GraphFormatError, SchemaVersionError
-from .graph import ArrayInfo, Graph, HeldArray, Node, _topological_order
+from .graph import ArrayInfo, Graph, HeldArray, Node, StepFacts, _topological_order
 
 try:  # optional (the ``fast`` extra): reads the authors' attribute lines faster
     from orjson import loads as _orjson_loads
@@ -21,9 +21,12 @@ except ImportError:  # pragma: no cover - exercised where orjson is absent
 #: transient bytes, ``has_backward``, the recorded backward order and the
 #: state bytes; version 1 files are still read (those fields absent). Later
 #: optional fields (``made_at``, ``inner_params``, ``unrecorded_peak_bytes``)
-#: read as absent from files that do not have them.
-SCHEMA_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+#: read as absent from files that do not have them. Version 3 keeps the
+#: step's facts (:class:`~chainer_recompute.core.graph.StepFacts`) in
+#: ``step``, where earlier versions kept them among ``meta``'s notes (read
+#: from there).
+SCHEMA_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 PathLike = Union[str, "os.PathLike[str]"]
 
 
@@ -54,7 +57,7 @@ def graph_to_dict(graph: Graph) -> Dict[str, Any]:
                 **({"must_keep": True} if n.must_keep else {})}
 
     return {"schema_version": SCHEMA_VERSION, "batch_size": graph.batch_size,
-            "cost_model": graph.cost_model, "meta": graph.meta,
+            "cost_model": graph.cost_model, "meta": graph.meta, "step": graph.step.as_dict(),
             "backward_order": (None if graph.backward_order is None
                                else list(graph.backward_order)),
             "arrays": [arr(a) for a in graph.arrays], "nodes": [node(n) for n in graph.nodes]}
@@ -97,10 +100,12 @@ def graph_from_dict(d: Dict[str, Any], source: str = "<dict>") -> Graph:
                       link=str(n.get("link", "")),
                       must_keep=bool(n.get("must_keep", False)))
                  for n in d["nodes"]]
+        step = StepFacts(**d["step"]) if "step" in d else None
     except (KeyError, TypeError) as e:
         raise GraphFormatError(source, None, f"missing or malformed field {e}") from None
     return Graph(arrays, nodes, batch_size=d.get("batch_size"),
                  cost_model=d.get("cost_model", "paper"), meta=d.get("meta", {}),
+                 step=step,
                  backward_order=d.get("backward_order"))
 
 

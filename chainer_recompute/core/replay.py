@@ -27,15 +27,15 @@ array, from the recorded graph:
   state and the caller's input arrays; the previous iteration's parameter
   gradients during the forward (a training loop such as Chainer's
   ``StandardUpdater`` clears them only after the forward, right before the
-  backward; ``meta['grads_in_forward']`` records what the recorded
+  backward; ``step.grads_in_forward`` records what the recorded
   iteration did), each parameter's new gradient from the first backward
   that reads it, and the optimizer update's largest temporary at the end;
 - the caller's own work between the forward and the backward (its loss, a
-  target network's forward: ``meta['outside_peak_bytes']``, a transient at
-  the end of the forward, and ``meta['outside_held_bytes']``, held from the
+  target network's forward: ``step.outside_peak_bytes``, a transient at
+  the end of the forward, and ``step.outside_held_bytes``, held from the
   backward on), as the recording measured it;
 - a step that holds several calls of the model at once
-  (``meta['calls_per_step']`` = k: a WGAN-GP critic's penalty call, then the
+  (``step.calls_per_step`` = k: a WGAN-GP critic's penalty call, then the
   fake and the real batch, then one backward through all three): each call
   runs under the same plan, and whatever order their backward passes
   interleave in, the step holds at most k times one call's bytes above
@@ -43,9 +43,8 @@ array, from the recorded graph:
   inside the step) at most plain Chainer's peak (:func:`per_step`);
 - work inside the forward that was not recorded (functions applied with
   backprop disabled: a frozen teacher's forward), as the recording measured
-  it: its peak (``Node.unrecorded_peak_bytes``, the meta key
-  :data:`~chainer_recompute.core.graph.UNRECORDED_TAIL_KEY` after the last
-  function) is a transient where it ran, before the executor's releases at
+  it: its peak (``Node.unrecorded_peak_bytes``, and
+  ``step.unrecorded_tail_peak_bytes`` after the last function) is a transient where it ran, before the executor's releases at
   the next function, and the arrays it made that recorded functions read
   (``ArrayInfo.made_at``) live from there to the caller's last reference;
   a function that applies others to parameters that are not its inputs
@@ -63,7 +62,7 @@ from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 import numpy as np
 
 from .execution import ExecutionPlan
-from .graph import STEP_CALLS_KEY, UNRECORDED_TAIL_KEY, WHOLE_CALLS_KEY, WHOLE_PEAK_KEY, Graph
+from .graph import Graph
 from .kernels import pick_engine
 from .pool import PoolModel
 
@@ -125,13 +124,13 @@ def state_constant_bytes(graph: Graph) -> int:
     """Parameters, optimizer state, persistent arrays (BatchNorm
     statistics) and the caller's input arrays: present during the whole
     iteration whatever the plan (plus a correction the runtime may have
-    measured, ``meta['correction_bytes']``)."""
+    measured, ``step.correction_bytes``)."""
     sb = graph.state_bytes
     params = sb.get("params", graph.param_bytes)
     inputs = sum(a.nbytes for a in graph.arrays
                  if a.kind == "input" and a.name and a.view_of is None)
     return int(params + sb.get("optimizer_state", 0) + sb.get("persistents", 0) + inputs
-               + int(graph.meta.get("correction_bytes", 0)))
+               + int(graph.step.correction_bytes))
 
 
 def shared_bytes(graph: Graph) -> int:
@@ -142,31 +141,31 @@ def shared_bytes(graph: Graph) -> int:
     once per call (an upper bound)."""
     sb = graph.state_bytes
     return int(sb.get("params", graph.param_bytes) + sb.get("optimizer_state", 0)
-               + sb.get("persistents", 0) + int(graph.meta.get("correction_bytes", 0)))
+               + sb.get("persistents", 0) + int(graph.step.correction_bytes))
 
 
 def step_calls(graph: Graph) -> int:
     """How many calls of the model one step holds at once
-    (``meta['calls_per_step']``, 1 unless the runtime saw more). Each runs
+    (``step.calls_per_step``, 1 unless the runtime saw more). Each runs
     under the same plan, so at any moment the step holds at most ``k``
     times one call's bytes above :func:`shared_bytes`: every replayed peak
     and event is ``m + (k - 1)·(m - shared)`` (:func:`per_step`).
 
     >>> g = Graph.from_edges([4, 4], [(0, 1)])
-    >>> step_calls(g), step_calls(g.replace(meta={STEP_CALLS_KEY: 3}))
+    >>> step_calls(g), step_calls(g.with_step(calls_per_step=3))
     (1, 3)
     """
-    return max(1, int(graph.meta.get(STEP_CALLS_KEY, 1)))
+    return max(1, int(graph.step.calls_per_step))
 
 
 def whole_calls(graph: Graph) -> int:
     """How many of a step's :func:`step_calls` calls hold their whole graph
-    (``meta['whole_calls_per_step']``: a penalty's call backpropagated
+    (``step.whole_calls_per_step``: a penalty's call backpropagated
     with double backprop inside the step releases nothing from then on);
-    0 without one call's plain peak (``meta['whole_call_peak_bytes']``)."""
-    if WHOLE_PEAK_KEY not in graph.meta:
+    0 without one call's plain peak (``step.whole_call_peak_bytes``)."""
+    if graph.step.whole_call_peak_bytes is None:
         return 0
-    return max(0, min(step_calls(graph) - 1, int(graph.meta.get(WHOLE_CALLS_KEY, 0))))
+    return max(0, min(step_calls(graph) - 1, int(graph.step.whole_calls_per_step)))
 
 
 def per_step(graph: Graph, memory: Any) -> Any:
@@ -177,11 +176,11 @@ def per_step(graph: Graph, memory: Any) -> Any:
     d·(P - shared)``, monotone in ``memory`` (so the plan with the least
     peak is the same for every ``k`` and ``d``).
 
-    >>> g = Graph.from_edges([4, 4], [(0, 1)]).replace(meta={STEP_CALLS_KEY: 2})
+    >>> g = Graph.from_edges([4, 4], [(0, 1)]).with_step(calls_per_step=2)
     >>> per_step(g, shared_bytes(g) + 100) - shared_bytes(g)
     200
-    >>> g = g.replace(meta={STEP_CALLS_KEY: 3, WHOLE_CALLS_KEY: 1,
-    ...                     WHOLE_PEAK_KEY: shared_bytes(g) + 500})
+    >>> g = g.with_step(calls_per_step=3, whole_calls_per_step=1,
+    ...                 whole_call_peak_bytes=shared_bytes(g) + 500)
     >>> per_step(g, shared_bytes(g) + 100) - shared_bytes(g)
     700
     """
@@ -190,7 +189,7 @@ def per_step(graph: Graph, memory: Any) -> Any:
         return memory
     shared = shared_bytes(graph)
     d = whole_calls(graph)
-    whole = d * (int(graph.meta.get(WHOLE_PEAK_KEY, 0)) - shared) if d else 0
+    whole = d * (int(graph.step.whole_call_peak_bytes or 0) - shared) if d else 0
     return memory + (k - 1 - d) * (memory - shared) + whole
 
 
@@ -201,8 +200,8 @@ def outside_bytes(graph: Graph) -> Tuple[int, int]:
     level at the forward's end, and what is still held when the backward
     begins (kept until the iteration's end: the caller's graph lives
     through the update). Both 0 where nothing was measured there."""
-    return (int(graph.meta.get("outside_peak_bytes", 0)),
-            int(graph.meta.get("outside_held_bytes", 0)))
+    return (int(graph.step.outside_peak_bytes),
+            int(graph.step.outside_held_bytes))
 
 
 def unrecorded_peaks(graph: Graph) -> List[int]:
@@ -214,7 +213,7 @@ def unrecorded_peaks(graph: Graph) -> List[int]:
     [0, 0, 0]
     """
     return ([int(node.unrecorded_peak_bytes) for node in graph.nodes]
-            + [int(graph.meta.get(UNRECORDED_TAIL_KEY, 0))])
+            + [int(graph.step.unrecorded_tail_peak_bytes)])
 
 
 def unrecorded_label(graph: Graph, i: int) -> str:
@@ -258,7 +257,7 @@ def param_grad_bytes(graph: Graph) -> int:
 class _Memory:
     """Buffers with the reasons they are alive, attribute arrays and
     gradients; the running total, and on a graph recorded on CuPy
-    (``meta['allocator'] == 'cupy'``) the pool's total bytes too
+    (``step.allocator == 'cupy'``) the pool's total bytes too
     (:class:`~chainer_recompute.core.pool.PoolModel`)."""
 
     def __init__(self, graph: Graph, base: int) -> None:
@@ -271,7 +270,7 @@ class _Memory:
         self.holders: Dict[int, Set[Tuple[int, str]]] = {}  # buffer -> {(array, reason)}
         self.attrs: Dict[Tuple[int, str], int] = {}
         self.level = 0
-        self.pool: Optional[PoolModel] = PoolModel() if graph.meta.get("allocator") == "cupy" \
+        self.pool: Optional[PoolModel] = PoolModel() if graph.step.allocator == "cupy" \
             else None
         self._handles: Dict[Any, int] = {}
         self.events: List[str] = []
@@ -435,12 +434,12 @@ def graph_gone_at_update(graph: Graph) -> bool:
     """Whether nothing of the graph is left at the optimizer's update: the
     caller held nothing of it but what the forward returned (the loss;
     ``optimizer.update`` drops it after the backward), and the model keeps
-    no output of it either (``meta['kept_after_backward']``: a loss link's
+    no output of it either (``step.kept_after_backward``: a loss link's
     ``self.loss``, which keeps the whole graph and what its functions still
     hold, dropout masks included, into the next call). A model that keeps
     another output (``Classifier.y``) keeps it alive too."""
-    returned = set(graph.meta.get("returned", ()))
-    if not returned or graph.meta.get("kept_after_backward", False):
+    returned = set(graph.step.returned)
+    if not returned or graph.step.kept_after_backward:
         return False
     return not any((a.producer is not None or a.made_at is not None) and a.dies_at is None
                    and a.id not in returned for a in graph.arrays)
@@ -453,7 +452,7 @@ def _caller_input(info: Any) -> bool:
 
 def held_caller_input_bytes(graph: Graph) -> int:
     """The caller's inputs that a graph held into the model's next call
-    (``meta['held_into_next_forward']``) keeps alive through that call's
+    (``step.held_into_next_forward``) keeps alive through that call's
     forward: those a function retains for its backward (a ``Linear``'s
     ``x``). The next call's inputs are new arrays, counted in its constant;
     the previous ones live on in the kept graph, whether or not the loop
@@ -472,7 +471,7 @@ def _engine(graph: Graph, engine: Optional[str]) -> str:
     """``'numba'`` or ``'python'`` (see :data:`REPLAY_ENGINES`)."""
     if engine not in (None,) + REPLAY_ENGINES:
         raise ValueError(f"unknown replay engine {engine!r}; accepted: {list(REPLAY_ENGINES)}")
-    if graph.meta.get("allocator") == "cupy":
+    if graph.step.allocator == "cupy":
         if engine == "numba":
             raise ValueError("replay engine 'numba' does not model CuPy's memory pool: this "
                              "graph was recorded on CuPy; pass engine='auto' or 'python'")
@@ -543,7 +542,7 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
     arrays = graph.arrays
     nodes = graph.nodes
     constant = state_constant_bytes(graph)
-    old_grads = param_grad_bytes(graph) if graph.meta.get("grads_in_forward", True) else 0
+    old_grads = param_grad_bytes(graph) if graph.step.grads_in_forward else 0
     mem = _Memory(graph, constant)
     mem.alloc("old grads", old_grads)
     dropped: FrozenSet[int] = plan.dropped if plan is not None else frozenset()
@@ -741,9 +740,9 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
                             and (release_mode == "none" or u in dropped) and regenerable(u)):
                         release(u)
     # What the graph still holds after its backward: a graph held into the
-    # model's next call (``meta['held_into_next_forward']``) holds it
+    # model's next call (``step.held_into_next_forward``) holds it
     # through that call's forward, so the forward's events carry it too.
-    held = graph.meta.get("held_into_next_forward", False)
+    held = graph.step.held_into_next_forward
     held_end = (sum(arrays[buf].nbytes for buf in mem.holders) + sum(mem.attrs.values())
                 + held_caller_input_bytes(graph) if held else 0)
     # The optimizer update: the graph is gone by then, or it still holds

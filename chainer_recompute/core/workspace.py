@@ -248,11 +248,11 @@ def bounded_graph(graph: Graph, limit_bytes: Optional[int], exact: bool = True) 
 
     The recorded transients of a chunked node are kept in its ``attrs``
     (``plain_transient_bytes``), so that bounding a bounded graph again
-    under another limit starts from them; ``meta['workspace_bytes']`` is
+    under another limit starts from them; ``step.workspace_bytes`` is
     the bound.
 
     >>> g = bounded_graph(Graph.from_edges([4, 4], [(0, 1)]), 1024)
-    >>> g.meta['workspace_bytes']
+    >>> g.step.workspace_bytes
     1024
     """
     nodes = list(graph.nodes)
@@ -276,10 +276,9 @@ def bounded_graph(graph: Graph, limit_bytes: Optional[int], exact: bool = True) 
             node = dataclasses.replace(node, forward_transient_bytes=plain[0],
                                        backward_transient_bytes=plain[1], attrs=attrs)
         nodes[call.node] = node
-    meta = dict(graph.meta)
-    meta["workspace_bytes"] = None if limit_bytes is None else int(limit_bytes)
-    meta["workspace_exact"] = bool(exact)
-    return graph.replace(nodes=nodes, meta=meta)
+    return graph.replace(nodes=nodes).with_step(
+        workspace_bytes=None if limit_bytes is None else int(limit_bytes),
+        workspace_exact=bool(exact))
 
 
 def candidate_limits(graph: Graph, max_candidates: int = 48,

@@ -310,7 +310,7 @@ class Coordinator:
         self.calls += 1
         self._expect = None  # an expectation left by a call that raised before planning
         will_plan = state == "capture" or runner.plans_before_forward(signature)
-        corrections = {k: int(g.graph.meta.get("correction_bytes", 0))
+        corrections = {k: int(g.graph.step.correction_bytes)
                        for k, g in self._corrections.items()}
         mine = _CallMessage(_model_name(runner), _options_digest(runner), state, will_plan,
                             hashlib.sha1(repr(signature).encode()).hexdigest()[:12],
@@ -354,7 +354,7 @@ class Coordinator:
                 "Coordinator plans are made collectively when every rank calls the model "
                 "(use capture_batch= to plan before the first step)")
         plan, correction = known
-        if int(graph.meta.get("correction_bytes", 0)) > correction:
+        if int(graph.step.correction_bytes) > correction:
             self._corrections[g.key] = g
             logger.info("rank %d: measured peak over the budget; the plan is corrected "
                         "collectively at the next call", self.rank)
@@ -391,7 +391,7 @@ class Coordinator:
     def _round_body(self, mine: Dict[str, _Graph], solve: Callable[[Graph], Any],
                     planners: Optional[List[int]]) -> Dict[str, Any]:
         self.rounds += 1
-        keys = self._allgather({k: int(g.graph.meta.get("correction_bytes", 0))
+        keys = self._allgather({k: int(g.graph.step.correction_bytes)
                                 for k, g in mine.items()})
         # the root asks for the graphs it does not hold
         senders: Dict[str, int] = {}
@@ -479,9 +479,8 @@ class Coordinator:
                 continue
             correction = max(keys[r][k] for r in holders[k])
             graph = g.graph
-            if correction > int(graph.meta.get("correction_bytes", 0)):
-                graph = graph.replace(meta=dict(graph.meta, correction_bytes=correction),
-                                      backward_order=graph.backward_order)
+            if correction > int(graph.step.correction_bytes):
+                graph = graph.with_step(correction_bytes=correction)
             if own is not None and k != own.key:
                 same_batch = g.graph.batch_size == own.graph.batch_size
                 log = report.info if same_batch and getattr(
@@ -522,8 +521,7 @@ class Coordinator:
         for old in runner.planned_graphs():
             if self._key_of(old) != key:
                 continue
-            graph = old.replace(meta=dict(old.meta, correction_bytes=correction),
-                                backward_order=old.backward_order)
+            graph = old.with_step(correction_bytes=correction)
             self._keys[graph] = key
             runner.adopt(graph, plan, replacing=old)
 

@@ -47,7 +47,7 @@ class Program(ExecutionPlan):
         self.backward_known = False
         # The model returns its loss (scalars computed inside it): see
         # IterationHook.before_param_update.
-        returned = graph.meta.get("returned", ())
+        returned = graph.step.returned
         self.returns_loss = bool(returned) and all(
             graph.arrays[a].shape == () for a in returned)
 

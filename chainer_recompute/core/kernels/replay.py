@@ -126,11 +126,11 @@ class ReplayContext:
         self.done_p, self.done_i = _csr([done[v] for v in range(n)])
         self.last = np.array([max(s, default=v) for v, s in enumerate(graph.succs)], dtype=i64)
         self.constant = state_constant_bytes(graph)
-        self.old_grads = param_grad_bytes(graph) if graph.meta.get("grads_in_forward", True) \
+        self.old_grads = param_grad_bytes(graph) if graph.step.grads_in_forward \
             else 0
         self.free_all = helpers.graph_gone_at_update(graph)
         self.update_transient = int(graph.state_bytes.get("update_transient", 0))
-        self.held_into_next = bool(graph.meta.get("held_into_next_forward", False))
+        self.held_into_next = bool(graph.step.held_into_next_forward)
         self.held_inputs = helpers.held_caller_input_bytes(graph) if self.held_into_next else 0
         self.outside_peak, self.outside_held = helpers.outside_bytes(graph)
         # the gradients: the same for every plan

@@ -88,7 +88,7 @@ def capture(model: Callable[..., Any], *args: Any, backward: bool = False,
             loss.backward()
         graph = rec.graph(cost_model=cost_model, batch_size=batch_size,
                           name=name or type(model).__name__,
-                          meta={"state_bytes": state_bytes(link)} if link is not None else None)
+                          facts={"state_bytes": state_bytes(link)} if link is not None else None)
         del result
     return graph
 

@@ -36,7 +36,7 @@ from .. import _chainer  # noqa: F401  (NumPy 2 compatibility before chainer)
 import chainer
 
 from ...core.errors import CaptureError, RecomputeError
-from ...core.graph import UNRECORDED_TAIL_KEY, ArrayInfo, Graph, HeldArray, Node
+from ...core.graph import ArrayInfo, Graph, HeldArray, Node, StepFacts
 from ..device import Device, RandomStates, device_of
 from .arrays import (_arrays_in, _variables_in, attribute_arrays, buffer_print, fingerprint,
                      function_op, gone_watch, is_array, node_nbytes, persistent_array_ids,
@@ -686,7 +686,7 @@ class Recorder(chainer.FunctionHook):
 
     # ------------------------------------------------------------- graph
     def graph(self, *, cost_model: str = "measured", batch_size: Optional[int] = None,
-              name: str = "model", meta: Optional[Dict[str, Any]] = None,
+              name: str = "model", facts: Optional[Dict[str, Any]] = None,
               fill: Optional[Graph] = None) -> Graph:
         """The recorded graph.
 
@@ -694,7 +694,8 @@ class Recorder(chainer.FunctionHook):
             cost_model: its cost model.
             batch_size: the batch it was recorded at.
             name: ``meta['model']``.
-            meta: more metadata (``state_bytes``, ...).
+            facts: :class:`~chainer_recompute.core.graph.StepFacts` fields
+            the recording cannot see (``state_bytes``, ``kept_after_backward``).
             fill: a graph whose nodes of the same index give the
                 measurements of calls that were not measured (the executor
                 records without measuring while a plan matches).
@@ -761,22 +762,23 @@ class Recorder(chainer.FunctionHook):
                 forward_transient_bytes=fwd_t, backward_transient_bytes=bwd_t,
                 backward_alloc_bytes=bwd_a, has_backward=c.has_backward,
                 inner_params=c.inner_ids, unrecorded_peak_bytes=int(unrecorded), link=c.link))
-        m: Dict[str, Any] = {"model": name, "returned": list(self.returned)}
+        step: Dict[str, Any] = {"returned": tuple(self.returned)}
         peak, held = self.outside or (0, 0)
         if peak >= OUTSIDE_FLOOR_BYTES:
             # the caller's arrays between the forward and the backward (the
             # replay's transient at the end of the forward, and what stays
             # from there on)
-            m["outside_peak_bytes"] = int(peak)
+            step["outside_peak_bytes"] = int(peak)
             if held >= OUTSIDE_FLOOR_BYTES:
-                m["outside_held_bytes"] = int(held)
-        if self._unrecorded.tail_peak:
-            m[UNRECORDED_TAIL_KEY] = int(self._unrecorded.tail_peak)  # after the last call
+                step["outside_held_bytes"] = int(held)
+        # work after the last recorded function that was not recorded
+        step["unrecorded_tail_peak_bytes"] = int(self._unrecorded.tail_peak or 0)
         if self.on_cupy:
-            m["allocator"] = "cupy"  # the replay models its pool (core.pool)
-        m.update(meta or {})
+            step["allocator"] = "cupy"  # the replay models its pool (core.pool)
+        step.update(facts or {})
         order = self.backward_order or None
-        return Graph(arrays, nodes, batch_size=batch_size, cost_model=cost_model, meta=m,
+        return Graph(arrays, nodes, batch_size=batch_size, cost_model=cost_model,
+                     meta={"model": name}, step=StepFacts(**step),
                      backward_order=_first_pass(order) if order else None)
 
 

@@ -11,7 +11,7 @@
   returned), so :class:`UnrecordedWork` measures each stretch of them
   between two recorded functions with the allocator (its peak above the
   level where it began: ``Node.unrecorded_peak_bytes``, or the graph's
-  ``meta`` after the last function) and remembers, weakly, the arrays they
+  ``step.unrecorded_tail_peak_bytes`` after the last function) and remembers, weakly, the arrays they
   make, with where they were made: a recorded function that reads one makes
   it an array of the graph with ``made_at``.
 - **Parameters read inside a recorded function.** A function may apply

@@ -23,7 +23,7 @@ def plain_peak(graph: Graph, plan: Any) -> Tuple[Optional[int], str]:
     at two small batches, scaled (a plan made from a recorded step, or a
     capture of the whole batch: the prediction only)."""
     vanilla = plan.info.get("vanilla_peak_bytes")
-    measured = graph.meta.get("plain_measured_bytes")
+    measured = graph.step.plain_measured_bytes
     k = step_calls(graph)
     if k > 1:
         how = (f"{k} calls at once, each call's bytes above what they share counted {k} "
@@ -31,7 +31,7 @@ def plain_peak(graph: Graph, plan: Any) -> Tuple[Optional[int], str]:
         return (int(vanilla) if vanilla else None), how
     if measured is None:
         return (int(vanilla) if vanilla else None), "predicted"
-    at = graph.meta.get("plain_measured_at")
+    at = graph.step.plain_measured_at
     if not at:
         return (int(vanilla) if vanilla else int(measured)), "predicted"
     how = (f"predicted; its forward and backward measured at batch {at[0]} and {at[1]}, "

@@ -429,7 +429,7 @@ class StepMeter:
         # (plain Chainer's step of several calls: a bound, no saving said)
         stats.plain_peak_bytes = plain_peak(s.graph, s.plan)[0] \
             if step_calls(s.graph) == 1 else None
-        correction = int(s.graph.meta.get("correction_bytes", 0))
+        correction = int(s.graph.step.correction_bytes)
         if correction in self._said_measured or s.checked < min(2, self.spec.check_iterations):
             return  # (said from the second step: the first has no state, no gradients yet)
         self._said_measured.add(correction)
@@ -467,7 +467,7 @@ class StepMeter:
         for entry, s, correction in (pending or {}).values():
             if s in entry.structures:
                 self.planner.replan(entry, s, correction_bytes=int(
-                    s.graph.meta.get("correction_bytes", 0)) + correction)
+                    s.graph.step.correction_bytes) + correction)
 
     def check_held_graph(self, entry: _Entry, hook: IterationHook) -> None:
         """At the end of a planned forward whose call found the previous
@@ -483,9 +483,9 @@ class StepMeter:
         from ...core.replay import replay
         for s in entry.structures:
             if s.program is not hook.program or \
-                    not s.graph.meta.get("held_into_next_forward", False):
+                    not s.graph.step.held_into_next_forward:
                 continue
-            graph = s.graph.replace(meta={**s.graph.meta, "held_into_next_forward": False})
+            graph = s.graph.with_step(held_into_next_forward=False)
             peak = replay(graph, s.program if s.plan.recompute else None,
                           release_mode=s.program.release_mode).peak_bytes
             info = dict(s.plan.info)
@@ -533,7 +533,7 @@ class StepMeter:
     def count_step_calls(self, entry: _Entry, args: Tuple[Any, ...]) -> None:
         """A step that holds more calls of the model at once than its plan
         was made for (:meth:`find_step`): the plan is made again, before
-        this call runs, for as many (``meta['calls_per_step']``: every call
+        this call runs, for as many (``step.calls_per_step``: every call
         under the same plan, the step's peak the calls' bytes above what
         they share, see :func:`~chainer_recompute.core.replay.step_calls`);
         later plans are made so from the start (``_add``). The earlier calls
@@ -580,7 +580,7 @@ class StepMeter:
         Chainer it stays alive through this call's forward. A plan that did
         not count it is made again, before this step's meter starts, with
         what such a graph holds after its backward added to the forward
-        (``meta['held_into_next_forward']``, replayed), so that the step
+        (``step.held_into_next_forward``, replayed), so that the step
         stays under the budget. A recorded (plain) graph first releases
         what its plan drops: a backward pass through it later regenerates
         them. (A model known to keep its graph is planned so from the
@@ -598,7 +598,7 @@ class StepMeter:
             previous.release_as_planned(previous.planned)
         self._held_previous = [c.func for c in previous.recorder.calls]  # (weak references)
         s = entry.structures[0]
-        if not s.graph.meta.get("held_into_next_forward", False) and \
+        if not s.graph.step.held_into_next_forward and \
                 self.held_at_start is not False:  # (not seen let go before its forward)
             logger.info("the graph of the model's previous call is still held at its next "
                         "call; planned again with it alive through the forward")

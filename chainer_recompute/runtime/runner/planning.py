@@ -19,7 +19,7 @@ import chainer
 from ...core.budget import release_caches
 from ...core.budget_spec import Budget
 from ...core.errors import InfeasibleBudgetError
-from ...core.graph import STEP_CALLS_KEY, WHOLE_CALLS_KEY, WHOLE_PEAK_KEY, Graph
+from ...core.graph import Graph
 from ...core.replay import replay_peak
 from ...core.units import format_bytes
 from ..capture import batch_size_of, leave_no_trace, state_bytes
@@ -307,12 +307,12 @@ class Planner:
                 report.warning("%s", said)
         return s
 
-    def replan(self, entry: _Entry, s: _Structure, **meta: Any) -> None:
-        """Plan ``s``'s graph again with ``meta`` set (what a measurement
-        added to the memory model), in place of ``s``; a budget that cannot
-        be met then is kept on the entry (raised or warned about by the
-        call of that signature)."""
-        graph = s.graph.replace(meta={**s.graph.meta, **meta})
+    def replan(self, entry: _Entry, s: _Structure, **facts: Any) -> None:
+        """Plan ``s``'s graph again with ``facts`` set (step facts a
+        measurement added to the memory model), in place of ``s``; a budget
+        that cannot be met then is kept on the entry (raised or warned about
+        by the call of that signature)."""
+        graph = s.graph.with_step(**facts)
         t0 = time.perf_counter()
         entry.structures.remove(s)
         try:
@@ -322,17 +322,16 @@ class Planner:
             entry.error = e
 
     def _for_step_calls(self, graph: Graph) -> Graph:
-        """``graph`` for the calls per step seen (``meta['calls_per_step']``,
+        """``graph`` for the calls per step seen (``step.calls_per_step``,
         and those holding their whole graph with one call's plain peak,
         see :func:`~chainer_recompute.core.replay.per_step`)."""
-        meta = {**graph.meta, STEP_CALLS_KEY: self.step_calls}
-        meta.pop(WHOLE_CALLS_KEY, None)
-        meta.pop(WHOLE_PEAK_KEY, None)
+        whole = {}
         if self.whole_calls:
-            one = graph.replace(meta={**meta, STEP_CALLS_KEY: 1})
-            meta[WHOLE_CALLS_KEY] = self.whole_calls
-            meta[WHOLE_PEAK_KEY] = replay_peak(one)
-        return graph.replace(meta=meta)
+            one = graph.with_step(calls_per_step=1)
+            whole = dict(whole_calls_per_step=self.whole_calls,
+                         whole_call_peak_bytes=replay_peak(one))
+        return graph.with_step(calls_per_step=self.step_calls, **{
+            "whole_calls_per_step": 0, "whole_call_peak_bytes": None, **whole})
 
     def plan_pending(self, entry: _Entry, args: Tuple[Any, ...],
                       kwargs: Dict[str, Any]) -> None:
@@ -377,8 +376,8 @@ class Planner:
                 h.release_as_planned(s.program)
         hook.on_backward_done = plan
 
-    def _kept_meta(self, keeps: bool) -> Dict[str, bool]:
-        """A recorded graph's meta on whether the model keeps an output of
+    def _kept_facts(self, keeps: bool) -> Dict[str, bool]:
+        """A recorded graph's step facts on whether the model keeps an output of
         it (``keeps``): then the graph lives through the update and, unless
         ``free_previous_graph`` lets it go, into the next call's forward."""
         return {"kept_after_backward": keeps,
@@ -391,17 +390,17 @@ class Planner:
         if isinstance(rec, _Recording):
             return rec
         hook = rec
-        meta = None
+        facts = None
         if link is not None:
             # a model that keeps an output of its graph (a loss link's
             # ``self.loss``) keeps the graph through the optimizer's update:
             # the replay counts what it still holds then
-            meta = {"state_bytes": state_bytes(link),
-                    **self._kept_meta(_keeps_graph(link, hook))}
-        graph = hook.recorder.graph(cost_model=self.spec.cost, batch_size=entry.batch,
-                           name=type(link).__name__ if link is not None else "model",
-                           meta=meta,
-                           fill=hook.program.graph if hook.program is not None else None)
+            facts = {"state_bytes": state_bytes(link),
+                     **self._kept_facts(_keeps_graph(link, hook))}
+        graph = hook.recorder.graph(
+            cost_model=self.spec.cost, batch_size=entry.batch,
+            name=type(link).__name__ if link is not None else "model", facts=facts,
+            fill=hook.program.graph if hook.program is not None else None)
         if hook.recorder.backward_during_forward:
             # chainer.grad inside the forward (a gradient penalty): planned as
             # usual; from the moment such a backward starts, the executor
@@ -474,17 +473,16 @@ class Planner:
                     g1, hook = self._capture_at(args, kwargs, batch, small)
                     g2, _ = self._capture_at(args, kwargs, batch, 2 * small)
                 graph = g1.scale_between(g2, batch)
-                p1, p2 = g1.meta.get("plain_measured_bytes"), g2.meta.get("plain_measured_bytes")
+                p1, p2 = g1.step.plain_measured_bytes, g2.step.plain_measured_bytes
                 if p1 is not None and p2 is not None and p2 > p1:
                     # plain Chainer's peak as the captures measured it, on
                     # the line through them (the capture's graph is freed
                     # by then: what it holds is in the measure); not said
                     # where the smaller batch measured more (a one-time
                     # allocation in the first capture: the line means nothing)
-                    graph = graph.replace(meta=dict(
-                        graph.meta, plain_measured_bytes=int(p1 + (p2 - p1) * (batch - small)
-                                                             / small),
-                        plain_measured_at=[small, 2 * small]))
+                    graph = graph.with_step(
+                        plain_measured_bytes=int(p1 + (p2 - p1) * (batch - small) / small),
+                        plain_measured_at=(small, 2 * small))
             except Exception as e:  # noqa: BLE001 - said, and the call is recorded instead
                 self.refusal = (f"captures at batch {small} and {2 * small} cannot plan "
                                  f"it ({type(e).__name__}: {e})")
@@ -563,14 +561,14 @@ class Planner:
                 sb = state_bytes(link) if link is not None else None
         finally:
             _abandon(meter)  # (a capture that raised: tracing stopped all the same)
-        meta = None
+        facts = None
         if link is not None:
-            meta = {"state_bytes": sb, **self._kept_meta(keeps),
-                    # plain Chainer's forward and backward at this batch, measured
-                    "plain_measured_bytes": own + peak}
+            facts = {"state_bytes": sb, **self._kept_facts(keeps),
+                     # plain Chainer's forward and backward at this batch, measured
+                     "plain_measured_bytes": own + peak}
         graph = hook.recorder.graph(cost_model=self.spec.cost, batch_size=small,
-                           name=type(link).__name__ if link is not None else "model",
-                           meta=meta)
+                                    name=type(link).__name__ if link is not None else "model",
+                                    facts=facts)
         return graph, hook
 
     def _family_graphs(self, entry: _Entry, link: Optional[chainer.Link]
@@ -592,7 +590,7 @@ class Planner:
         its recording waiting to be planned), not one derived from other
         shapes; None when it has none."""
         for s in e.structures:
-            if "derived_from" not in s.graph.meta:
+            if s.graph.step.derived_from is None:
                 return s.graph
         if e.pending is not None:
             return self._recorded(e, link).graph
@@ -789,9 +787,7 @@ class Planner:
             # (one structure object: its measurements count for both)
             entry.structures.insert(0, src.structures[0])
             return True
-        meta = dict(graph.meta)
-        meta["derived_from"] = list(src.dims)
-        graph = graph.replace(batch_size=batch, meta=meta)
+        graph = graph.replace(batch_size=batch).with_step(derived_from=tuple(src.dims))
         if src.structures:
             program = src.structures[0].program
             refs, multi, known = program.param_refs, program.multi_backward, \

@@ -574,7 +574,7 @@ class Recompute:
         is recorded for the next calls. Under a byte budget that step is not
         held to it: a warning, once per runner (else at info level)."""
         graph = hook.program.graph if hook.program is not None else None
-        derived = graph.meta.get("derived_from") if graph is not None else None
+        derived = graph.step.derived_from if graph is not None else None
         if self.budget_bytes is None or self._said_mismatch:
             logger.info("the model's graph changed for the same input signature (%s); this "
                         "iteration keeps what it had not released and the next call plans "

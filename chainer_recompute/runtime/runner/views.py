@@ -15,7 +15,7 @@ class StructureView:
 
     Attributes:
         graph: the graph it was planned from (recorded, captured and scaled,
-            or derived from its family's shapes; ``graph.meta`` says which).
+            or derived from its family's shapes: ``graph.step.derived_from``).
         plan: its :class:`~chainer_recompute.core.plan.Plan`.
         program: the :class:`~chainer_recompute.runtime.program.Program`
             the executor runs (``program.dropped``: the nodes it drops).

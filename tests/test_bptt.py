@@ -152,7 +152,7 @@ def _small_lm():
     return model, opt
 
 
-@pytest.mark.parametrize("scope", ["total", "call"])
+@pytest.mark.parametrize("scope", ["total", "activations"])
 def test_measured_peak_within_budget_for_every_policy(scope):
     """The failure of experiments/bptt.md before the fix: ISM and MSM over
     their budgets (the step's internal state measured 4 KiB short, its
@@ -178,7 +178,7 @@ def test_measured_peak_within_budget_for_every_policy(scope):
                 assert measured is not None and measured <= budget, (policy, budget, it, r["stats"])
                 assert r["stats"].predicted_peak_bytes <= budget
                 if it:  # the test's own measurement (the first call builds tables)
-                    own = r["peak"] - (r["live"] if scope == "call" else 0)
+                    own = r["peak"] - (r["live"] if scope == "activations" else 0)
                     assert own <= budget, (policy, budget, it, own, r["stats"])
                     assert abs(own / r["stats"].predicted_peak_bytes - 1) < 0.01
 
@@ -312,3 +312,21 @@ def test_check_calls_is_the_former_name_of_check_iterations():
         assert bptt.ChainRecompute(model, slots=2, check_iterations=0).check_iterations == 0
     with pytest.warns(DeprecationWarning, match="check_iterations"):
         assert bptt.ChainRecompute(model, slots=2, check_calls=5).check_iterations == 5
+
+
+def test_budget_scope_names_are_apply_s():
+    """``budget_scope`` takes ``apply()``'s names, checked by the same
+    function: ``'total'`` and ``'activations'``; ``'call'``, its former
+    name here, still works, with a DeprecationWarning; others are refused
+    with the accepted names."""
+    import warnings
+    model = chainer.links.LSTM(4, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for scope in ("total", "activations"):
+            assert bptt.ChainRecompute(model, slots=2, budget_scope=scope).budget_scope == scope
+    with pytest.warns(DeprecationWarning, match="'activations'"):
+        runner = bptt.ChainRecompute(model, slots=2, budget_scope="call")
+    assert runner.budget_scope == "activations"
+    with pytest.raises(BudgetError, match="activations.*total|total.*activations"):
+        bptt.ChainRecompute(model, slots=2, budget_scope="calls")

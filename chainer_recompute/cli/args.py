@@ -7,11 +7,11 @@ import os
 import re
 from typing import Any, List, Sequence
 
+from ..core.memory_model import SCOPES
 from ..core.units import ACCEPTED_FORMS
 
 PROG = "chainer-recompute"
 SOLVERS = ("auto", "hier", "approx", "exact", "chen", "chen-greedy", "none")
-SCOPES = ("total", "activations")
 #: Exit status of every bad input.
 EXIT_USAGE = 2
 DEVICE_FORMS = "@numpy, @cupy:N (needs CuPy and a GPU), @intel64 (needs iDeep)"

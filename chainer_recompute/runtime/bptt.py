@@ -46,8 +46,9 @@ by event (:func:`chainer_recompute.core.solvers.chain.simulate_bytes`),
 fits with 1% of headroom. By default (``budget_scope='total'``, as
 ``apply()``) the budget covers the whole iteration: parameters, their
 gradients, optimizer state, the inputs, the recurrent state and everything
-the call adds up to the optimizer update; ``'call'`` covers only what the
-call adds. The first calls of a plan are measured (NumPy: tracemalloc; CuPy:
+the call adds up to the optimizer update; ``'activations'`` (as
+``apply()``'s, the state the model holds anyway left out) covers only what
+the call adds. The first calls of a plan are measured (NumPy: tracemalloc; CuPy:
 the memory pool); a
 peak over the budget corrects the prediction for the next call. Plain
 BPTT's peak is predicted by replaying Chainer's backward order over the
@@ -80,7 +81,7 @@ from . import _chainer  # noqa: F401
 import chainer
 from chainer import backend
 
-from ..core.budget import MARGIN, least_for, limit_of
+from ..core.budget import MARGIN, check_scope, least_for, limit_of
 from ..core.errors import BudgetError, GraphError, InfeasibleBudgetError, RecomputeError
 from ..core.solvers import chain as chain_solver
 from ..core.solvers.chain import ByteSizes
@@ -95,8 +96,8 @@ from .device import RandomStates, device_of, recording_random
 from .memory import MemoryMeasurement, MemoryMeter, parameter_bytes
 from .optimizer_update import UpdateBytes, update_bytes
 
-#: Accepted ``budget_scope`` values of :class:`ChainRecompute`.
-SCOPES = ("total", "call")
+#: The former name of ``budget_scope='activations'`` here (deprecated).
+_CALL_SCOPE = "call"
 
 logger = logging.getLogger(__name__)
 
@@ -118,8 +119,9 @@ class BPTTStats:
         predicted_peak_bytes: the schedule's peak, simulated event by
             event (:func:`~chainer_recompute.core.solvers.chain.simulate_bytes`),
             in the budget's scope: with ``'total'``, ``constant_bytes`` and
-            the call's own peak (to the optimizer update); with ``'call'``,
-            the call's own peak above the bytes live at its start.
+            the call's own peak (to the optimizer update); with
+            ``'activations'``, the call's own peak above the bytes live at
+            its start.
         plain_peak_bytes: the same for plain BPTT, as Chainer runs it
             (:func:`~chainer_recompute.core.solvers.chain.plain_peak_bytes`).
         budget_bytes: the budget asked, or None.
@@ -127,7 +129,7 @@ class BPTTStats:
         table_time_s: seconds spent building tables for this plan.
         plan_time_s: seconds spent measuring the cell and choosing the
             slots for this plan (a call that reuses a plan spends none).
-        budget_scope: ``'total'`` or ``'call'``.
+        budget_scope: ``'total'`` or ``'activations'``.
         constant_bytes: in the total scope, the bytes live at the call that
             the budget covers (parameters, optimizer state, inputs, the start
             state, the previous gradients and outputs).
@@ -192,9 +194,11 @@ class ChainRecompute:
             optimizer update: parameters, their gradients (the previous
             iteration's too while they are alive), optimizer state, the
             per-step inputs, the recurrent state, checkpoints and their RNG
-            states, the steps' graphs, gradients and temporaries. ``'call'``:
-            only what the call, its backward and the update add above the
-            bytes live when the call starts. Host-side planning tables
+            states, the steps' graphs, gradients and temporaries.
+            ``'activations'`` (as ``apply()``'s: what the model holds anyway
+            left out): only what the call, its backward and the update add
+            above the bytes live when the call starts (``'call'``, its
+            former name here, is deprecated). Host-side planning tables
             (:func:`~chainer_recompute.core.solvers.chain.chain_table`) are
             in neither.
         model: the Link that holds the recurrent state and the parameters
@@ -247,11 +251,13 @@ class ChainRecompute:
         if slots is not None and (isinstance(slots, bool) or not isinstance(slots, (int, np.integer))
                                   or slots < 1):
             raise BudgetError(f"slots={slots!r}: give a positive number of hidden-state slots")
-        if budget_scope not in SCOPES:
-            raise BudgetError(f"unknown budget_scope {budget_scope!r}; accepted: {list(SCOPES)} "
-                              f"('total': the whole iteration, parameters and optimizer state "
-                              f"included; 'call': what the call adds above the bytes live at "
-                              f"its start)")
+        if budget_scope == _CALL_SCOPE:
+            import warnings
+            warnings.warn("ChainRecompute(budget_scope='call') is now budget_scope="
+                          "'activations', as in apply(); 'call' will be removed",
+                          DeprecationWarning, stacklevel=2)
+            budget_scope = "activations"
+        check_scope(budget_scope)
         self.step = step
         self.policy = policy
         self.slots = None if slots is None else int(slots)

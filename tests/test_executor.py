@@ -415,7 +415,16 @@ def test_bad_arguments_are_rejected_before_anything_changes():
         cr.apply(model, budget="lots")
     with pytest.raises(UnknownSolverError, match="approx"):
         cr.apply(model, budget="1G", solver="magic")
+    # counts: refused at once, not at the first call (a TypeError there)
+    for name, bad in (("check_iterations", "3"), ("check_iterations", -1), ("max_plans", 0),
+                      ("max_structures", 1.5)):
+        with pytest.raises(cr.RecomputeError, match=f"{name} must be a whole number"):
+            cr.apply(model, budget="1G", tuning=cr.Tuning(**{name: bad}))
+    with pytest.raises(cr.RecomputeError, match="check_iterations must be a whole number"):
+        from chainer_recompute.runtime import bptt
+        bptt.ChainRecompute(L.LSTM(4, 4), slots=2, check_iterations="2")
     assert type(model) is MLP and cr.runner_of(model) is None
+    assert cr.apply(MLP(), budget="1G", tuning=cr.Tuning(check_iterations=np.int64(2)))
 
 
 def test_apply_remove_and_serialization(tmp_path):

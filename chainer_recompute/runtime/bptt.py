@@ -91,6 +91,7 @@ from .bptt_cell import (_arrays, _Cell, _detached, _input_bytes, _iter_arrays, _
                         _Run)
 from .bptt_measure import _measure, _Measured, measure_step, recurrent_mask
 from .capture import state_bytes
+from .runner.spec import check_count
 from .correction import Correction
 from .device import RandomStates, device_of, recording_random
 from .memory import MemoryMeasurement, MemoryMeter, parameter_bytes
@@ -270,7 +271,7 @@ class ChainRecompute:
             warnings.warn("ChainRecompute(check_calls=...) is now check_iterations=..., as in "
                           "apply(); check_calls will be removed", DeprecationWarning, stacklevel=2)
             check_iterations = check_calls
-        self.check_iterations = int(check_iterations)
+        self.check_iterations = check_count("check_iterations", check_iterations, least=0)
         self.model = model if model is not None else (step if isinstance(step, chainer.Link) else None)
         self._sizes: Dict[Hashable, Tuple[_Measured, Tuple[bool, ...]]] = {}
         self._plans: Dict[Hashable, BPTTStats] = {}

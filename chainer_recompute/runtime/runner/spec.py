@@ -4,6 +4,7 @@ read, and what ranks compare (:meth:`RunnerSpec.digest`)."""
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any, Mapping, Optional
 
 from ...core.errors import RecomputeError
@@ -85,6 +86,9 @@ class RunnerSpec:
             raise RecomputeError(f"calls_per_step must be None or a positive int (how many "
                                  f"times a training step calls the model before one backward "
                                  f"through them all), got {k!r}")
+        check_count("check_iterations", spec.check_iterations, least=0)
+        check_count("max_plans", spec.max_plans, least=1)
+        check_count("max_structures", spec.max_structures, least=1)
         return dataclasses.replace(spec, workspace=parsed, keep=parse_keep(keep),
                                    free_previous_graph=bool(spec.free_previous_graph),
                                    workspace_exact=bool(spec.workspace_exact))
@@ -102,6 +106,23 @@ class RunnerSpec:
                 ("calls_per_step", self.calls_per_step),
                 ) + tuple(sorted((k, repr(v)) for k, v in self.solver_options.items()))
         return ", ".join(f"{k}={v}" for k, v in opts)
+
+
+def check_count(name: str, value: Any, *, least: int) -> int:
+    """``value`` if it is a whole number of at least ``least`` (an option
+    that counts: ``check_iterations``, ``max_plans``), else
+    :class:`RecomputeError` naming the option.
+
+    >>> check_count("check_iterations", 2, least=0)
+    2
+    """
+    try:
+        count = operator.index(value)  # (an int, a NumPy integer; not 2.0, not '2')
+    except TypeError:
+        count = None
+    if isinstance(value, bool) or count is None or count < least:
+        raise RecomputeError(f"{name} must be a whole number of at least {least}, got {value!r}")
+    return count
 
 
 def _solver_keywords(solver: str) -> list:

@@ -299,12 +299,12 @@ class IterationHook(chainer.FunctionHook):
         last function, then what the plan releases at the forward's end is
         released."""
         self.recorder.finish(result)
-        if self.executing and len(self.recorder.calls) != self.program.n:
-            self._set_mismatch(len(self.recorder.calls), f"the forward applied {len(self.recorder.calls)} "
-                                                f"functions, but the planned graph has "
-                                                f"{self.program.n}")
+        n = len(self.recorder.calls)
+        if self.executing and n != self.program.n:
+            self._set_mismatch(n, f"the forward applied {n} functions, but the planned graph "
+                                  f"has {self.program.n}")
         if self.executing:
-            self.candidates = [p for p in self.candidates if p.n == len(self.recorder.calls)]
+            self.candidates = [p for p in self.candidates if p.n == n]
             for u in self.program.release_at.get(self.program.n, ()):
                 if u in self._pinned_ok:
                     self._release(u)
@@ -401,7 +401,8 @@ class IterationHook(chainer.FunctionHook):
             out_ids = call.out_ids or ()
             for k, ref in enumerate(f.outputs or ()):
                 vnode = ref()
-                if vnode is not None and not (k < len(out_ids) and out_ids[k] in self.recorder.returned):
+                if vnode is not None and not (k < len(out_ids)
+                                              and out_ids[k] in self.recorder.returned):
                     vnode._data = None
             f._retained_output_data = None
             for xnode in f.inputs or ():
@@ -598,6 +599,7 @@ class IterationHook(chainer.FunctionHook):
     def _regenerate(self, targets: List[int]) -> None:
         """Recompute the released nodes of the targets' block(s) that a
         remaining backward reads, and put their arrays back."""
+        calls, arrays = self.recorder.calls, self.recorder.arrays
         p = self.program
         blocks = {p.block_of[u] for u in targets if u < p.n}
         wanted = set(targets)
@@ -612,36 +614,36 @@ class IterationHook(chainer.FunctionHook):
             u = stack.pop()
             if u in order:
                 continue
-            f = self.recorder.calls[u].func()
+            f = calls[u].func()
             if f is None:
-                raise RecomputeError(f"cannot regenerate node {u} ({self.recorder.calls[u].op}): its "
+                raise RecomputeError(f"cannot regenerate node {u} ({calls[u].op}): its "
                                      f"function node no longer exists")
             order.add(u)
-            for j, a in enumerate(self.recorder.calls[u].in_ids or ()):
+            for j, a in enumerate(calls[u].in_ids or ()):
                 if self._input_array(f, j, a, values) is None:
-                    prod = self.recorder.arrays[a].producer
+                    prod = arrays[a].producer
                     if prod is None or prod not in p.releasable:
                         raise RecomputeError(
-                            f"cannot regenerate node {u} ({self.recorder.calls[u].op}): its input array "
+                            f"cannot regenerate node {u} ({calls[u].op}): its input array "
                             f"{a} is not available and is not recomputable")
                     stack.append(prod)
         for u in sorted(order):
-            f = self.recorder.calls[u].func()
-            in_ids = self.recorder.calls[u].in_ids or ()
+            f = calls[u].func()
+            in_ids = calls[u].in_ids or ()
             in_data = tuple(self._input_array(f, j, a, values) for j, a in enumerate(in_ids))
-            inner = self.recorder.calls[u].inner_ids
+            inner = calls[u].inner_ids
             self._check_updates(u, in_ids + inner)
             if self.verify:
                 self._check_sources(u, in_ids + inner, in_data + tuple(
                     self.params[a].array if a in self.params else None for a in inner))
             outs = self._run_forward(f, u, in_data)
             self.stats.recomputed_nodes += 1
-            for a, y in zip(self.recorder.calls[u].out_ids or (), outs):
+            for a, y in zip(calls[u].out_ids or (), outs):
                 values[a] = y
             if u in self.released and u not in wanted and self._live_reader(u):
                 wanted.add(u)  # a checkpoint released after an earlier backward pass
             if u in wanted and u in self.released:
-                for a, y in zip(self.recorder.calls[u].out_ids or (), outs):
+                for a, y in zip(calls[u].out_ids or (), outs):
                     if a in p.source_arrays:
                         self.kept[a] = y  # later blocks start from it again
                 out_idx, had_retained = self.released.pop(u)
@@ -683,6 +685,7 @@ class IterationHook(chainer.FunctionHook):
         parameter its inner functions read, as ``F.forget``'s function
         does, is read live): recomputing would give other arrays than the
         forward's (checked with or without ``verify``)."""
+        calls, arrays = self.recorder.calls, self.recorder.arrays
         for a in in_ids:
             if (a in self.snapshots and a not in self._inner) or a not in self._param_t:
                 continue
@@ -691,10 +694,10 @@ class IterationHook(chainer.FunctionHook):
                 continue
             if self.program is not None:
                 self.program.multi_backward = True  # the next iterations save it
-            name = self.recorder.arrays[a].name or a
+            name = arrays[a].name or a
             raise UnsafeRecomputeError(
                 f"parameter {name} was updated by an optimizer after the forward pass and "
-                f"before the backward that recomputes node {u} ({self.recorder.calls[u].op}) (the graph "
+                f"before the backward that recomputes node {u} ({calls[u].op}) (the graph "
                 f"is backpropagated again after an update); its values were not saved, so "
                 f"recomputing would give a result different from plain Chainer's. From the "
                 f"next iteration on, the parameters are saved before such an update; to "
@@ -702,19 +705,20 @@ class IterationHook(chainer.FunctionHook):
                 f"not update between two backward passes through the same graph")
 
     def _check_sources(self, u: int, in_ids: Tuple[int, ...], in_data: Tuple[Any, ...]) -> None:
+        calls, arrays = self.recorder.calls, self.recorder.arrays
         for a, x in zip(in_ids, in_data):
             expected = self.fingerprints.get(a)
             if expected is None or x is None:
                 continue
             if fingerprint(x) != expected:
-                info = self.recorder.arrays[a]
+                info = arrays[a]
                 what = (f"parameter {info.name or a}" if info.kind == "param"
                         else f"input array {info.name or a}")
                 if self.program is not None:
                     self.program.multi_backward = True  # the next iterations keep a copy
                 raise UnsafeRecomputeError(
                     f"{what} was modified in place between the forward pass and the backward "
-                    f"that recomputes node {u} ({self.recorder.calls[u].op}); recomputing it would give "
+                    f"that recomputes node {u} ({calls[u].op}); recomputing it would give "
                     f"a result different from plain Chainer's. If an optimizer updated it "
                     f"between two backward passes through the same graph, the next iterations "
                     f"keep a copy for that; otherwise do not write to a parameter's or an "

@@ -521,7 +521,8 @@ class StepMeter:
         alive, others = [], []
         for ref in self._graphs:
             h = ref()
-            if h is None or h.let_go_done or not any(c.func() is not None for c in h.recorder.calls):
+            if h is None or h.let_go_done or \
+                    not any(c.func() is not None for c in h.recorder.calls):
                 continue  # (its graph is gone)
             alive.append(ref)
             if getattr(h, "step_mark", None) == mark and h.recorder.forward_done and (

@@ -86,6 +86,15 @@ def _own_arrays(link: Optional[chainer.Link], arrays: List[Any]) -> List[Any]:
     return found
 
 
+def own_bytes(dev: Any, link: Optional[chainer.Link], arrays: List[Any]) -> int:
+    """Bytes of what a training call finds of the model's own
+    (:func:`_own_arrays`), the call's inputs at their own size (a batch
+    sliced from a data set held in memory is what it shows, the data set the
+    caller's)."""
+    return (_distinct_bytes(dev, _own_arrays(link, []))
+            + _distinct_bytes(dev, _own_arrays(None, arrays), as_shown=True))
+
+
 def _graph_arrays(hook: Any) -> List[Any]:
     """The arrays a previous iteration's graph still holds: what its
     function nodes retain (inputs, outputs, attributes), the arrays of its

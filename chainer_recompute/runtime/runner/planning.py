@@ -325,13 +325,9 @@ class Planner:
         """``graph`` for the calls per step seen (``step.calls_per_step``,
         and those holding their whole graph with one call's plain peak,
         see :func:`~chainer_recompute.core.replay.per_step`)."""
-        whole = {}
-        if self.whole_calls:
-            one = graph.with_step(calls_per_step=1)
-            whole = dict(whole_calls_per_step=self.whole_calls,
-                         whole_call_peak_bytes=replay_peak(one))
-        return graph.with_step(calls_per_step=self.step_calls, **{
-            "whole_calls_per_step": 0, "whole_call_peak_bytes": None, **whole})
+        one = replay_peak(graph.with_step(calls_per_step=1)) if self.whole_calls else None
+        return graph.with_step(calls_per_step=self.step_calls,
+                               whole_calls_per_step=self.whole_calls, whole_call_peak_bytes=one)
 
     def plan_pending(self, entry: _Entry, args: Tuple[Any, ...],
                       kwargs: Dict[str, Any]) -> None:
@@ -711,7 +707,7 @@ class Planner:
         the budget (as resolved for the plan: ``'least'``'s figure too),
         that step is, and it is said (once for each ``where``)."""
         from ..device import device_of
-        from .metering import _distinct_bytes, _own_arrays
+        from .metering import own_bytes
         arrays = list(args) + list(kwargs.values())
         dev = device_of(arrays)
         if dev.is_gpu or where in self._said_planning or self.spec.budget_scope != "total":
@@ -727,10 +723,7 @@ class Planner:
         if self.plans_made == made or not entry.structures:
             return  # nothing planned (a call recorded instead is said there)
         budget = self.budget_bytes or entry.structures[0].plan.budget_bytes
-        # (the call's inputs at their own size: a batch sliced from a data set
-        # held in memory is what it shows, the data set the caller's)
-        own = (_distinct_bytes(dev, _own_arrays(self._link(args), []))
-               + _distinct_bytes(dev, arrays, as_shown=True))
+        own = own_bytes(dev, self._link(args), arrays)
         if budget is not None and own + planner > budget:
             self._said_planning.add(where)
             report.warning(

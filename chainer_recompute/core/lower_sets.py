@@ -455,7 +455,7 @@ class LowerSetFamily:
         words = np.ascontiguousarray(words, dtype=np.uint64).reshape(-1, nw)
         mem = _weighted_sum(words, graph.node_bytes.astype(np.int64), n)
         kn = _kernels()
-        size = _popcount_rows(words) if kn is None else kn.popcount(words)
+        size = _popcount_rows(words) if kn is None else kn.wsum(words, np.ones(n, np.int64))
         # By size, then M(L), then the words (as np.unique orders rows);
         # duplicates end up next to each other.
         order = np.lexsort(tuple(words[:, q] for q in range(nw - 1, -1, -1)) + (mem, size))

@@ -478,6 +478,22 @@ def enum_lower_sets(pw, limit):
     return out[:K], -1
 
 
+@njit(cache=True, inline="always")
+def _row_nodes(words, r, buf):
+    """Write the nodes of row ``r`` into ``buf`` (lowest first); returns
+    how many."""
+    nw = words.shape[1]
+    one = np.uint64(1)
+    k = 0
+    for q in range(nw):
+        x = words[r, q]
+        while x != 0:
+            buf[k] = 64 * q + _ctz(x)
+            x &= x - one
+            k += 1
+    return k
+
+
 @njit(cache=True)
 def derive(words, sw, pw):
     """∂(L), A(L) = δ+(L) \\ L and B(L) = δ-(A(L)) \\ L of every row."""
@@ -485,62 +501,37 @@ def derive(words, sw, pw):
     bnd = np.zeros((K, nw), dtype=np.uint64)
     a = np.zeros((K, nw), dtype=np.uint64)
     b = np.zeros((K, nw), dtype=np.uint64)
+    buf = np.empty(64 * nw, dtype=np.int64)
     one = np.uint64(1)
     for r in range(K):
-        for q in range(nw):
-            x = words[r, q]
-            while x != 0:
-                v = 64 * q + _ctz(x)
-                x &= x - one
-                hit = False
-                for t in range(nw):
-                    y = sw[v, t] & ~words[r, t]
-                    if y != 0:
-                        hit = True
-                        a[r, t] |= y
-                if hit:
-                    bnd[r, q] |= one << np.uint64(v & 63)
-        for q in range(nw):
-            x = a[r, q]
-            while x != 0:
-                v = 64 * q + _ctz(x)
-                x &= x - one
-                for t in range(nw):
-                    b[r, t] |= pw[v, t] & ~words[r, t]
+        for k in range(_row_nodes(words, r, buf)):
+            v = buf[k]
+            hit = False
+            for t in range(nw):
+                y = sw[v, t] & ~words[r, t]
+                if y != 0:
+                    hit = True
+                    a[r, t] |= y
+            if hit:
+                bnd[r, v >> 6] |= one << np.uint64(v & 63)
+        for k in range(_row_nodes(a, r, buf)):
+            for t in range(nw):
+                b[r, t] |= pw[buf[k], t] & ~words[r, t]
     return bnd, a, b
 
 
 @njit(cache=True)
 def wsum(words, weights):
-    """Σ weights[v] over the bits of each row (int64)."""
+    """Σ weights[v] over the bits of each row (int64); |L| with weights
+    of ones."""
     K, nw = words.shape
     out = np.zeros(K, dtype=np.int64)
-    one = np.uint64(1)
+    buf = np.empty(64 * nw, dtype=np.int64)
     for r in range(K):
         s = 0
-        for q in range(nw):
-            x = words[r, q]
-            while x != 0:
-                s += weights[64 * q + _ctz(x)]
-                x &= x - one
+        for k in range(_row_nodes(words, r, buf)):
+            s += weights[buf[k]]
         out[r] = s
-    return out
-
-
-@njit(cache=True)
-def popcount(words):
-    """|L| of every row."""
-    K, nw = words.shape
-    out = np.zeros(K, dtype=np.int64)
-    one = np.uint64(1)
-    for r in range(K):
-        c = 0
-        for q in range(nw):
-            x = words[r, q]
-            while x != 0:
-                x &= x - one
-                c += 1
-        out[r] = c
     return out
 
 
@@ -559,40 +550,30 @@ def node_lists(words, order, sw, n):
     hold each node (offsets ``vptr``), and the maximal elements of each row
     (offsets ``mptr``)."""
     K, nw = words.shape
-    one = np.uint64(1)
+    buf = np.empty(64 * nw, dtype=np.int64)
     cnt = np.zeros(n + 1, dtype=np.int64)
     mcnt = np.zeros(K + 1, dtype=np.int64)
+    mbuf = np.empty(0, dtype=np.int64)  # each row's maximal nodes, row after row
     for r in range(K):
-        for q in range(nw):
-            x = words[r, q]
-            while x != 0:
-                v = 64 * q + _ctz(x)
-                x &= x - one
-                cnt[v + 1] += 1
-                if _maximal(words, sw, r, v, nw):
-                    mcnt[r + 1] += 1
+        m = _row_nodes(words, r, buf)
+        c = mcnt[r]
+        if mbuf.shape[0] < c + m:
+            grown = np.empty(2 * (c + m), dtype=np.int64)
+            grown[:c] = mbuf[:c]
+            mbuf = grown
+        for k in range(m):
+            v = buf[k]
+            cnt[v + 1] += 1
+            if _maximal(words, sw, r, v, nw):
+                mbuf[c] = v
+                c += 1
+        mcnt[r + 1] = c
     vptr = np.cumsum(cnt)
-    mptr = np.cumsum(mcnt)
     vpos = np.empty(vptr[n], dtype=np.int64)
     fill = vptr[:n].copy()
     for p in range(K):
-        r = order[p]
-        for q in range(nw):
-            x = words[r, q]
-            while x != 0:
-                v = 64 * q + _ctz(x)
-                x &= x - one
-                vpos[fill[v]] = p
-                fill[v] += 1
-    mnodes = np.empty(mptr[K], dtype=np.int64)
-    k = 0
-    for r in range(K):
-        for q in range(nw):
-            x = words[r, q]
-            while x != 0:
-                v = 64 * q + _ctz(x)
-                x &= x - one
-                if _maximal(words, sw, r, v, nw):
-                    mnodes[k] = v
-                    k += 1
-    return vptr, vpos, mptr, mnodes
+        for k in range(_row_nodes(words, order[p], buf)):
+            v = buf[k]
+            vpos[fill[v]] = p
+            fill[v] += 1
+    return vptr, vpos, mcnt, mbuf[:mcnt[K]].copy()

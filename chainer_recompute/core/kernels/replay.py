@@ -189,7 +189,7 @@ def context_of(graph: Graph, helpers: Any) -> ReplayContext:
 
 def _kernel() -> Any:
     return compiled(sys.modules[__name__], "_replay_loop",
-                    helpers=("_grow", "_attr_hold", "_hold", "_drop", "_release", "_regenerable"))
+                    helpers=("_event", "_attr_hold", "_hold", "_drop", "_release", "_regenerable"))
 
 
 def run_kernel(ctx: ReplayContext, dropped: Optional[np.ndarray], block_of: Optional[np.ndarray],
@@ -280,13 +280,8 @@ def _replay_loop(n, owner, owned, nbytes, pc, constown, producer, dies_at, retby
         for k in range(dies_p[i], dies_p[i + 1]):
             level += _drop(dies_i[k], VAR, reasons, count, owner, owned)
         if unrec[i] > 0:
-            if ne == cap:
-                trace, kinds, ev_u, ev_w, cap = _grow(trace, kinds, ev_u, ev_w, cap)
-            trace[ne] = level + unrec[i]
-            kinds[ne] = 5
-            ev_u[ne] = i
-            ev_w[ne] = -1
-            ne += 1
+            trace, kinds, ev_u, ev_w, cap, ne = _event(
+                trace, kinds, ev_u, ev_w, cap, ne, level + unrec[i], 5, i, -1)
         for k in range(made_p[i], made_p[i + 1]):
             level += _hold(made_i[k], VAR, reasons, count, owner, owned, constown)
         if has_plan:
@@ -311,13 +306,8 @@ def _replay_loop(n, owner, owned, nbytes, pc, constown, producer, dies_at, retby
                 level += _hold(a, RET, reasons, count, owner, owned, constown)
         for k in range(held_p[i], held_p[i + 1]):
             level += _attr_hold(held_key[k], held_nb[k], attr_on, attr_nb)
-        if ne == cap:
-            trace, kinds, ev_u, ev_w, cap = _grow(trace, kinds, ev_u, ev_w, cap)
-        trace[ne] = level + ftr[i]
-        kinds[ne] = 0
-        ev_u[ne] = i
-        ev_w[ne] = -1
-        ne += 1
+        trace, kinds, ev_u, ev_w, cap, ne = _event(
+            trace, kinds, ev_u, ev_w, cap, ne, level + ftr[i], 0, i, -1)
         for k in range(tmp_p[i], tmp_p[i + 1]):
             level += _drop(tmp_i[k], VAR, reasons, count, owner, owned)
         for k in range(out_p[i], out_p[i + 1]):
@@ -327,13 +317,8 @@ def _replay_loop(n, owner, owned, nbytes, pc, constown, producer, dies_at, retby
     for k in range(dies_p[n], dies_p[n + 1]):
         level += _drop(dies_i[k], VAR, reasons, count, owner, owned)
     if unrec[n] > 0:
-        if ne == cap:
-            trace, kinds, ev_u, ev_w, cap = _grow(trace, kinds, ev_u, ev_w, cap)
-        trace[ne] = level + unrec[n]
-        kinds[ne] = 5
-        ev_u[ne] = n
-        ev_w[ne] = -1
-        ne += 1
+        trace, kinds, ev_u, ev_w, cap, ne = _event(
+            trace, kinds, ev_u, ev_w, cap, ne, level + unrec[n], 5, n, -1)
     for k in range(made_p[n], made_p[n + 1]):
         level += _hold(made_i[k], VAR, reasons, count, owner, owned, constown)
     for k in range(dies_p[n + 1], dies_p[n + 2]):
@@ -342,13 +327,8 @@ def _replay_loop(n, owner, owned, nbytes, pc, constown, producer, dies_at, retby
         for k in range(rel_p[n], rel_p[n + 1]):
             level += _release(rel_i[k], out_p, out_i, held_p, held_key, held_der, reasons,
                               count, owner, owned, attr_on, attr_nb, released)
-    if ne == cap:
-        trace, kinds, ev_u, ev_w, cap = _grow(trace, kinds, ev_u, ev_w, cap)
-    trace[ne] = level + outside_peak
-    kinds[ne] = 1
-    ev_u[ne] = -1
-    ev_w[ne] = -1
-    ne += 1
+    trace, kinds, ev_u, ev_w, cap, ne = _event(
+        trace, kinds, ev_u, ev_w, cap, ne, level + outside_peak, 1, -1, -1)
     level -= old_grads
     level += outside_held
 
@@ -434,13 +414,8 @@ def _replay_loop(n, owner, owned, nbytes, pc, constown, producer, dies_at, retby
                     for k in range(held_p[u], held_p[u + 1]):
                         if held_der[k]:
                             level += _attr_hold(held_key[k], held_nb[k], attr_on, attr_nb)
-                    if ne == cap:
-                        trace, kinds, ev_u, ev_w, cap = _grow(trace, kinds, ev_u, ev_w, cap)
-                    trace[ne] = level + grad + ftr[u]
-                    kinds[ne] = 2
-                    ev_u[ne] = u
-                    ev_w[ne] = w
-                    ne += 1
+                    trace, kinds, ev_u, ev_w, cap, ne = _event(
+                        trace, kinds, ev_u, ev_w, cap, ne, level + grad + ftr[u], 2, u, w)
                     recomputed += 1
                     if wmark[u] == stamp and released[u]:
                         released[u] = False
@@ -457,13 +432,8 @@ def _replay_loop(n, owner, owned, nbytes, pc, constown, producer, dies_at, retby
                                     level -= attr_nb[key]
                 for t in range(nv):
                     level += _drop(values[t], VAL, reasons, count, owner, owned)
-        if ne == cap:
-            trace, kinds, ev_u, ev_w, cap = _grow(trace, kinds, ev_u, ev_w, cap)
-        trace[ne] = level + g_rec[s] + g_extra[s]
-        kinds[ne] = 3
-        ev_u[ne] = w
-        ev_w[ne] = -1
-        ne += 1
+        trace, kinds, ev_u, ev_w, cap, ne = _event(
+            trace, kinds, ev_u, ev_w, cap, ne, level + g_rec[s] + g_extra[s], 3, w, -1)
         grad = g_after[s]
         if has_plan:
             for k in range(done_p[w], done_p[w + 1]):
@@ -498,27 +468,31 @@ def _replay_loop(n, owner, owned, nbytes, pc, constown, producer, dies_at, retby
             if attr_on[key]:
                 attr_on[key] = False
                 level -= attr_nb[key]
-    if ne == cap:
-        trace, kinds, ev_u, ev_w, cap = _grow(trace, kinds, ev_u, ev_w, cap)
-    trace[ne] = level + grad + update_transient
-    kinds[ne] = 4
-    ev_u[ne] = -1
-    ev_w[ne] = -1
-    ne += 1
+    trace, kinds, ev_u, ev_w, cap, ne = _event(
+        trace, kinds, ev_u, ev_w, cap, ne, level + grad + update_transient, 4, -1, -1)
     return trace[:ne], kinds[:ne], ev_u[:ne], ev_w[:ne], recomputed, held_end
 
 
-def _grow(trace, kinds, ev_u, ev_w, cap):
-    cap2 = 2 * cap
-    t2 = np.empty(cap2, dtype=np.int64)
-    k2 = np.empty(cap2, dtype=np.int8)
-    u2 = np.empty(cap2, dtype=np.int64)
-    w2 = np.empty(cap2, dtype=np.int64)
-    t2[:cap] = trace
-    k2[:cap] = kinds
-    u2[:cap] = ev_u
-    w2[:cap] = ev_w
-    return t2, k2, u2, w2, cap2
+def _event(trace, kinds, ev_u, ev_w, cap, ne, total, kind, u, w):
+    """Append the event (``total`` bytes, ``kind``, nodes ``u``, ``w``) to the
+    timeline, doubling its arrays when full; returns them, their capacity
+    and the new count."""
+    if ne == cap:
+        cap *= 2
+        t2 = np.empty(cap, dtype=np.int64)
+        k2 = np.empty(cap, dtype=np.int8)
+        u2 = np.empty(cap, dtype=np.int64)
+        w2 = np.empty(cap, dtype=np.int64)
+        t2[:ne] = trace
+        k2[:ne] = kinds
+        u2[:ne] = ev_u
+        w2[:ne] = ev_w
+        trace, kinds, ev_u, ev_w = t2, k2, u2, w2
+    trace[ne] = total
+    kinds[ne] = kind
+    ev_u[ne] = u
+    ev_w[ne] = w
+    return trace, kinds, ev_u, ev_w, cap, ne + 1
 
 
 def _attr_hold(key, nb, attr_on, attr_nb):

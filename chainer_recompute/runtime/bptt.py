@@ -72,16 +72,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-import weakref
+import warnings
 from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
-import numpy as np
 
 from . import _chainer  # noqa: F401
 import chainer
 from chainer import backend
 
-from ..core.budget import MARGIN, check_scope, least_for, limit_of
+from ..core.budget import MARGIN, least_for, limit_of
 from ..core.errors import BudgetError, GraphError, InfeasibleBudgetError, RecomputeError
 from ..core.solvers import chain as chain_solver
 from ..core.solvers.chain import ByteSizes
@@ -91,8 +90,8 @@ from .bptt_cell import (_arrays, _Cell, _detached, _input_bytes, _iter_arrays, _
                         _Run)
 from .bptt_measure import _measure, _Measured, measure_step, recurrent_mask
 from .capture import state_bytes
-from .runner.spec import check_count
-from .correction import Correction
+from .runner.spec import ChainSpec
+from .correction import CallMeter, Correction
 from .device import RandomStates, device_of, recording_random
 from .memory import MemoryMeasurement, MemoryMeter, parameter_bytes
 from .optimizer_update import UpdateBytes, update_bytes
@@ -157,19 +156,17 @@ class BPTTStats:
     measured_peak_bytes: Optional[int] = None
 
 
-@dataclasses.dataclass
-class _Check:
-    """The measurement of one call (see ``ChainRecompute.check_iterations``)."""
+@dataclasses.dataclass(eq=False)
+class _Check(CallMeter):
+    """The measurement of one call (see ``ChainRecompute.check_iterations``),
+    from the call to the end of its backward; ``own``: the plan's constant
+    part in the total scope (parameters, optimizer state, inputs, state, the
+    previous gradients and outputs), else 0."""
 
-    meter: MemoryMeter
-    owns: bool = False
-    start_bytes: int = 0
-    tables: int = 0
-    grads: List[Tuple[Any, int]] = dataclasses.field(default_factory=list)
-    outputs: List[Tuple[Any, int]] = dataclasses.field(default_factory=list)
+    tables: int = 0  # the planning tables' host bytes at the call (NumPy)
+    host_tables: bool = True
     plan_key: Hashable = None
     stats: Optional["BPTTStats"] = None
-    host_tables: bool = True
 
 
 # --------------------------------------------------------------------------
@@ -241,37 +238,26 @@ class ChainRecompute:
                  slots: Optional[int] = None, budget: Any = None,
                  budget_scope: str = "total", model: Optional[chainer.Link] = None,
                  check_iterations: int = 2, check_calls: Optional[int] = None) -> None:
-        if policy not in chain_solver.POLICIES:
-            from ..core.errors import UnknownSolverError
-            raise UnknownSolverError(f"unknown chain policy {policy!r}; known: "
-                                     f"{sorted(chain_solver.POLICIES)}")
-        if (slots is None) == (budget is None):
-            raise BudgetError("give either slots= (hidden-state slots) or budget= (e.g. "
-                              "'16M', 'least', '60%' or 'device'), not "
-                              + ("both" if slots is not None else "neither"))
-        if slots is not None and (isinstance(slots, bool) or not isinstance(slots, (int, np.integer))
-                                  or slots < 1):
-            raise BudgetError(f"slots={slots!r}: give a positive number of hidden-state slots")
         if budget_scope == _CALL_SCOPE:
-            import warnings
             warnings.warn("ChainRecompute(budget_scope='call') is now budget_scope="
                           "'activations', as in apply(); 'call' will be removed",
                           DeprecationWarning, stacklevel=2)
             budget_scope = "activations"
-        check_scope(budget_scope)
-        self.step = step
-        self.policy = policy
-        self.slots = None if slots is None else int(slots)
-        #: the budget as parsed (None with ``slots=``); ``'device'`` is
-        #: resolved at the first plan, a share for each plan
-        self.budget: Optional[Budget] = None if budget is None else parse_budget(budget)
-        self.budget_scope = budget_scope
         if check_calls is not None:
-            import warnings
             warnings.warn("ChainRecompute(check_calls=...) is now check_iterations=..., as in "
                           "apply(); check_calls will be removed", DeprecationWarning, stacklevel=2)
             check_iterations = check_calls
-        self.check_iterations = check_count("check_iterations", check_iterations, least=0)
+        #: the options, checked (:class:`~.runner.spec.ChainSpec`)
+        self.spec = ChainSpec.parse(policy=policy, slots=slots, budget_scope=budget_scope,
+                                    check_iterations=check_iterations)
+        if (slots is None) == (budget is None):
+            raise BudgetError("give either slots= (hidden-state slots) or budget= (e.g. "
+                              "'16M', 'least', '60%' or 'device'), not "
+                              + ("both" if slots is not None else "neither"))
+        self.step = step
+        #: the budget as parsed (None with ``slots=``); ``'device'`` is
+        #: resolved at the first plan, a share for each plan
+        self.budget: Optional[Budget] = None if budget is None else parse_budget(budget)
         self.model = model if model is not None else (step if isinstance(step, chainer.Link) else None)
         self._sizes: Dict[Hashable, Tuple[_Measured, Tuple[bool, ...]]] = {}
         self._plans: Dict[Hashable, BPTTStats] = {}
@@ -312,7 +298,7 @@ class ChainRecompute:
         if not chainer.config.enable_backprop or not chainer.config.train:
             return self._plain(cell, t, state)
         self._tape(cell)
-        meter = self._start_check(seqs)
+        meter = self._start_check(cell, seqs, state)
         try:
             out = self._run(cell, seqs, t, state, explicit, meter)
         except BaseException:
@@ -393,11 +379,6 @@ class ChainRecompute:
             state1 = tuple(v for v, used in zip(state1, mask) if used)
             outputs_before = _nbytes([before[(id(link), name)][2] for link, name in cell.out_keys
                                       if isinstance(before[(id(link), name)][2], chainer.Variable)])
-            if meter is not None and meter.owns:
-                meter.outputs = [(weakref.ref(before[(id(link), name)][2].array),
-                                  _nbytes([before[(id(link), name)][2]]))
-                                 for link, name in cell.out_keys
-                                 if isinstance(before[(id(link), name)][2], chainer.Variable)]
             del before  # the model's outputs of the last call go when step 1 replaces them
         if cached is None:
             cached = (_measure(cell, 1, _arrays(state1)), mask)
@@ -439,7 +420,7 @@ class ChainRecompute:
             run.meter = meter
             with cell.device.meter() as fwd:
                 run.forward(ops)
-            run.forward_peak = fwd.result.absolute_peak_bytes - meter.start_bytes
+            run.forward_peak = meter.above(fwd.result.absolute_peak_bytes)
         else:
             run.forward(ops)
         self.last_stats = stats
@@ -461,6 +442,26 @@ class ChainRecompute:
         return loss
 
     # ------------------------------------------------------------------
+    @property
+    def policy(self) -> str:
+        """The chain policy (``spec.policy``)."""
+        return self.spec.policy
+
+    @property
+    def slots(self) -> Optional[int]:
+        """The slots asked (``spec.slots``), or None with a budget."""
+        return self.spec.slots
+
+    @property
+    def budget_scope(self) -> str:
+        """What the budget bounds (``spec.budget_scope``)."""
+        return self.spec.budget_scope
+
+    @property
+    def check_iterations(self) -> int:
+        """How many calls of each plan are measured (``spec.check_iterations``)."""
+        return self.spec.check_iterations
+
     @property
     def budget_least(self) -> bool:
         """Whether the budget is ``'least'``."""
@@ -642,27 +643,25 @@ class ChainRecompute:
             self._recording.close()
             self._recording = None
 
-    def _start_check(self, seqs: Sequence[Sequence[Any]]) -> Optional["_Check"]:
+    def _start_check(self, cell: _Cell, seqs: Sequence[Sequence[Any]],
+                     state: Any) -> Optional["_Check"]:
         """A meter from the call to the end of its backward, while the
-        plan of the call still needs checking."""
+        plan of the call still needs checking. It sees the frees of the
+        previous gradients and of the model's state and outputs (the last
+        call's, replaced by this one's)."""
         if self.check_iterations <= 0 or not self._need_check:
             return None
         dev = device_of(list(_iter_arrays(seqs)))
         if self._open_meter is not None:  # the last call's loss was never backpropagated
             self._open_meter.stop()
-        check = _Check(dev.meter())
-        check.meter.start()
-        self._open_meter = check.meter
-        check.owns = bool(getattr(check.meter, "_owns", False))
-        with dev.meter() as here:
-            pass
-        check.start_bytes = here.result.start_bytes
+        found = [p.grad for p in self._params() if p.grad is not None]
+        found += list(_iter_arrays([v for _, _, v in cell.candidates().values()])
+                      if not cell.explicit else _iter_arrays(state))
         # planning tables: host memory, in tracemalloc's count on NumPy only
-        check.host_tables = not dev.is_gpu
-        check.tables = chain_solver.table_cache_bytes() if check.host_tables else 0
-        if check.owns:  # arrays made before tracing began: their release is not seen
-            check.grads = [(weakref.ref(p.grad), int(p.grad.nbytes)) for p in self._params()
-                           if p.grad is not None]
+        host = not dev.is_gpu
+        check = _Check.start(dev, found, host_tables=host,
+                             tables=chain_solver.table_cache_bytes() if host else 0)
+        self._open_meter = check.meter
         return check
 
     def finish_check(self, run: "_Run", backward: Optional[MemoryMeasurement]) -> None:
@@ -675,15 +674,13 @@ class ChainRecompute:
             self._need_check = False
         if backward is None:
             return
-        # and the planning tables built in this call (host memory, outside budgets)
-        early = sum(nb for ref, nb in check.outputs if ref() is None) + (max(
-            chain_solver.table_cache_bytes() - check.tables, 0) if check.host_tables else 0)
-        cleared = sum(nb for ref, nb in check.grads if ref() is None)
-        forward_peak = (run.forward_peak or 0) - early
-        backward_peak = backward.absolute_peak_bytes - check.start_bytes - early - cleared
-        above = max(forward_peak, backward_peak)
+        # less the planning tables built in this call (host memory, outside budgets)
+        tables = max(chain_solver.table_cache_bytes() - check.tables, 0) \
+            if check.host_tables else 0
         stats = check.stats
-        measured = above + (stats.constant_bytes if stats.budget_scope == "total" else 0)
+        check.own = stats.constant_bytes if stats.budget_scope == "total" else 0
+        measured = max(run.forward_peak or 0, check.above(backward.absolute_peak_bytes)) \
+            - tables + check.own
         stats.measured_peak_bytes = int(measured)
         c = self._overshoot.overshoot(int(measured), stats.budget_bytes,
                                       stats.predicted_peak_bytes)

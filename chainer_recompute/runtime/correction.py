@@ -1,6 +1,8 @@
-"""What a runner does when a measured step overshoots its budget: warn once
-(per runner), give the bytes by which its memory model is corrected, and
-let the runner plan again with them.
+"""How both runners check a step against its plan: the meter from the
+model's call on (:class:`CallMeter`), and what a runner does when a measured
+step overshoots its budget (:class:`Correction`): warn once (per runner),
+give the bytes by which its memory model is corrected, and let the runner
+plan again with them.
 
 The runner (:class:`~chainer_recompute.runtime.runner.Recompute`) adds the
 correction to its graph's ``correction_bytes`` and solves that graph again;
@@ -19,8 +21,9 @@ and the warning are the same.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import Optional
+from typing import Any, List, Optional
 
 from ..core.units import format_bytes
 
@@ -60,3 +63,46 @@ class Correction:
                              format_bytes(predicted or 0), self.corrected,
                              format_bytes(correction))
         return correction
+
+
+@dataclasses.dataclass(eq=False)
+class CallMeter:
+    """The allocator's peak from a model's call on, in a budget's scope:
+    :meth:`total` adds ``own``, the bytes live at the call that the budget
+    covers (set by the runner: counted by hand, or the plan's constant part),
+    to what the allocator holds above its ``level`` at the call. Both
+    runners measure their steps with it (``Recompute``'s step meter through
+    the optimizer's update, ``ChainRecompute`` to the end of its backward).
+
+    Args:
+        meter: the running :class:`~chainer_recompute.runtime.memory.MemoryMeter`.
+        own: see above.
+        level: the meter's bytes at the call (the adopted arrays counted).
+    """
+
+    meter: Any
+    own: int
+    level: int
+
+    @classmethod
+    def start(cls, dev: Any, arrays: List[Any], **fields: Any) -> "CallMeter":
+        """A meter started now on ``dev`` (a
+        :class:`~chainer_recompute.runtime.device.Device`) that sees the
+        frees of ``arrays``, found at the call: on NumPy made before tracing
+        began, they are adopted (gradients cleared, the last call's outputs
+        replaced are then seen going). ``fields``: the others (``own``; a
+        subclass's)."""
+        meter = dev.meter()
+        meter.start()
+        dev.adopt(meter, arrays)
+        fields.setdefault("own", 0)
+        return cls(meter=meter, level=meter.current_bytes(), **fields)
+
+    def above(self, absolute_peak_bytes: int) -> int:
+        """What the allocator held above its level at the call, when its
+        meter (or one nested in it) read ``absolute_peak_bytes``."""
+        return int(absolute_peak_bytes) - self.level
+
+    def total(self, absolute_peak_bytes: int) -> int:
+        """``own`` and :meth:`above`: the step's bytes at that reading."""
+        return self.own + self.above(absolute_peak_bytes)

@@ -14,25 +14,23 @@ import chainer
 
 from ..executor import IterationHook, IterationStats
 from .describe import describe_step, plain_peak
-from ..correction import Correction
+from ..correction import CallMeter, Correction
 from .log import logger, report
 from .state import _Entry, _Structure
 
 
 
 @dataclasses.dataclass(eq=False)
-class _OpenMeter:
+class _OpenMeter(CallMeter):
     """The measurement of one planned iteration, from the call to the end
     of its backward, then (``tail``) on to the end of the optimizer's
-    update of the model's parameters (or the next call)."""
+    update of the model's parameters (or the next call). ``own``: the
+    model's bytes at the call (state, inputs, the previous graph)."""
 
-    meter: Any  # a running MemoryMeter
-    entry: "_Entry"
-    stats: Any  # the iteration's IterationStats
-    hook: Any  # a weak reference to the iteration's IterationHook (it holds arrays)
-    own: int  # the model's bytes at the call (state, inputs, the previous graph)
-    level: int  # the meter's level then, those arrays counted
-    new_meter: Any  # makes a meter for the same device
+    entry: "_Entry" = None
+    stats: Any = None  # the iteration's IterationStats
+    hook: Any = None  # a weak reference to the iteration's IterationHook (it holds arrays)
+    new_meter: Any = None  # makes a meter for the same device
     tail: bool = False
     structure: Any = None  # the structure it ran on (set at the end of the backward)
     waiting: Any = None  # parameter ids whose update is still to come (tail)
@@ -55,7 +53,7 @@ class _OpenMeter:
     def measured(self, absolute_peak_bytes: int) -> int:
         """The model's bytes when the meter read ``absolute_peak_bytes``."""
         users = sum(nbytes for ref, nbytes in self.user_held if ref() is not None)
-        return self.own - users + absolute_peak_bytes - self.level
+        return self.total(absolute_peak_bytes) - users
 
 
 def _own_arrays(link: Optional[chainer.Link], arrays: List[Any]) -> List[Any]:
@@ -295,18 +293,15 @@ class StepMeter:
         for other in filter(None, (r() for r in self._step_others)):
             if other is not previous:  # (the step's earlier calls, none measured)
                 own += _graph_arrays(other)
-        meter = dev.meter()
-        meter.start()
-        dev.adopt(meter, own + inputs)
-        self._meter = _OpenMeter(meter, entry, hook.stats, weakref.ref(hook),
-                                 _distinct_bytes(dev, own) + _distinct_bytes(dev, inputs, as_shown=True),
-                                 meter.current_bytes(), dev.meter,
-                                 link_ref=weakref.ref(link) if link is not None else None,
-                                 user_held=user_held)
+        self._meter = _OpenMeter.start(
+            dev, own + inputs,
+            own=_distinct_bytes(dev, own) + _distinct_bytes(dev, inputs, as_shown=True),
+            entry=entry, stats=hook.stats, hook=weakref.ref(hook), new_meter=dev.meter,
+            link_ref=weakref.ref(link) if link is not None else None, user_held=user_held)
         from ..capture import root_of
         self._meter.input_ids = {id(root_of(a)) for a in inputs}
         self._meter.after_recording = bool(held) and previous.recorder.recording
-        self._meter.finalizer = weakref.finalize(self, _abandon, meter)
+        self._meter.finalizer = weakref.finalize(self, _abandon, self._meter.meter)
         self._stop_when_done(hook)
 
     def close_step(self, continued: bool = False) -> None:
@@ -412,8 +407,9 @@ class StepMeter:
             measured = max(measured, total)
             stats.measured_pool_total_bytes = int(measured)
         if tail is not None:
-            self._meter = _OpenMeter(tail, open_.entry, stats, open_.hook, open_.own,
-                                     open_.level, open_.new_meter, tail=True, structure=s,
+            self._meter = _OpenMeter(tail, open_.own, open_.level, entry=open_.entry,
+                                     stats=stats, hook=open_.hook, new_meter=open_.new_meter,
+                                     tail=True, structure=s,
                                      waiting=waiting, level_total=m.start_total_bytes,
                                      link_ref=open_.link_ref,
                                      after_recording=open_.after_recording,

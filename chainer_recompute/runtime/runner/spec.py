@@ -7,6 +7,8 @@ import dataclasses
 import operator
 from typing import Any, Mapping, Optional
 
+import numpy as np
+
 from ...core.errors import RecomputeError
 from ...core.keep import KeepPolicy
 
@@ -106,6 +108,49 @@ class RunnerSpec:
                 ("calls_per_step", self.calls_per_step),
                 ) + tuple(sorted((k, repr(v)) for k, v in self.solver_options.items()))
         return ", ".join(f"{k}={v}" for k, v in opts)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChainSpec:
+    """The options of a :class:`~chainer_recompute.runtime.bptt.ChainRecompute`
+    but its budget, each documented there: parsed by the checks
+    :class:`RunnerSpec` uses for the options both runners take
+    (``budget_scope``, ``check_iterations``).
+
+    >>> spec = ChainSpec.parse(policy='hsm', slots=3)
+    >>> spec.policy, spec.slots, spec.budget_scope, spec.check_iterations
+    ('hsm', 3, 'total', 2)
+    """
+
+    policy: str = "msm"
+    slots: Optional[int] = None
+    budget_scope: str = "total"
+    check_iterations: int = 2
+
+    @classmethod
+    def parse(cls, *, policy: str = "msm", slots: Any = None, budget_scope: str = "total",
+              check_iterations: Any = 2) -> "ChainSpec":
+        """Check every option.
+
+        Raises:
+            UnknownSolverError: an unknown policy.
+            BudgetError: ``slots`` not a positive whole number.
+            RecomputeError: ``budget_scope`` or ``check_iterations`` out of
+                range (the message names what it takes).
+        """
+        from ...core.budget import check_scope
+        from ...core.errors import BudgetError, UnknownSolverError
+        from ...core.solvers.chain import POLICIES
+        if policy not in POLICIES:
+            raise UnknownSolverError(f"unknown chain policy {policy!r}; known: "
+                                     f"{sorted(POLICIES)}")
+        if slots is not None and (isinstance(slots, bool) or not isinstance(slots, (int, np.integer))
+                                  or slots < 1):
+            raise BudgetError(f"slots={slots!r}: give a positive number of hidden-state slots")
+        check_scope(budget_scope)
+        return cls(policy=policy, slots=None if slots is None else int(slots),
+                   budget_scope=budget_scope,
+                   check_iterations=check_count("check_iterations", check_iterations, least=0))
 
 
 def check_count(name: str, value: Any, *, least: int) -> int:

@@ -88,6 +88,7 @@ def plan_report(graph: Any, budget: Any, *, solver: str = "auto", strategy: str 
                   "replayed_peak_bytes": int(plain.peak_bytes), "peak_event": plain.peak_event},
         "plan": row(plan, times["plan"], plan_pred, planned),
         "least": None,
+        "floor": _floor_dict(graph) if scope == "total" else None,
         "timelines": {"plain": _timeline_dict(plain), "plan": _timeline_dict(planned)},
         "schedule": _schedule_dict(graph, plan),
     }
@@ -104,6 +105,15 @@ def plan_report(graph: Any, budget: Any, *, solver: str = "auto", strategy: str 
             _tradeoff_activations(graph, solver, strategy, plain_peak, least_bytes,
                                   [p for p in (least_plan, plan) if p is not None]))
     return report
+
+
+def _floor_dict(graph: Any) -> Dict[str, Any]:
+    """The physical floor (:func:`~chainer_recompute.core.replay.physical_floor`)
+    as the report keeps it."""
+    from ..core.replay import physical_floor
+    f = physical_floor(graph)
+    return {"peak_bytes": f.peak_bytes, "state_bytes": f.state_bytes,
+            "grad_bytes": f.grad_bytes, "event": f.event, "working_bytes": f.working_bytes}
 
 
 def _iteration_s(graph: Any) -> Optional[float]:

@@ -112,6 +112,13 @@ def format_report(report: Dict[str, Any]) -> str:
     lines.append("")
     lines.append("saving: against plain backprop's predicted peak; recompute: extra forward "
                  f"work in % of one forward ({g['cost_model']} costs)")
+    floor = report.get("floor")
+    if floor is not None:
+        lines.append(f"physical floor: {format_bytes(floor['peak_bytes'])}, below which no "
+                     f"schedule goes, recomputing at any depth: parameters, optimizer state and "
+                     f"inputs {format_bytes(floor['state_bytes'])}, with the gradients made by "
+                     f"then and {format_bytes(floor['working_bytes'])} that {floor['event']} "
+                     f"needs itself (the least feasible budget recomputes each array once)")
     if not plan["recompute"]:
         lines.append(f"plain backprop fits in {b['text']}: the plan recomputes nothing.")
     if b["text"] == "least" and b["scope"] == "total" \

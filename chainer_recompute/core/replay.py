@@ -66,8 +66,8 @@ from .graph import Graph
 from .kernels import pick_engine
 from .pool import PoolModel
 
-__all__ = ["RELEASE_MODES", "REPLAY_ENGINES", "ReplayResult", "replay", "replay_peak",
-           "state_constant_bytes"]
+__all__ = ["Floor", "RELEASE_MODES", "REPLAY_ENGINES", "ReplayResult", "physical_floor", "replay",
+           "replay_peak", "state_constant_bytes"]
 
 #: What is released after a node's last backward reader has run: ``none``
 #: held back (everything recomputable is released; a second backward pass
@@ -791,3 +791,111 @@ def _replay_compiled(graph: Graph, plan: Optional[ExecutionPlan],
                         constant_bytes=ctx.constant, events=events, memory_bytes=trace,
                         recomputed=int(recomputed), used_peak_bytes=int(trace.max()),
                         pool_total_peak_bytes=None)
+
+
+@dataclass(frozen=True)
+class Floor:
+    """What every schedule of one iteration holds at its fullest moment,
+    however it recomputes (single-level, nested, at any depth): a lower
+    bound of any plan's replayed peak (:func:`physical_floor`).
+
+    Attributes:
+        peak_bytes: the floor, ``state_bytes`` included.
+        state_bytes: parameters, optimizer state, persistent arrays and the
+            caller's inputs (:func:`state_constant_bytes`).
+        grad_bytes: the parameters' gradients.
+        event: where the floor is reached (``'backward 12 Convolution2D'``,
+            ``'forward 3 ...'``, ``'update'``).
+        working_bytes: at that event, what the function itself needs beyond
+            the state and the gradients made by then: the arrays its
+            backward reads (or its forward's inputs and outputs), its output
+            gradient and its measured temporary.
+    """
+
+    peak_bytes: int
+    state_bytes: int
+    grad_bytes: int
+    event: str
+    working_bytes: int
+
+
+def physical_floor(graph: Graph) -> Floor:
+    """The least any schedule of ``graph``'s iteration can hold at once,
+    under the replay's memory model: the state (parameters, optimizer
+    state, persistents, inputs) plus the most of
+
+    - a function's forward: its inputs and outputs (views counted once, at
+      their base) and its measured temporary;
+    - a function's backward: what it reads (its retained inputs and outputs,
+      the attribute arrays it keeps), its largest output gradient, its
+      measured temporary, and the parameters' gradients made by then (in
+      the recorded backward order, its own included);
+    - the optimizer's update: every gradient and the update's temporary.
+
+    A recomputation, at any depth, can drop everything else but none of
+    these: no plan replays below it (nor, up to the model's accuracy, runs
+    below it). Gradients of other arrays that are live at the same moment,
+    a step of several calls, and the caller's own work are left out, so it
+    is a bound, not a schedule.
+
+    Args:
+        graph: a recorded graph.
+
+    Returns:
+        A :class:`Floor`.
+
+    >>> g = Graph.from_edges([4, 4, 4], [(0, 1), (1, 2)])
+    >>> f = physical_floor(g)
+    >>> f.peak_bytes <= replay(g).peak_bytes
+    True
+    """
+    arrays, nodes = graph.arrays, graph.nodes
+
+    def root(a: int) -> int:
+        while arrays[a].view_of is not None:
+            a = arrays[a].view_of
+        return a
+
+    def in_state(a: int) -> bool:
+        return arrays[a].kind == "param" or _caller_input(arrays[a])
+
+    def distinct(ids: Sequence[int]) -> int:
+        roots = {root(a) for a in ids}
+        return sum(arrays[r].nbytes for r in roots if not in_state(r))
+
+    state = state_constant_bytes(graph)
+    best = (0, "", 0)  # (bytes above the state, event, working bytes)
+    for node in nodes:
+        work = distinct(node.inputs + node.outputs) + int(node.forward_transient_bytes or 0)
+        if work > best[0]:
+            best = (work, f"forward {node.id} {node.op}", work)
+    order = list(graph.backward_order) if graph.backward_order else \
+        [v for v in range(graph.n - 1, -1, -1) if nodes[v].has_backward]
+    made: Set[int] = set()
+    grads = 0
+    done: Set[int] = set()  # nodes whose backward has run
+    consumers: Dict[int, List[int]] = {}
+    for node in nodes:
+        for a in node.inputs:
+            consumers.setdefault(a, []).append(node.id)
+    for v in order:
+        node = nodes[v]
+        for a in dict.fromkeys(node.inputs + node.inner_params):
+            if arrays[a].kind == "param" and a not in made:
+                made.add(a)
+                grads += arrays[a].nbytes
+        reads = distinct(node.retained_inputs + node.retained_outputs) + sum(
+            h.nbytes for h in node.held if h.role != "written")
+        # an output has a gradient once a reader's backward has run
+        gy = max((arrays[a].nbytes for a in node.outputs
+                  if any(c in done for c in consumers.get(a, ()))), default=0)
+        work = reads + gy + int(node.backward_transient_bytes or 0)
+        if grads + work > best[0]:
+            best = (grads + work, f"backward {v} {node.op}", work)
+        done.add(v)
+    all_grads = param_grad_bytes(graph)
+    update = all_grads + int(graph.state_bytes.get("update_transient", 0))
+    if update > best[0]:
+        best = (update, "update", int(graph.state_bytes.get("update_transient", 0)))
+    return Floor(peak_bytes=state + best[0], state_bytes=state, grad_bytes=all_grads,
+                 event=best[1], working_bytes=best[2])

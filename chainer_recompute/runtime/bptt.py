@@ -75,7 +75,6 @@ import time
 import warnings
 from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
-
 from . import _chainer  # noqa: F401
 import chainer
 from chainer import backend

@@ -208,6 +208,12 @@ class ChainRecompute:
         check_calls: the former name of ``check_iterations`` (deprecated).
 
     Attributes:
+        spec: the options but the budget, checked once
+            (:class:`~chainer_recompute.runtime.runner.spec.ChainSpec`);
+            ``policy``, ``slots``, ``budget_scope`` and ``check_iterations``
+            read from it.
+        budget: the budget as parsed
+            (:class:`~chainer_recompute.core.budget_spec.Budget`), or None.
         last_stats: :class:`BPTTStats` of the last call.
 
     Raises:

@@ -3,6 +3,7 @@ least feasible one, in the total or the activations scope, and their
 memory timelines, gathered into the report (:func:`plan_report`)."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Dict, Optional, Tuple
 
@@ -27,7 +28,7 @@ def plan_report(graph: Any, budget: Any, *, solver: str = "auto", strategy: str 
     from ..progress import Progress
     from ..core.errors import InfeasibleBudgetError
     from ..core.execution import ExecutionPlan
-    from ..core.replay import replay
+    from ..core.replay import physical_floor, replay
     progress = progress if progress is not None else Progress(enabled=False)
     from ..core.budget import resolve_budget
     spec = resolve_budget(graph, budget, scope)
@@ -88,7 +89,7 @@ def plan_report(graph: Any, budget: Any, *, solver: str = "auto", strategy: str 
                   "replayed_peak_bytes": int(plain.peak_bytes), "peak_event": plain.peak_event},
         "plan": row(plan, times["plan"], plan_pred, planned),
         "least": None,
-        "floor": _floor_dict(graph) if scope == "total" else None,
+        "floor": dataclasses.asdict(physical_floor(graph)) if scope == "total" else None,
         "timelines": {"plain": _timeline_dict(plain), "plan": _timeline_dict(planned)},
         "schedule": _schedule_dict(graph, plan),
     }
@@ -105,15 +106,6 @@ def plan_report(graph: Any, budget: Any, *, solver: str = "auto", strategy: str 
             _tradeoff_activations(graph, solver, strategy, plain_peak, least_bytes,
                                   [p for p in (least_plan, plan) if p is not None]))
     return report
-
-
-def _floor_dict(graph: Any) -> Dict[str, Any]:
-    """The physical floor (:func:`~chainer_recompute.core.replay.physical_floor`)
-    as the report keeps it."""
-    from ..core.replay import physical_floor
-    f = physical_floor(graph)
-    return {"peak_bytes": f.peak_bytes, "state_bytes": f.state_bytes,
-            "grad_bytes": f.grad_bytes, "event": f.event, "working_bytes": f.working_bytes}
 
 
 def _iteration_s(graph: Any) -> Optional[float]:

@@ -248,6 +248,14 @@ def lifetimes(graph: Graph) -> Tuple[Dict[int, List[int]], Dict[int, List[int]],
     return dies, made, temporaries
 
 
+def backward_steps(graph: Graph) -> List[int]:
+    """The nodes whose backward runs, in the order it runs: the recorded
+    order, else reverse node order (those with a backward)."""
+    if graph.backward_order:
+        return list(graph.backward_order)
+    return [v for v in range(graph.n - 1, -1, -1) if graph.nodes[v].has_backward]
+
+
 def param_grad_bytes(graph: Graph) -> int:
     """Bytes of the parameters' gradients."""
     sb = graph.state_bytes
@@ -628,8 +636,7 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
     grads = _Gradients(mem)
 
     # ----------------------------------------------------------- backward
-    order = list(graph.backward_order) if graph.backward_order else \
-        [v for v in range(n - 1, -1, -1) if nodes[v].has_backward]
+    order = backward_steps(graph)
     remaining: Dict[int, int] = {}
     if plan is not None:
         for w in order:
@@ -869,8 +876,7 @@ def physical_floor(graph: Graph) -> Floor:
         work = distinct(node.inputs + node.outputs) + int(node.forward_transient_bytes or 0)
         if work > best[0]:
             best = (work, f"forward {node.id} {node.op}", work)
-    order = list(graph.backward_order) if graph.backward_order else \
-        [v for v in range(graph.n - 1, -1, -1) if nodes[v].has_backward]
+    order = backward_steps(graph)
     made: Set[int] = set()
     grads = 0
     done: Set[int] = set()  # nodes whose backward has run

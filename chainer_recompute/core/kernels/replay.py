@@ -134,8 +134,7 @@ class ReplayContext:
         self.held_inputs = helpers.held_caller_input_bytes(graph) if self.held_into_next else 0
         self.outside_peak, self.outside_held = helpers.outside_bytes(graph)
         # the gradients: the same for every plan
-        order = list(graph.backward_order) if graph.backward_order else \
-            [v for v in range(n - 1, -1, -1) if nodes[v].has_backward]
+        order = helpers.backward_steps(graph)
         self.order = np.array(order, dtype=i64)
         lv = _Level()
         grads = _Gradients(lv)  # type: ignore[arg-type]

@@ -79,7 +79,9 @@ def train(make: Callable[[], chainer.Link], batches: List[Tuple[Any, ...]], appl
                 st = cr.runner_of(model).last_stats
                 run.stats.append(dict(path=st.path, dropped=st.n_dropped,
                                       recomputed=st.recomputed_nodes, budget=st.budget_bytes,
-                                      predicted=st.predicted_peak_bytes, stats=st))
+                                      predicted=st.predicted_peak_bytes, stats=st,
+                                      nested=any(p.nested for p in
+                                                 cr.runner_of(model).plans.values())))
             if not keep_loss:
                 loss = None
         del loss, model, opt, batch

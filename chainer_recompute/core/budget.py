@@ -48,7 +48,7 @@ from .lower_sets import DEFAULT_MAX_LOWER_SETS, LowerSetFamily
 from .memory_model import SCOPES, MemoryModel, measured_model
 from .plan import Plan, recost_plan, replace_plan
 from .planner import solve
-from .replay import replay_peak
+from .replay import replay, replay_peak
 from .search import least_feasible_budget
 from .solvers import check_solver, resolve_solver, solve_none
 from .budget_spec import Budget, parse_budget
@@ -248,8 +248,12 @@ class BudgetSearch:
     """
 
     def __init__(self, graph: Graph, solver: str = "auto", strategy: str = "tc",
-                 **solver_options: Any) -> None:
+                 nested: Optional[bool] = None, **solver_options: Any) -> None:
         check_solver(solver, strategy)
+        #: plan nested (two-level) for budgets below the single-level least
+        #: (default: with ``solver='auto'``)
+        self.nested = solver == "auto" if nested is None else bool(nested)
+        self._nested_search: Optional[Any] = None
         self.model: MemoryModel = measured_model(graph)
         solver = resolve_solver(solver, graph, self.model)
         self.graph, self.solver, self.strategy = graph, solver, strategy
@@ -423,15 +427,42 @@ class BudgetSearch:
             return self._annotate(plan, peak, budget_bytes, None, t0)
         if van_peak <= limit:  # mc with nothing coarser that fits
             return self._annotate(van_plan, van_peak, budget_bytes, None, t0)
-        least = self.least_budget()
+        single = self.least_budget()
+        nested = self.nested_least() if self.nested else None
+        if nested is not None:
+            got = self.nested_search().fit(limit)
+            if got is not None:
+                return self._annotate(got[0], got[1], budget_bytes, None, t0)
+        least = single if nested is None else least_for(nested[1])
+        how = ("" if nested is None else
+               f" with nested recomputation, which recomputes "
+               f"{100 * (nested[0].overhead_fraction or 0):.0f}% of a forward (single-level "
+               f"recomputation needs {format_bytes_up(single)})")
         raise InfeasibleBudgetError(
             f"budget {label or format_bytes(budget_bytes)} is below the least feasible "
-            f"{format_bytes_up(least)} for this model and batch (the whole iteration: "
+            f"{format_bytes_up(least)}{how} for this model and batch (the whole iteration: "
             f"parameters, gradients, optimizer state, activations and temporaries; plain "
             f"Chainer needs {format_bytes_up(least_for(van_peak))}); raise the budget to at "
             f"least {format_bytes_up(least)}, use budget='least', or reduce the batch size",
             budget_bytes=budget_bytes, least_feasible_bytes=least,
             vanilla_bytes=least_for(van_peak))
+
+    def nested_search(self) -> Any:
+        """The :class:`~chainer_recompute.core.nested.NestedSearch` of this
+        graph, from the least budget's :meth:`candidates` (made when first
+        asked)."""
+        if self._nested_search is None:
+            from .nested import NestedSearch
+            self._nested_search = NestedSearch(self.graph, self.candidates())
+        return self._nested_search
+
+    def nested_least(self) -> Optional[Tuple[Plan, int]]:
+        """The nested plan of least replayed peak and that peak, when it is
+        below the single-level least's (else ``None``)."""
+        got = self.nested_search().least()
+        if got is None or got[1] >= self.least()[1]:
+            return None
+        return got
 
     def _annotate(self, plan: Plan, peak: int, budget_bytes: Optional[int],
                   dp_budget: Optional[int], t0: float) -> Plan:
@@ -519,6 +550,9 @@ def peak_of(graph: Graph, plan: Plan) -> int:
     on costs."""
     if not plan.recompute:
         return replay_peak(graph)
+    if plan.inner:
+        return replay(graph, ExecutionPlan(graph, plan.lower_sets, frozenset(plan.kept),
+                                           plan.inner)).peak_bytes
     dropped, block_of = plan_arrays(graph, plan)
     return replay_peak(graph, dropped, block_of)
 

@@ -70,6 +70,13 @@ class ExecutionPlan:
             model's forward applies its functions.
         lower_sets: the plan's strategy L_1 ⊊ ... ⊊ L_k = V.
         kept: nodes whose outputs are checkpoints (U_1 ∪ ... ∪ U_k).
+        inner: a nested plan's inner checkpoints (docs/algorithm.md,
+            "Nested plans"): nodes dropped in the forward like any other
+            that the first regeneration through them puts back and keeps
+            until their last reader (a backward, or the regeneration of a
+            later block that starts from them) has run; a regeneration of
+            a nested plan frees each of its transient values after its last
+            reader in it. Empty: a single-level plan.
 
     Attributes:
         dropped: nodes whose arrays are released in the forward pass and
@@ -85,7 +92,10 @@ class ExecutionPlan:
         releasable: recomputable nodes, except those whose outputs are all
             returned by the forward (``graph.step.returned``) and that
             hold no derived attribute: the only ones ever released.
-        needs, done: see :func:`backward_readers`.
+        needs, done: see :func:`backward_readers`; in a nested plan a
+            node of ``inner`` also has one reader less once the backward
+            of each dropped node reading its outputs has run (that node's
+            block was regenerated from it by then).
         block_of, block_nodes: each node's block; the dropped nodes of
             each block (regenerated together).
         derived, written: attribute names by role, per node.
@@ -97,7 +107,7 @@ class ExecutionPlan:
     """
 
     def __init__(self, graph: Graph, lower_sets: Sequence[FrozenSet[int]],
-                 kept: FrozenSet[int]) -> None:
+                 kept: FrozenSet[int], inner: FrozenSet[int] = frozenset()) -> None:
         self.graph = graph
         n = graph.n
         self.block_of = [0] * n
@@ -131,11 +141,21 @@ class ExecutionPlan:
                 if p is None or p not in self.dropped:
                     pos.append(j)
             self.sources[u] = tuple(pos)
-        #: arrays made by a node that regeneration starts from
+        #: the nested plan's inner checkpoints (dropped, kept once regenerated)
+        self.inner: FrozenSet[int] = frozenset(inner) & self.dropped
+        #: arrays made by a node that regeneration starts from (in a nested
+        #: plan also the outputs of ``inner`` that dropped nodes read)
         self.source_arrays: FrozenSet[int] = frozenset(
             graph.nodes[u].inputs[j] for u, pos in self.sources.items() for j in pos
-            if arrays[graph.nodes[u].inputs[j]].producer is not None)
+            if arrays[graph.nodes[u].inputs[j]].producer is not None) | frozenset(
+            a for u in self.dropped for a in graph.nodes[u].inputs
+            if arrays[a].producer in self.inner)
         self.needs, self.done = backward_readers(graph, self.releasable, self.derived)
+        if self.inner:
+            for w in self.dropped:
+                starts = {arrays[a].producer for a in graph.nodes[w].inputs} & self.inner
+                if starts - {w}:
+                    self.done[w] = tuple(sorted(set(self.done[w]) | starts))
         self.block_nodes: Dict[int, List[int]] = {}
         for u in sorted(self.dropped):
             self.block_nodes.setdefault(self.block_of[u], []).append(u)

@@ -180,6 +180,11 @@ class Plan:
         checkpoint_sets: U_i per block.
         recompute: False for vanilla (nothing dropped, nothing recomputed).
         info: solver-specific extras (lower-set count, DP states, ...).
+        inner: a nested plan's inner checkpoints (docs/algorithm.md,
+            "Nested plans"): dropped in the forward, kept once a
+            regeneration has made them again, until their last reader; its
+            ``lower_sets`` are then the fine chain and ``checkpoint_sets``
+            the outer checkpoints. Empty for a single-level plan.
 
     >>> from chainer_recompute.core.graph import Graph
     >>> g = Graph.from_edges([1, 1], [(0, 1)])
@@ -203,6 +208,12 @@ class Plan:
     checkpoint_sets: Tuple[NodeSet, ...] = ()
     recompute: bool = True
     info: Dict[str, Any] = field(default_factory=dict, compare=False)
+    inner: NodeSet = frozenset()
+
+    @property
+    def nested(self) -> bool:
+        """Whether the plan recomputes at two levels (:attr:`inner`)."""
+        return bool(self.inner)
 
     @property
     def blocks(self) -> Tuple[NodeSet, ...]:
@@ -239,8 +250,9 @@ class Plan:
         if not self.feasible:
             return (f"Plan[{self.solver}/{self.strategy}] INFEASIBLE at budget {budget}"
                     f" (solved in {self.solve_time_s:.3f} s)")
+        nest = (f", {len(self.inner)} kept once regenerated (nested)" if self.inner else "")
         return (f"Plan[{self.solver}/{self.strategy}] budget {budget}: {self.n_blocks} blocks, "
-                f"keeps {len(self.kept)} of {len(self.lower_sets[-1])} nodes\n"
+                f"keeps {len(self.kept)} of {len(self.lower_sets[-1])} nodes{nest}\n"
                 f"  predicted peak {format_bytes(self.predicted_peak_bytes, binary=False)} "
                 f"(paper model), simulated peak "
                 f"{format_bytes(self.simulated_peak_bytes, binary=False)} (liveness)\n"

@@ -103,6 +103,8 @@ class ReplayResult:
         memory_bytes: the total at each event (int64), peaks of calls
             included.
         recomputed: nodes re-run in the backward (with repeats).
+        recomputed_cost: their cost under the graph's cost model (the
+            Python engine's; ``None`` from the compiled one).
         used_peak_bytes: the largest total of live arrays (what CuPy's
             ``used_bytes()`` reads); equal to ``peak_bytes`` but on CuPy.
         pool_total_peak_bytes: on a graph recorded on CuPy, the largest
@@ -117,6 +119,7 @@ class ReplayResult:
     memory_bytes: np.ndarray = field(repr=False)
     recomputed: int = 0
     used_peak_bytes: Optional[int] = None
+    recomputed_cost: Optional[float] = None
     pool_total_peak_bytes: Optional[int] = None
 
 
@@ -544,6 +547,11 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
     """
     if release_mode not in RELEASE_MODES:
         raise ValueError(f"unknown release mode {release_mode!r}; accepted: {list(RELEASE_MODES)}")
+    if plan is not None and plan.inner:
+        if engine == "numba":
+            raise ValueError("replay engine 'numba' does not replay nested plans; pass "
+                             "engine='auto' or 'python'")
+        engine = "python"
     if _engine(graph, engine) == "numba":
         return _replay_compiled(graph, plan, release_mode)
     n = graph.n
@@ -643,13 +651,16 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
             for u in plan.done.get(w, ()):
                 remaining[u] = remaining.get(u, 0) + 1
     recomputed = 0
+    recomputed_cost = 0.0
+    inner: FrozenSet[int] = plan.inner if plan is not None else frozenset()
+    nested = bool(inner)
 
     def available(a: int, values: Set[int]) -> bool:
         info = arrays[a]
         return info.kind == "param" or _caller_input(info) or a in values or mem.alive(a)
 
     def regenerate(w: int, targets: List[int]) -> None:
-        nonlocal recomputed
+        nonlocal recomputed, recomputed_cost
         assert plan is not None
         wanted = set(targets)
         for b in {plan.block_of[u] for u in targets}:
@@ -668,7 +679,9 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
                 p = arrays[a].producer
                 if not available(a, values) and p is not None:
                     stack.append(p)
-        for u in sorted(order_):
+        steps = sorted(order_)
+        last = _last_readers(nodes, steps) if nested else {}
+        for u in steps:
             for a in nodes[u].outputs:
                 mem.hold(a, "val")
                 values.add(a)
@@ -678,15 +691,22 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
             mem.record(f"regenerate {u} {nodes[u].op} for backward {w}",
                        nodes[u].forward_transient_bytes or 0)
             recomputed += 1
-            if u in wanted and u in released:
+            recomputed_cost += float(graph.node_cost[u])
+            if u in released and (u in wanted or (
+                    u in inner and remaining.get(u, 0) > 0)):
                 released.discard(u)
                 for a in nodes[u].outputs:
                     if a in retained_by:
                         mem.hold(a, "ret")
+                    if nested and a in plan.source_arrays:
+                        mem.hold(a, "pin")
             else:
                 for name, _, role in held_attrs(u):
                     if role == "derived":
                         mem.clear_attr((u, name))
+            for a in last.get(u, ()):  # (nested) values read no more here
+                mem.drop(a, "val")
+                values.discard(a)
         for a in values:
             mem.drop(a, "val")
 
@@ -773,10 +793,26 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
                         peak_event=mem.events[k] if mem.events else "",
                         constant_bytes=constant, events=tuple(mem.events),
                         memory_bytes=trace, recomputed=recomputed,
+                        recomputed_cost=recomputed_cost,
                         used_peak_bytes=int(per_step(graph, max(mem.used_trace,
                                                                 default=constant))),
                         pool_total_peak_bytes=(None if mem.pool is None else
                                                int(per_step(graph, mem.pool.peak_total_bytes))))
+
+
+def _last_readers(nodes: Any, steps: Sequence[int]) -> Dict[int, List[int]]:
+    """``out[u]``: the arrays made by ``steps`` (a regeneration's nodes, in
+    order) whose last reader among them is ``u``."""
+    made = {a for u in steps for a in nodes[u].outputs}
+    last: Dict[int, int] = {}
+    for u in steps:
+        for a in nodes[u].inputs:
+            if a in made:
+                last[a] = u
+    out: Dict[int, List[int]] = {}
+    for a, u in last.items():
+        out.setdefault(u, []).append(a)
+    return out
 
 
 def _replay_compiled(graph: Graph, plan: Optional[ExecutionPlan],

@@ -627,7 +627,10 @@ class IterationHook(chainer.FunctionHook):
                             f"cannot regenerate node {u} ({calls[u].op}): its input array "
                             f"{a} is not available and is not recomputable")
                     stack.append(prod)
-        for u in sorted(order):
+        steps = sorted(order)
+        # a nested plan's regeneration lets each value go after its last reader
+        last = _last_readers(calls, steps) if p.inner else {}
+        for u in steps:
             f = calls[u].func()
             in_ids = calls[u].in_ids or ()
             in_data = tuple(self._input_array(f, j, a, values) for j, a in enumerate(in_ids))
@@ -640,8 +643,11 @@ class IterationHook(chainer.FunctionHook):
             self.stats.recomputed_nodes += 1
             for a, y in zip(calls[u].out_ids or (), outs):
                 values[a] = y
-            if u in self.released and u not in wanted and self._live_reader(u):
-                wanted.add(u)  # a checkpoint released after an earlier backward pass
+            if (u in self.released and u not in wanted and self._live_reader(u)
+                    and (not p.inner or u in p.inner or u not in p.dropped)):
+                # a checkpoint released after an earlier backward pass, or a
+                # nested plan's inner checkpoint (kept until its last reader)
+                wanted.add(u)
             if u in wanted and u in self.released:
                 for a, y in zip(calls[u].out_ids or (), outs):
                     if a in p.source_arrays:
@@ -664,6 +670,9 @@ class IterationHook(chainer.FunctionHook):
             else:
                 for name in p.derived.get(u, ()):  # transient: drop what forward made
                     setattr(owner_of(f, name), name, None)
+            for a in last.get(u, ()):
+                del values[a]
+            in_data = outs = None
         if self.no_release and self.recorder.forward_done:
             self._unpin_spent()
 
@@ -743,6 +752,21 @@ class IterationHook(chainer.FunctionHook):
                 setattr(owner, name, original)
             f._input_indexes_to_retain, f._output_indexes_to_retain = keep_in, keep_out
         return outs
+
+
+def _last_readers(calls: Sequence[Call], steps: Sequence[int]) -> Dict[int, List[int]]:
+    """``out[u]``: the arrays made by ``steps`` (a regeneration's nodes, in
+    order) whose last reader among them is ``u`` (as the replay's)."""
+    made = {a for u in steps for a in calls[u].out_ids or ()}
+    last: Dict[int, int] = {}
+    for u in steps:
+        for a in calls[u].in_ids or ():
+            if a in made:
+                last[a] = u
+    out: Dict[int, List[int]] = {}
+    for a, u in last.items():
+        out.setdefault(u, []).append(a)
+    return out
 
 
 def _same_link(a: Recorder, b: Recorder) -> bool:

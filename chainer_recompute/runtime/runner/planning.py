@@ -279,7 +279,7 @@ class Planner:
                 if plan is None:
                     plan = self.plan(graph)
             program = Program(graph, plan.lower_sets, frozenset(plan.kept),
-                              param_refs=param_refs)
+                              param_refs=param_refs, inner=plan.inner)
             program.multi_backward = multi_backward
             program.backward_known = backward_known
             s = _Structure(graph, plan, program, time.perf_counter() - t0, limit)
@@ -670,7 +670,7 @@ class Planner:
         planned.sort(key=lambda e: -e.structures[0].graph.activation_bytes)
         for e in planned[:2]:
             s = e.structures[0]
-            ep = (ExecutionPlan(graph, s.plan.lower_sets, frozenset(s.plan.kept))
+            ep = (ExecutionPlan(graph, s.plan.lower_sets, frozenset(s.plan.kept), s.plan.inner)
                   if s.plan.recompute else None)
             # 'least': the least budget of the larger shape the plan was made for
             budget = self.budget_bytes_for(graph) or s.plan.budget_bytes

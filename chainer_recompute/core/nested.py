@@ -1,0 +1,207 @@
+"""Nested plans: recomputation at two levels, for budgets below the least
+a single-level plan reaches (docs/algorithm.md, "Nested plans").
+
+Pure core: numpy only.
+
+A single-level plan (Kusumoto et al.) keeps the checkpoints U_i of its
+chain L_1 ⊊ ... ⊊ L_k through the forward, and regenerates a block V_i,
+all of it at once, for its backward. A nested plan groups that chain's
+blocks into outer blocks: only the checkpoints of the outer chain (the
+nodes of an outer block read beyond it) are kept through the forward; the
+regeneration of an outer block, for the backward of its last fine block,
+puts back the fine chain's checkpoints inside it (the plan's ``inner``
+nodes) and lets every other value go after its last reader; each earlier
+fine block is then regenerated from them for its own backward, as in a
+single-level plan. Every node but the outer checkpoints is recomputed at
+most twice.
+
+:class:`NestedSearch` finds such plans from the single-level plans a
+:class:`~chainer_recompute.core.budget.BudgetSearch` made (its fine
+chains), grouping each chain's blocks into outer blocks of about equal
+checkpoint bytes over a range of sizes, each candidate replayed exactly
+(:func:`~chainer_recompute.core.replay.replay`, which gives its peak and
+its recomputation).
+"""
+from __future__ import annotations
+
+from typing import FrozenSet, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .execution import ExecutionPlan
+from .graph import Graph
+from .plan import Plan, replace_plan
+from .replay import ReplayResult, replay
+
+__all__ = ["NestedSearch", "nest", "nested_plan"]
+
+#: outer-block sizes tried per fine chain (geometric), then refined
+#: between the neighbours of the best
+GRID_STEPS = 12
+REFINE_STEPS = 6
+#: fine chains tried: the single-level plans of least replayed peak
+MAX_FINE_CHAINS = 8
+
+
+def nest(graph: Graph, plan: Plan, ends: Sequence[int]
+         ) -> Tuple[FrozenSet[int], FrozenSet[int]]:
+    """The outer and inner checkpoints of ``plan``'s chain grouped into
+    outer blocks that end at its blocks ``ends`` (increasing, the last
+    block's index last): a checkpoint of a fine block is an outer one when
+    a node beyond its outer block reads it (or nothing does: the forward's
+    results), an inner one otherwise.
+
+    >>> from chainer_recompute.core.plan import make_plan
+    >>> g = Graph.from_edges([4] * 4, [(0, 1), (1, 2), (2, 3)])
+    >>> p = make_plan(g, [{0}, {0, 1}, {0, 1, 2}, {0, 1, 2, 3}], solver='x', strategy='tc',
+    ...               budget_bytes=None)
+    >>> [sorted(s) for s in nest(g, p, [1, 3])]
+    [[1], [0, 2]]
+    """
+    if not ends or ends[-1] != plan.n_blocks - 1 or any(
+            b <= a for a, b in zip(ends, ends[1:])):
+        raise ValueError(f"outer blocks must end at increasing fine blocks, the last at "
+                         f"{plan.n_blocks - 1}: got {list(ends)}")
+    block_of = np.empty(graph.n, dtype=np.int64)
+    for i, b in enumerate(plan.blocks):
+        block_of[list(b)] = i
+    outer_end = np.empty(plan.n_blocks, dtype=np.int64)
+    start = 0
+    for e in ends:
+        outer_end[start:e + 1] = e
+        start = e + 1
+    outer, inner = set(), set()
+    for i, u in enumerate(plan.checkpoints):
+        for v in u:
+            succ = graph.succs[v]
+            if not succ or int(block_of[list(succ)].max()) > outer_end[i]:
+                outer.add(v)
+            else:
+                inner.add(v)
+    return frozenset(outer), frozenset(inner)
+
+
+def nested_plan(graph: Graph, plan: Plan, ends: Sequence[int]) -> Tuple[Plan, ReplayResult]:
+    """``plan`` (single-level) nested with outer blocks ending at ``ends``
+    (see :func:`nest`), and its replay on ``graph``. The nested plan's
+    predicted peak is the replayed total peak, its overhead the cost of
+    every node the replay recomputes (some twice)."""
+    outer, inner = nest(graph, plan, ends)
+    result = replay(graph, ExecutionPlan(graph, plan.lower_sets, outer, inner))
+    blocks = plan.blocks
+    total = float(graph.node_cost.sum())
+    overhead = float(result.recomputed_cost or 0.0)
+    info = dict(plan.info, nested={"fine_blocks": plan.n_blocks, "outer_blocks": len(ends),
+                                   "inner_checkpoints": len(inner),
+                                   "outer_checkpoints": len(outer),
+                                   "recomputed_nodes": result.recomputed},
+                memory_scope="total")
+    out = replace_plan(
+        plan, solver=f"nested-{plan.solver}", predicted_peak_bytes=int(result.peak_bytes),
+        simulated_peak_bytes=int(result.peak_bytes), overhead=overhead,
+        overhead_fraction=overhead / total if total > 0 else 0.0,
+        checkpoint_sets=tuple(frozenset(b & outer) for b in blocks), inner=inner, info=info)
+    return out, result
+
+
+def _groupings(graph: Graph, plan: Plan, thresholds: Sequence[float]) -> List[Tuple[int, ...]]:
+    """For each threshold, the fine blocks of ``plan`` grouped from the
+    first on, an outer block ending once its checkpoints hold that many
+    bytes (distinct groupings of two or more outer blocks only)."""
+    sizes = [sum(graph.arrays[a].owned_bytes for v in u for a in graph.nodes[v].outputs)
+             for u in plan.checkpoints]
+    out, seen = [], set()
+    for t in thresholds:
+        ends, acc = [], 0
+        for i, s in enumerate(sizes):
+            acc += s
+            if acc >= t:
+                ends.append(i)
+                acc = 0
+        if not ends or ends[-1] != len(sizes) - 1:
+            ends.append(len(sizes) - 1)
+        key = tuple(ends)
+        if 1 < len(key) < len(sizes) and key not in seen:
+            seen.add(key)
+            out.append(key)
+    return out
+
+
+class NestedSearch:
+    """Nested plans of one graph, from its single-level plans.
+
+    Args:
+        graph: the recorded graph the plans are replayed on (its own
+            costs give their overheads).
+        fine: single-level plans with their replayed peaks (a
+            :class:`~chainer_recompute.core.budget.BudgetSearch`'s
+            candidates); the :data:`MAX_FINE_CHAINS` of least peak that
+            recompute are nested.
+
+    The candidates depend on the graph's sizes and structure, and on the
+    fine plans: planned without times, the least nested peak does not move
+    between recordings of one model.
+    """
+
+    def __init__(self, graph: Graph, fine: Sequence[Tuple[Plan, int]]) -> None:
+        self.graph = graph
+        chains = sorted((c for c in fine if c[0].recompute and c[0].n_blocks > 2),
+                        key=lambda c: (c[1], c[0].overhead))
+        self.fine: List[Plan] = []
+        seen = set()
+        for plan, _ in chains:
+            key = tuple(len(b) for b in plan.blocks)
+            if key not in seen:
+                seen.add(key)
+                self.fine.append(plan)
+            if len(self.fine) == MAX_FINE_CHAINS:
+                break
+        self._candidates: Optional[List[Tuple[Plan, int]]] = None
+
+    def candidates(self) -> List[Tuple[Plan, int]]:
+        """Every nested plan tried, with its replayed peak: each fine chain
+        grouped at :data:`GRID_STEPS` outer-block sizes from a fine block's
+        checkpoints to half of them all (geometric), then at
+        :data:`REFINE_STEPS` more between the neighbours of its best."""
+        if self._candidates is not None:
+            return self._candidates
+        out: List[Tuple[Plan, int]] = []
+        for plan in self.fine:
+            sizes = [sum(self.graph.arrays[a].owned_bytes for v in u
+                         for a in self.graph.nodes[v].outputs) for u in plan.checkpoints]
+            total = float(sum(sizes))
+            if total <= 0:
+                continue
+            lo = max(min(s for s in sizes if s > 0) if any(sizes) else 1.0, total / 1e4)
+            grid = np.geomspace(lo, total / 2, GRID_STEPS).tolist()
+            tried = self._try(plan, grid)
+            if not tried:
+                continue
+            best = min(range(len(tried)), key=lambda j: (tried[j][1], tried[j][0].overhead))
+            t = tried[best][2]
+            j = grid.index(t) if t in grid else 0
+            a, b = grid[max(j - 1, 0)], grid[min(j + 1, len(grid) - 1)]
+            tried += self._try(plan, np.linspace(a, b, REFINE_STEPS + 2)[1:-1].tolist())
+            out += [(p, peak) for p, peak, _ in tried]
+        self._candidates = out
+        return out
+
+    def _try(self, plan: Plan, thresholds: Sequence[float]) -> List[Tuple[Plan, int, float]]:
+        out = []
+        for t in thresholds:
+            for ends in _groupings(self.graph, plan, [t]):
+                p, r = nested_plan(self.graph, plan, ends)
+                out.append((p, int(r.peak_bytes), t))
+        return out
+
+    def least(self) -> Optional[Tuple[Plan, int]]:
+        """The nested plan of least replayed peak (the least overhead among
+        equal peaks), and that peak; ``None`` when no fine chain can nest."""
+        cands = self.candidates()
+        return min(cands, key=lambda c: (c[1], c[0].overhead)) if cands else None
+
+    def fit(self, limit: int) -> Optional[Tuple[Plan, int]]:
+        """The nested plan of least overhead whose replayed peak is at most
+        ``limit``, and that peak; ``None`` when none is."""
+        fitting = [c for c in self.candidates() if c[1] <= limit]
+        return min(fitting, key=lambda c: (c[0].overhead, c[1])) if fitting else None

@@ -1,0 +1,303 @@
+"""Nested (two-level) plans, below the single-level least budget
+(docs/algorithm.md, "Nested plans").
+
+- The execution plan and the replay of a nested plan on graphs counted by
+  hand.
+- Whole training runs against plain Chainer, bit for bit (loss,
+  gradients, parameters, optimizer state, persistents, NumPy's random
+  state), over five optimizer steps, at a budget below the single-level
+  least: a residual CNN with BatchNorm and dropout, a small Transformer, a
+  graph network whose graphs change size between steps. Each step's whole
+  peak (tracemalloc, from before the model was built, the update included)
+  is at or under the budget from the second step on (the first step's
+  planning, in no plan, comes before: docs/defaults.md).
+- At budgets at or above the single-level least, and at ``'least'``, the
+  single-level plan is unchanged.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, List, Tuple
+
+import numpy as np
+import pytest
+
+import chainer
+import chainer.functions as F
+import chainer.links as L
+
+import chainer_recompute as cr
+from chainer_recompute.core.budget import BudgetSearch, least_for, plan_for_budget
+from chainer_recompute.core.errors import InfeasibleBudgetError
+from chainer_recompute.core.execution import ExecutionPlan
+from chainer_recompute.core.graph import ArrayInfo, Graph, Node
+from chainer_recompute.core.nested import NestedSearch, nest, nested_plan
+from chainer_recompute.core.plan import make_plan
+from chainer_recompute.core.replay import replay
+from harness import assert_same_records
+from test_step_budget import GraphRegressor, image_batches, train
+
+STEPS = 5
+
+
+# ----------------------------------------------------- plans, by hand
+def chain(n: int, size: int = 4, retain: str = "inputs") -> Graph:
+    """``n`` functions in a row, each reading the previous one's output of
+    ``size`` bytes (the first the caller's input) and retaining its input
+    for its backward (as ``Linear``), or its output (``retain='outputs'``,
+    as ``tanh``)."""
+    arrays = [ArrayInfo(id=0, shape=None, dtype="", nbytes=size, kind="input", producer=None)]
+    arrays += [ArrayInfo(id=i + 1, shape=None, dtype="", nbytes=size,
+                         kind="output" if i == n - 1 else "intermediate", producer=i,
+                         dies_at=None if i == n - 1 else i + 2)  # the caller lets go
+               for i in range(n)]
+    nodes = [Node(id=i, op="Op", inputs=(i,), outputs=(i + 1,),
+                  retained_inputs=(i,) if retain == "inputs" else (),
+                  retained_outputs=(i + 1,) if retain == "outputs" else ())
+             for i in range(n)]
+    return Graph(arrays, nodes, cost_model="paper")
+
+
+def fine_plan(g: Graph, cuts: List[int]):
+    lower, acc = [], set()
+    prev = -1
+    for c in cuts:
+        acc |= set(range(prev + 1, c + 1))
+        lower.append(frozenset(acc))
+        prev = c
+    return make_plan(g, lower, solver="x", strategy="tc", budget_bytes=None)
+
+
+def test_nest_splits_the_checkpoints():
+    """A chain of 8 in fine blocks of 2: grouped into outer blocks of two
+    fine blocks, the checkpoints read beyond an outer block are kept
+    through the forward, the others are inner."""
+    g = chain(8)
+    p = fine_plan(g, [1, 3, 5, 7])
+    assert [sorted(u) for u in p.checkpoints] == [[1], [3], [5], []]
+    outer, inner = nest(g, p, [1, 3])
+    assert sorted(outer) == [3] and sorted(inner) == [1, 5]
+    with pytest.raises(ValueError, match="increasing"):
+        nest(g, p, [2, 1, 3])
+    with pytest.raises(ValueError, match="the last at 3"):
+        nest(g, p, [1])
+
+
+def test_execution_plan_of_a_nested_plan():
+    """Inner checkpoints are dropped like any node; their outputs are
+    sources of regeneration (kept once made again), and each has one
+    reader more per dropped node that starts from it (here no backward
+    reads a function's input)."""
+    g = chain(8, retain="outputs")
+    p = fine_plan(g, [1, 3, 5, 7])
+    outer, inner = nest(g, p, [1, 3])
+    ep = ExecutionPlan(g, p.lower_sets, outer, inner)
+    flat = ExecutionPlan(g, p.lower_sets, outer)
+    assert ep.inner == frozenset({1, 5}) and ep.dropped == flat.dropped
+    out1, out5 = g.nodes[1].outputs[0], g.nodes[5].outputs[0]
+    assert {out1, out5} <= ep.source_arrays and not {out1, out5} & flat.source_arrays
+    assert 1 in ep.done[2] and 1 not in flat.done[2]
+    assert 5 in ep.done[6] and ep.needs == flat.needs
+
+
+def test_replay_of_a_nested_plan_on_a_chain():
+    """A chain of 16 equal arrays, fine blocks of 2 grouped in fours: the
+    nested plan holds 4 outer checkpoints, at most 3 inner ones and a fine
+    block's values, below the single-level plan with the same outer
+    blocks (which regenerates 8 values at once), and recomputes more."""
+    g = chain(16, size=100)
+    p = fine_plan(g, list(range(1, 16, 2)))
+    nested, r = nested_plan(g, p, [1, 3, 5, 7])
+    outer = fine_plan(g, [3, 7, 11, 15])
+    r_outer = replay(g, ExecutionPlan(g, outer.lower_sets, frozenset(outer.kept)))
+    assert nested.inner and nested.nested and not outer.nested
+    assert r.peak_bytes < r_outer.peak_bytes
+    assert r.recomputed > r_outer.recomputed
+    assert nested.predicted_peak_bytes == r.peak_bytes
+    assert nested.overhead == pytest.approx(r.recomputed_cost)
+    # the python engine replays it; the compiled one refuses
+    with pytest.raises(ValueError, match="nested"):
+        replay(g, ExecutionPlan(g, p.lower_sets, *nest(g, p, [1, 3, 5, 7])), engine="numba")
+
+
+def test_the_search_goes_below_the_single_level_least_on_a_long_chain():
+    g = chain(64, size=1000).with_step(state_bytes={})
+    search = BudgetSearch(g, "auto")
+    single = search.least()[1]
+    got = search.nested_least()
+    assert got is not None and got[1] < 0.8 * single, (got and got[1], single)
+    assert isinstance(search.nested_search(), NestedSearch)
+
+
+def test_budgets_at_or_above_the_single_level_least_plan_as_before():
+    g = chain(64, size=1000)
+    for budget in ("least", least_for(BudgetSearch(g, "auto").least()[1]), "80%"):
+        auto = plan_for_budget(g, budget)
+        flat = plan_for_budget(g, budget, solver="approx")
+        assert not auto.nested
+        assert (auto.lower_sets, auto.kept, auto.predicted_peak_bytes) == \
+            (flat.lower_sets, flat.kept, flat.predicted_peak_bytes)
+
+
+def test_below_the_single_level_least_auto_nests_and_the_error_names_the_nested_least():
+    g = chain(64, size=1000)
+    search = BudgetSearch(g, "auto")
+    nested_least = least_for(search.nested_least()[1])
+    single_least = search.least_budget()
+    plan = plan_for_budget(g, nested_least)
+    assert plan.nested and plan.predicted_peak_bytes <= nested_least
+    assert plan.info["nested"]["outer_blocks"] >= 2
+    with pytest.raises(InfeasibleBudgetError) as e:
+        plan_for_budget(g, nested_least - 200)
+    assert e.value.least_feasible_bytes == nested_least
+    assert "nested recomputation" in str(e.value) and "% of a forward" in str(e.value)
+    # a solver named explicitly plans single-level, as before
+    with pytest.raises(InfeasibleBudgetError) as e:
+        plan_for_budget(g, nested_least, solver="approx")
+    assert e.value.least_feasible_bytes == single_least
+
+
+# --------------------------------------------------------- models
+class DropRes(chainer.Chain):
+    """Residual blocks with BatchNorm and dropout, keeping ``self.loss``."""
+
+    def __init__(self, c: int = 8, blocks: int = 10) -> None:
+        super().__init__()
+        with self.init_scope():
+            self.stem = L.Convolution2D(3, c, 3, pad=1)
+            self.convs = chainer.ChainList(*[L.Convolution2D(c, c, 3, pad=1, nobias=True)
+                                             for _ in range(2 * blocks)])
+            self.bns = chainer.ChainList(*[L.BatchNormalization(c) for _ in range(2 * blocks)])
+            self.fc = L.Linear(c, 10)
+
+    def forward(self, x, t):
+        h = F.relu(self.stem(x))
+        for i in range(0, len(self.convs), 2):
+            r = F.dropout(F.relu(self.bns[i](self.convs[i](h))), 0.2)
+            r = self.bns[i + 1](self.convs[i + 1](r))
+            h = F.relu(h + r)
+        self.loss = F.softmax_cross_entropy(self.fc(F.average(h, axis=(2, 3))), t)
+        return self.loss
+
+
+class Transformer(chainer.Chain):
+    """A small pre-norm Transformer encoder classifying token sequences:
+    multi-head self-attention (its output with dropout: a dropout mask is
+    kept by every plan, so none on the attention weights, whose masks would
+    outweigh the rest) and a feed-forward layer."""
+
+    def __init__(self, vocab: int = 40, d: int = 32, heads: int = 4, layers: int = 6) -> None:
+        super().__init__()
+        self.d, self.heads = d, heads
+        with self.init_scope():
+            self.embed = L.EmbedID(vocab, d)
+            self.qkv = chainer.ChainList(*[L.Linear(d, 3 * d) for _ in range(layers)])
+            self.proj = chainer.ChainList(*[L.Linear(d, d) for _ in range(layers)])
+            self.ff1 = chainer.ChainList(*[L.Linear(d, 4 * d) for _ in range(layers)])
+            self.ff2 = chainer.ChainList(*[L.Linear(4 * d, d) for _ in range(layers)])
+            self.ln1 = chainer.ChainList(*[L.LayerNormalization(d) for _ in range(layers)])
+            self.ln2 = chainer.ChainList(*[L.LayerNormalization(d) for _ in range(layers)])
+            self.out = L.Linear(d, 5)
+
+    def forward(self, tokens, t):
+        B, T = tokens.shape
+        d, H = self.d, self.heads
+        h = self.embed(tokens).reshape(B * T, d)
+        for k in range(len(self.qkv)):
+            q, key, v = F.split_axis(self.qkv[k](self.ln1[k](h)), 3, axis=1)
+
+            def heads(x):
+                return F.transpose(x.reshape(B, T, H, d // H), (0, 2, 1, 3)).reshape(
+                    B * H, T, d // H)
+
+            a = F.softmax(F.matmul(heads(q), heads(key), transb=True) / np.sqrt(d // H), axis=2)
+            a = F.matmul(a, heads(v))
+            a = F.transpose(a.reshape(B, H, T, d // H), (0, 2, 1, 3)).reshape(B * T, d)
+            h = h + F.dropout(self.proj[k](a), 0.1)
+            h = h + self.ff2[k](F.relu(self.ff1[k](self.ln2[k](h))))
+        self.loss = F.softmax_cross_entropy(self.out(F.mean(h.reshape(B, T, d), axis=1)), t)
+        return self.loss
+
+
+def token_batches(n: int = STEPS, batch: int = 8, length: int = 48, seed: int = 7):
+    rs = np.random.RandomState(seed)
+    return [(rs.randint(0, 40, (batch, length)).astype(np.int32),
+             rs.randint(0, 5, batch).astype(np.int32)) for _ in range(n)]
+
+
+def varying_graph_batches(n: int = STEPS, batch: int = 8, seed: int = 6):
+    """Molecules of 16 and 20 atoms in turn: two input signatures."""
+    rs = np.random.RandomState(seed)
+    out = []
+    for k in range(n):
+        atoms = (16, 20)[k % 2]
+        out.append((rs.randint(1, 10, (batch, atoms)).astype(np.int32),
+                    (rs.rand(batch, 4, atoms, atoms) < 0.2).astype(np.float32),
+                    rs.rand(batch, 1).astype(np.float32)))
+    return out
+
+
+def least_figures(make: Callable[[], chainer.Link], batch: Tuple[Any, ...]
+                  ) -> Tuple[int, int, int]:
+    """The single-level and nested least budgets of the graph the runner
+    plans for ``make()`` on ``batch`` (optimizer state included), and
+    what plain Chainer needs."""
+    np.random.seed(0)
+    model = make()
+    cr.apply(model, budget="least", cost="flops", verbose=False)
+    opt = chainer.optimizers.MomentumSGD(0.01)
+    opt.setup(model)
+    opt.update(model, *batch)
+    opt.update(model, *batch)
+    graph = cr.runner_of(model).planned_graphs()[-1]
+    search = BudgetSearch(graph, "auto")
+    got = search.nested_least()
+    assert got is not None, "no nested plan below the single-level least"
+    return search.least_budget(), least_for(got[1]), least_for(search.vanilla()[1])
+
+
+def check_nested(make: Callable[[], chainer.Link], batches: List[Tuple[Any, ...]],
+                 budget: Any) -> Any:
+    """Plain Chainer and ``apply(budget=budget)`` trained on ``batches``:
+    identical records; every step from the second planned and at or under
+    its budget; the applied run's plans nested."""
+    plain = train(make, batches, False)
+    ours = train(make, batches, True, options=dict(budget=budget, cost="flops",
+                                                    verbose=False))
+    assert_same_records(plain, ours)
+    table = "\n".join(
+        f"step {k}: plain {p}, applied {a}, budget {s['budget']}, predicted {s['predicted']}, "
+        f"recomputed {s['recomputed']}, nested {s['nested']}" for k, (p, a, s) in
+        enumerate(zip(plain.peaks, ours.peaks, ours.stats)))
+    for k in range(1, len(batches)):
+        assert ours.stats[k]["path"] == "planned" and ours.stats[k]["nested"], table
+        assert ours.peaks[k] <= ours.stats[k]["budget"], f"step {k} over its budget:\n{table}"
+    return ours
+
+
+@pytest.mark.parametrize("make, batches", [
+    (DropRes, lambda: image_batches(STEPS, batch=4, size=16)),
+    (Transformer, lambda: token_batches()),
+], ids=["resnet-bn-dropout", "transformer"])
+def test_bit_identical_under_a_budget_below_the_single_level_least(make, batches):
+    bs = batches()
+    single, nested, plain = least_figures(make, bs[0])
+    assert nested < single < plain
+    budget = (nested + single) // 2
+    ours = check_nested(make, bs, budget)
+    assert all(s["budget"] == budget for s in ours.stats)
+
+
+def test_graph_network_of_varying_size():
+    """Two molecule sizes in turn, each planned for itself at a share of
+    what plain Chainer needs for it, below both sizes' single-level
+    least."""
+    bs = varying_graph_batches()
+    shares = []
+    for batch in bs[:2]:
+        single, nested, plain = least_figures(GraphRegressor, batch)
+        shares.append((nested / plain, single / plain))
+    lo = max(n for n, _ in shares)
+    hi = min(s for _, s in shares)
+    assert lo < hi, shares
+    share = f"{100 * (lo + hi) / 2:.1f}%"
+    check_nested(GraphRegressor, bs, share)

@@ -79,6 +79,8 @@ APPLY = {
     "exact-tc": dict(solver="exact", strategy="tc", budget_scope="total"),
     "exact-mc": dict(solver="exact", strategy="mc", budget_scope="total"),
     "chen": dict(solver="chen", strategy="tc", budget_scope="activations"),
+    # solver auto: below the single-level least, a nested plan (docs/algorithm.md §9)
+    "nested-tc": dict(solver="auto", strategy="tc", budget_scope="total"),
     # the convolutions' column buffers built in one copy where the
     # planner finds it pays (bit-identical; runtime/workspace.py)
     "approx-tc-ws": dict(solver="approx", strategy="tc", budget_scope="total",
@@ -100,6 +102,16 @@ APPLY = {
     "approx-tc-wsc-8m": dict(solver="approx", strategy="tc", budget_scope="total",
                              workspace="8M", workspace_exact=False),
 }
+
+
+def _solver_of(method: str) -> Tuple[str, str]:
+    """The solver and strategy a DP method plans with (``nested-tc``:
+    ``auto``, which nests below the single-level least)."""
+    opts = APPLY.get(method)
+    if opts is not None:
+        return opts["solver"], opts["strategy"]
+    solver, strategy = method.split("-")[:2]
+    return solver, strategy
 
 
 def load_config(path: Optional[str]) -> Dict[str, Any]:
@@ -803,7 +815,8 @@ def _replayed_peak(g, plan) -> int:
     from chainer_recompute.core.replay import replay
     if plan is None or not plan.recompute:
         return replay(g, None).peak_bytes
-    return replay(g, ExecutionPlan(g, plan.lower_sets, frozenset(plan.kept))).peak_bytes
+    return replay(g, ExecutionPlan(g, plan.lower_sets, frozenset(plan.kept),
+                                   plan.inner)).peak_bytes
 
 
 def _recompute_share(g, plan) -> float:
@@ -811,6 +824,15 @@ def _recompute_share(g, plan) -> float:
     backward, from the recorded graph) that the plan's recomputation adds."""
     if plan is None or not plan.recompute:
         return 0.0
+    if plan.nested:  # some nodes recomputed twice: the replay's count
+        from chainer_recompute.core.execution import ExecutionPlan
+        from chainer_recompute.core.replay import replay
+        timed = g.with_cost_model("measured")  # each node's cost: its forward's time
+        r = replay(timed, ExecutionPlan(timed, plan.lower_sets, frozenset(plan.kept),
+                                        plan.inner))
+        total = sum(float(n.forward_time_s or 0.0) + float(n.backward_time_s or 0.0)
+                    for n in g.nodes)
+        return float(r.recomputed_cost) / max(1e-12, total)
     fwd = [float(n.forward_time_s or 0.0) for n in g.nodes]
     bwd = [float(n.backward_time_s or 0.0) for n in g.nodes]
     rec = plan.lower_sets[-1] - plan.kept
@@ -836,7 +858,7 @@ def simulate_method(path: str, method: str, budget: int, batches: List[int]) -> 
             peak = _replayed_peak(g, plan)
             fits = peak <= limit
         else:
-            solver, strategy = method.split("-")
+            solver, strategy = _solver_of(method)
             plan = _fit_plan(g, solver, strategy, budget)
             fits = plan is not None
             if plan is None:  # the least it reaches, for the curve beyond
@@ -867,7 +889,7 @@ def largest_batch(path: str, method: str, budget: int, hi: int = 4096) -> Dict[s
             return _replayed_peak(g, None) <= limit
         if method == "chen":
             return _replayed_peak(g, _chen_plan(g)) <= limit
-        solver, strategy = method.split("-")
+        solver, strategy = _solver_of(method)
         return _fit_plan(g, solver, strategy, budget) is not None
 
     t0 = time.perf_counter()
@@ -880,7 +902,7 @@ def largest_batch(path: str, method: str, budget: int, hi: int = 4096) -> Dict[s
         best = lo if h > hi else bisect_least(lambda b: not ok(b), lo, h) - 1
     out = {"method": method, "largest_batch": best, "search_s": time.perf_counter() - t0}
     if method not in ("vanilla", "chen"):
-        solver, strategy = method.split("-")
+        solver, strategy = _solver_of(method)
         out["largest_batch_size_dp_formula"] = largest_batch_size(
             g0, budget, solver, strategy, model=measured_model)
     return out
@@ -917,10 +939,10 @@ def sweep(cfg: Dict[str, Any], net: str, resume: bool) -> int:
           f" GB at batch {b0}, {state['vanilla_predicted_b0_plus_1'] / 1e9:.3f} GB at {b0 + 1}; "
           f"measured {(state['vanilla_measured_b0'] or 0) / 1e9:.3f} GB at {b0})", flush=True)
     # simulated curves and largest batches (pure core)
-    sim = state.get("simulated") if resume else None
-    if not sim:
-        sim, largest = {}, {}
-        for m in methods:
+    sim = dict(state.get("simulated") or {}) if resume else {}
+    largest = dict(state.get("largest") or {}) if resume else {}
+    if any(m not in sim for m in methods):
+        for m in [m for m in methods if m not in sim]:
             r = call_with_timeout("largest_batch", [gpath, m, budget], 3600)
             largest[m] = r
             top = max(2, int(1.25 * max(r.get("largest_batch", b0), b0)))
@@ -937,8 +959,14 @@ def sweep(cfg: Dict[str, Any], net: str, resume: bool) -> int:
     # their largest batch in B, and once at that largest batch
     largest = {m: state["largest"][m].get("largest_batch") or 0 for m in methods}
     todo = [(b, "vanilla") for b in sc["vanilla_batches"]]
+    # nested plans only where the single-level ones no longer fit (below, the
+    # nested method's plan is the single-level one): between the largest
+    # batches of the two
+    single = largest.get("approx-tc", 0)
     for b in sc["method_batches"]:
-        todo += [(b, m) for m in methods if m != "vanilla" and b <= largest[m]]
+        todo += [(b, m) for m in methods if m not in ("vanilla", "nested-tc") and b <= largest[m]]
+    if "nested-tc" in methods and largest["nested-tc"] > single + 1:
+        todo.append(((single + largest["nested-tc"]) // 2, "nested-tc"))
     todo += [(largest[m], m) for m in methods if largest[m] and (largest[m], m) not in todo]
     for k, (b, m) in enumerate(todo):
         p = sweep_cell_path(net, b, m, budget)
@@ -964,9 +992,11 @@ def sweep(cfg: Dict[str, Any], net: str, resume: bool) -> int:
 # Plots.
 
 COLORS = {"vanilla": "k", "chen": "tab:green", "approx-tc": "tab:blue",
-          "approx-mc": "tab:orange", "exact-tc": "tab:purple", "exact-mc": "tab:red"}
+          "approx-mc": "tab:orange", "exact-tc": "tab:purple", "exact-mc": "tab:red",
+          "nested-tc": "tab:brown"}
 LABELS = {"vanilla": "vanilla", "chen": "Chen et al.", "approx-tc": "approx DP, TC",
-          "approx-mc": "approx DP, MC", "exact-tc": "exact DP, TC", "exact-mc": "exact DP, MC"}
+          "approx-mc": "approx DP, MC", "exact-tc": "exact DP, TC", "exact-mc": "exact DP, MC",
+          "nested-tc": "nested (auto), TC"}
 
 
 def sweep_measured(net: str, budget: int) -> Dict[str, List[Dict[str, Any]]]:

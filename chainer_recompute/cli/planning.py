@@ -50,9 +50,13 @@ def plan_report(graph: Any, budget: Any, *, solver: str = "auto", strategy: str 
         plan, least_plan, least_bytes, plain_peak, times = _plan_activations(
             graph, budget_bytes, solver, strategy, progress)
     if plan is None:
+        nested = (f" with nested recomputation (single-level: "
+                  f"{format_bytes_up(least_plan.budget_bytes)})"
+                  if least_plan is not None and least_plan.budget_bytes is not None
+                  and least_bytes < least_plan.budget_bytes else "")
         raise InfeasibleBudgetError(
             f"budget {_resolved(spec)} is below the least feasible "
-            f"{format_bytes_up(least_bytes)} for {subject} (solver {solver}, strategy "
+            f"{format_bytes_up(least_bytes)}{nested} for {subject} (solver {solver}, strategy "
             f"{strategy}, scope {scope}; plain backprop needs {format_bytes_up(plain_peak)}); "
             f"raise --budget to at least {_typed(least_bytes)}, or use --budget least",
             budget_bytes=budget_bytes, least_feasible_bytes=least_bytes,
@@ -156,8 +160,9 @@ def _plan_total(graph: Any, budget_bytes: Optional[int], solver: str, strategy: 
     with progress.step(f"planning ({solver}/{strategy}) for {format_bytes(budget_bytes)}"):
         try:
             plan = search.fit(budget_bytes)
-        except InfeasibleBudgetError as e:  # plain backprop's need, with the headroom
-            return None, least, least_bytes, int(e.vanilla_bytes), times, search
+        except InfeasibleBudgetError as e:  # plain backprop's need, with the headroom;
+            # the least feasible, nested when the search nests
+            return None, least, int(e.least_feasible_bytes), int(e.vanilla_bytes), times, search
     times["plan"] = time.perf_counter() - t0
     return plan, least, least_bytes, plain_peak, times, search
 
@@ -253,6 +258,7 @@ def _plan_dict(plan: Any) -> Dict[str, Any]:
         "simulated_peak_bytes", "overhead", "overhead_fraction", "n_blocks", "solve_time_s",
         "cost_model", "recompute")}
     d["memory_scope"] = plan.info.get("memory_scope")
+    d["nested"] = plan.info.get("nested") if plan.nested else None
     return d
 
 

@@ -119,6 +119,17 @@ def format_report(report: Dict[str, Any]) -> str:
                      f"inputs {format_bytes(floor['state_bytes'])}, with the gradients made by "
                      f"then and {format_bytes(floor['working_bytes'])} that {floor['event']} "
                      f"needs itself (the least feasible budget recomputes each array once)")
+    nest = plan.get("nested")
+    if nest:
+        lines.append(
+            f"nested plan (below the single-level least"
+            f"{'' if least is None else ' ' + format_bytes_up(least['budget_bytes'])}): "
+            f"{nest['outer_blocks']} outer blocks over {nest['fine_blocks']} fine blocks, "
+            f"{nest['outer_checkpoints']} checkpoints kept through the forward, "
+            f"{nest['inner_checkpoints']} kept once regenerated; it recomputes "
+            f"{_pct(plan['overhead_fraction'])} of a forward"
+            + ("" if least is None else
+               f" (the single-level least: {_pct(least['overhead_fraction'])})"))
     if not plan["recompute"]:
         lines.append(f"plain backprop fits in {b['text']}: the plan recomputes nothing.")
     if b["text"] == "least" and b["scope"] == "total" \

@@ -453,7 +453,7 @@ class BudgetSearch:
         asked)."""
         if self._nested_search is None:
             from .nested import NestedSearch
-            self._nested_search = NestedSearch(self.graph, self.candidates())
+            self._nested_search = NestedSearch(self.graph, self.candidates(), self.model)
         return self._nested_search
 
     def nested_least(self) -> Optional[Tuple[Plan, int]]:

@@ -30,7 +30,8 @@ import numpy as np
 
 from .execution import ExecutionPlan
 from .graph import Graph
-from .plan import Plan, replace_plan
+from .memory_model import MemoryModel
+from .plan import Plan, make_plan, replace_plan
 from .replay import ReplayResult, replay
 
 __all__ = ["NestedSearch", "nest", "nested_plan"]
@@ -39,8 +40,9 @@ __all__ = ["NestedSearch", "nest", "nested_plan"]
 #: between the neighbours of the best
 GRID_STEPS = 12
 REFINE_STEPS = 6
-#: fine chains tried: the single-level plans of least replayed peak
-MAX_FINE_CHAINS = 8
+#: fine chains tried: the single-level plans of the most blocks, and those
+#: of the least replayed peak, half each
+MAX_FINE_CHAINS = 12
 
 
 def nest(graph: Graph, plan: Plan, ends: Sequence[int]
@@ -135,27 +137,38 @@ class NestedSearch:
             costs give their overheads).
         fine: single-level plans with their replayed peaks (a
             :class:`~chainer_recompute.core.budget.BudgetSearch`'s
-            candidates); the :data:`MAX_FINE_CHAINS` of least peak that
-            recompute are nested.
+            candidates); :data:`MAX_FINE_CHAINS` distinct chains are
+            nested, the finest and those of least peak.
+        model: the measured memory model of ``graph``; on a graph of few
+            lower sets the exact nested DP's plans under it are candidates
+            too.
 
     The candidates depend on the graph's sizes and structure, and on the
     fine plans: planned without times, the least nested peak does not move
     between recordings of one model.
     """
 
-    def __init__(self, graph: Graph, fine: Sequence[Tuple[Plan, int]]) -> None:
-        self.graph = graph
-        chains = sorted((c for c in fine if c[0].recompute and c[0].n_blocks > 2),
-                        key=lambda c: (c[1], c[0].overhead))
+    def __init__(self, graph: Graph, fine: Sequence[Tuple[Plan, int]],
+                 model: Optional[MemoryModel] = None) -> None:
+        self.graph, self.model = graph, model
+        # the finest chains (nesting groups their blocks: a coarse chain's
+        # blocks, regenerated whole, leave it little to gain) and those of
+        # least peak, half each
+        usable = [c for c in fine if c[0].recompute and c[0].n_blocks > 2]
+        finest = sorted(usable, key=lambda c: (-c[0].n_blocks, c[1], c[0].overhead))
+        lowest = sorted(usable, key=lambda c: (c[1], c[0].overhead))
         self.fine: List[Plan] = []
         seen = set()
-        for plan, _ in chains:
-            key = tuple(len(b) for b in plan.blocks)
-            if key not in seen:
-                seen.add(key)
-                self.fine.append(plan)
-            if len(self.fine) == MAX_FINE_CHAINS:
-                break
+        for order in (finest, lowest):
+            took = 0
+            for plan, _ in order:
+                key = plan.blocks
+                if key not in seen:
+                    seen.add(key)
+                    self.fine.append(plan)
+                    took += 1
+                if took == MAX_FINE_CHAINS // 2:
+                    break
         self._candidates: Optional[List[Tuple[Plan, int]]] = None
 
     def candidates(self) -> List[Tuple[Plan, int]]:
@@ -183,7 +196,32 @@ class NestedSearch:
             a, b = grid[max(j - 1, 0)], grid[min(j + 1, len(grid) - 1)]
             tried += self._try(plan, np.linspace(a, b, REFINE_STEPS + 2)[1:-1].tolist())
             out += [(p, peak) for p, peak, _ in tried]
+        out += self._exact()
         self._candidates = out
+        return out
+
+    def _exact(self) -> List[Tuple[Plan, int]]:
+        """On a graph of few lower sets, the exact nested DP's plans
+        (:mod:`~chainer_recompute.core.solvers.nested_dp`, under ``model``)
+        at :data:`GRID_STEPS` budgets from its least to the single-level
+        DPs' least, replayed."""
+        from .solvers.nested_dp import least_nested_budget, small_enough, solve_nested_exact
+        from .search import least_feasible_budget
+        if self.model is None or not small_enough(self.graph):
+            return []
+        g = self.graph.without_times()
+        lo = least_nested_budget(g, self.model)
+        hi = max(lo, least_feasible_budget(g, solver="exact", model=self.model))
+        out, seen = [], set()
+        for b in sorted({int(x) for x in np.linspace(lo, hi, GRID_STEPS)}):
+            chain = solve_nested_exact(g, b, self.model)
+            if chain is None or len(chain.ends) < 2 or (chain.masks, chain.ends) in seen:
+                continue
+            seen.add((chain.masks, chain.ends))
+            fine = make_plan(self.graph, list(chain.masks), solver="exact", strategy="tc",
+                             budget_bytes=None, model=self.model)
+            p, r = nested_plan(self.graph, fine, chain.ends)
+            out.append((p, int(r.peak_bytes)))
         return out
 
     def _try(self, plan: Plan, thresholds: Sequence[float]) -> List[Tuple[Plan, int, float]]:

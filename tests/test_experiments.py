@@ -39,24 +39,27 @@ def test_largest_batch_is_the_boundary_of_what_fits(recorded):
     g0 = load_graph(path)
     van = reproduce.largest_batch(path, "vanilla", budget)["largest_batch"]
     assert van == b0  # B is defined by vanilla's largest batch
-    for method in ("chen", "approx-tc", "approx-mc", "exact-tc"):
+    largest = {}
+    for method in ("chen", "approx-tc", "approx-mc", "exact-tc", "nested-tc"):
         r = reproduce.largest_batch(path, method, budget)
-        big = r["largest_batch"]
+        big = largest[method] = r["largest_batch"]
         assert big >= van, method
         if method == "chen":
             continue
-        solver, strategy = method.split("-")
+        solver, strategy = reproduce._solver_of(method)
         # it fits at its largest batch and at none of the next two
         assert reproduce._fit_plan(g0.scale_batch(big), solver, strategy, budget) is not None
         for b in (big + 1, big + 2):
             assert reproduce._fit_plan(g0.scale_batch(b), solver, strategy, budget) is None
         assert r["largest_batch_size_dp_formula"] <= big  # the formula over-counts
         assert big > van, method  # recomputation makes room on this net
+    # nesting only adds plans below the single-level least
+    assert largest["nested-tc"] >= largest["approx-tc"]
 
 
 def test_simulated_curve_agrees_with_the_largest_batch(recorded):
     path, b0, budget = recorded
-    for method in ("vanilla", "approx-tc"):
+    for method in ("vanilla", "approx-tc", "nested-tc"):
         big = reproduce.largest_batch(path, method, budget)["largest_batch"]
         rows = reproduce.simulate_method(path, method, budget, list(range(1, big + 3)))["rows"]
         fits = {r["batch"]: r["fits"] for r in rows}

@@ -16,6 +16,7 @@
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Callable, List, Tuple
 
 import numpy as np
@@ -301,3 +302,25 @@ def test_graph_network_of_varying_size():
     assert lo < hi, shares
     share = f"{100 * (lo + hi) / 2:.1f}%"
     check_nested(GraphRegressor, bs, share)
+
+
+def test_command_line_plans_nested_below_the_single_level_least(capsys, tmp_path):
+    """``--budget`` between the nested and the single-level least: the
+    report describes the nested plan and what it recomputes; below the
+    nested least the error gives both figures."""
+    from chainer_recompute.cli import main
+    from chainer_recompute.core.io import save_graph
+    g = chain(64, size=1000)
+    path = tmp_path / "chain.json"
+    save_graph(g, path)
+    search = BudgetSearch(g, "auto")
+    nested = least_for(search.nested_least()[1])
+    assert main(["--graph", str(path), "--budget", str(nested), "--budget-scope", "total",
+                 "--json", str(tmp_path / "r.json")]) == 0
+    out = capsys.readouterr().out
+    assert "nested plan (below the single-level least" in out, out
+    assert re.search(r"it recomputes \d+% of a forward \(the single-level least: \d+%\)", out)
+    assert main(["--graph", str(path), "--budget", str(nested - 1000), "--budget-scope",
+                 "total"]) == 2
+    err = capsys.readouterr().err
+    assert "with nested recomputation (single-level:" in err, err

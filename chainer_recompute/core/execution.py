@@ -8,12 +8,12 @@ predict the memory of an iteration.
 """
 from __future__ import annotations
 
-from typing import Dict, FrozenSet, List, Sequence, Tuple
+from typing import Callable, Dict, FrozenSet, List, Sequence, Tuple
 
 from .errors import RecomputeError
 from .graph import Graph
 
-__all__ = ["ExecutionPlan", "backward_readers", "releasable_nodes"]
+__all__ = ["ExecutionPlan", "backward_readers", "regeneration_frees", "releasable_nodes"]
 
 
 def backward_readers(graph: Graph, releasable: FrozenSet[int],
@@ -43,6 +43,29 @@ def backward_readers(graph: Graph, releasable: FrozenSet[int],
         needs[node.id] = tuple(sorted(need))
         done[node.id] = tuple(sorted(need | ({node.id} & releasable)))
     return needs, done
+
+
+def regeneration_frees(steps: Sequence[int], inputs: Callable[[int], Sequence[int]],
+                       outputs: Callable[[int], Sequence[int]]) -> Dict[int, List[int]]:
+    """``out[u]``: the arrays made by ``steps`` (a nested plan's
+    regeneration, in order; ``inputs(u)`` and ``outputs(u)``: each step's
+    arrays) whose last reader among them is ``u``: what the executor and
+    the replay let go once ``u`` has run.
+
+    >>> ins, outs = {0: [9], 1: [0], 2: [0, 1]}, {0: [0], 1: [1], 2: [2]}
+    >>> regeneration_frees([0, 1, 2], ins.get, outs.get)
+    {2: [0, 1]}
+    """
+    made = {a for u in steps for a in outputs(u)}
+    last: Dict[int, int] = {}
+    for u in steps:
+        for a in inputs(u):
+            if a in made:
+                last[a] = u
+    out: Dict[int, List[int]] = {}
+    for a, u in last.items():
+        out.setdefault(u, []).append(a)
+    return out
 
 
 def releasable_nodes(graph: Graph) -> FrozenSet[int]:

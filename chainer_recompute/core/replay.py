@@ -61,7 +61,7 @@ from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
-from .execution import ExecutionPlan
+from .execution import ExecutionPlan, regeneration_frees
 from .graph import Graph
 from .kernels import pick_engine
 from .pool import PoolModel
@@ -680,7 +680,8 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
                 if not available(a, values) and p is not None:
                     stack.append(p)
         steps = sorted(order_)
-        last = _last_readers(nodes, steps) if nested else {}
+        last = (regeneration_frees(steps, lambda u: nodes[u].inputs, lambda u: nodes[u].outputs)
+                if nested else {})
         for u in steps:
             for a in nodes[u].outputs:
                 mem.hold(a, "val")
@@ -798,21 +799,6 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
                                                                 default=constant))),
                         pool_total_peak_bytes=(None if mem.pool is None else
                                                int(per_step(graph, mem.pool.peak_total_bytes))))
-
-
-def _last_readers(nodes: Any, steps: Sequence[int]) -> Dict[int, List[int]]:
-    """``out[u]``: the arrays made by ``steps`` (a regeneration's nodes, in
-    order) whose last reader among them is ``u``."""
-    made = {a for u in steps for a in nodes[u].outputs}
-    last: Dict[int, int] = {}
-    for u in steps:
-        for a in nodes[u].inputs:
-            if a in made:
-                last[a] = u
-    out: Dict[int, List[int]] = {}
-    for a, u in last.items():
-        out.setdefault(u, []).append(a)
-    return out
 
 
 def _replay_compiled(graph: Graph, plan: Optional[ExecutionPlan],

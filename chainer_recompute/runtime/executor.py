@@ -82,6 +82,7 @@ import chainer
 from chainer import backend
 
 from ..core.errors import RecomputeError, UnsafeRecomputeError
+from ..core.execution import regeneration_frees
 from .capture import Call, Recorder, fingerprint, owner_of
 from .param_updates import (_LIVE, _add_live, _update_count, add_update_watcher,  # noqa: F401
                             remove_update_watcher)
@@ -629,7 +630,8 @@ class IterationHook(chainer.FunctionHook):
                     stack.append(prod)
         steps = sorted(order)
         # a nested plan's regeneration lets each value go after its last reader
-        last = _last_readers(calls, steps) if p.inner else {}
+        last = (regeneration_frees(steps, lambda u: calls[u].in_ids or (),
+                                   lambda u: calls[u].out_ids or ()) if p.inner else {})
         for u in steps:
             f = calls[u].func()
             in_ids = calls[u].in_ids or ()
@@ -752,21 +754,6 @@ class IterationHook(chainer.FunctionHook):
                 setattr(owner, name, original)
             f._input_indexes_to_retain, f._output_indexes_to_retain = keep_in, keep_out
         return outs
-
-
-def _last_readers(calls: Sequence[Call], steps: Sequence[int]) -> Dict[int, List[int]]:
-    """``out[u]``: the arrays made by ``steps`` (a regeneration's nodes, in
-    order) whose last reader among them is ``u`` (as the replay's)."""
-    made = {a for u in steps for a in calls[u].out_ids or ()}
-    last: Dict[int, int] = {}
-    for u in steps:
-        for a in calls[u].in_ids or ():
-            if a in made:
-                last[a] = u
-    out: Dict[int, List[int]] = {}
-    for a, u in last.items():
-        out.setdefault(u, []).append(a)
-    return out
 
 
 def _same_link(a: Recorder, b: Recorder) -> bool:

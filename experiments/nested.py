@@ -1,0 +1,118 @@
+"""Nested plans below the single-level least (docs/algorithm.md §9), from
+the committed graphs (pure core: nothing runs a model).
+
+- The least total budget with nesting against without, on the headline
+  table's graphs (recorded at the paper's batch sizes), with the physical
+  floor below which no schedule goes, what each least plan recomputes, and
+  the time the nested search takes.
+- The largest batch at the runtime sweep's fixed budget B
+  (experiments/README.md, "Time per iteration at a fixed budget"): the
+  single-level plans' (approx TC, as the sweep) against the nested ones
+  (solver auto), on the sweep's recorded graphs scaled to each batch.
+
+    .venv/bin/python experiments/nested.py                 # both; writes experiments/nested.json
+    .venv/bin/python experiments/nested.py --least resnet152_b32
+
+Every figure is a replayed peak (the memory model that apply() plans with),
+not a measurement; experiments/nested.md has the measured runs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(HERE))
+
+from chainer_recompute.core.budget import BudgetSearch, least_for  # noqa: E402
+from chainer_recompute.core.io import load_graph  # noqa: E402
+from chainer_recompute.core.replay import physical_floor  # noqa: E402
+
+GRAPHS = ["resnet50_b32", "resnet152_b32", "densenet161_b32", "googlenet_b32", "pspnet_b1",
+          "unet_b8", "vgg19_b32"]
+SWEEP = ["resnet152", "densenet161"]
+
+
+def least_row(name: str) -> dict:
+    g = load_graph(HERE / "results" / "graphs" / f"{name}.json")
+    t0 = time.perf_counter()
+    search = BudgetSearch(g, "auto")
+    single_plan, single = search.least()
+    t1 = time.perf_counter()
+    got = search.nested_search().least()
+    t2 = time.perf_counter()
+    floor = physical_floor(g)
+    row = {"graph": name, "functions": g.n, "single_least_bytes": least_for(single),
+           "single_peak_bytes": int(single), "single_recompute": single_plan.overhead_fraction,
+           "floor_bytes": int(floor.peak_bytes), "floor_event": floor.event,
+           "single_search_s": t1 - t0, "nested_search_s": t2 - t1}
+    if got is not None and got[1] < single:
+        plan, peak = got
+        row.update(nested_least_bytes=least_for(peak), nested_peak_bytes=int(peak),
+                   nested_recompute=plan.overhead_fraction, nested=plan.info["nested"])
+    return row
+
+
+def largest_rows(net: str) -> dict:
+    import reproduce
+    state = json.loads((HERE / "results" / "sweep" / f"{net}_budget.json").read_text())
+    gpath = str(ROOT / state["graph_file"])
+    budget = int(state["budget_bytes"])
+    out = {"network": net, "budget_bytes": budget}
+    for m in ("approx-tc", "nested-tc"):
+        r = reproduce.largest_batch(gpath, m, budget)
+        out[m] = {"largest_batch": r["largest_batch"], "search_s": r["search_s"]}
+    return out
+
+
+def gb(x: int) -> str:
+    return f"{x / 1e9:.3f}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--least", nargs="*", metavar="GRAPH", help="only the least budgets "
+                    "(of these committed graphs; default all)")
+    ap.add_argument("--largest", nargs="*", metavar="NET", help="only the largest batches "
+                    "(of these sweep networks; default both)")
+    ap.add_argument("--json", default=str(HERE / "nested.json"), help="where to write the figures")
+    args = ap.parse_args()
+    both = args.least is None and args.largest is None
+    out = {}
+    if both or args.least is not None:
+        out["least"] = []
+        print("| graph | functions | single-level least GB (recomputes) | nested least GB "
+              "(recomputes) | change | physical floor GB | nested search s |")
+        print("|---|---|---|---|---|---|---|")
+        for name in args.least or GRAPHS:
+            r = least_row(name)
+            out["least"].append(r)
+            nl = r.get("nested_least_bytes")
+            print(f"| {name} | {r['functions']} | {gb(r['single_least_bytes'])} "
+                  f"({100 * r['single_recompute']:.0f}%) | "
+                  + (f"{gb(nl)} ({100 * r['nested_recompute']:.0f}%) | "
+                     f"{100 * (nl / r['single_least_bytes'] - 1):+.1f}%"
+                     if nl else "none lower | -")
+                  + f" | {gb(r['floor_bytes'])} | {r['nested_search_s']:.1f} |", flush=True)
+    if both or args.largest is not None:
+        out["largest"] = []
+        print("\n| network | budget B GB | largest batch, single-level (approx TC) | "
+              "largest batch, nested | ratio |")
+        print("|---|---|---|---|---|")
+        for net in args.largest or SWEEP:
+            r = largest_rows(net)
+            out["largest"].append(r)
+            a, n = r["approx-tc"]["largest_batch"], r["nested-tc"]["largest_batch"]
+            print(f"| {net} | {gb(r['budget_bytes'])} | {a} | {n} | {n / a:.2f}x |", flush=True)
+    Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1038,7 +1038,7 @@ def plots(cfg: Dict[str, Any]) -> int:
         measured = sweep_measured(net, budget)
         a, c = vanilla_fit(measured)
         fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 5))
-        for m in cfg["sweep"]["methods"]:
+        for m in [m for m in cfg["sweep"]["methods"] if m in state["simulated"]]:
             col = COLORS[m]
             rows = state["simulated"][m]["rows"]
             b0 = state["vanilla_batch"]
@@ -1254,7 +1254,7 @@ def report_tables(cfg: Dict[str, Any]) -> Dict[str, str]:
             return None
 
         v8 = at("vanilla", 8)
-        for m in cfg["sweep"]["methods"]:
+        for m in [m for m in cfg["sweep"]["methods"] if m in state["largest"]]:
             lg = state["largest"][m]
             L = lg.get("largest_batch")
             r = at(m, L) if L else None

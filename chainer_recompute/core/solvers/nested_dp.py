@@ -47,7 +47,7 @@ __all__ = ["MAX_LOWER_SETS", "NestedChain", "least_nested_budget", "nested_cost"
 
 #: Above this many lower sets the exact nested DP is not run (its states are
 #: pairs of lower sets).
-MAX_LOWER_SETS = 64
+MAX_LOWER_SETS = 16
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,18 @@ def brute_force(g: Graph, model: Optional[MemoryModel] = None) -> List[Tuple[int
     return [(peak, t) for peak, t, _ in brute_force_chains(g, model)]
 
 
+def weights(g: Graph, model: Optional[MemoryModel] = None) -> Tuple[List[int], ...]:
+    """The per-node weights (block, keep, above, beside, transient) and the
+    constant that brute force adds up: the paper's model (a block counts
+    twice, with its gradients; no transients) or ``model``'s."""
+    M = [int(x) for x in g.node_bytes]
+    if model is None:
+        return [2 * m for m in M], M, M, M, [0] * g.n, 0
+    return ([int(x) for x in model.block_bytes], [int(x) for x in model.keep_bytes],
+            [int(x) for x in model.above_bytes], [int(x) for x in model.beside_bytes],
+            [int(x) for x in model.transient_bytes], model.constant_bytes)
+
+
 def brute_force_chains(g: Graph, model: Optional[MemoryModel] = None,
                        must_keep: FrozenSet[int] = frozenset()
                        ) -> List[Tuple[int, int, FrozenSet[int]]]:
@@ -74,14 +86,7 @@ def brute_force_chains(g: Graph, model: Optional[MemoryModel] = None,
     n = g.n
     preds = {v: set(g.preds[v]) for v in range(n)}
     succs = {v: set(g.succs[v]) for v in range(n)}
-    M = [int(x) for x in g.node_bytes]
-    if model is None:
-        blockw, keepw, abovew, besidew = [2 * m for m in M], M, M, M
-        trans, const = [0] * n, 0
-    else:
-        blockw, keepw = [int(x) for x in model.block_bytes], [int(x) for x in model.keep_bytes]
-        abovew, besidew = [int(x) for x in model.above_bytes], [int(x) for x in model.beside_bytes]
-        trans, const = [int(x) for x in model.transient_bytes], model.constant_bytes
+    blockw, keepw, abovew, besidew, trans, const = weights(g, model)
     T = [int(round(x)) for x in g.node_cost]
     V = frozenset(range(n))
     lower = [frozenset(s) for r in range(n + 1) for s in itertools.combinations(range(n), r)

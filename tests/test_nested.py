@@ -35,6 +35,7 @@ from chainer_recompute.core.nested import NestedSearch, nest, nested_plan
 from chainer_recompute.core.plan import make_plan
 from chainer_recompute.core.replay import replay
 from harness import assert_same_records
+from test_executor import ResNet
 from test_step_budget import GraphRegressor, image_batches, train
 
 STEPS = 5
@@ -158,17 +159,12 @@ def test_below_the_single_level_least_auto_nests_and_the_error_names_the_nested_
 
 
 # --------------------------------------------------------- models
-class DropRes(chainer.Chain):
-    """Residual blocks with BatchNorm and dropout, keeping ``self.loss``."""
+class DropRes(ResNet):
+    """test_executor's residual blocks with BatchNorm, with dropout, keeping
+    ``self.loss``."""
 
     def __init__(self, c: int = 8, blocks: int = 10) -> None:
-        super().__init__()
-        with self.init_scope():
-            self.stem = L.Convolution2D(3, c, 3, pad=1)
-            self.convs = chainer.ChainList(*[L.Convolution2D(c, c, 3, pad=1, nobias=True)
-                                             for _ in range(2 * blocks)])
-            self.bns = chainer.ChainList(*[L.BatchNormalization(c) for _ in range(2 * blocks)])
-            self.fc = L.Linear(c, 10)
+        super().__init__(c, blocks)
 
     def forward(self, x, t):
         h = F.relu(self.stem(x))

@@ -22,7 +22,7 @@ from chainer_recompute.core.schedule import strategy_cost
 from chainer_recompute.core.search import least_feasible_budget
 from chainer_recompute.core.solvers.nested_dp import (least_nested_budget, nested_cost,
                                                        solve_nested_exact)
-from test_bruteforce import KINDS, random_dag, random_model
+from test_bruteforce import KINDS, random_dag, random_model, weights
 
 
 def brute_force(g: Graph, model: Optional[MemoryModel] = None
@@ -31,14 +31,7 @@ def brute_force(g: Graph, model: Optional[MemoryModel] = None
     n = g.n
     preds = {v: set(g.preds[v]) for v in range(n)}
     succs = {v: set(g.succs[v]) for v in range(n)}
-    M = [int(x) for x in g.node_bytes]
-    if model is None:
-        blockw, keepw, abovew, besidew = [2 * m for m in M], M, M, M
-        trans, const = [0] * n, 0
-    else:
-        blockw, keepw = [int(x) for x in model.block_bytes], [int(x) for x in model.keep_bytes]
-        abovew, besidew = [int(x) for x in model.above_bytes], [int(x) for x in model.beside_bytes]
-        trans, const = [int(x) for x in model.transient_bytes], model.constant_bytes
+    blockw, keepw, abovew, besidew, trans, const = weights(g, model)
     T = [float(x) for x in g.node_cost]
     V = frozenset(range(n))
     lower = [frozenset(s) for r in range(1, n + 1) for s in itertools.combinations(range(n), r)

@@ -634,8 +634,7 @@ def paper_model_row(path: str, kind: str, solver: str) -> Dict[str, Any]:
         if kind == "ours" and plan.feasible:
             from chainer_recompute.core.execution import ExecutionPlan
             from chainer_recompute.core.replay import replay
-            ep = ExecutionPlan(g, plan.lower_sets, frozenset(plan.kept)) \
-                if plan.recompute else None
+            ep = ExecutionPlan.of(g, plan) if plan.recompute else None
             rp = replay(g, ep)
             r["replay_total_peak_bytes"] = rp.peak_bytes
             r["replay_peak_event"] = rp.peak_event
@@ -815,8 +814,7 @@ def _replayed_peak(g, plan) -> int:
     from chainer_recompute.core.replay import replay
     if plan is None or not plan.recompute:
         return replay(g, None).peak_bytes
-    return replay(g, ExecutionPlan(g, plan.lower_sets, frozenset(plan.kept),
-                                   plan.inner)).peak_bytes
+    return replay(g, ExecutionPlan.of(g, plan)).peak_bytes
 
 
 def _recompute_share(g, plan) -> float:
@@ -828,8 +826,7 @@ def _recompute_share(g, plan) -> float:
         from chainer_recompute.core.execution import ExecutionPlan
         from chainer_recompute.core.replay import replay
         timed = g.with_cost_model("measured")  # each node's cost: its forward's time
-        r = replay(timed, ExecutionPlan(timed, plan.lower_sets, frozenset(plan.kept),
-                                        plan.inner))
+        r = replay(timed, ExecutionPlan.of(timed, plan))
         total = sum(float(n.forward_time_s or 0.0) + float(n.backward_time_s or 0.0)
                     for n in g.nodes)
         return float(r.recomputed_cost) / max(1e-12, total)

@@ -65,7 +65,7 @@ def plan_report(graph: Any, budget: Any, *, solver: str = "auto", strategy: str 
     def timeline(p: Any) -> Any:
         if p is None or not p.recompute or not p.lower_sets:
             return plain
-        return replay(graph, ExecutionPlan(graph, p.lower_sets, frozenset(p.kept), p.inner))
+        return replay(graph, ExecutionPlan.of(graph, p))
 
     with progress.step("replaying the plan"):
         planned = timeline(plan)

@@ -551,8 +551,7 @@ def peak_of(graph: Graph, plan: Plan) -> int:
     if not plan.recompute:
         return replay_peak(graph)
     if plan.inner:
-        return replay(graph, ExecutionPlan(graph, plan.lower_sets, frozenset(plan.kept),
-                                           plan.inner)).peak_bytes
+        return replay(graph, ExecutionPlan.of(graph, plan)).peak_bytes
     dropped, block_of = plan_arrays(graph, plan)
     return replay_peak(graph, dropped, block_of)
 
@@ -579,7 +578,7 @@ def plan_arrays(graph: Graph, plan: Plan) -> Tuple[np.ndarray, np.ndarray]:
 
 
 def _ep_arrays(graph: Graph, plan: Plan) -> Tuple[np.ndarray, np.ndarray]:
-    ep = ExecutionPlan(graph, plan.lower_sets, frozenset(plan.kept))
+    ep = ExecutionPlan.of(graph, plan)
     dropped = np.zeros(graph.n, dtype=bool)
     dropped[list(ep.dropped)] = True
     return dropped, np.asarray(ep.block_of, dtype=np.int64)

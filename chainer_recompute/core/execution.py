@@ -8,7 +8,7 @@ predict the memory of an iteration.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, FrozenSet, List, Sequence, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Sequence, Tuple
 
 from .errors import RecomputeError
 from .graph import Graph
@@ -182,6 +182,19 @@ class ExecutionPlan:
         self.block_nodes: Dict[int, List[int]] = {}
         for u in sorted(self.dropped):
             self.block_nodes.setdefault(self.block_of[u], []).append(u)
+
+    @classmethod
+    def of(cls, graph: Graph, plan: Any) -> "ExecutionPlan":
+        """The execution plan of a :class:`~chainer_recompute.core.plan.Plan`
+        (its chain, its kept nodes, a nested plan's inner checkpoints).
+
+        >>> from chainer_recompute.core.plan import make_plan
+        >>> g = Graph.from_edges([4, 4, 4], [(0, 1), (1, 2)])
+        >>> p = make_plan(g, [{0, 1}, {0, 1, 2}], solver='exact', strategy='tc', budget_bytes=None)
+        >>> sorted(ExecutionPlan.of(g, p).dropped)
+        [0, 2]
+        """
+        return cls(graph, plan.lower_sets, frozenset(plan.kept), plan.inner)
 
     @property
     def n(self) -> int:

@@ -670,8 +670,7 @@ class Planner:
         planned.sort(key=lambda e: -e.structures[0].graph.activation_bytes)
         for e in planned[:2]:
             s = e.structures[0]
-            ep = (ExecutionPlan(graph, s.plan.lower_sets, frozenset(s.plan.kept), s.plan.inner)
-                  if s.plan.recompute else None)
+            ep = ExecutionPlan.of(graph, s.plan) if s.plan.recompute else None
             # 'least': the least budget of the larger shape the plan was made for
             budget = self.budget_bytes_for(graph) or s.plan.budget_bytes
             if budget is None:

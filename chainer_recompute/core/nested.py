@@ -106,27 +106,25 @@ def nested_plan(graph: Graph, plan: Plan, ends: Sequence[int]) -> Tuple[Plan, Re
     return out, result
 
 
-def _groupings(graph: Graph, plan: Plan, thresholds: Sequence[float]) -> List[Tuple[int, ...]]:
-    """For each threshold, the fine blocks of ``plan`` grouped from the
-    first on, an outer block ending once its checkpoints hold that many
-    bytes (distinct groupings of two or more outer blocks only)."""
-    sizes = [sum(graph.arrays[a].owned_bytes for v in u for a in graph.nodes[v].outputs)
-             for u in plan.checkpoints]
-    out, seen = [], set()
-    for t in thresholds:
-        ends, acc = [], 0
-        for i, s in enumerate(sizes):
-            acc += s
-            if acc >= t:
-                ends.append(i)
-                acc = 0
-        if not ends or ends[-1] != len(sizes) - 1:
-            ends.append(len(sizes) - 1)
-        key = tuple(ends)
-        if 1 < len(key) < len(sizes) and key not in seen:
-            seen.add(key)
-            out.append(key)
-    return out
+def _checkpoint_bytes(graph: Graph, plan: Plan) -> List[int]:
+    """The bytes of each fine block's checkpoints (their outputs)."""
+    return [sum(graph.arrays[a].owned_bytes for v in u for a in graph.nodes[v].outputs)
+            for u in plan.checkpoints]
+
+
+def _grouping(sizes: Sequence[int], threshold: float) -> Tuple[int, ...]:
+    """The fine blocks (their checkpoints' ``sizes``) grouped from the
+    first on, an outer block ending once its checkpoints hold
+    ``threshold`` bytes: the indexes of the blocks that end one."""
+    ends, acc = [], 0
+    for i, s in enumerate(sizes):
+        acc += s
+        if acc >= threshold:
+            ends.append(i)
+            acc = 0
+    if not ends or ends[-1] != len(sizes) - 1:
+        ends.append(len(sizes) - 1)
+    return tuple(ends)
 
 
 class NestedSearch:
@@ -180,21 +178,21 @@ class NestedSearch:
             return self._candidates
         out: List[Tuple[Plan, int]] = []
         for plan in self.fine:
-            sizes = [sum(self.graph.arrays[a].owned_bytes for v in u
-                         for a in self.graph.nodes[v].outputs) for u in plan.checkpoints]
+            sizes = _checkpoint_bytes(self.graph, plan)
             total = float(sum(sizes))
             if total <= 0:
                 continue
-            lo = max(min(s for s in sizes if s > 0) if any(sizes) else 1.0, total / 1e4)
+            lo = max(min(s for s in sizes if s > 0), total / 1e4)
             grid = np.geomspace(lo, total / 2, GRID_STEPS).tolist()
-            tried = self._try(plan, grid)
+            seen: set = set()
+            tried = self._try(plan, sizes, grid, seen)
             if not tried:
                 continue
             best = min(range(len(tried)), key=lambda j: (tried[j][1], tried[j][0].overhead))
-            t = tried[best][2]
-            j = grid.index(t) if t in grid else 0
+            j = grid.index(tried[best][2])
             a, b = grid[max(j - 1, 0)], grid[min(j + 1, len(grid) - 1)]
-            tried += self._try(plan, np.linspace(a, b, REFINE_STEPS + 2)[1:-1].tolist())
+            tried += self._try(plan, sizes, np.linspace(a, b, REFINE_STEPS + 2)[1:-1].tolist(),
+                               seen)
             out += [(p, peak) for p, peak, _ in tried]
         out += self._exact()
         self._candidates = out
@@ -224,10 +222,16 @@ class NestedSearch:
             out.append((p, int(r.peak_bytes)))
         return out
 
-    def _try(self, plan: Plan, thresholds: Sequence[float]) -> List[Tuple[Plan, int, float]]:
+    def _try(self, plan: Plan, sizes: Sequence[int], thresholds: Sequence[float],
+             seen: set) -> List[Tuple[Plan, int, float]]:
+        """``plan`` nested at each threshold's grouping of two or more
+        outer blocks not in ``seen`` (replayed once each), with the
+        threshold that first gave it."""
         out = []
         for t in thresholds:
-            for ends in _groupings(self.graph, plan, [t]):
+            ends = _grouping(sizes, t)
+            if 1 < len(ends) < len(sizes) and ends not in seen:
+                seen.add(ends)
                 p, r = nested_plan(self.graph, plan, ends)
                 out.append((p, int(r.peak_bytes), t))
         return out

@@ -39,7 +39,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..errors import LowerSetExplosionError
 from ..graph import Graph
-from ..lower_sets import above, beside, boundary, count_lower_sets, enumerate_lower_sets
+from ..lower_sets import (above, beside, boundary, count_lower_sets, enumerate_lower_sets,
+                          mask_to_set)
 from ..memory_model import MemoryModel
 
 __all__ = ["MAX_LOWER_SETS", "NestedChain", "least_nested_budget", "nested_cost",
@@ -75,15 +76,8 @@ class _Weights:
         self.trans = [int(x) for x in model.transient_bytes]
         self._derived: Dict[int, Tuple[int, int, int]] = {}
 
-    @staticmethod
-    def _bits(mask: int):
-        while mask:
-            low = mask & -mask
-            yield low.bit_length() - 1
-            mask ^= low
-
     def sum(self, w: Sequence, mask: int) -> float:
-        return sum(w[v] for v in self._bits(mask))
+        return sum(w[v] for v in mask_to_set(mask))
 
     def derived(self, L: int) -> Tuple[int, int, int]:
         """∂(L), A(L), B(L)."""
@@ -98,7 +92,7 @@ class _Weights:
         V = L2 & ~L
         _, a, b = self.derived(L2)
         return int(self.sum(self.block, V) + self.sum(self.above, a)
-                   + self.sum(self.beside, b) + max((self.trans[v] for v in self._bits(V)),
+                   + self.sum(self.beside, b) + max((self.trans[v] for v in mask_to_set(V)),
                                                    default=0))
 
 

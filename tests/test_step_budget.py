@@ -80,8 +80,11 @@ def train(make: Callable[[], chainer.Link], batches: List[Tuple[Any, ...]], appl
                 run.stats.append(dict(path=st.path, dropped=st.n_dropped,
                                       recomputed=st.recomputed_nodes, budget=st.budget_bytes,
                                       predicted=st.predicted_peak_bytes, stats=st,
-                                      nested=any(p.nested for p in
-                                                 cr.runner_of(model).plans.values())))
+                                      depth=max((p.depth for p in
+                                                 cr.runner_of(model).plans.values()), default=1),
+                                      replayed=[p.info["nested"]["recomputed_nodes"] for p in
+                                                cr.runner_of(model).plans.values()
+                                                if p.nested]))
             if not keep_loss:
                 loss = None
         del loss, model, opt, batch

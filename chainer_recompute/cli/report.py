@@ -124,7 +124,8 @@ def format_report(report: Dict[str, Any]) -> str:
         lines.append(
             f"nested plan (below the single-level least"
             f"{'' if least is None else ' ' + format_bytes_up(least['budget_bytes'])}): "
-            f"{nest['outer_blocks']} outer blocks over {nest['fine_blocks']} fine blocks, "
+            f"{nest.get('depth', 2)} levels, {nest['outer_blocks']} outer blocks over "
+            f"{nest['fine_blocks']} fine blocks, "
             f"{nest['outer_checkpoints']} checkpoints kept through the forward, "
             f"{nest['inner_checkpoints']} kept once regenerated; it recomputes "
             f"{_pct(plan['overhead_fraction'])} of a forward"

@@ -8,7 +8,8 @@ predict the memory of an iteration.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, FrozenSet, List, Sequence, Tuple
+from bisect import bisect_left
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 from .errors import RecomputeError
 from .graph import Graph
@@ -95,11 +96,16 @@ class ExecutionPlan:
         kept: nodes whose outputs are checkpoints (U_1 ∪ ... ∪ U_k).
         inner: a nested plan's inner checkpoints (docs/algorithm.md,
             "Nested plans"): nodes dropped in the forward like any other
-            that the first regeneration through them puts back and keeps
-            until their last reader (a backward, or the regeneration of a
-            later block that starts from them) has run; a regeneration of
-            a nested plan frees each of its transient values after its last
-            reader in it. Empty: a single-level plan.
+            that a regeneration through them puts back (see :meth:`keeps`)
+            and keeps until their last reader (a backward, or the
+            regeneration of a later block that starts from them) has run; a
+            regeneration of a nested plan frees each of its transient values
+            after its last reader in it. Empty: a single-level plan.
+        levels: a nested plan's level of each boundary between two
+            consecutive blocks (``k - 1`` of them): 0 where the outer
+            checkpoints cross it, ``d >= 1`` for a boundary inside a
+            segment of depth ``d - 1``. Omitted: every boundary that only
+            ``inner`` nodes cross is of level 1 (two levels).
 
     Attributes:
         dropped: nodes whose arrays are released in the forward pass and
@@ -130,7 +136,8 @@ class ExecutionPlan:
     """
 
     def __init__(self, graph: Graph, lower_sets: Sequence[FrozenSet[int]],
-                 kept: FrozenSet[int], inner: FrozenSet[int] = frozenset()) -> None:
+                 kept: FrozenSet[int], inner: FrozenSet[int] = frozenset(),
+                 levels: Optional[Sequence[int]] = None) -> None:
         self.graph = graph
         n = graph.n
         self.block_of = [0] * n
@@ -182,6 +189,53 @@ class ExecutionPlan:
         self.block_nodes: Dict[int, List[int]] = {}
         for u in sorted(self.dropped):
             self.block_nodes.setdefault(self.block_of[u], []).append(u)
+        k = len(lower_sets)
+        self.levels: Tuple[int, ...] = tuple(levels) if levels else (1,) * (k - 1)
+        if len(self.levels) != k - 1:
+            raise RecomputeError(f"a nested plan of {k} blocks has {k - 1} boundaries: got "
+                                 f"{len(self.levels)} levels")
+        #: the boundaries an inner node crosses: after its block up to the
+        #: block of its last reader
+        self._span = {u: (self.block_of[u], max(self.block_of[w] for w in graph.succs[u]) - 1)
+                      for u in self.inner}
+        self._stacks: Dict[int, List[int]] = {}
+
+    def stack(self, t: int) -> List[int]:
+        """The boundaries below block ``t`` whose checkpoints the backward
+        of block ``t`` keeps (increasing): those of a level at most every
+        level between them and ``t``, the open segments of the nesting tree
+        (for two levels: every boundary since the last outer one, and the
+        outer ones).
+
+        >>> g = Graph.from_edges([4] * 5, [(0, 1), (1, 2), (2, 3), (3, 4)])
+        >>> L = [frozenset(range(i + 1)) for i in range(5)]
+        >>> ExecutionPlan(g, L, frozenset({4}), frozenset({0, 1, 2, 3}), (2, 1, 2, 2)).stack(4)
+        [1, 2, 3]
+        """
+        got = self._stacks.get(t)
+        if got is None:
+            got, low = [], None
+            for b in range(t - 1, -1, -1):
+                if low is None or self.levels[b] <= low:
+                    got.append(b)
+                    low = self.levels[b]
+            got.reverse()
+            self._stacks[t] = got
+        return got
+
+    def keeps(self, u: int, t: int) -> bool:
+        """Whether a regeneration for the backward of block ``t`` puts
+        back inner node ``u`` (kept until its last reader): when ``u`` crosses
+        a boundary of :meth:`stack` (``t``) before reaching ``t``. Deeper
+        inner nodes of a segment the backward has not reached yet are let
+        go, to be made again from that segment's start."""
+        span = self._span.get(u)
+        if span is None:
+            return False
+        lo, hi = span[0], min(span[1], t - 1)
+        s = self.stack(t)
+        i = bisect_left(s, lo)
+        return i < len(s) and s[i] <= hi
 
     @classmethod
     def of(cls, graph: Graph, plan: Any) -> "ExecutionPlan":
@@ -194,7 +248,7 @@ class ExecutionPlan:
         >>> sorted(ExecutionPlan.of(g, p).dropped)
         [0, 2]
         """
-        return cls(graph, plan.lower_sets, frozenset(plan.kept), plan.inner)
+        return cls(graph, plan.lower_sets, frozenset(plan.kept), plan.inner, plan.levels)
 
     @property
     def n(self) -> int:

@@ -185,6 +185,10 @@ class Plan:
             regeneration has made them again, until their last reader; its
             ``lower_sets`` are then the fine chain and ``checkpoint_sets``
             the outer checkpoints. Empty for a single-level plan.
+        levels: a nested plan's level of each boundary of its fine chain
+            (:class:`~chainer_recompute.core.execution.ExecutionPlan`): 0
+            between outer blocks, 1 inside them, 2 and more inside the
+            segments of a deeper nesting. Empty: two levels.
 
     >>> from chainer_recompute.core.graph import Graph
     >>> g = Graph.from_edges([1, 1], [(0, 1)])
@@ -209,11 +213,20 @@ class Plan:
     recompute: bool = True
     info: Dict[str, Any] = field(default_factory=dict, compare=False)
     inner: NodeSet = frozenset()
+    levels: Tuple[int, ...] = ()
 
     @property
     def nested(self) -> bool:
-        """Whether the plan recomputes at two levels (:attr:`inner`)."""
+        """Whether the plan recomputes at two levels or more (:attr:`inner`)."""
         return bool(self.inner)
+
+    @property
+    def depth(self) -> int:
+        """How many levels the plan recomputes at: 1 for a single-level
+        plan."""
+        if not self.inner:
+            return 1
+        return 1 + max(self.levels, default=1)
 
     @property
     def blocks(self) -> Tuple[NodeSet, ...]:

@@ -663,6 +663,7 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
         nonlocal recomputed, recomputed_cost
         assert plan is not None
         wanted = set(targets)
+        block = plan.block_of[w]  # (a nested plan keeps the inner nodes of its open segments)
         for b in {plan.block_of[u] for u in targets}:
             for u in plan.block_nodes.get(b, ()):
                 if u in released and remaining.get(u, 0) > 0:
@@ -694,7 +695,7 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
             recomputed += 1
             recomputed_cost += float(graph.node_cost[u])
             if u in released and (u in wanted or (
-                    u in inner and remaining.get(u, 0) > 0)):
+                    u in inner and remaining.get(u, 0) > 0 and plan.keeps(u, block))):
                 released.discard(u)
                 for a in nodes[u].outputs:
                     if a in retained_by:

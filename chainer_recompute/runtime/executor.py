@@ -455,7 +455,7 @@ class IterationHook(chainer.FunctionHook):
             return
         missing = [u for u in self._needs.get(i, ()) if u in self.released]
         if missing:
-            self._regenerate(missing)
+            self._regenerate(i, missing)
 
     def after_backward(self, i: int, function: Any) -> None:
         if self._bw_left is not None:
@@ -597,11 +597,13 @@ class IterationHook(chainer.FunctionHook):
     def _live_reader(self, u: int) -> bool:
         return self.remaining.get(u, 0) > 0
 
-    def _regenerate(self, targets: List[int]) -> None:
+    def _regenerate(self, i: int, targets: List[int]) -> None:
         """Recompute the released nodes of the targets' block(s) that a
-        remaining backward reads, and put their arrays back."""
+        remaining backward reads, for the backward of node ``i``, and put
+        their arrays back."""
         calls, arrays = self.recorder.calls, self.recorder.arrays
         p = self.program
+        block = p.block_of[i] if i < p.n else None
         blocks = {p.block_of[u] for u in targets if u < p.n}
         wanted = set(targets)
         for b in blocks:
@@ -646,9 +648,11 @@ class IterationHook(chainer.FunctionHook):
             for a, y in zip(calls[u].out_ids or (), outs):
                 values[a] = y
             if (u in self.released and u not in wanted and self._live_reader(u)
-                    and (not p.inner or u in p.inner or u not in p.dropped)):
+                    and (not p.inner or u not in p.dropped
+                         or (block is not None and p.keeps(u, block)))):
                 # a checkpoint released after an earlier backward pass, or a
-                # nested plan's inner checkpoint (kept until its last reader)
+                # nested plan's inner checkpoint of an open segment (kept
+                # until its last reader)
                 wanted.add(u)
             if u in wanted and u in self.released:
                 for a, y in zip(calls[u].out_ids or (), outs):

@@ -22,14 +22,15 @@ class Program(ExecutionPlan):
     learned about it.
 
     Args:
-        graph, lower_sets, kept, inner: see ``ExecutionPlan``.
+        graph, lower_sets, kept, inner, levels: see ``ExecutionPlan``.
         param_refs: weak references to the parameters, by array id.
     """
 
     def __init__(self, graph: Graph, lower_sets: Sequence[FrozenSet[int]],
                  kept: FrozenSet[int], param_refs: Optional[Dict[int, Any]] = None,
-                 inner: FrozenSet[int] = frozenset()) -> None:
-        super().__init__(graph, lower_sets, kept, inner)
+                 inner: FrozenSet[int] = frozenset(),
+                 levels: Optional[Sequence[int]] = None) -> None:
+        super().__init__(graph, lower_sets, kept, inner, levels)
         self.param_refs: Dict[int, Any] = dict(param_refs or {})
         # learned: the graph is backpropagated more than once per iteration
         self.multi_backward = False

@@ -279,7 +279,7 @@ class Planner:
                 if plan is None:
                     plan = self.plan(graph)
             program = Program(graph, plan.lower_sets, frozenset(plan.kept),
-                              param_refs=param_refs, inner=plan.inner)
+                              param_refs=param_refs, inner=plan.inner, levels=plan.levels)
             program.multi_backward = multi_backward
             program.backward_known = backward_known
             s = _Structure(graph, plan, program, time.perf_counter() - t0, limit)

@@ -1,4 +1,4 @@
-"""Nested (two-level) plans, below the single-level least budget
+"""Nested plans (two levels and more), below the single-level least budget
 (docs/algorithm.md, "Nested plans").
 
 - The execution plan and the replay of a nested plan on graphs counted by
@@ -7,10 +7,12 @@
   gradients, parameters, optimizer state, persistents, NumPy's random
   state), over five optimizer steps, at a budget below the single-level
   least: a residual CNN with BatchNorm and dropout, a small Transformer, a
-  graph network whose graphs change size between steps. Each step's whole
-  peak (tracemalloc, from before the model was built, the update included)
-  is at or under the budget from the second step on (the first step's
-  planning, in no plan, comes before: docs/defaults.md).
+  graph network whose graphs change size between steps; and with the
+  search held to three levels or more. Each step's whole peak (tracemalloc,
+  from before the model was built, the update included) is at or under the
+  budget once its input size has been planned (a size's first call plans
+  inside it, the planner's memory in no plan: docs/defaults.md), and each
+  recomputes as many functions as the plan's replay.
 - At budgets at or above the single-level least, and at ``'least'``, the
   single-level plan is unchanged.
 """
@@ -31,7 +33,7 @@ from chainer_recompute.core.budget import BudgetSearch, least_for, plan_for_budg
 from chainer_recompute.core.errors import InfeasibleBudgetError
 from chainer_recompute.core.execution import ExecutionPlan
 from chainer_recompute.core.graph import ArrayInfo, Graph, Node
-from chainer_recompute.core.nested import NestedSearch, nest, nested_plan
+from chainer_recompute.core.nested import NestedSearch, nest, nested_plan, two_levels
 from chainer_recompute.core.plan import make_plan
 from chainer_recompute.core.replay import replay
 from harness import assert_same_records
@@ -76,12 +78,12 @@ def test_nest_splits_the_checkpoints():
     g = chain(8)
     p = fine_plan(g, [1, 3, 5, 7])
     assert [sorted(u) for u in p.checkpoints] == [[1], [3], [5], []]
-    outer, inner = nest(g, p, [1, 3])
+    outer, inner = nest(g, p, two_levels(4, [1, 3]))
     assert sorted(outer) == [3] and sorted(inner) == [1, 5]
     with pytest.raises(ValueError, match="increasing"):
-        nest(g, p, [2, 1, 3])
+        two_levels(4, [2, 1, 3])
     with pytest.raises(ValueError, match="the last at 3"):
-        nest(g, p, [1])
+        two_levels(4, [1])
 
 
 def test_execution_plan_of_a_nested_plan():
@@ -91,7 +93,7 @@ def test_execution_plan_of_a_nested_plan():
     reads a function's input)."""
     g = chain(8, retain="outputs")
     p = fine_plan(g, [1, 3, 5, 7])
-    outer, inner = nest(g, p, [1, 3])
+    outer, inner = nest(g, p, two_levels(4, [1, 3]))
     ep = ExecutionPlan(g, p.lower_sets, outer, inner)
     flat = ExecutionPlan(g, p.lower_sets, outer)
     assert ep.inner == frozenset({1, 5}) and ep.dropped == flat.dropped
@@ -108,7 +110,7 @@ def test_replay_of_a_nested_plan_on_a_chain():
     blocks (which regenerates 8 values at once), and recomputes more."""
     g = chain(16, size=100)
     p = fine_plan(g, list(range(1, 16, 2)))
-    nested, r = nested_plan(g, p, [1, 3, 5, 7])
+    nested, r = nested_plan(g, p, two_levels(8, [1, 3, 5, 7]))
     outer = fine_plan(g, [3, 7, 11, 15])
     r_outer = replay(g, ExecutionPlan(g, outer.lower_sets, frozenset(outer.kept)))
     assert nested.inner and nested.nested and not outer.nested
@@ -118,16 +120,46 @@ def test_replay_of_a_nested_plan_on_a_chain():
     assert nested.overhead == pytest.approx(r.recomputed_cost)
     # the python engine replays it; the compiled one refuses
     with pytest.raises(ValueError, match="nested"):
-        replay(g, ExecutionPlan(g, p.lower_sets, *nest(g, p, [1, 3, 5, 7])), engine="numba")
+        replay(g, ExecutionPlan(g, p.lower_sets, *nest(g, p, two_levels(8, [1, 3, 5, 7]))), engine="numba")
+
+
+def test_a_third_level_keeps_only_the_open_segments_checkpoints():
+    """A chain of 16 in blocks of one function, one outer boundary (after
+    node 7). With two levels, the regeneration of the second half for the
+    last backward puts back all 7 inner checkpoints in it; with a third
+    level (level-1 boundaries after nodes 3 and 11) only those of the open
+    segments: node 11's and the level-2 ones after it (12, 13, 14). The
+    peak falls from 12 arrays to 9 (the outer checkpoint, 4 inner ones, the
+    output, the forward's result, two gradients), for 20 recomputations
+    instead of 14 (the first level-1 segment of each half is made twice)."""
+    g = chain(16, size=100)
+    p = fine_plan(g, list(range(16)))
+    three = tuple(0 if b == 7 else 1 if b in (3, 11) else 2 for b in range(15))
+    ep = ExecutionPlan(g, p.lower_sets, *nest(g, p, three), three)
+    assert ep.stack(15) == [7, 11, 12, 13, 14] and ep.stack(11) == [7, 8, 9, 10]
+    assert [u for u in range(8, 15) if ep.keeps(u, 15)] == [11, 12, 13, 14]
+    q2, r2 = nested_plan(g, p, two_levels(16, [7, 15]))
+    q3, r3 = nested_plan(g, p, three)
+    assert (q2.depth, q3.depth) == (2, 3) and q3.info["nested"]["depth"] == 3
+    assert (r2.peak_bytes, r2.recomputed) == (1200, 14)
+    assert (r3.peak_bytes, r3.recomputed) == (900, 20)
+    assert q3.predicted_peak_bytes == r3.peak_bytes and q3.levels == three
+    with pytest.raises(ValueError, match="15 boundaries"):
+        nest(g, p, three[:-1])
 
 
 def test_the_search_goes_below_the_single_level_least_on_a_long_chain():
+    """64 functions in a row: two levels go 29% below the single-level
+    least; the tree DP's deeper plans lower still (each array held: a
+    quadratic recomputation, but the least memory)."""
     g = chain(64, size=1000).with_step(state_bytes={})
     search = BudgetSearch(g, "auto")
     single = search.least()[1]
     got = search.nested_least()
-    assert got is not None and got[1] < 0.8 * single, (got and got[1], single)
     assert isinstance(search.nested_search(), NestedSearch)
+    two = min(peak for p, peak in search.nested_search().candidates() if p.depth == 2)
+    assert got is not None and two < 0.75 * single and got[1] < 0.6 * two, (got[1], two, single)
+    assert got[0].depth > 3 and got[0].predicted_peak_bytes == got[1]
 
 
 def test_budgets_at_or_above_the_single_level_least_plan_as_before():
@@ -237,7 +269,8 @@ def least_figures(make: Callable[[], chainer.Link], batch: Tuple[Any, ...]
                   ) -> Tuple[int, int, int]:
     """The single-level and nested least budgets of the graph the runner
     plans for ``make()`` on ``batch`` (optimizer state included), and
-    what plain Chainer needs."""
+    what plain Chainer needs (under a :class:`NestedSearch` patched, the
+    nested least of its candidates)."""
     np.random.seed(0)
     model = make()
     cr.apply(model, budget="least", cost="flops", verbose=False)
@@ -253,21 +286,27 @@ def least_figures(make: Callable[[], chainer.Link], batch: Tuple[Any, ...]
 
 
 def check_nested(make: Callable[[], chainer.Link], batches: List[Tuple[Any, ...]],
-                 budget: Any) -> Any:
+                 budget: Any, depth: int = 2, planned_by: int = 1) -> Any:
     """Plain Chainer and ``apply(budget=budget)`` trained on ``batches``:
-    identical records; every step from the second planned and at or under
-    its budget; the applied run's plans nested."""
+    identical records; every step from the second planned, and from step
+    ``planned_by`` on (the steps before plan inside their call, the
+    planner's memory in no plan) at or under its budget; the applied run's
+    plans nested, ``depth`` levels or more, each recomputing as many
+    functions as its replay."""
     plain = train(make, batches, False)
     ours = train(make, batches, True, options=dict(budget=budget, cost="flops",
                                                     verbose=False))
     assert_same_records(plain, ours)
     table = "\n".join(
         f"step {k}: plain {p}, applied {a}, budget {s['budget']}, predicted {s['predicted']}, "
-        f"recomputed {s['recomputed']}, nested {s['nested']}" for k, (p, a, s) in
+        f"recomputed {s['recomputed']}, depth {s['depth']}" for k, (p, a, s) in
         enumerate(zip(plain.peaks, ours.peaks, ours.stats)))
     for k in range(1, len(batches)):
-        assert ours.stats[k]["path"] == "planned" and ours.stats[k]["nested"], table
-        assert ours.peaks[k] <= ours.stats[k]["budget"], f"step {k} over its budget:\n{table}"
+        assert ours.stats[k]["path"] == "planned" and ours.stats[k]["depth"] >= depth, table
+        assert k < planned_by or ours.peaks[k] <= ours.stats[k]["budget"], \
+            f"step {k} over its budget:\n{table}"
+        if len(ours.stats[k]["replayed"]) == 1:  # one plan: recomputes as the replay does
+            assert ours.stats[k]["recomputed"] == ours.stats[k]["replayed"][0], table
     return ours
 
 
@@ -284,10 +323,27 @@ def test_bit_identical_under_a_budget_below_the_single_level_least(make, batches
     assert all(s["budget"] == budget for s in ours.stats)
 
 
+@pytest.mark.parametrize("make, batches", [
+    (DropRes, lambda: image_batches(STEPS, batch=4, size=16)),
+    (Transformer, lambda: token_batches()),
+], ids=["resnet-bn-dropout", "transformer"])
+def test_three_levels_bit_identical(make, batches, monkeypatch):
+    """The search held to plans of three levels or more: under a budget
+    halfway between their least and the single-level least, identical
+    records, each step from the second under the budget."""
+    candidates = NestedSearch.candidates
+    monkeypatch.setattr(NestedSearch, "candidates",
+                        lambda self: [c for c in candidates(self) if c[0].depth >= 3])
+    bs = batches()
+    single, nested, plain = least_figures(make, bs[0])
+    assert nested < single < plain
+    check_nested(make, bs, (nested + single) // 2, depth=3)
+
+
 def test_graph_network_of_varying_size():
     """Two molecule sizes in turn, each planned for itself at a share of
     what plain Chainer needs for it, below both sizes' single-level
-    least."""
+    least; each size under its budget from its second call on."""
     bs = varying_graph_batches()
     shares = []
     for batch in bs[:2]:
@@ -297,7 +353,7 @@ def test_graph_network_of_varying_size():
     hi = min(s for _, s in shares)
     assert lo < hi, shares
     share = f"{100 * (lo + hi) / 2:.1f}%"
-    check_nested(GraphRegressor, bs, share)
+    check_nested(GraphRegressor, bs, share, planned_by=2)  # (step 1: the second size's first)
 
 
 def test_command_line_plans_nested_below_the_single_level_least(capsys, tmp_path):

@@ -250,7 +250,7 @@ class BudgetSearch:
     def __init__(self, graph: Graph, solver: str = "auto", strategy: str = "tc",
                  nested: Optional[bool] = None, **solver_options: Any) -> None:
         check_solver(solver, strategy)
-        #: plan nested (two-level) for budgets below the single-level least
+        #: plan nested (two levels or more) for budgets below the single-level least
         #: (default: with ``solver='auto'``)
         self.nested = solver == "auto" if nested is None else bool(nested)
         self._nested_search: Optional[Any] = None

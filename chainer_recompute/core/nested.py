@@ -1,4 +1,4 @@
-"""Nested plans: recomputation at two levels, for budgets below the least
+"""Nested plans: recomputation at two levels or more, for budgets below the least
 a single-level plan reaches (docs/algorithm.md, "Nested plans").
 
 Pure core: numpy only.
@@ -13,17 +13,21 @@ puts back the fine chain's checkpoints inside it (the plan's ``inner``
 nodes) and lets every other value go after its last reader; each earlier
 fine block is then regenerated from them for its own backward, as in a
 single-level plan. Every node but the outer checkpoints is recomputed at
-most twice.
+most twice. Deeper plans nest the fine blocks of each outer block the same
+way, level by level (a level per boundary of the fine chain; see
+:meth:`~chainer_recompute.core.execution.ExecutionPlan.keeps`).
 
 :class:`NestedSearch` finds such plans from the single-level plans a
 :class:`~chainer_recompute.core.budget.BudgetSearch` made (its fine
-chains), grouping each chain's blocks into outer blocks of about equal
-checkpoint bytes over a range of sizes, each candidate replayed exactly
-(:func:`~chainer_recompute.core.replay.replay`, which gives its peak and
-its recomputation).
+chains): grouping each chain's blocks into outer blocks of about equal
+checkpoint bytes over a range of sizes (two levels), and the trees of any
+depth of the tree DP (:mod:`~chainer_recompute.core.solvers.nested_tree`),
+each candidate replayed exactly (:func:`~chainer_recompute.core.replay.replay`,
+which gives its peak and its recomputation).
 """
 from __future__ import annotations
 
+import re
 from typing import FrozenSet, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -33,8 +37,9 @@ from .graph import Graph
 from .memory_model import MemoryModel
 from .plan import Plan, make_plan, replace_plan
 from .replay import ReplayResult, replay
+from .solvers import nested_tree
 
-__all__ = ["NestedSearch", "nest", "nested_plan"]
+__all__ = ["NestedSearch", "nest", "nested_plan", "two_levels"]
 
 #: outer-block sizes tried per fine chain (geometric), then refined
 #: between the neighbours of the best
@@ -43,57 +48,80 @@ REFINE_STEPS = 6
 #: fine chains tried: the single-level plans of the most blocks, and those
 #: of the least replayed peak, half each
 MAX_FINE_CHAINS = 12
+#: trees of the tree DP replayed per fine chain: those of least memory,
+#: then more spread above them
+TREE_LOW = 16
+TREE_HIGH = 8
 
 
-def nest(graph: Graph, plan: Plan, ends: Sequence[int]
+def two_levels(n_blocks: int, ends: Sequence[int]) -> Tuple[int, ...]:
+    """The boundary levels (see :func:`nest`) of a chain of ``n_blocks``
+    fine blocks grouped into outer blocks that end at the fine blocks
+    ``ends`` (increasing, the last block's index last): 0 after each outer
+    block, 1 inside them.
+
+    >>> two_levels(4, [1, 3])
+    (1, 0, 1)
+    """
+    if not ends or ends[-1] != n_blocks - 1 or any(b <= a for a, b in zip(ends, ends[1:])):
+        raise ValueError(f"outer blocks must end at increasing fine blocks, the last at "
+                         f"{n_blocks - 1}: got {list(ends)}")
+    out = set(ends)
+    return tuple(0 if b in out else 1 for b in range(n_blocks - 1))
+
+
+def nest(graph: Graph, plan: Plan, levels: Sequence[int]
          ) -> Tuple[FrozenSet[int], FrozenSet[int]]:
-    """The outer and inner checkpoints of ``plan``'s chain grouped into
-    outer blocks that end at its blocks ``ends`` (increasing, the last
-    block's index last): a checkpoint of a fine block is an outer one when
-    a node beyond its outer block reads it (or nothing does: the forward's
-    results), an inner one otherwise.
+    """The outer and inner checkpoints of ``plan``'s chain nested at the
+    boundary ``levels`` (one per boundary between consecutive fine blocks:
+    0 between outer blocks, ``d >= 1`` inside a segment of depth ``d - 1``;
+    :func:`two_levels`): a checkpoint of a fine block is an outer one when
+    it crosses a boundary of level 0 to a node that reads it (or nothing
+    reads it: the forward's results), an inner one otherwise.
 
     >>> from chainer_recompute.core.plan import make_plan
     >>> g = Graph.from_edges([4] * 4, [(0, 1), (1, 2), (2, 3)])
     >>> p = make_plan(g, [{0}, {0, 1}, {0, 1, 2}, {0, 1, 2, 3}], solver='x', strategy='tc',
     ...               budget_bytes=None)
-    >>> [sorted(s) for s in nest(g, p, [1, 3])]
+    >>> [sorted(s) for s in nest(g, p, two_levels(4, [1, 3]))]
     [[1], [0, 2]]
     """
-    if not ends or ends[-1] != plan.n_blocks - 1 or any(
-            b <= a for a, b in zip(ends, ends[1:])):
-        raise ValueError(f"outer blocks must end at increasing fine blocks, the last at "
-                         f"{plan.n_blocks - 1}: got {list(ends)}")
+    if len(levels) != plan.n_blocks - 1 or any(x < 0 for x in levels):
+        raise ValueError(f"a chain of {plan.n_blocks} blocks has {plan.n_blocks - 1} "
+                         f"boundaries, each of level 0 or more: got {list(levels)}")
     block_of = np.empty(graph.n, dtype=np.int64)
     for i, b in enumerate(plan.blocks):
         block_of[list(b)] = i
-    outer_end = np.empty(plan.n_blocks, dtype=np.int64)
-    start = 0
-    for e in ends:
-        outer_end[start:e + 1] = e
-        start = e + 1
+    # outer boundaries up to each one (crossing [i, r - 1] meets one iff
+    # the counts before i and before r differ)
+    zeros = np.concatenate([[0], np.cumsum(np.asarray(levels, dtype=np.int64) == 0)])
     outer, inner = set(), set()
     for i, u in enumerate(plan.checkpoints):
         for v in u:
             succ = graph.succs[v]
-            if not succ or int(block_of[list(succ)].max()) > outer_end[i]:
+            r = int(block_of[list(succ)].max()) if succ else plan.n_blocks
+            if not succ or (r > i and zeros[r] > zeros[i]):
                 outer.add(v)
             else:
                 inner.add(v)
     return frozenset(outer), frozenset(inner)
 
 
-def nested_plan(graph: Graph, plan: Plan, ends: Sequence[int]) -> Tuple[Plan, ReplayResult]:
-    """``plan`` (single-level) nested with outer blocks ending at ``ends``
-    (see :func:`nest`), and its replay on ``graph``. The nested plan's
-    predicted peak is the replayed total peak, its overhead the cost of
-    every node the replay recomputes (some twice)."""
-    outer, inner = nest(graph, plan, ends)
-    result = replay(graph, ExecutionPlan(graph, plan.lower_sets, outer, inner))
+def nested_plan(graph: Graph, plan: Plan, levels: Sequence[int]
+                ) -> Tuple[Plan, ReplayResult]:
+    """``plan`` (single-level) nested at the boundary ``levels`` (see
+    :func:`nest`), and its replay on ``graph``. The nested plan's predicted
+    peak is the replayed total peak, its overhead the cost of every node
+    the replay recomputes (some more than once)."""
+    levels = tuple(int(x) for x in levels)
+    outer, inner = nest(graph, plan, levels)
+    result = replay(graph, ExecutionPlan(graph, plan.lower_sets, outer, inner, levels))
     blocks = plan.blocks
     total = float(graph.node_cost.sum())
     overhead = float(result.recomputed_cost or 0.0)
-    info = dict(plan.info, nested={"fine_blocks": plan.n_blocks, "outer_blocks": len(ends),
+    info = dict(plan.info, nested={"fine_blocks": plan.n_blocks,
+                                   "outer_blocks": levels.count(0) + 1,
+                                   "depth": 1 + max(levels, default=1),
                                    "inner_checkpoints": len(inner),
                                    "outer_checkpoints": len(outer),
                                    "recomputed_nodes": result.recomputed},
@@ -102,7 +130,8 @@ def nested_plan(graph: Graph, plan: Plan, ends: Sequence[int]) -> Tuple[Plan, Re
         plan, solver=f"nested-{plan.solver}", predicted_peak_bytes=int(result.peak_bytes),
         simulated_peak_bytes=int(result.peak_bytes), overhead=overhead,
         overhead_fraction=overhead / total if total > 0 else 0.0,
-        checkpoint_sets=tuple(frozenset(b & outer) for b in blocks), inner=inner, info=info)
+        checkpoint_sets=tuple(frozenset(b & outer) for b in blocks), inner=inner,
+        levels=levels, info=info)
     return out, result
 
 
@@ -113,18 +142,55 @@ def _checkpoint_bytes(graph: Graph, plan: Plan) -> List[int]:
 
 
 def _grouping(sizes: Sequence[int], threshold: float) -> Tuple[int, ...]:
-    """The fine blocks (their checkpoints' ``sizes``) grouped from the
-    first on, an outer block ending once its checkpoints hold
-    ``threshold`` bytes: the indexes of the blocks that end one."""
-    ends, acc = [], 0
-    for i, s in enumerate(sizes):
+    """The boundary levels of fine blocks (their checkpoints' ``sizes``)
+    grouped from the first on, an outer block ending (a boundary of level
+    0) once its checkpoints hold ``threshold`` bytes.
+
+    >>> _grouping([1, 1, 1, 1, 1], 2)
+    (1, 0, 1, 0)
+    """
+    out, acc = [], 0.0
+    for s in sizes[:-1]:
         acc += s
+        out.append(0 if acc >= threshold else 1)
         if acc >= threshold:
-            ends.append(i)
-            acc = 0
-    if not ends or ends[-1] != len(sizes) - 1:
-        ends.append(len(sizes) - 1)
-    return tuple(ends)
+            acc = 0.0
+    return tuple(out)
+
+
+_EVENT_NODE = re.compile(r"^(?:backward (\d+) |regenerate \d+ \S+ for backward (\d+)$)")
+
+
+def _profile(graph: Graph, plan: Plan, cost: np.ndarray
+             ) -> Tuple[List[int], List[int], List[float], int]:
+    """The tree DP's figures of ``plan``'s chain
+    (:mod:`~chainer_recompute.core.solvers.nested_tree`): the bytes crossing
+    each boundary (the outputs of nodes before it read after it); what each
+    block's backward (its regeneration included) needs in the plan's
+    single-level replay beside the checkpoints kept before it; each block's
+    ``cost`` (per node); and that replay's peak."""
+    k = plan.n_blocks
+    ep = ExecutionPlan.of(graph, plan)
+    block_of = ep.block_of
+    crossing = np.zeros(k + 1)
+    for node in graph.nodes:
+        if graph.succs[node.id]:
+            b, r = block_of[node.id], block_of[max(graph.succs[node.id])]
+            if r > b:
+                nbytes = sum(graph.arrays[a].owned_bytes for a in node.outputs)
+                crossing[b] += nbytes
+                crossing[r] -= nbytes
+    c = np.cumsum(crossing)[:k - 1].astype(np.int64).tolist()
+    kept_before = np.concatenate([[0], np.cumsum(_checkpoint_bytes(graph, plan))])
+    result = replay(graph, ep)
+    w = [0] * k
+    for label, total in zip(result.events, result.memory_bytes):
+        m = _EVENT_NODE.match(label)
+        if m is not None:
+            b = block_of[int(m.group(1) or m.group(2))]
+            w[b] = max(w[b], int(total) - int(kept_before[b]))
+    tau = [float(sum(cost[v] for v in block)) for block in plan.blocks]
+    return c, w, tau, int(result.peak_bytes)
 
 
 class NestedSearch:
@@ -171,9 +237,11 @@ class NestedSearch:
 
     def candidates(self) -> List[Tuple[Plan, int]]:
         """Every nested plan tried, with its replayed peak: each fine chain
-        grouped at :data:`GRID_STEPS` outer-block sizes from a fine block's
-        checkpoints to half of them all (geometric), then at
-        :data:`REFINE_STEPS` more between the neighbours of its best."""
+        grouped into outer blocks at :data:`GRID_STEPS` sizes from a fine
+        block's checkpoints to half of them all (geometric), then at
+        :data:`REFINE_STEPS` more between the neighbours of its best (two
+        levels); the trees of the tree DP (:meth:`_trees`, any depth); on
+        small graphs the exact two-level DP's plans (:meth:`_exact`)."""
         if self._candidates is not None:
             return self._candidates
         out: List[Tuple[Plan, int]] = []
@@ -194,8 +262,36 @@ class NestedSearch:
             tried += self._try(plan, sizes, np.linspace(a, b, REFINE_STEPS + 2)[1:-1].tolist(),
                                seen)
             out += [(p, peak) for p, peak, _ in tried]
-        out += self._exact()
+        out += self._trees() + self._exact()
         self._candidates = out
+        return out
+
+    def _trees(self) -> List[Tuple[Plan, int]]:
+        """For each fine chain of at most
+        :data:`~chainer_recompute.core.solvers.nested_tree.MAX_BLOCKS`
+        blocks, the tree DP's plans (under :func:`_profile`'s figures, from
+        its single-level replay) at its least memory and above: the
+        :data:`TREE_LOW` distinct trees of least memory, then
+        :data:`TREE_HIGH` more spread up to the chain's single-level peak;
+        each replayed."""
+        out: List[Tuple[Plan, int]] = []
+        cost = self.graph.without_times().node_cost  # (the trees do not move with timings)
+        for plan in self.fine:
+            if plan.n_blocks > nested_tree.MAX_BLOCKS:
+                continue
+            c, w, tau, peak = _profile(self.graph, plan, cost)
+            table = nested_tree.TreeTable(c, w, tau, budget=peak)
+            least = table.least()
+            if least is None:
+                continue
+            trees = [t for t in dict.fromkeys(table.levels(m) for m in range(
+                least, table.grid + 1)) if any(t)]
+            picked = trees[:TREE_LOW] + trees[TREE_LOW::max(1, (len(trees) - TREE_LOW)
+                                                             // TREE_HIGH + 1)]
+            for levels in picked:
+                p, r = nested_plan(self.graph, plan, levels)
+                if p.nested:  # (a tree whose inner boundaries no checkpoint crosses is not)
+                    out.append((p, int(r.peak_bytes)))
         return out
 
     def _exact(self) -> List[Tuple[Plan, int]]:
@@ -218,21 +314,21 @@ class NestedSearch:
             seen.add((chain.masks, chain.ends))
             fine = make_plan(self.graph, list(chain.masks), solver="exact", strategy="tc",
                              budget_bytes=None, model=self.model)
-            p, r = nested_plan(self.graph, fine, chain.ends)
+            p, r = nested_plan(self.graph, fine, two_levels(fine.n_blocks, chain.ends))
             out.append((p, int(r.peak_bytes)))
         return out
 
     def _try(self, plan: Plan, sizes: Sequence[int], thresholds: Sequence[float],
              seen: set) -> List[Tuple[Plan, int, float]]:
-        """``plan`` nested at each threshold's grouping of two or more
-        outer blocks not in ``seen`` (replayed once each), with the
-        threshold that first gave it."""
+        """``plan`` nested at each threshold's grouping into two or more
+        outer blocks (:func:`_grouping`) not in ``seen`` (replayed once
+        each), with the threshold that first gave it."""
         out = []
         for t in thresholds:
-            ends = _grouping(sizes, t)
-            if 1 < len(ends) < len(sizes) and ends not in seen:
-                seen.add(ends)
-                p, r = nested_plan(self.graph, plan, ends)
+            levels = _grouping(sizes, t)
+            if 0 in levels and 1 in levels and levels not in seen:
+                seen.add(levels)
+                p, r = nested_plan(self.graph, plan, levels)
                 out.append((p, int(r.peak_bytes), t))
         return out
 

@@ -1,0 +1,184 @@
+"""Nesting a chain of blocks to any depth: a dynamic program over the trees
+of segments of a fine chain (docs/algorithm.md §9, "Deeper trees").
+
+Pure core: numpy only.
+
+A fine chain's blocks ``0 ... k-1`` are reduced to three figures each: the
+bytes ``c[b]`` crossing boundary ``b`` (between blocks ``b`` and ``b+1``:
+what a checkpoint there holds), the bytes ``w[b]`` block ``b``'s backward
+needs beside the checkpoints held then, and its cost ``tau[b]``. A nested
+plan gives each boundary a level (:class:`~chainer_recompute.core.execution.ExecutionPlan`);
+under this model its memory at the backward of block ``t`` is
+
+    Σ_{b ∈ S(t)} c[b] + w[t],   S(t) = the boundaries of the open segments,
+
+and its recomputation, over the backward, every block once (``tau[t]``,
+its regeneration) plus, each time the backward enters a segment of depth
+one or more, a forward from its left end to the left end of its last child.
+
+The DP: ``H(i, j, m)``, the least recomputation of the segment of blocks
+``[i, j)`` entered with its left end alive and ``m`` bytes to use, is
+``tau[i]`` for one block (when ``w[i] <= m``), else the best split at ``s``:
+
+    H(i, j, m) = min_s  H(i, s, m) + Σ_{i <= b < s} tau[b] + H(s, j, m - c[s-1])
+
+(the part ``[s, j)`` runs first, with the checkpoint at ``s - 1`` held; the
+part ``[i, s)`` is a child one level deeper, made again when the backward
+reaches it, by then with that checkpoint let go). The outermost level is
+the same without the forward (the forward pass made its checkpoints).
+Memory is counted in :data:`GRID` units of the budget, rounded up: a plan
+it gives fits its figures. The tables are float32 and int8 (a split is a
+block index below :data:`MAX_BLOCKS`): 0.6 MB for a chain of 44 blocks,
+host memory the planner holds while it runs (in no plan, as the rest of
+the planner's). Its states are the ``k^2 / 2`` segments, each a
+vector over the memory grid: ``O(k^3 · GRID)``, so it runs on chains of at
+most :data:`MAX_BLOCKS` blocks. :func:`tree_cost` evaluates any level
+assignment under the same model; the tests check the DP against it over
+every assignment of small chains. The model is an estimate of the real
+schedule (it counts a value crossing several held boundaries once per
+boundary, and the blocks' needs as a single-level plan has them):
+:class:`~chainer_recompute.core.nested.NestedSearch` replays every plan it
+gives.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+__all__ = ["GRID", "MAX_BLOCKS", "TreeTable", "tree_cost"]
+
+#: memory units of the DP's grid
+GRID = 128
+#: longest fine chain the DP runs on
+MAX_BLOCKS = 80
+
+
+def _open_boundaries(levels: Sequence[int], t: int) -> List[int]:
+    """S(t): the boundaries below block ``t`` of a level at most every level
+    between them and ``t`` (as ``ExecutionPlan.stack``)."""
+    out: List[int] = []
+    low: Optional[int] = None
+    for b in range(t - 1, -1, -1):
+        if low is None or levels[b] <= low:
+            out.append(b)
+            low = levels[b]
+    return out
+
+
+def tree_cost(c: Sequence[float], w: Sequence[float], tau: Sequence[float],
+              levels: Sequence[int]) -> Tuple[float, float]:
+    """The peak and the recomputation of the nested plan of boundary
+    ``levels`` under the model (see the module): the backward from the last
+    block to the first, each block's left end made again, when it is not
+    alive, by a forward from the nearest alive boundary to its left, which
+    puts back the boundaries of the open segments.
+
+    >>> tree_cost([1, 1, 1], [2, 2, 2, 2], [1, 1, 1, 1], (1, 0, 1))
+    (4, 6.0)
+    """
+    k = len(w)
+    alive = {b for b in range(k - 1) if levels[b] == 0}
+    peak, time = 0.0, 0.0
+    for t in range(k - 1, -1, -1):
+        if t > 0 and t - 1 not in alive:
+            start = max((b for b in alive if b < t - 1), default=-1)
+            time += sum(tau[start + 1:t])
+            alive |= {b for b in _open_boundaries(levels, t) if b > start}
+        held = set(_open_boundaries(levels, t))
+        assert held <= alive, (t, held, alive)
+        peak = max(peak, sum(c[b] for b in held) + w[t])
+        time += tau[t]
+        alive.discard(t - 1)
+    return peak, time
+
+
+class TreeTable:
+    """The DP's tables for one chain and a memory range of ``budget``
+    bytes, in :data:`GRID` units (``grid``: another count of units).
+
+    >>> tt = TreeTable([1, 1, 1], [2, 2, 2, 2], [1, 1, 1, 1], budget=8, grid=8)
+    >>> tt.least(), tt.levels(3), float(tt.time[3])
+    (3, (2, 1, 0), 7.0)
+    >>> tree_cost([1, 1, 1], [2, 2, 2, 2], [1, 1, 1, 1], (2, 1, 0))
+    (3, 7.0)
+    """
+
+    def __init__(self, c: Sequence[float], w: Sequence[float], tau: Sequence[float],
+                 budget: float, grid: int = GRID) -> None:
+        k = len(w)
+        self.k, self.grid = k, grid
+        self.unit = budget / grid if budget > 0 else 1.0
+        self.c = [min(grid + 1, math.ceil(x / self.unit)) for x in c]
+        wu = [math.ceil(x / self.unit) for x in w]
+        prefix = np.concatenate([[0.0], np.cumsum(np.asarray(tau, dtype=np.float64))])
+        ms = np.arange(grid + 1)
+        inf = np.full(grid + 1, np.inf, dtype=np.float32)
+
+        def shift(x: np.ndarray, s: int) -> np.ndarray:
+            if s > grid:
+                return inf
+            out = inf.copy()
+            out[s:] = x[:grid + 1 - s]
+            return out
+
+        H: Dict[Tuple[int, int], np.ndarray] = {}
+        self._split: Dict[Tuple[int, int], np.ndarray] = {}
+        for i in range(k):
+            H[i, i + 1] = np.where(ms >= wu[i], np.float32(tau[i]), inf)
+        for span in range(2, k + 1):
+            for i in range(0, k - span + 1):
+                j = i + span
+                best, arg = inf.copy(), np.full(grid + 1, -1, dtype=np.int8)
+                for s in range(i + 1, j):
+                    v = H[i, s] + np.float32(prefix[s] - prefix[i]) + shift(H[s, j],
+                                                                           self.c[s - 1])
+                    better = v < best
+                    best = np.where(better, v, best)
+                    arg = np.where(better, s, arg)
+                H[i, j] = best
+                self._split[i, j] = arg
+        # the outermost level: the suffix [i, k), no forward to pay
+        self._H = H
+        self._root: Dict[int, np.ndarray] = {}
+        R: Dict[int, np.ndarray] = {}
+        for i in range(k - 1, -1, -1):
+            best, arg = H[i, k].copy(), np.full(grid + 1, -1, dtype=np.int8)
+            for s in range(i + 1, k):
+                v = H[i, s] + shift(R[s], self.c[s - 1])
+                better = v < best
+                best = np.where(better, v, best)
+                arg = np.where(better, s, arg)
+            R[i] = best
+            self._root[i] = arg
+        #: least recomputation of the whole chain per memory unit
+        self.time: np.ndarray = R[0]
+
+    def least(self) -> Optional[int]:
+        """The fewest memory units any tree fits in (``None``: none does)."""
+        ok = np.flatnonzero(np.isfinite(self.time))
+        return int(ok[0]) if ok.size else None
+
+    def levels(self, m: int) -> Tuple[int, ...]:
+        """The boundary levels of the tree of least recomputation in ``m``
+        units (``m`` at least :meth:`least`)."""
+        levels = [0] * (self.k - 1)
+
+        def segment(i: int, j: int, m: int, depth: int) -> None:
+            while j > i + 1:
+                s = int(self._split[i, j][m])
+                levels[s - 1] = depth
+                segment(i, s, m, depth + 1)
+                i, m = s, m - self.c[s - 1]
+
+        i = 0
+        while True:
+            s = int(self._root[i][m])
+            if s < 0:
+                segment(i, self.k, m, 1)
+                break
+            levels[s - 1] = 0
+            segment(i, s, m, 1)
+            i, m = s, m - self.c[s - 1]
+        return tuple(levels)

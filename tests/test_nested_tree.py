@@ -1,0 +1,67 @@
+"""The tree DP of nested plans (core/solvers/nested_tree.py) against a
+brute force over every level assignment of small chains, under its model
+(``tree_cost``, which simulates the schedule block by block)."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from chainer_recompute.core.solvers.nested_tree import TreeTable, tree_cost
+
+
+def brute_force(c, w, tau, m):
+    """The least recomputation of any level assignment whose peak is at
+    most ``m``, and that peak; ``None`` when none fits."""
+    k = len(w)
+    best = None
+    for levels in itertools.product(range(k - 1), repeat=k - 1):
+        peak, time = tree_cost(c, w, tau, levels)
+        if peak <= m and (best is None or time < best[0]):
+            best = (time, peak)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_dp_is_the_brute_force_over_every_tree(seed):
+    rs = np.random.RandomState(seed)
+    k = int(rs.randint(2, 7))
+    c = rs.randint(1, 6, k - 1).tolist()
+    w = rs.randint(1, 9, k).tolist()
+    tau = rs.randint(1, 5, k).tolist()
+    grid = int(sum(c) + max(w))
+    table = TreeTable(c, w, tau, budget=grid, grid=grid)  # one byte per unit: exact
+    for m in range(grid + 1):
+        want = brute_force(c, w, tau, m)
+        got = table.time[m]
+        if want is None:
+            assert not np.isfinite(got), (m, got)
+            continue
+        assert got == want[0], (m, got, want, c, w, tau)
+        peak, time = tree_cost(c, w, tau, table.levels(m))
+        assert peak <= m and time == got
+    least = table.least()
+    assert least is not None and brute_force(c, w, tau, least) is not None
+    assert least == 0 or brute_force(c, w, tau, least - 1) is None
+
+
+def test_a_coarser_grid_rounds_up():
+    """In units of 3 bytes a plan's figures are rounded up: what the table
+    says fits does fit."""
+    c, w, tau = [4, 5, 3, 4], [7, 3, 8, 2, 6], [1, 2, 1, 3, 1]
+    table = TreeTable(c, w, tau, budget=30, grid=10)
+    for m in range(table.least(), 11):
+        peak, time = tree_cost(c, w, tau, table.levels(m))
+        assert peak <= 3 * m and time == table.time[m]
+
+
+def test_a_long_uniform_chain_nests_deeper_for_less_memory():
+    """64 equal blocks: the least memory is reached with more than two
+    levels, far below the single-level least (about 2 sqrt(64) checkpoints)."""
+    k = 64
+    table = TreeTable([1] * (k - 1), [1] * k, [1] * k, budget=40, grid=40)
+    least = table.least()
+    levels = table.levels(least)
+    assert max(levels) >= 2 and least < 2 * 8 - 1, (least, levels)
+    assert tree_cost([1] * (k - 1), [1] * k, [1] * k, levels)[0] <= least

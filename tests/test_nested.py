@@ -33,7 +33,7 @@ from chainer_recompute.core.budget import BudgetSearch, least_for, plan_for_budg
 from chainer_recompute.core.errors import InfeasibleBudgetError
 from chainer_recompute.core.execution import ExecutionPlan
 from chainer_recompute.core.graph import ArrayInfo, Graph, Node
-from chainer_recompute.core.nested import NestedSearch, nest, nested_plan, two_levels
+from chainer_recompute.core.nested import NestedSearch, _profile, nest, nested_plan, two_levels
 from chainer_recompute.core.plan import make_plan
 from chainer_recompute.core.replay import replay
 from harness import assert_same_records
@@ -146,6 +146,20 @@ def test_a_third_level_keeps_only_the_open_segments_checkpoints():
     assert q3.predicted_peak_bytes == r3.peak_bytes and q3.levels == three
     with pytest.raises(ValueError, match="15 boundaries"):
         nest(g, p, three[:-1])
+
+
+def test_the_tree_dps_figures_of_a_chain():
+    """Fine blocks of two functions of a chain: one array crosses each
+    boundary; what a block's backward needs beside the checkpoints before
+    it is the same in the first three blocks, which are alike; the peak is
+    the chain's single-level replay's."""
+    g = chain(8, size=100)
+    p = fine_plan(g, [1, 3, 5, 7])
+    c, w, tau, peak = _profile(g, p, g.node_cost)
+    assert c == [100, 100, 100]
+    assert tau == [float(g.node_cost[2 * b] + g.node_cost[2 * b + 1]) for b in range(4)]
+    assert w[0] == w[1] == w[2] > 0 and w[3] > 0 and peak == replay(
+        g, ExecutionPlan.of(g, p)).peak_bytes
 
 
 def test_the_search_goes_below_the_single_level_least_on_a_long_chain():

@@ -65,3 +65,21 @@ def test_a_long_uniform_chain_nests_deeper_for_less_memory():
     levels = table.levels(least)
     assert max(levels) >= 2 and least < 2 * 8 - 1, (least, levels)
     assert tree_cost([1] * (k - 1), [1] * k, [1] * k, levels)[0] <= least
+
+
+@pytest.mark.parametrize("t", [5, 10, 30, 64])
+def test_on_a_uniform_chain_the_dp_is_revolve(t):
+    """A recurrent network's chain of ``t`` equal steps (a hidden state per
+    boundary, nothing else held: the chain solvers' slot model): for every
+    memory of ``m`` hidden states the tree DP recomputes what BPTT-HSM and
+    Griewank's revolve do with ``m`` slots, counted as they count (their
+    forward steps also count the forward pass, ``t``, but not the last
+    step's backward, whose internals the forward left alive: ``- 1``)."""
+    from chainer_recompute.core.solvers.chain import policy_cost
+    table = TreeTable([1] * (t - 1), [0] * t, [1] * t, budget=t, grid=t)
+    for m in range(1, t):
+        want = policy_cost("revolve", t, m)
+        assert policy_cost("hsm", t, m) == want
+        assert table.time[m] + t - 1 == want, (t, m, table.time[m], want)
+        peak, time = tree_cost([1] * (t - 1), [0] * t, [1] * t, table.levels(m))
+        assert peak <= m and time == table.time[m]

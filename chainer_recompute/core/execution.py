@@ -14,7 +14,8 @@ from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Tup
 from .errors import RecomputeError
 from .graph import Graph
 
-__all__ = ["ExecutionPlan", "backward_readers", "regeneration_frees", "releasable_nodes"]
+__all__ = ["ExecutionPlan", "backward_readers", "open_boundaries", "regeneration_frees",
+           "releasable_nodes"]
 
 
 def backward_readers(graph: Graph, releasable: FrozenSet[int],
@@ -66,6 +67,26 @@ def regeneration_frees(steps: Sequence[int], inputs: Callable[[int], Sequence[in
     out: Dict[int, List[int]] = {}
     for a, u in last.items():
         out.setdefault(u, []).append(a)
+    return out
+
+
+def open_boundaries(levels: Sequence[int], t: int) -> List[int]:
+    """S(t) of a nested plan of boundary ``levels`` (docs/algorithm.md,
+    "Deeper trees"): the boundaries below block ``t`` of a level at most
+    every level between them and ``t``, increasing: the left ends of the
+    open segments of the nesting tree (for two levels: the outer
+    boundaries, and every boundary since the last of them).
+
+    >>> open_boundaries((2, 1, 2, 2), 4), open_boundaries((1, 0, 1), 3)
+    ([1, 2, 3], [1, 2])
+    """
+    out: List[int] = []
+    low: Optional[int] = None
+    for b in range(t - 1, -1, -1):
+        if low is None or levels[b] <= low:
+            out.append(b)
+            low = levels[b]
+    out.reverse()
     return out
 
 
@@ -197,15 +218,12 @@ class ExecutionPlan:
         #: the boundaries an inner node crosses: after its block up to the
         #: block of its last reader
         self._span = {u: (self.block_of[u], max(self.block_of[w] for w in graph.succs[u]) - 1)
-                      for u in self.inner}
+                      for u in self.inner if graph.succs[u]}
         self._stacks: Dict[int, List[int]] = {}
 
     def stack(self, t: int) -> List[int]:
-        """The boundaries below block ``t`` whose checkpoints the backward
-        of block ``t`` keeps (increasing): those of a level at most every
-        level between them and ``t``, the open segments of the nesting tree
-        (for two levels: every boundary since the last outer one, and the
-        outer ones).
+        """:func:`open_boundaries` of this plan's levels below block ``t``:
+        the boundaries whose checkpoints the backward of block ``t`` keeps.
 
         >>> g = Graph.from_edges([4] * 5, [(0, 1), (1, 2), (2, 3), (3, 4)])
         >>> L = [frozenset(range(i + 1)) for i in range(5)]
@@ -214,13 +232,7 @@ class ExecutionPlan:
         """
         got = self._stacks.get(t)
         if got is None:
-            got, low = [], None
-            for b in range(t - 1, -1, -1):
-                if low is None or self.levels[b] <= low:
-                    got.append(b)
-                    low = self.levels[b]
-            got.reverse()
-            self._stacks[t] = got
+            got = self._stacks[t] = open_boundaries(self.levels, t)
         return got
 
     def keeps(self, u: int, t: int) -> bool:

@@ -158,6 +158,7 @@ def _grouping(sizes: Sequence[int], threshold: float) -> Tuple[int, ...]:
     return tuple(out)
 
 
+#: the node whose backward an event of core.replay's belongs to
 _EVENT_NODE = re.compile(r"^(?:backward (\d+) |regenerate \d+ \S+ for backward (\d+)$)")
 
 
@@ -175,7 +176,7 @@ def _profile(graph: Graph, plan: Plan, cost: np.ndarray
     crossing = np.zeros(k + 1)
     for node in graph.nodes:
         if graph.succs[node.id]:
-            b, r = block_of[node.id], block_of[max(graph.succs[node.id])]
+            b, r = block_of[node.id], max(block_of[w] for w in graph.succs[node.id])
             if r > b:
                 nbytes = sum(graph.arrays[a].owned_bytes for a in node.outputs)
                 crossing[b] += nbytes

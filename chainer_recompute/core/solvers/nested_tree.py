@@ -43,9 +43,11 @@ gives.
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
+
+from ..execution import open_boundaries
 
 __all__ = ["GRID", "MAX_BLOCKS", "TreeTable", "tree_cost"]
 
@@ -53,18 +55,6 @@ __all__ = ["GRID", "MAX_BLOCKS", "TreeTable", "tree_cost"]
 GRID = 128
 #: longest fine chain the DP runs on
 MAX_BLOCKS = 80
-
-
-def _open_boundaries(levels: Sequence[int], t: int) -> List[int]:
-    """S(t): the boundaries below block ``t`` of a level at most every level
-    between them and ``t`` (as ``ExecutionPlan.stack``)."""
-    out: List[int] = []
-    low: Optional[int] = None
-    for b in range(t - 1, -1, -1):
-        if low is None or levels[b] <= low:
-            out.append(b)
-            low = levels[b]
-    return out
 
 
 def tree_cost(c: Sequence[float], w: Sequence[float], tau: Sequence[float],
@@ -85,8 +75,8 @@ def tree_cost(c: Sequence[float], w: Sequence[float], tau: Sequence[float],
         if t > 0 and t - 1 not in alive:
             start = max((b for b in alive if b < t - 1), default=-1)
             time += sum(tau[start + 1:t])
-            alive |= {b for b in _open_boundaries(levels, t) if b > start}
-        held = set(_open_boundaries(levels, t))
+            alive |= {b for b in open_boundaries(levels, t) if b > start}
+        held = set(open_boundaries(levels, t))
         assert held <= alive, (t, held, alive)
         peak = max(peak, sum(c[b] for b in held) + w[t])
         time += tau[t]

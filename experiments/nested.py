@@ -87,8 +87,8 @@ def main() -> int:
     if both or args.least is not None:
         out["least"] = []
         print("| graph | functions | single-level least GB (recomputes) | nested least GB "
-              "(recomputes) | change | physical floor GB | nested search s |")
-        print("|---|---|---|---|---|---|---|")
+              "(recomputes) | change | levels | physical floor GB | nested search s |")
+        print("|---|---|---|---|---|---|---|---|")
         for name in args.least or GRAPHS:
             r = least_row(name)
             out["least"].append(r)
@@ -96,8 +96,8 @@ def main() -> int:
             print(f"| {name} | {r['functions']} | {gb(r['single_least_bytes'])} "
                   f"({100 * r['single_recompute']:.0f}%) | "
                   + (f"{gb(nl)} ({100 * r['nested_recompute']:.0f}%) | "
-                     f"{100 * (nl / r['single_least_bytes'] - 1):+.1f}%"
-                     if nl else "none lower | -")
+                     f"{100 * (nl / r['single_least_bytes'] - 1):+.1f}% | "
+                     f"{r['nested']['depth']}" if nl else "none lower | - | -")
                   + f" | {gb(r['floor_bytes'])} | {r['nested_search_s']:.1f} |", flush=True)
     if both or args.largest is not None:
         out["largest"] = []

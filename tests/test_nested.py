@@ -339,7 +339,7 @@ def test_bit_identical_under_a_budget_below_the_single_level_least(make, batches
 
 @pytest.mark.parametrize("make, batches", [
     (DropRes, lambda: image_batches(STEPS, batch=4, size=16)),
-    (Transformer, lambda: token_batches()),
+    pytest.param(Transformer, lambda: token_batches(), marks=pytest.mark.slow),
 ], ids=["resnet-bn-dropout", "transformer"])
 def test_three_levels_bit_identical(make, batches, monkeypatch):
     """The search held to plans of three levels or more: under a budget

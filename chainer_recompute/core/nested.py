@@ -50,8 +50,8 @@ REFINE_STEPS = 6
 MAX_FINE_CHAINS = 12
 #: trees of the tree DP replayed per fine chain: those of least memory,
 #: then more spread above them
-TREE_LOW = 16
-TREE_HIGH = 8
+TREE_LOW = 8
+TREE_HIGH = 4
 
 
 def two_levels(n_blocks: int, ends: Sequence[int]) -> Tuple[int, ...]:

@@ -154,21 +154,21 @@ class TreeTable:
         """The boundary levels of the tree of least recomputation in ``m``
         units (``m`` at least :meth:`least`)."""
         levels = [0] * (self.k - 1)
-
-        def segment(i: int, j: int, m: int, depth: int) -> None:
+        todo = []  # segments [i, j) to split, with their memory and depth
+        i = 0
+        while True:  # the outermost level
+            s = int(self._root[i][m])
+            if s < 0:
+                todo.append((i, self.k, m, 1))
+                break
+            levels[s - 1] = 0
+            todo.append((i, s, m, 1))
+            i, m = s, m - self.c[s - 1]
+        while todo:  # (a stack, not a recursive closure: no reference cycle holds the tables)
+            i, j, m, depth = todo.pop()
             while j > i + 1:
                 s = int(self._split[i, j][m])
                 levels[s - 1] = depth
-                segment(i, s, m, depth + 1)
+                todo.append((i, s, m, depth + 1))
                 i, m = s, m - self.c[s - 1]
-
-        i = 0
-        while True:
-            s = int(self._root[i][m])
-            if s < 0:
-                segment(i, self.k, m, 1)
-                break
-            levels[s - 1] = 0
-            segment(i, s, m, 1)
-            i, m = s, m - self.c[s - 1]
         return tuple(levels)

@@ -268,7 +268,8 @@ class NestedSearch:
         return out
 
     def _trees(self) -> List[Tuple[Plan, int]]:
-        """For each fine chain of at most
+        """For each of the finest fine chains (the first half of
+        :attr:`fine`) of at most
         :data:`~chainer_recompute.core.solvers.nested_tree.MAX_BLOCKS`
         blocks, the tree DP's plans (under :func:`_profile`'s figures, from
         its single-level replay) at its least memory and above: the
@@ -277,7 +278,7 @@ class NestedSearch:
         each replayed."""
         out: List[Tuple[Plan, int]] = []
         cost = self.graph.without_times().node_cost  # (the trees do not move with timings)
-        for plan in self.fine:
+        for plan in self.fine[:MAX_FINE_CHAINS // 2]:  # the finest
             if plan.n_blocks > nested_tree.MAX_BLOCKS:
                 continue
             c, w, tau, peak = _profile(self.graph, plan, cost)

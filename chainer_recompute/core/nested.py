@@ -43,8 +43,8 @@ __all__ = ["NestedSearch", "nest", "nested_plan", "two_levels"]
 
 #: outer-block sizes tried per fine chain (geometric), then refined
 #: between the neighbours of the best
-GRID_STEPS = 12
-REFINE_STEPS = 6
+GRID_STEPS = 8
+REFINE_STEPS = 4
 #: fine chains tried: the single-level plans of the most blocks, and those
 #: of the least replayed peak, half each
 MAX_FINE_CHAINS = 12

@@ -27,6 +27,7 @@ which gives its peak and its recomputation).
 """
 from __future__ import annotations
 
+import heapq
 import re
 from typing import FrozenSet, List, Optional, Sequence, Tuple
 
@@ -36,7 +37,7 @@ from .execution import ExecutionPlan
 from .graph import Graph
 from .memory_model import MemoryModel
 from .plan import Plan, make_plan, replace_plan
-from .replay import ReplayResult, replay
+from .replay import ReplayResult, backward_steps, replay
 from .solvers import nested_tree
 
 __all__ = ["NestedSearch", "nest", "nested_plan", "two_levels"]
@@ -52,6 +53,8 @@ MAX_FINE_CHAINS = 12
 #: then more spread above them
 TREE_LOW = 8
 TREE_HIGH = 4
+#: rounds of refinement at the least plan's peak (:meth:`NestedSearch._refined`)
+REFINE_ROUNDS = 4
 
 
 def two_levels(n_blocks: int, ends: Sequence[int]) -> Tuple[int, ...]:
@@ -194,6 +197,60 @@ def _profile(graph: Graph, plan: Plan, cost: np.ndarray
     return c, w, tau, int(result.peak_bytes)
 
 
+#: the node of an event of core.replay's: the backward it is for, or the forward
+_EVENT_ANY_NODE = re.compile(r"(?:for backward|^backward|^forward) (\d+)")
+
+
+def backward_positions(graph: Graph) -> List[int]:
+    """Each node's position in a topological order of ``graph`` that is
+    the backward's order reversed (:func:`~chainer_recompute.core.replay.backward_steps`;
+    a node with no backward goes just before the first of its readers):
+    a block of a chain split along it has its parts' backwards run one
+    after the other, the last part's first.
+
+    >>> g = Graph.from_edges([4] * 4, [(0, 1), (0, 2), (1, 3), (2, 3)])
+    >>> g.backward_order = (3, 1, 2, 0)
+    >>> backward_positions(g)
+    [0, 2, 1, 3]
+    """
+    steps = backward_steps(graph)
+    prio = [float("inf")] * graph.n
+    for i, v in enumerate(steps):
+        prio[v] = len(steps) - i
+    for v in range(graph.n - 1, -1, -1):
+        if prio[v] == float("inf"):
+            prio[v] = min((prio[w] for w in graph.succs[v]), default=float("inf"))
+    waiting = [len(graph.preds[v]) for v in range(graph.n)]
+    ready = [(prio[v], v) for v in range(graph.n) if not waiting[v]]
+    heapq.heapify(ready)
+    pos = [0] * graph.n
+    for i in range(graph.n):
+        _, v = heapq.heappop(ready)
+        pos[v] = i
+        for w in graph.succs[v]:
+            waiting[w] -= 1
+            if not waiting[w]:
+                heapq.heappush(ready, (prio[w], w))
+    return pos
+
+
+def split_block(lower_sets: Sequence[FrozenSet[int]], b: int, position: Sequence[int]
+                ) -> List[FrozenSet[int]]:
+    """The chain ``lower_sets`` with its block ``b`` split into one block
+    per node, in the order ``position`` gives (a topological order:
+    :func:`backward_positions`).
+
+    >>> [sorted(x) for x in split_block([frozenset({0}), frozenset({0, 1, 2})], 1, [0, 2, 1])]
+    [[0], [0, 2], [0, 1, 2]]
+    """
+    prev = lower_sets[b - 1] if b else frozenset()
+    out, acc = list(lower_sets[:b]), set(prev)
+    for v in sorted(lower_sets[b] - prev, key=lambda v: position[v])[:-1]:
+        acc.add(v)
+        out.append(frozenset(acc))
+    return out + list(lower_sets[b:])
+
+
 class NestedSearch:
     """Nested plans of one graph, from its single-level plans.
 
@@ -264,6 +321,7 @@ class NestedSearch:
                                seen)
             out += [(p, peak) for p, peak, _ in tried]
         out += self._trees() + self._exact()
+        out += self._refined(out)
         self._candidates = out
         return out
 
@@ -271,29 +329,71 @@ class NestedSearch:
         """For each of the finest fine chains (the first half of
         :attr:`fine`) of at most
         :data:`~chainer_recompute.core.solvers.nested_tree.MAX_BLOCKS`
-        blocks, the tree DP's plans (under :func:`_profile`'s figures, from
-        its single-level replay) at its least memory and above: the
-        :data:`TREE_LOW` distinct trees of least memory, then
+        blocks, the tree DP's plans (:meth:`_tree_plans`)."""
+        return [c for plan in self.fine[:MAX_FINE_CHAINS // 2] for c in self._tree_plans(plan)]
+
+    def _tree_plans(self, plan: Plan) -> List[Tuple[Plan, int]]:
+        """The tree DP's plans of ``plan``'s chain (under :func:`_profile`'s
+        figures, from its single-level replay) at its least memory and
+        above: the :data:`TREE_LOW` distinct trees of least memory, then
         :data:`TREE_HIGH` more spread up to the chain's single-level peak;
-        each replayed."""
-        out: List[Tuple[Plan, int]] = []
+        each replayed. None for a chain of more than
+        :data:`~chainer_recompute.core.solvers.nested_tree.MAX_BLOCKS` blocks."""
+        if plan.n_blocks > nested_tree.MAX_BLOCKS:
+            return []
         cost = self.graph.without_times().node_cost  # (the trees do not move with timings)
-        for plan in self.fine[:MAX_FINE_CHAINS // 2]:  # the finest
-            if plan.n_blocks > nested_tree.MAX_BLOCKS:
-                continue
-            c, w, tau, peak = _profile(self.graph, plan, cost)
-            table = nested_tree.TreeTable(c, w, tau, budget=peak)
-            least = table.least()
-            if least is None:
-                continue
-            trees = [t for t in dict.fromkeys(table.levels(m) for m in range(
-                least, table.grid + 1)) if any(t)]
-            picked = trees[:TREE_LOW] + trees[TREE_LOW::max(1, (len(trees) - TREE_LOW)
-                                                             // TREE_HIGH + 1)]
-            for levels in picked:
-                p, r = nested_plan(self.graph, plan, levels)
-                if p.nested:  # (a tree whose inner boundaries no checkpoint crosses is not)
-                    out.append((p, int(r.peak_bytes)))
+        c, w, tau, peak = _profile(self.graph, plan, cost)
+        table = nested_tree.TreeTable(c, w, tau, budget=peak)
+        least = table.least()
+        if least is None:
+            return []
+        trees = [t for t in dict.fromkeys(table.levels(m) for m in range(
+            least, table.grid + 1)) if any(t)]
+        picked = trees[:TREE_LOW] + trees[TREE_LOW::max(1, (len(trees) - TREE_LOW)
+                                                         // TREE_HIGH + 1)]
+        out = []
+        for levels in picked:
+            p, r = nested_plan(self.graph, plan, levels)
+            if p.nested:  # (a tree whose inner boundaries no checkpoint crosses is not)
+                out.append((p, int(r.peak_bytes)))
+        return out
+
+    def _refined(self, found: Sequence[Tuple[Plan, int]]) -> List[Tuple[Plan, int]]:
+        """Up to :data:`REFINE_ROUNDS` rounds from the least of ``found``:
+        its fine chain with the block of its peak's backward (or the larger
+        of its neighbours, when that block is one node) split into one
+        block per node in the backward's order (:func:`split_block`), and
+        the tree DP's plans of that chain (:meth:`_tree_plans`); a round
+        goes on from its least plan while that is lower than the last.
+        A block of a single-level chain holds values its backward does not
+        need at the peak of another (ResNet152: the first bottleneck's
+        shortcut, retained by its BatchNormalization, through the main
+        path's backward); split, the tree lets them go."""
+        if not found:
+            return []
+        position = backward_positions(self.graph)
+        best, peak = min(found, key=lambda c: (c[1], c[0].overhead))
+        out: List[Tuple[Plan, int]] = []
+        for _ in range(REFINE_ROUNDS):
+            ep = ExecutionPlan.of(self.graph, best)
+            m = _EVENT_ANY_NODE.search(replay(self.graph, ep).peak_event)
+            if m is None or best.n_blocks >= nested_tree.MAX_BLOCKS:
+                break
+            b = ep.block_of[int(m.group(1))]
+            sizes = [len(x) for x in best.blocks]
+            if sizes[b] == 1:
+                b = max((x for x in (b - 1, b + 1) if 0 <= x < len(sizes)),
+                        key=lambda x: sizes[x])
+                if sizes[b] == 1:
+                    break
+            fine = make_plan(self.graph, split_block(best.lower_sets, b, position),
+                             solver=best.solver.replace("nested-", ""), strategy=best.strategy,
+                             budget_bytes=None)
+            got = self._tree_plans(fine)
+            out += got
+            if not got or min(c[1] for c in got) >= peak:
+                break
+            best, peak = min(got, key=lambda c: (c[1], c[0].overhead))
         return out
 
     def _exact(self) -> List[Tuple[Plan, int]]:

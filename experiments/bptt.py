@@ -63,8 +63,9 @@ HEADLINE = {"t": 1000, "memory": -0.95, "time": 0.33}  # Gruslys et al. 2016, on
 class RNNForLM(chainer.Chain):
     """Chainer's PTB example model (examples/ptb/train_ptb.py)."""
 
-    def __init__(self, n_vocab: int, n_units: int) -> None:
+    def __init__(self, n_vocab: int, n_units: int, dropout: float = 0.5) -> None:
         super().__init__()
+        self.dropout = dropout
         with self.init_scope():
             self.embed = L.EmbedID(n_vocab, n_units)
             self.l1 = L.LSTM(n_units, n_units)
@@ -76,10 +77,13 @@ class RNNForLM(chainer.Chain):
         self.l2.reset_state()
 
     def forward(self, x: Any) -> Any:
+        def drop(h: Any) -> Any:  # (0: no dropout layers, for --dropout 0)
+            return F.dropout(h, self.dropout) if self.dropout else h
+
         h0 = self.embed(x)
-        h1 = self.l1(F.dropout(h0))
-        h2 = self.l2(F.dropout(h1))
-        return self.l3(F.dropout(h2))
+        h1 = self.l1(drop(h0))
+        h2 = self.l2(drop(h1))
+        return self.l3(drop(h2))
 
 
 class Unrolled(chainer.Chain):
@@ -100,7 +104,7 @@ class Unrolled(chainer.Chain):
 
 def make(args: argparse.Namespace) -> Tuple[chainer.Link, chainer.Optimizer]:
     np.random.seed(0)
-    model = L.Classifier(RNNForLM(args.vocab, args.units))
+    model = L.Classifier(RNNForLM(args.vocab, args.units, args.dropout))
     opt = chainer.optimizers.SGD(lr=0.1)
     opt.setup(model)
     return model, opt
@@ -484,6 +488,7 @@ def run_worker(kind: str, t: int, args: argparse.Namespace, extra: List[str],
         out = f.name
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--t", str(t),
            "--vocab", str(args.vocab), "--units", str(args.units), "--batch", str(args.batch),
+           "--dropout", str(args.dropout),
            "--repeat", str(args.repeat_at.get(t, args.repeat)),
            "--max-config-s", str(args.max_config_s), "--out", out] + extra
     print(" ".join(cmd[1:]), file=sys.stderr, flush=True)
@@ -518,6 +523,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="T:p1,p2 — other policies at length T")
     ap.add_argument("--vocab", type=int, default=100)
     ap.add_argument("--units", type=int, default=32)
+    ap.add_argument("--dropout", type=float, default=0.5,
+                    help="the dropout ratio of the model's three dropout layers (Chainer's "
+                         "PTB example: 0.5; 0: none)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--repeat-at", action="append", default=[], help="T:n")

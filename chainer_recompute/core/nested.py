@@ -40,7 +40,8 @@ from .plan import Plan, make_plan, replace_plan
 from .replay import ReplayResult, backward_steps, replay
 from .solvers import nested_tree
 
-__all__ = ["NestedSearch", "nest", "nested_plan", "two_levels"]
+__all__ = ["NestedSearch", "backward_positions", "nest", "nested_plan", "split_block",
+           "two_levels"]
 
 #: outer-block sizes tried per fine chain (geometric), then refined
 #: between the neighbours of the best
@@ -195,10 +196,6 @@ def _profile(graph: Graph, plan: Plan, cost: np.ndarray
             w[b] = max(w[b], int(total) - int(kept_before[b]))
     tau = [float(sum(cost[v] for v in block)) for block in plan.blocks]
     return c, w, tau, int(result.peak_bytes)
-
-
-#: the node of an event of core.replay's: the backward it is for, or the forward
-_EVENT_ANY_NODE = re.compile(r"(?:for backward|^backward|^forward) (\d+)")
 
 
 def backward_positions(graph: Graph) -> List[int]:
@@ -362,7 +359,8 @@ class NestedSearch:
         """Up to :data:`REFINE_ROUNDS` rounds from the least of ``found``:
         its fine chain with the block of its peak's backward (or the larger
         of its neighbours, when that block is one node) split into one
-        block per node in the backward's order (:func:`split_block`), and
+        block per node in the backward's order reversed (:func:`split_block`,
+        :func:`backward_positions`), and
         the tree DP's plans of that chain (:meth:`_tree_plans`); a round
         goes on from its least plan while that is lower than the last.
         A block of a single-level chain holds values its backward does not
@@ -371,21 +369,24 @@ class NestedSearch:
         path's backward); split, the tree lets them go."""
         if not found:
             return []
-        position = backward_positions(self.graph)
         best, peak = min(found, key=lambda c: (c[1], c[0].overhead))
+        position: Optional[List[int]] = None
         out: List[Tuple[Plan, int]] = []
         for _ in range(REFINE_ROUNDS):
-            ep = ExecutionPlan.of(self.graph, best)
-            m = _EVENT_ANY_NODE.search(replay(self.graph, ep).peak_event)
-            if m is None or best.n_blocks >= nested_tree.MAX_BLOCKS:
+            if best.n_blocks >= nested_tree.MAX_BLOCKS:
                 break
-            b = ep.block_of[int(m.group(1))]
+            ep = ExecutionPlan.of(self.graph, best)
+            m = _EVENT_NODE.match(replay(self.graph, ep).peak_event)
+            if m is None:  # (a peak in the forward or the update)
+                break
+            b = ep.block_of[int(m.group(1) or m.group(2))]
             sizes = [len(x) for x in best.blocks]
             if sizes[b] == 1:
                 b = max((x for x in (b - 1, b + 1) if 0 <= x < len(sizes)),
                         key=lambda x: sizes[x])
                 if sizes[b] == 1:
                     break
+            position = position or backward_positions(self.graph)
             fine = make_plan(self.graph, split_block(best.lower_sets, b, position),
                              solver=best.solver.replace("nested-", ""), strategy=best.strategy,
                              budget_bytes=None)

@@ -842,24 +842,28 @@ class Graph:
                 f"batch_size={self.batch_size}, cost_model={self.cost_model!r})")
 
 
-def _topological_order(n: int, edges: Sequence[Tuple[int, int]]) -> List[int]:
-    """Kahn's algorithm, smallest index first; GraphError on a cycle."""
+def _topological_order(n: int, edges: Sequence[Tuple[int, int]],
+                       priority: Optional[Sequence[float]] = None) -> List[int]:
+    """Kahn's algorithm, the ready node of least ``priority`` first (then
+    of least index; without ``priority``, smallest index first); GraphError
+    on a cycle."""
     import heapq
     indeg = [0] * n
     out: List[List[int]] = [[] for _ in range(n)]
     for u, v in set(edges):
         out[u].append(v)
         indeg[v] += 1
-    heap = [v for v in range(n) if indeg[v] == 0]
+    key = (lambda v: (priority[v], v)) if priority is not None else (lambda v: (v, v))
+    heap = [key(v) for v in range(n) if indeg[v] == 0]
     heapq.heapify(heap)
     order = []
     while heap:
-        u = heapq.heappop(heap)
+        _, u = heapq.heappop(heap)
         order.append(u)
         for v in out[u]:
             indeg[v] -= 1
             if indeg[v] == 0:
-                heapq.heappush(heap, v)
+                heapq.heappush(heap, key(v))
     if len(order) != n:
         stuck = sorted(v for v in range(n) if indeg[v] > 0)
         raise GraphError(f"the graph has a cycle through nodes {stuck[:10]}"

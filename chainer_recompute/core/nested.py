@@ -27,14 +27,13 @@ which gives its peak and its recomputation).
 """
 from __future__ import annotations
 
-import heapq
 import re
 from typing import FrozenSet, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .execution import ExecutionPlan
-from .graph import Graph
+from .graph import Graph, _topological_order
 from .memory_model import MemoryModel
 from .plan import Plan, make_plan, replace_plan
 from .replay import ReplayResult, backward_steps, replay
@@ -217,17 +216,10 @@ def backward_positions(graph: Graph) -> List[int]:
     for v in range(graph.n - 1, -1, -1):
         if prio[v] == float("inf"):
             prio[v] = min((prio[w] for w in graph.succs[v]), default=float("inf"))
-    waiting = [len(graph.preds[v]) for v in range(graph.n)]
-    ready = [(prio[v], v) for v in range(graph.n) if not waiting[v]]
-    heapq.heapify(ready)
     pos = [0] * graph.n
-    for i in range(graph.n):
-        _, v = heapq.heappop(ready)
+    for i, v in enumerate(_topological_order(
+            graph.n, [(u, w) for u in range(graph.n) for w in graph.succs[u]], prio)):
         pos[v] = i
-        for w in graph.succs[v]:
-            waiting[w] -= 1
-            if not waiting[w]:
-                heapq.heappush(ready, (prio[w], w))
     return pos
 
 

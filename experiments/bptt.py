@@ -52,6 +52,7 @@ import chainer  # noqa: E402
 import chainer.functions as F  # noqa: E402
 import chainer.links as L  # noqa: E402
 
+from chainer_recompute.core.replay import physical_floor  # noqa: E402
 from chainer_recompute.core.solvers import chain as chain_solver  # noqa: E402
 from chainer_recompute.runtime import bptt  # noqa: E402
 from chainer_recompute.runtime.memory import model_state_bytes  # noqa: E402
@@ -339,6 +340,11 @@ def worker_graph(args: argparse.Namespace) -> List[Dict[str, Any]]:
             continue
         runner = cr.runner_of(u)
         row["plan_and_first_call_s"] = round(time.perf_counter() - start, 1)
+        # what any schedule inside Chainer's backward holds at its fullest
+        # (its order runs the input projections last: their output
+        # gradients wait through every step's backward)
+        floor = physical_floor(runner.signatures()[0].structures[0].graph)
+        row["floor_bytes"], row["floor_held_grad_bytes"] = floor.peak_bytes, floor.held_grad_bytes
         row["first_call"] = res
         st = runner.last_stats
         row["predicted_bytes"] = getattr(st, "predicted_peak_bytes", None)

@@ -50,6 +50,7 @@ def least_row(name: str) -> dict:
     row = {"graph": name, "functions": g.n, "single_least_bytes": least_for(single),
            "single_peak_bytes": int(single), "single_recompute": single_plan.overhead_fraction,
            "floor_bytes": int(floor.peak_bytes), "floor_event": floor.event,
+           "floor_held_grad_bytes": int(floor.held_grad_bytes),
            "single_search_s": t1 - t0, "nested_search_s": t2 - t1}
     if got is not None and got[1] < single:
         plan, peak = got
@@ -70,6 +71,11 @@ def largest_rows(net: str) -> dict:
     return out
 
 
+def in_order(rows: dict, names: list) -> list:
+    """``rows`` (by name) in the order of ``names``, then the others."""
+    return [rows[n] for n in names if n in rows] + [r for n, r in rows.items() if n not in names]
+
+
 def gb(x: int) -> str:
     return f"{x / 1e9:.3f}"
 
@@ -83,15 +89,15 @@ def main() -> int:
     ap.add_argument("--json", default=str(HERE / "nested.json"), help="where to write the figures")
     args = ap.parse_args()
     both = args.least is None and args.largest is None
-    out = {}
+    # a partial run updates its part of an existing file
+    out = json.loads(Path(args.json).read_text()) if Path(args.json).exists() else {}
     if both or args.least is not None:
-        out["least"] = []
+        rows = {r["graph"]: r for r in out.get("least", [])}
         print("| graph | functions | single-level least GB (recomputes) | nested least GB "
               "(recomputes) | change | levels | physical floor GB | nested search s |")
         print("|---|---|---|---|---|---|---|---|")
         for name in args.least or GRAPHS:
-            r = least_row(name)
-            out["least"].append(r)
+            r = rows[name] = least_row(name)
             nl = r.get("nested_least_bytes")
             print(f"| {name} | {r['functions']} | {gb(r['single_least_bytes'])} "
                   f"({100 * r['single_recompute']:.0f}%) | "
@@ -99,16 +105,17 @@ def main() -> int:
                      f"{100 * (nl / r['single_least_bytes'] - 1):+.1f}% | "
                      f"{r['nested']['depth']}" if nl else "none lower | - | -")
                   + f" | {gb(r['floor_bytes'])} | {r['nested_search_s']:.1f} |", flush=True)
+        out["least"] = in_order(rows, GRAPHS)
     if both or args.largest is not None:
-        out["largest"] = []
+        rows = {r["network"]: r for r in out.get("largest", [])}
         print("\n| network | budget B GB | largest batch, single-level (approx TC) | "
               "largest batch, nested | ratio |")
         print("|---|---|---|---|---|")
         for net in args.largest or SWEEP:
-            r = largest_rows(net)
-            out["largest"].append(r)
+            r = rows[net] = largest_rows(net)
             a, n = r["approx-tc"]["largest_batch"], r["nested-tc"]["largest_batch"]
             print(f"| {net} | {gb(r['budget_bytes'])} | {a} | {n} | {n / a:.2f}x |", flush=True)
+        out["largest"] = in_order(rows, SWEEP)
     Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.json}")
     return 0

@@ -47,8 +47,35 @@ def test_floor_counted_by_hand():
     g = Graph(arrays, nodes, backward_order=(1, 0))
     floor = physical_floor(g)
     state = state_constant_bytes(g)
-    # g's backward: a (200), b's gradient? no reader's backward ran before
-    # it (b is the loss's), its temporary 1000
-    assert (floor.event, floor.working_bytes) == ("backward 1 g", 1200)
-    assert floor.peak_bytes == state + 1200
+    # g's backward: it reads a (200) and makes a's gradient (200), b's
+    # gradient? no reader's backward ran before it (b is the loss's), its
+    # temporary 1000
+    assert (floor.event, floor.working_bytes, floor.held_grad_bytes) == ("backward 1 g", 1200, 200)
+    assert floor.peak_bytes == state + 1400
+    assert floor.peak_bytes <= replay(g).peak_bytes
+
+
+def test_floor_holds_the_gradients_the_backward_order_holds():
+    """x -> f -> a -> g -> b, and x -> k -> c, b + c -> s (the loss), with
+    the backward order s, g, k, f (Chainer's ranks put f last, as they put
+    an unrolled LSTM's input projections after every step's backward): a's
+    gradient, made by g's backward, is held through k's until f's, whatever
+    the plan; at k's backward the floor counts it with k's own output
+    gradient and its temporary."""
+    arrays = [ArrayInfo(0, (10,), "float32", 40, "input", name="x"),
+              ArrayInfo(1, (250,), "float32", 1000, "intermediate", producer=0),
+              ArrayInfo(2, (25,), "float32", 100, "intermediate", producer=1),
+              ArrayInfo(3, (25,), "float32", 100, "intermediate", producer=2),
+              ArrayInfo(4, (1,), "float32", 4, "output", producer=3)]
+    nodes = [Node(0, "f", (0,), (1,), retained_inputs=(0,)),
+             Node(1, "g", (1,), (2,)),
+             Node(2, "k", (0,), (3,), retained_inputs=(0,), backward_transient_bytes=500),
+             Node(3, "s", (2, 3), (4,))]
+    g = Graph(arrays, nodes, backward_order=(3, 1, 2, 0))
+    floor = physical_floor(g)
+    state = state_constant_bytes(g)
+    # k's backward: a's gradient (1000) and c's (100), its temporary 500;
+    # it reads x, which is the caller's (in the state)
+    assert (floor.event, floor.held_grad_bytes, floor.working_bytes) == ("backward 2 k", 1100, 500)
+    assert floor.peak_bytes == state + 1600
     assert floor.peak_bytes <= replay(g).peak_bytes

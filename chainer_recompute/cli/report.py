@@ -116,9 +116,10 @@ def format_report(report: Dict[str, Any]) -> str:
     if floor is not None:
         lines.append(f"physical floor: {format_bytes(floor['peak_bytes'])}, below which no "
                      f"schedule goes, recomputing at any depth: parameters, optimizer state and "
-                     f"inputs {format_bytes(floor['state_bytes'])}, with the gradients made by "
-                     f"then and {format_bytes(floor['working_bytes'])} that {floor['event']} "
-                     f"needs itself (the least feasible budget recomputes each array once)")
+                     f"inputs {format_bytes(floor['state_bytes'])}, the gradients alive then "
+                     f"{format_bytes(floor['held_grad_bytes'])} and "
+                     f"{format_bytes(floor['working_bytes'])} that {floor['event']} needs itself "
+                     f"(the least feasible budget recomputes each array once)")
     nest = plan.get("nested")
     if nest:
         lines.append(

@@ -837,9 +837,13 @@ class Floor:
         event: where the floor is reached (``'backward 12 Convolution2D'``,
             ``'forward 3 ...'``, ``'update'``).
         working_bytes: at that event, what the function itself needs beyond
-            the state and the gradients made by then: the arrays its
-            backward reads (or its forward's inputs and outputs), its output
-            gradient and its measured temporary.
+            the state and the gradients: the arrays its backward reads (or
+            its forward's inputs and outputs) and its measured temporary.
+        held_grad_bytes: at that event, the gradients alive: the
+            parameters' made by then, and those of arrays whose reader's
+            backward has run and whose own function's has not (the
+            backward order holds them, whatever the plan; its outputs'
+            and the inputs' it makes included).
     """
 
     peak_bytes: int
@@ -847,6 +851,7 @@ class Floor:
     grad_bytes: int
     event: str
     working_bytes: int
+    held_grad_bytes: int = 0
 
 
 def physical_floor(graph: Graph) -> Floor:
@@ -857,16 +862,18 @@ def physical_floor(graph: Graph) -> Floor:
     - a function's forward: its inputs and outputs (views counted once, at
       their base) and its measured temporary;
     - a function's backward: what it reads (its retained inputs and outputs,
-      the attribute arrays it keeps), its largest output gradient, its
-      measured temporary, and the parameters' gradients made by then (in
-      the recorded backward order, its own included);
+      the attribute arrays it keeps), its measured temporary, and the
+      gradients alive then, as the replay counts them (the parameters'
+      made by then, its output gradients and the input gradients it makes,
+      and every other array's whose reader's backward has run and whose
+      own function's has not: the recorded backward order, which every
+      plan runs, holds them);
     - the optimizer's update: every gradient and the update's temporary.
 
     A recomputation, at any depth, can drop everything else but none of
     these: no plan replays below it (nor, up to the model's accuracy, runs
-    below it). Gradients of other arrays that are live at the same moment,
-    a step of several calls, and the caller's own work are left out, so it
-    is a bound, not a schedule.
+    below it). A step of several calls and the caller's own work are left
+    out, so it is a bound, not a schedule.
 
     Args:
         graph: a recorded graph.
@@ -899,32 +906,26 @@ def physical_floor(graph: Graph) -> Floor:
         work = distinct(node.inputs + node.outputs) + int(node.forward_transient_bytes or 0)
         if work > best[0]:
             best = (work, f"forward {node.id} {node.op}", work)
-    order = backward_steps(graph)
+    # the gradients, as the replay makes and lets them go (no plan moves
+    # them: they follow the backward order alone)
+    mem = _Memory(graph, 0)
+    grads = _Gradients(mem)
     made: Set[int] = set()
-    grads = 0
-    done: Set[int] = set()  # nodes whose backward has run
-    consumers: Dict[int, List[int]] = {}
-    for node in nodes:
-        for a in node.inputs:
-            consumers.setdefault(a, []).append(node.id)
-    for v in order:
+    held = 0
+    for v in backward_steps(graph):
         node = nodes[v]
-        for a in dict.fromkeys(node.inputs + node.inner_params):
-            if arrays[a].kind == "param" and a not in made:
-                made.add(a)
-                grads += arrays[a].nbytes
+        param_new, extra = backward_gradients(node, arrays, nodes, grads, made)
+        mem.alloc(("param grads", v), param_new)
         reads = distinct(node.retained_inputs + node.retained_outputs) + sum(
             h.nbytes for h in node.held if h.role != "written")
-        # an output has a gradient once a reader's backward has run
-        gy = max((arrays[a].nbytes for a in node.outputs
-                  if any(c in done for c in consumers.get(a, ()))), default=0)
-        work = reads + gy + int(node.backward_transient_bytes or 0)
-        if grads + work > best[0]:
-            best = (grads + work, f"backward {v} {node.op}", work)
-        done.add(v)
+        work = reads + int(extra)
+        if mem.level + work > best[0]:
+            best, held = (mem.level + work, f"backward {v} {node.op}", work), mem.level
+        grads.drop(node.outputs)
     all_grads = param_grad_bytes(graph)
     update = all_grads + int(graph.state_bytes.get("update_transient", 0))
     if update > best[0]:
         best = (update, "update", int(graph.state_bytes.get("update_transient", 0)))
+        held = all_grads
     return Floor(peak_bytes=state + best[0], state_bytes=state, grad_bytes=all_grads,
-                 event=best[1], working_bytes=best[2])
+                 event=best[1], working_bytes=best[2], held_grad_bytes=held)

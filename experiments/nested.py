@@ -1,17 +1,22 @@
 """Nested plans below the single-level least (docs/algorithm.md §9), from
-the committed graphs (pure core: nothing runs a model).
+the committed graphs (pure core: nothing runs a model, except ``--scale``,
+which records its two models).
 
 - The least total budget with nesting against without, on the headline
   table's graphs (recorded at the paper's batch sizes), with the physical
   floor below which no schedule goes, what each least plan recomputes, and
   the time the nested search takes.
+- The nested search's time on graphs of thousands of functions (a
+  48-layer Transformer encoder, an LSTM unrolled 1000 steps), recorded by
+  apply() (``--scale``).
 - The largest batch at the runtime sweep's fixed budget B
   (experiments/README.md, "Time per iteration at a fixed budget"): the
   single-level plans' (approx TC, as the sweep) against the nested ones
   (solver auto), on the sweep's recorded graphs scaled to each batch.
 
-    .venv/bin/python experiments/nested.py                 # both; writes experiments/nested.json
+    .venv/bin/python experiments/nested.py                 # all three; writes experiments/nested.json
     .venv/bin/python experiments/nested.py --least resnet152_b32
+    .venv/bin/python experiments/nested.py --scale         # the search on thousands of functions
 
 Every figure is a replayed peak (the memory model that apply() plans with),
 not a measurement; experiments/nested.md has the measured runs.
@@ -76,6 +81,41 @@ def in_order(rows: dict, names: list) -> list:
     return [rows[n] for n in names if n in rows] + [r for n, r in rows.items() if n not in names]
 
 
+#: graphs of thousands of functions (experiments/planning_scale.py's
+#: models), recorded here by apply()'s runner
+SCALE = {"encoder48": ("_encoder", 48), "lstm1000": ("_lstm", 1000)}
+
+
+def scale_row(name: str) -> dict:
+    """The nested search's time on a graph of thousands of functions,
+    against the single-level search (each graph recorded by ``apply()``
+    over two optimizer steps, as a training loop would)."""
+    import chainer
+    import chainer_recompute as cr
+    import planning_scale
+    make, arg = SCALE[name]
+    model, batch = getattr(planning_scale, make)(arg)
+    cr.apply(model, budget="least", verbose=False)
+    opt = chainer.optimizers.MomentumSGD(0.01)
+    opt.setup(model)
+    for _ in range(2):
+        opt.update(model, *batch)
+    g = cr.runner_of(model).planned_graphs()[-1]
+    t0 = time.perf_counter()
+    search = BudgetSearch(g, "auto")
+    single = search.least()[1]
+    t1 = time.perf_counter()
+    got = search.nested_least()
+    t2 = time.perf_counter()
+    row = {"graph": name, "functions": g.n, "single_least_bytes": least_for(single),
+           "single_search_s": t1 - t0, "nested_search_s": t2 - t1,
+           "nested_replays": len(search.nested_search().candidates()),
+           "floor_bytes": int(physical_floor(g).peak_bytes)}
+    if got is not None:
+        row.update(nested_least_bytes=least_for(got[1]), nested=got[0].info["nested"])
+    return row
+
+
 def gb(x: int) -> str:
     return f"{x / 1e9:.3f}"
 
@@ -87,8 +127,10 @@ def main() -> int:
     ap.add_argument("--largest", nargs="*", metavar="NET", help="only the largest batches "
                     "(of these sweep networks; default both)")
     ap.add_argument("--json", default=str(HERE / "nested.json"), help="where to write the figures")
+    ap.add_argument("--scale", action="store_true", help="only the nested search's time on "
+                    "graphs of thousands of functions (" + ", ".join(SCALE) + ")")
     args = ap.parse_args()
-    both = args.least is None and args.largest is None
+    both = args.least is None and args.largest is None and not args.scale
     # a partial run updates its part of an existing file
     out = json.loads(Path(args.json).read_text()) if Path(args.json).exists() else {}
     if both or args.least is not None:
@@ -116,6 +158,21 @@ def main() -> int:
             a, n = r["approx-tc"]["largest_batch"], r["nested-tc"]["largest_batch"]
             print(f"| {net} | {gb(r['budget_bytes'])} | {a} | {n} | {n / a:.2f}x |", flush=True)
         out["largest"] = in_order(rows, SWEEP)
+    if both or args.scale:
+        out["scale"] = []
+        print("\n| graph | functions | single-level least MB (search s) | nested least MB "
+              "(search s) | change | replays | physical floor MB |")
+        print("|---|---|---|---|---|---|---|")
+        for name in SCALE:
+            r = scale_row(name)
+            out["scale"].append(r)
+            nl = r.get("nested_least_bytes")
+            print(f"| {name} | {r['functions']} | {r['single_least_bytes'] / 1e6:.2f} "
+                  f"({r['single_search_s']:.1f}) | "
+                  + (f"{nl / 1e6:.2f} ({r['nested_search_s']:.1f}) | "
+                     f"{100 * (nl / r['single_least_bytes'] - 1):+.1f}%" if nl else
+                     f"none lower ({r['nested_search_s']:.1f}) | -")
+                  + f" | {r['nested_replays']} | {r['floor_bytes'] / 1e6:.2f} |", flush=True)
     Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.json}")
     return 0

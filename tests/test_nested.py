@@ -222,6 +222,29 @@ def test_refining_the_peaks_block_lowers_the_least(monkeypatch):
     assert got[0].predicted_peak_bytes == got[1] == replay(g, ExecutionPlan.of(g, got[0])).peak_bytes
 
 
+def test_screened_groupings_replay_fewer_plans_for_the_same_least(monkeypatch):
+    """The screen of large graphs (the chains' two-level groupings ranked
+    by the tree DP's model, the least six replayed), forced on ResNet50:
+    the same least nested plan from fewer replays, and every candidate's
+    peak is its replay."""
+    import chainer_recompute.core.nested as nested
+    g = load_graph(GRAPHS / "resnet50_b32.json")
+    made = []
+    real = nested.nested_plan
+    monkeypatch.setattr(nested, "nested_plan", lambda *a: made.append(1) or real(*a))
+    full = BudgetSearch(g, "auto").nested_least()
+    n_full = len(made)
+    monkeypatch.setattr(nested, "SCREEN_MIN_NODES", 0)
+    monkeypatch.setattr(nested, "SCREEN_REPLAY_NODES", 0)  # (the least replays: 6)
+    del made[:]
+    search = BudgetSearch(g, "auto")
+    screened = search.nested_least()
+    assert len(made) < 0.7 * n_full, (len(made), n_full)
+    assert screened[1] == full[1] and screened[0].levels == full[0].levels
+    for p, peak in search.nested_search().candidates()[:8]:
+        assert peak == p.predicted_peak_bytes == replay(g, ExecutionPlan.of(g, p)).peak_bytes
+
+
 @pytest.mark.slow
 def test_resnet152_nested_least_is_20_percent_below_the_single_level_least(monkeypatch):
     """The issue's target on the committed ResNet152 b32 graph (19.3%

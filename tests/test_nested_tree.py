@@ -8,7 +8,7 @@ import itertools
 import numpy as np
 import pytest
 
-from chainer_recompute.core.solvers.nested_tree import TreeTable, tree_cost
+from chainer_recompute.core.solvers.nested_tree import TreeTable, tree_cost, tree_peak
 
 
 def brute_force(c, w, tau, m):
@@ -21,6 +21,18 @@ def brute_force(c, w, tau, m):
         if peak <= m and (best is None or time < best[0]):
             best = (time, peak)
     return best
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_tree_peak_is_tree_costs_peak(seed):
+    """The O(k) peak of the nested search's screen against the block by
+    block simulation, on random chains and level assignments of any depth."""
+    rs = np.random.RandomState(seed)
+    for _ in range(200):
+        k = int(rs.randint(1, 30))
+        c, w = rs.randint(1, 100, k - 1).tolist(), rs.randint(0, 100, k).tolist()
+        levels = rs.randint(0, int(rs.randint(1, 6)), k - 1).tolist()
+        assert tree_peak(c, w, levels) == tree_cost(c, w, [1] * k, levels)[0], (c, w, levels)
 
 
 @pytest.mark.parametrize("seed", range(15))

@@ -55,6 +55,15 @@ TREE_LOW = 8
 TREE_HIGH = 4
 #: rounds of refinement at the least plan's peak (:meth:`NestedSearch._refined`)
 REFINE_ROUNDS = 4
+#: on graphs of this many nodes or more, the fine chains' groupings are
+#: ranked by the tree DP's model (:func:`~.solvers.nested_tree.tree_peak`)
+#: and only those of least modelled peak, of all chains, are replayed (a
+#: nested replay runs in Python: about a second on 15,000 nodes): as many
+#: as replay :data:`SCREEN_REPLAY_NODES` nodes in all, at least
+#: :data:`SCREEN_REPLAYS`
+SCREEN_MIN_NODES = 1000
+SCREEN_REPLAY_NODES = 24_000
+SCREEN_REPLAYS = 6
 
 
 def two_levels(n_blocks: int, ends: Sequence[int]) -> Tuple[int, ...]:
@@ -287,11 +296,17 @@ class NestedSearch:
         grouped into outer blocks at :data:`GRID_STEPS` sizes from a fine
         block's checkpoints to half of them all (geometric), then at
         :data:`REFINE_STEPS` more between the neighbours of its best (two
-        levels); the trees of the tree DP (:meth:`_trees`, any depth); on
-        small graphs the exact two-level DP's plans (:meth:`_exact`)."""
+        levels; on a graph of :data:`SCREEN_MIN_NODES` nodes or more, only
+        the groupings of least modelled peak are replayed, see
+        :data:`SCREEN_REPLAY_NODES`); the trees of the tree DP
+        (:meth:`_trees`, any depth); on small graphs the exact two-level
+        DP's plans (:meth:`_exact`); the refinement's (:meth:`_refined`)."""
         if self._candidates is not None:
             return self._candidates
         out: List[Tuple[Plan, int]] = []
+        screened = self.graph.n >= SCREEN_MIN_NODES
+        cost = self.graph.without_times().node_cost if screened else None
+        modelled: List[Tuple[int, int, Plan, Tuple[int, ...]]] = []
         for plan in self.fine:
             sizes = _checkpoint_bytes(self.graph, plan)
             total = float(sum(sizes))
@@ -300,15 +315,24 @@ class NestedSearch:
             lo = max(min(s for s in sizes if s > 0), total / 1e4)
             grid = np.geomspace(lo, total / 2, GRID_STEPS).tolist()
             seen: set = set()
-            tried = self._try(plan, sizes, grid, seen)
+            model = _profile(self.graph, plan, cost)[:2] if screened else None
+            tried = self._try(plan, sizes, grid, seen, model)
             if not tried:
                 continue
-            best = min(range(len(tried)), key=lambda j: (tried[j][1], tried[j][0].overhead))
+            best = min(range(len(tried)), key=lambda j: (
+                tried[j][1], tried[j][0].overhead if tried[j][0] else 0.0))
             j = grid.index(tried[best][2])
             a, b = grid[max(j - 1, 0)], grid[min(j + 1, len(grid) - 1)]
             tried += self._try(plan, sizes, np.linspace(a, b, REFINE_STEPS + 2)[1:-1].tolist(),
-                               seen)
-            out += [(p, peak) for p, peak, _ in tried]
+                               seen, model)
+            if screened:
+                modelled += [(peak, len(modelled), plan, levels) for _, peak, _, levels in tried]
+            else:
+                out += [(p, peak) for p, peak, _, _ in tried]
+        n_replays = max(SCREEN_REPLAYS, SCREEN_REPLAY_NODES // self.graph.n)
+        for _, _, plan, levels in sorted(modelled)[:n_replays]:  # the least modelled
+            p = nested_plan(self.graph, plan, levels)[0]
+            out.append((p, p.predicted_peak_bytes))
         out += self._trees() + self._exact()
         out += self._refined(out)
         self._candidates = out
@@ -414,17 +438,24 @@ class NestedSearch:
         return out
 
     def _try(self, plan: Plan, sizes: Sequence[int], thresholds: Sequence[float],
-             seen: set) -> List[Tuple[Plan, int, float]]:
+             seen: set, model: Optional[Tuple[List[int], List[int]]] = None
+             ) -> List[Tuple[Optional[Plan], int, float, Tuple[int, ...]]]:
         """``plan`` nested at each threshold's grouping into two or more
-        outer blocks (:func:`_grouping`) not in ``seen`` (replayed once
-        each), with the threshold that first gave it."""
+        outer blocks (:func:`_grouping`) not in ``seen``, with its peak, the
+        threshold that first gave it and its levels: replayed once each,
+        or with ``model`` (:func:`_profile`'s crossing and block bytes) the
+        tree DP's modelled peak and no plan (:meth:`candidates` replays the
+        least)."""
         out = []
         for t in thresholds:
             levels = _grouping(sizes, t)
             if 0 in levels and 1 in levels and levels not in seen:
                 seen.add(levels)
-                p, r = nested_plan(self.graph, plan, levels)
-                out.append((p, int(r.peak_bytes), t))
+                if model is not None:
+                    out.append((None, int(nested_tree.tree_peak(*model, levels)), t, levels))
+                else:
+                    p, r = nested_plan(self.graph, plan, levels)
+                    out.append((p, int(r.peak_bytes), t, levels))
         return out
 
     def least(self) -> Optional[Tuple[Plan, int]]:

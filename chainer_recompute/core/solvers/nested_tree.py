@@ -50,7 +50,7 @@ import numpy as np
 
 from ..execution import open_boundaries
 
-__all__ = ["GRID", "MAX_BLOCKS", "TreeTable", "tree_cost"]
+__all__ = ["GRID", "MAX_BLOCKS", "TreeTable", "tree_cost", "tree_peak"]
 
 #: memory units of the DP's grid
 GRID = 128
@@ -83,6 +83,26 @@ def tree_cost(c: Sequence[float], w: Sequence[float], tau: Sequence[float],
         time += tau[t]
         alive.discard(t - 1)
     return peak, time
+
+
+def tree_peak(c: Sequence[float], w: Sequence[float], levels: Sequence[int]) -> float:
+    """:func:`tree_cost`'s peak alone, in ``O(k)``: the open boundaries
+    below block ``t`` are a stack of non-decreasing levels, each boundary
+    popping those of a higher level before it is pushed.
+
+    >>> tree_peak([1, 1, 1], [2, 2, 2, 2], (1, 0, 1))
+    4
+    """
+    stack: list = []
+    held, peak = 0, w[0]
+    for t in range(1, len(w)):
+        b = t - 1
+        while stack and levels[stack[-1]] > levels[b]:
+            held -= c[stack.pop()]
+        stack.append(b)
+        held += c[b]
+        peak = max(peak, held + w[t])
+    return peak
 
 
 class TreeTable:

@@ -180,6 +180,21 @@ def test_the_search_goes_below_the_single_level_least_on_a_long_chain():
     assert got[0].depth > 3 and got[0].predicted_peak_bytes == got[1]
 
 
+def test_on_a_graph_of_few_lower_sets_the_exact_trees_are_candidates():
+    """12 functions in a row (13 lower sets): the exact DP over every chain
+    and tree (core/solvers/nested_dp.py, exact_trees) gives candidates of
+    any depth, replayed, one of them at the search's least."""
+    g = chain(12, size=1000).with_step(state_bytes={})
+    search = BudgetSearch(g, "auto")
+    least = search.nested_least()[1]
+    exact = [(p, peak) for p, peak in search.nested_search().candidates()
+             if p.solver == "nested-exact"]
+    assert any(p.depth >= 3 for p, _ in exact)
+    assert min(peak for _, peak in exact) == least < search.least()[1]
+    for p, peak in exact:
+        assert peak == p.predicted_peak_bytes == replay(g, ExecutionPlan.of(g, p)).peak_bytes
+
+
 def test_backward_positions_are_the_backward_reversed():
     """On a recorded graph (ResNet50): a topological order in which the
     nodes with a backward come in the backward's order reversed."""

@@ -20,8 +20,9 @@ from chainer_recompute.core.lower_sets import count_lower_sets
 from chainer_recompute.core.memory_model import MemoryModel
 from chainer_recompute.core.schedule import strategy_cost
 from chainer_recompute.core.search import least_feasible_budget
-from chainer_recompute.core.solvers.nested_dp import (least_nested_budget, nested_cost,
-                                                       solve_nested_exact)
+from chainer_recompute.core.solvers.nested_dp import (exact_trees, least_nested_budget,
+                                                       nested_cost, solve_nested_exact,
+                                                       tree_nested_cost)
 from test_bruteforce import KINDS, random_dag, random_model, weights
 
 
@@ -150,3 +151,72 @@ def test_a_chain_of_up_to_a_dozen_functions(n: int):
                                                                      for _ in range(n)])
     check(g, None, rng)
     assert least_nested_budget(g) < least_feasible_budget(g, "exact")
+
+
+# ------------------------------------------------------------- any depth
+
+def every_chain(g: Graph) -> List[Tuple[int, ...]]:
+    """Every strictly increasing chain of lower sets ending at V (bitsets),
+    the lower sets found by testing every subset."""
+    n = g.n
+    lower = [m for m in range(1, 1 << n)
+             if all(m >> u & 1 for v in range(n) if m >> v & 1 for u in g.preds[v])]
+    full = (1 << n) - 1
+    out: List[Tuple[int, ...]] = []
+
+    def rec(chain: Tuple[int, ...]) -> None:
+        last = chain[-1] if chain else 0
+        if last == full:
+            out.append(chain)
+            return
+        for L in lower:
+            if L & last == last and L != last:
+                rec(chain + (L,))
+
+    rec(())
+    return out
+
+
+def check_trees(g: Graph, model: Optional[MemoryModel]) -> None:
+    """exact_trees' front against every chain with every level assignment
+    (any depth) under tree_nested_cost."""
+    plans = [tree_nested_cost(g, chain, levels, model) + (chain, levels)
+             for chain in every_chain(g)
+             for levels in itertools.product(range(max(1, len(chain) - 1)),
+                                             repeat=len(chain) - 1)]
+    front = []
+    for peak, t, *_ in sorted(plans, key=lambda p: (p[0], p[1])):
+        if not front or t < front[-1][1] - 1e-9:
+            front.append((peak, t))
+    got = exact_trees(g, model)
+    assert [(x.peak_bytes, pytest.approx(x.overhead)) for x in got] == front
+    for x in got:  # the DP's own figures are the cost function's
+        assert (x.peak_bytes, pytest.approx(x.overhead)) == tree_nested_cost(
+            g, x.masks, x.levels, model)
+    # never above the two-level exact DP's least, nor below the single block's floor
+    assert got[0].peak_bytes <= least_nested_budget(g, model)
+    # on two levels the memory is the two-level formula's
+    for peak, t, chain, levels in plans[::7]:
+        if set(levels) <= {0, 1}:
+            ends = [i for i, x in enumerate(levels) if x == 0] + [len(chain) - 1]
+            assert peak == nested_cost(g, chain, ends, model)[0]
+
+
+def tiny_dag(rng: random.Random, kind: str) -> Graph:
+    """A random DAG of ``kind`` with at most 7 lower sets (every chain
+    with every level assignment: thousands of plans)."""
+    while True:
+        sizes, edges, costs = random_dag(rng, kind)
+        g = Graph.from_edges(sizes, edges, costs=costs)
+        try:
+            if count_lower_sets(g, 7):
+                return g
+        except LowerSetExplosionError:
+            continue
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_exact_trees_are_the_brute_force_over_every_chain_and_tree(seed: int) -> None:
+    rng = random.Random(40_000 + seed)
+    g = tiny_dag(rng, KINDS[seed % len(KINDS)])
+    check_trees(g, None if seed % 2 else random_model(rng, g))

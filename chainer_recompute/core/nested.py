@@ -414,18 +414,29 @@ class NestedSearch:
         return out
 
     def _exact(self) -> List[Tuple[Plan, int]]:
-        """On a graph of few lower sets, the exact nested DP's plans
-        (:mod:`~chainer_recompute.core.solvers.nested_dp`, under ``model``)
-        at :data:`GRID_STEPS` budgets from its least to the single-level
-        DPs' least, replayed."""
-        from .solvers.nested_dp import least_nested_budget, small_enough, solve_nested_exact
+        """On a graph of few lower sets, the exact nested DPs' plans
+        (:mod:`~chainer_recompute.core.solvers.nested_dp`, under ``model``):
+        the two-level DP's at :data:`GRID_STEPS` budgets from its least to
+        the single-level DPs' least, and the :data:`GRID_STEPS` trees of
+        any depth of least memory (:func:`~.solvers.nested_dp.exact_trees`),
+        replayed."""
+        from .solvers.nested_dp import (exact_trees, least_nested_budget, small_enough,
+                                        solve_nested_exact)
         from .search import least_feasible_budget
         if self.model is None or not small_enough(self.graph):
             return []
         g = self.graph.without_times()
+        trees = [t for t in exact_trees(g, self.model) if any(t.levels)][:GRID_STEPS]
+        out = []
+        for t in trees:
+            fine = make_plan(self.graph, list(t.masks), solver="exact", strategy="tc",
+                             budget_bytes=None, model=self.model)
+            p, r = nested_plan(self.graph, fine, t.levels)
+            if p.nested:
+                out.append((p, int(r.peak_bytes)))
         lo = least_nested_budget(g, self.model)
         hi = max(lo, least_feasible_budget(g, solver="exact", model=self.model))
-        out, seen = [], set()
+        seen = set()
         for b in sorted({int(x) for x in np.linspace(lo, hi, GRID_STEPS)}):
             chain = solve_nested_exact(g, b, self.model)
             if chain is None or len(chain.ends) < 2 or (chain.masks, chain.ends) in seen:

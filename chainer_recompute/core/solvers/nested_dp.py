@@ -1,5 +1,8 @@
-"""The exact dynamic program over nested (two-level) plans, under the
-per-block memory model (docs/algorithm.md §9), for small graphs.
+"""The exact dynamic programs over nested plans, under the per-block
+memory model (docs/algorithm.md §9), for small graphs: over two-level plans
+(:func:`solve_nested_exact`, below), and over plans of any depth
+(:func:`exact_trees`, the tree DP over every chain of lower sets at once,
+at the end of the module).
 
 Pure core: numpy only.
 
@@ -43,8 +46,8 @@ from ..lower_sets import (above, beside, boundary, count_lower_sets, enumerate_l
                           mask_to_set)
 from ..memory_model import MemoryModel
 
-__all__ = ["MAX_LOWER_SETS", "NestedChain", "least_nested_budget", "nested_cost",
-           "small_enough", "solve_nested_exact"]
+__all__ = ["MAX_LOWER_SETS", "NestedChain", "NestedTree", "exact_trees", "least_nested_budget",
+           "nested_cost", "small_enough", "solve_nested_exact", "tree_nested_cost"]
 
 #: Above this many lower sets the exact nested DP is not run (its states are
 #: pairs of lower sets).
@@ -231,3 +234,150 @@ def small_enough(graph: Graph) -> bool:
     except LowerSetExplosionError:
         return False
     return True
+
+
+# ---------------------------------------------------------------- any depth
+
+@dataclass(frozen=True)
+class NestedTree:
+    """A nested plan of any depth as :func:`exact_trees` gives it: the fine
+    chain (bitsets, the last V), each boundary's level (as
+    :class:`~chainer_recompute.core.execution.ExecutionPlan` takes them),
+    and its memory and recomputation under :func:`tree_nested_cost`."""
+
+    masks: Tuple[int, ...]
+    levels: Tuple[int, ...]
+    peak_bytes: int
+    overhead: float
+
+
+class _TreeWeights(_Weights):
+    """The tree model's figures over lower sets: what a checkpoint at ``S``
+    holds entered from ``A``, a block's need and its cost."""
+
+    def held(self, A: int, S: int) -> int:
+        """keep(∂(S) ∩ (S \\ A)): the nodes of the segment from A to S that
+        a later block reads."""
+        return int(self.sum(self.keep, self.derived(S)[0] & S & ~A))
+
+    def time(self, A: int, B: int) -> float:
+        return float(self.sum(self.cost, B & ~A))
+
+
+def tree_nested_cost(graph: Graph, masks: Sequence[int], levels: Sequence[int],
+                     model: Optional[MemoryModel] = None) -> Tuple[int, float]:
+    """The memory and recomputation of the nested plan of fine chain
+    ``masks`` and boundary ``levels`` under the tree model over lower sets
+    (docs/algorithm.md §9, "Deeper trees"): at the backward of block
+    ``t``, the constant, the checkpoint of each open boundary ``b``
+    (:func:`~chainer_recompute.core.execution.open_boundaries`), which
+    holds keep(∂(L_b) ∩ (L_b \\ L_p)) with ``p`` the open boundary before
+    it (∅ for the first), and the block's own need (the single-level
+    formula's); the recomputation of
+    :func:`~chainer_recompute.core.solvers.nested_tree.tree_cost` with each
+    block's cost in full. On two levels the memory is :func:`nested_cost`'s.
+
+    >>> g = Graph.from_edges([1, 1, 1, 1], [(0, 1), (1, 2), (2, 3)])
+    >>> tree_nested_cost(g, [1, 3, 7, 15], (1, 0, 1))
+    (4, 6.0)
+    """
+    from ..execution import open_boundaries
+    from .nested_tree import tree_cost
+    model = MemoryModel.paper(graph) if model is None else model
+    w = _TreeWeights(graph, model)
+    masks, k = list(masks), len(masks)
+    peak = 0
+    for t in range(k):
+        held, prev = 0, 0
+        for b in open_boundaries(levels, t):
+            held += w.held(prev, masks[b])
+            prev = masks[b]
+        peak = max(peak, model.constant_bytes + held
+                   + w.block_memory(masks[t - 1] if t else 0, masks[t]))
+    tau = [w.time(masks[t - 1] if t else 0, masks[t]) for t in range(k)]
+    return int(peak), tree_cost([0] * (k - 1), [0] * k, tau, levels)[1]
+
+
+def _pareto(items: List[Tuple[int, float, object]]) -> List[Tuple[int, float, object]]:
+    """The (need, time) pairs no other is at most on both, by need."""
+    out: List[Tuple[int, float, object]] = []
+    for it in sorted(items, key=lambda x: (x[0], x[1])):
+        if not out or it[1] < out[-1][1]:
+            out.append(it)
+    return out
+
+
+def exact_trees(graph: Graph, model: Optional[MemoryModel] = None,
+                lower_sets: Optional[List[int]] = None) -> List[NestedTree]:
+    """Every nested plan of any depth that no other beats on both memory
+    and recomputation under :func:`tree_nested_cost`, least memory first:
+    the tree DP (:mod:`~chainer_recompute.core.solvers.nested_tree`) over
+    every chain of lower sets at once. A segment from ``A`` to ``B``
+    (lower sets, entered with ``A``'s checkpoint held) is one block, or is
+    split at a lower set ``S`` between them: the part from ``S`` runs first
+    with ``S``'s checkpoint held, the part before it is made again a level
+    deeper; each segment keeps the Pareto front of (the memory it needs
+    beyond what encloses it, its recomputation). The outermost level pays
+    no forward. ``lower_sets``: the family (bitsets; default every lower
+    set of ``graph``): ``O(N^3)`` pairs of fronts for ``N`` of them, for
+    small graphs (:func:`small_enough`).
+
+    >>> g = Graph.from_edges([1, 1, 1, 1], [(0, 1), (1, 2), (2, 3)])
+    >>> [(t.peak_bytes, t.overhead, t.levels) for t in exact_trees(g)]
+    [(4, 5.0, (1, 0, 0)), (5, 4.0, (0, 0, 0))]
+    """
+    model = MemoryModel.paper(graph) if model is None else model
+    w = _TreeWeights(graph, model)
+    full = (1 << graph.n) - 1
+    family = sorted(set(enumerate_lower_sets(graph) if lower_sets is None else lower_sets)
+                    | {0, full}, key=lambda m: (bin(m).count("1"), m))
+    inside = {A: [S for S in family if S & A == A and S != A] for A in family}
+    # front[(A, B)]: (need, time, how): how = None (one block) or (S, left, right)
+    front: Dict[Tuple[int, int], List[Tuple[int, float, object]]] = {}
+    for B in family:  # (A, S) before (A, B), and (S, B) before (A, B) for A ⊊ S
+        for A in reversed(family):
+            if A & B != A or A == B:
+                continue
+            items = [(w.block_memory(A, B), w.time(A, B), None)]
+            for S in inside[A]:
+                if S & B != S or S == B:
+                    continue
+                c, ts = w.held(A, S), w.time(A, S)
+                items += [(max(x[0], y[0] + c), x[1] + ts + y[1], (S, x, y))
+                          for x in front[(A, S)] for y in front[(S, B)]]
+            front[(A, B)] = _pareto(items)
+    # the outermost level, from the right: root[A] the suffix from A to V
+    root: Dict[int, List[Tuple[int, float, object]]] = {}
+    for A in reversed(family[:-1]):
+        items = [(x[0], x[1], (None, x, None)) for x in front[(A, full)]]
+        for S in inside[A]:
+            if S == full:
+                continue
+            c = w.held(A, S)
+            items += [(max(x[0], y[0] + c), x[1] + y[1], (S, x, y))
+                      for x in front[(A, S)] for y in root[S]]
+        root[A] = _pareto(items)
+
+    def segment(item: Tuple[int, float, object], depth: int) -> List[Tuple[int, int]]:
+        # the boundaries of a segment's tree with their levels, in order
+        how = item[2]
+        if how is None:
+            return []
+        S, x, y = how
+        return segment(x, depth + 1) + [(S, depth)] + segment(y, depth)
+
+    out = []
+    for item in root[0]:
+        bounds: List[Tuple[int, int]] = []
+        while True:
+            S, x, y = item[2]
+            if S is None:  # the rest is one outermost segment
+                bounds += segment(x, 1)
+                break
+            bounds += segment(x, 1) + [(S, 0)]
+            item = y
+        masks = tuple(S for S, _ in bounds) + (full,)
+        levels = tuple(d for _, d in bounds)
+        peak, overhead = tree_nested_cost(graph, masks, levels, model)
+        out.append(NestedTree(masks=masks, levels=levels, peak_bytes=peak, overhead=overhead))
+    return out

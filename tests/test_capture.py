@@ -119,7 +119,10 @@ def test_residual_block_with_batchnorm_state_untouched():
     assert g.nodes[5].retained_inputs == () and g.nodes[5].held == ()  # Add keeps nothing
 
 
-def test_dropout_mask_is_state_and_rng_restored():
+def test_dropout_mask_is_drawn_and_rng_restored():
+    """The mask is remade bit for bit from the random state before the
+    forward (role ``drawn``); one this small (96 bytes) is kept rather than
+    the random state that would replace it."""
     def f(x):
         return F.sum(F.dropout(x * 2, 0.5))
 
@@ -132,7 +135,8 @@ def test_dropout_mask_is_state_and_rng_restored():
     drop = g.nodes[1]
     assert drop.op == "Dropout"
     (mask,) = drop.held
-    assert mask.role == "state" and mask.nbytes == 3 * 8 * F32 and mask.shape == (3, 8)
+    assert mask.role == "drawn" and mask.nbytes == 3 * 8 * F32 and mask.shape == (3, 8)
+    assert not mask.remade
     assert drop.recomputable
     assert g.retained_bytes == mask.nbytes
 

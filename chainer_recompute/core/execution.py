@@ -102,7 +102,7 @@ def releasable_nodes(graph: Graph) -> FrozenSet[int]:
     """
     returned = set(graph.step.returned)
     held = {node.id for node in graph.nodes
-            if node.outputs and not any(h.role == "derived" for h in node.held)
+            if node.outputs and not any(h.remade for h in node.held)
             and returned.issuperset(node.outputs)}
     return frozenset(v for v in range(graph.n) if graph.nodes[v].recomputable and v not in held)
 
@@ -148,7 +148,12 @@ class ExecutionPlan:
             block was regenerated from it by then).
         block_of, block_nodes: each node's block; the dropped nodes of
             each block (regenerated together).
-        derived, written: attribute names by role, per node.
+        derived, written: attribute names by role, per node (``derived``:
+            those released with the node and made again by its forward,
+            ``drawn`` ones included, see
+            :attr:`~chainer_recompute.core.graph.HeldArray.remade`).
+        drawn: per node, the ``derived`` names its forward draws from the
+            random state.
 
     >>> g = Graph.from_edges([4, 4, 4], [(0, 1), (1, 2)])
     >>> ep = ExecutionPlan(g, [frozenset({0, 1}), frozenset({0, 1, 2})], frozenset({1}))
@@ -172,8 +177,14 @@ class ExecutionPlan:
                                  f"the last lower set must be V")
         self.derived: Dict[int, Tuple[str, ...]] = {}
         self.written: Dict[int, Tuple[str, ...]] = {}
+        #: per node, the released attributes a regeneration draws again
+        #: from the random state kept at its forward (``drawn``, remade)
+        self.drawn: Dict[int, Tuple[str, ...]] = {}
         for node in graph.nodes:
-            self.derived[node.id] = tuple(h.name for h in node.held if h.role == "derived")
+            self.derived[node.id] = tuple(h.name for h in node.held if h.remade)
+            drawn = tuple(h.name for h in node.held if h.role == "drawn" and h.remade)
+            if drawn:
+                self.drawn[node.id] = drawn
             self.written[node.id] = tuple(h.name for h in node.held if h.role == "written")
         self.releasable: FrozenSet[int] = releasable_nodes(graph)
         self.dropped: FrozenSet[int] = frozenset(

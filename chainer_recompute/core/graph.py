@@ -192,9 +192,11 @@ class HeldArray:
 
     ``role`` says what a recomputation must do with it: ``derived`` arrays
     are made again by the function's forward (released with the node),
-    ``state`` arrays must be kept (a dropout mask), ``written`` arrays are
-    pre-existing arrays the forward updates in place (detached during a
-    recomputation; not counted as held bytes).
+    ``drawn`` ones too, from NumPy's global random state as it was before
+    the forward (a dropout mask: the executor keeps that state, about
+    :data:`RNG_STATE_BYTES`, instead), ``state`` arrays must be kept,
+    ``written`` arrays are pre-existing arrays the forward updates in place
+    (detached during a recomputation; not counted as held bytes).
     """
 
     name: str
@@ -202,6 +204,23 @@ class HeldArray:
     dtype: str
     nbytes: int
     role: str = "state"
+
+    @property
+    def remade(self) -> bool:
+        """Whether a plan releases it with its node and a regeneration
+        makes it again: ``derived``, and ``drawn`` when larger than the
+        random state that replaces it (a smaller one is kept).
+
+        >>> HeldArray("mask", (8, 64), "float32", 2048, "drawn").remade
+        False
+        """
+        return self.role == "derived" or (self.role == "drawn" and self.nbytes > RNG_STATE_BYTES)
+
+
+#: what the executor keeps per released ``drawn`` attribute: NumPy's global
+#: random state, whose array is MT19937's 624 32-bit words (the rest, a few
+#: Python objects, the meter does not see)
+RNG_STATE_BYTES = 2496
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,7 @@ from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 import numpy as np
 
 from .execution import ExecutionPlan, regeneration_frees
-from .graph import Graph
+from .graph import RNG_STATE_BYTES, Graph
 from .kernels import pick_engine
 from .pool import PoolModel
 
@@ -134,6 +134,22 @@ def state_constant_bytes(graph: Graph) -> int:
                  if a.kind == "input" and a.name and a.view_of is None)
     return int(params + sb.get("optimizer_state", 0) + sb.get("persistents", 0) + inputs
                + int(graph.step.correction_bytes))
+
+
+def rng_state_bytes(graph: Graph, dropped: Any) -> int:
+    """The random states the executor keeps, from their node's forward to
+    the iteration's end, for the ``drawn`` attributes a plan releases
+    (:attr:`~chainer_recompute.core.graph.HeldArray.remade`): one per node
+    of ``dropped`` (node ids, or a bool per node; None: plain Chainer)
+    that holds one, counted over the whole iteration (a bound, a few KB
+    each)."""
+    if dropped is None:
+        return 0
+    if isinstance(dropped, np.ndarray) and dropped.dtype == np.bool_:
+        dropped = np.flatnonzero(dropped).tolist()
+    nodes = graph.nodes
+    return RNG_STATE_BYTES * sum(1 for u in dropped
+                                 if any(h.role == "drawn" and h.remade for h in nodes[u].held))
 
 
 def shared_bytes(graph: Graph) -> int:
@@ -507,7 +523,7 @@ def replay_peak(graph: Graph, dropped: Optional[np.ndarray] = None,
     from .kernels.replay import context_of, run_kernel
     trace = run_kernel(context_of(graph, sys.modules[__name__]), dropped, block_of,
                        release_mode)[0]
-    return int(per_step(graph, int(trace.max())))
+    return int(per_step(graph, int(trace.max()) + rng_state_bytes(graph, dropped)))
 
 
 class _ArrayPlan(ExecutionPlan):
@@ -561,6 +577,7 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
     old_grads = param_grad_bytes(graph) if graph.step.grads_in_forward else 0
     mem = _Memory(graph, constant)
     mem.alloc("old grads", old_grads)
+    mem.alloc("random states", rng_state_bytes(graph, None if plan is None else plan.dropped))
     dropped: FrozenSet[int] = plan.dropped if plan is not None else frozenset()
     # Which outputs have their data held in their node (a consumer retains
     # them): those come back on regeneration.
@@ -574,15 +591,15 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
     before = unrecorded_peaks(graph)
     released: Set[int] = set()
 
-    def held_attrs(u: int) -> List[Tuple[str, int, str]]:
-        return [(h.name, h.nbytes, h.role) for h in nodes[u].held if h.role != "written"]
+    def held_attrs(u: int) -> List[Tuple[str, int, bool]]:
+        return [(h.name, h.nbytes, h.remade) for h in nodes[u].held if h.role != "written"]
 
     def release(u: int) -> None:
         for a in nodes[u].outputs:
             mem.drop(a, "ret")
             mem.drop(a, "pin")
-        for name, _, role in held_attrs(u):
-            if role == "derived":
+        for name, _, remade in held_attrs(u):
+            if remade:
                 mem.clear_attr((u, name))
         released.add(u)
 
@@ -687,8 +704,8 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
             for a in nodes[u].outputs:
                 mem.hold(a, "val")
                 values.add(a)
-            for name, nbytes, role in held_attrs(u):
-                if role == "derived":
+            for name, nbytes, remade in held_attrs(u):
+                if remade:
                     mem.set_attr((u, name), nbytes)
             mem.record(f"regenerate {u} {nodes[u].op} for backward {w}",
                        nodes[u].forward_transient_bytes or 0)
@@ -703,8 +720,8 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
                     if nested and a in plan.source_arrays:
                         mem.hold(a, "pin")
             else:
-                for name, _, role in held_attrs(u):
-                    if role == "derived":
+                for name, _, remade in held_attrs(u):
+                    if remade:
                         mem.clear_attr((u, name))
             for a in last.get(u, ()):  # (nested) values read no more here
                 mem.drop(a, "val")
@@ -814,7 +831,7 @@ def _replay_compiled(graph: Graph, plan: Optional[ExecutionPlan],
         dropped[list(plan.dropped)] = True
         block_of = np.asarray(plan.block_of, dtype=np.int64)
     trace, kinds, us, ws, recomputed = run_kernel(ctx, dropped, block_of, release_mode)
-    trace = per_step(graph, trace)
+    trace = per_step(graph, trace + rng_state_bytes(graph, dropped))
     events = ctx.labels(kinds, us, ws)
     k = int(np.argmax(trace))
     return ReplayResult(peak_bytes=int(trace[k]), peak_event=events[k],

@@ -77,6 +77,8 @@ import logging
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
+import numpy
+
 from . import _chainer  # noqa: F401
 import chainer
 from chainer import backend
@@ -130,6 +132,9 @@ class IterationHook(chainer.FunctionHook):
         self._inner: Set[int] = set()
         self.fingerprints: Dict[int, Tuple[Any, ...]] = {}
         self.snapshots: Dict[int, Any] = {}  # array id -> parameter values saved before an update
+        # dropped node -> NumPy's random state before its forward (its drawn
+        # attributes are made again from it)
+        self._rng_states: Dict[int, Any] = {}
         self.released: Dict[int, Tuple[Tuple[int, ...], bool]] = {}
         self.regenerated: Set[int] = set()
         self._regen_ok: Dict[int, bool] = {}
@@ -227,6 +232,8 @@ class IterationHook(chainer.FunctionHook):
                 self._release(u)
         if i in p.dropped:
             self._pin(i, p, in_data)
+            if i in p.drawn:
+                self._rng_states[i] = numpy.random.get_state()
 
     def _switch(self, program: Program) -> None:
         self.program = program
@@ -376,7 +383,7 @@ class IterationHook(chainer.FunctionHook):
         had_retained = f._retained_output_data is not None and bool(f._output_indexes_to_retain)
         if had_retained:
             f._retained_output_data = None
-        for name in self.program.derived.get(u, ()):
+        for name in self._remade(u):
             setattr(owner_of(f, name), name, None)
         self.released[u] = (tuple(outs), had_retained)
         self.stats.n_released = len(self.released)
@@ -674,7 +681,7 @@ class IterationHook(chainer.FunctionHook):
                     f._retained_output_data = tuple(outs[k] for k in f._output_indexes_to_retain)
                 self.regenerated.add(u)
             else:
-                for name in p.derived.get(u, ()):  # transient: drop what forward made
+                for name in self._remade(u):  # transient: drop what forward made
                     setattr(owner_of(f, name), name, None)
             for a in last.get(u, ()):
                 del values[a]
@@ -739,7 +746,38 @@ class IterationHook(chainer.FunctionHook):
                     f"keep a copy for that; otherwise do not write to a parameter's or an "
                     f"input's array between the forward and its backward")
 
+    def _remade(self, u: int) -> Tuple[str, ...]:
+        """The attributes of node ``u`` released with it and made again by
+        its forward: the derived ones, and the drawn ones when its random
+        state was kept at its forward (otherwise they stay: nothing could
+        draw them again)."""
+        p = self.program
+        names = p.derived.get(u, ())
+        drawn = p.drawn.get(u, ())
+        if drawn and self._rng_state(u) is None:
+            return tuple(n for n in names if n not in drawn)
+        return names
+
+    def _rng_state(self, u: int) -> Any:
+        """NumPy's random state before node ``u``'s forward: kept when the
+        plan dropped it, or when this iteration recorded it drawing."""
+        state = self._rng_states.get(u)
+        if state is None and u < len(self.recorder.calls):
+            state = self.recorder.calls[u].rng_state
+        return state
+
     def _run_forward(self, f: Any, u: int, in_data: Tuple[Any, ...]) -> Tuple[Any, ...]:
+        state = self._rng_state(u) if u in self.program.drawn else None
+        if state is not None:  # the drawn attributes from the forward's random state
+            current = numpy.random.get_state()
+            numpy.random.set_state(state)
+            try:
+                return self._run_forward_as_is(f, u, in_data)
+            finally:
+                numpy.random.set_state(current)
+        return self._run_forward_as_is(f, u, in_data)
+
+    def _run_forward_as_is(self, f: Any, u: int, in_data: Tuple[Any, ...]) -> Tuple[Any, ...]:
         detached = []
         for name in self.program.written.get(u, ()):
             owner = owner_of(f, name)

@@ -108,7 +108,7 @@ class ReplayContext:
                     continue
                 row.append(keys.setdefault((node.id, h.name), len(keys)))
                 nb.append(int(h.nbytes))
-                der.append(h.role == "derived")
+                der.append(h.remade)
             held.append(row)
         self.held_p, self.held_key = _csr(held)
         self.held_nb = np.array(nb, dtype=i64)
@@ -116,8 +116,7 @@ class ReplayContext:
         self.n_keys = len(keys)
         self.ftr = np.array([n_.forward_transient_bytes or 0 for n_ in nodes], dtype=i64)
         # what ExecutionPlan finds for every plan of this graph
-        derived = {node.id: tuple(h.name for h in node.held if h.role == "derived")
-                   for node in nodes}
+        derived = {node.id: tuple(h.name for h in node.held if h.remade) for node in nodes}
         rel = releasable_nodes(graph)
         self.releasable = np.zeros(n, dtype=np.bool_)
         self.releasable[list(rel)] = True

@@ -64,7 +64,7 @@ class Call:
         "keep_in", "keep_out", "held", "in_ids", "out_ids", "has_backward", "measured",
         "time_s", "fwd_transient", "recomputable", "reason", "bwd_time_s", "bwd_transient",
         "bwd_alloc", "inner", "inner_ids", "in_made", "unrecorded_peak", "link", "_out",
-        "_before", "_func_strong")
+        "_before", "_func_strong", "rng_state")
 
     def __init__(self, index: int, func: Any, in_data: Tuple[Any, ...],
                  in_args: Tuple[Optional[str], ...], link: str = "") -> None:
@@ -98,6 +98,10 @@ class Call:
         self._out: Optional[Tuple[Any, ...]] = None  # the outputs, until mapped
         self._func_strong: Any = None  # the function node, until mapped
         self._before: Optional[_Before] = None  # the state before its forward ran
+        #: NumPy's random state before a recorded forward that drew
+        #: attributes (role ``drawn``): a plan made later can release them
+        #: and draw them again from it
+        self.rng_state: Any = None
 
 
 class _ArrayRecord:
@@ -379,8 +383,11 @@ class Recorder(chainer.FunctionHook):
             call.reason = static or "its forward modifies its inputs in place"
             roles = {n: "written" for _, n in written}
         elif self.analyse:
-            res = analyse_function(function, tuple(in_data), out, held, drew, written)
+            res = analyse_function(function, tuple(in_data), out, held, drew, written,
+                                   rng_before)
             call.recomputable, call.reason, roles = res.recomputable, res.reason, res.roles
+            if "drawn" in roles.values():
+                call.rng_state = rng_before
         else:
             roles = {n: "written" for _, n in written}
             if drew:

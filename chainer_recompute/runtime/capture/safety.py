@@ -132,7 +132,8 @@ def static_graph_chains(link: Any) -> List[str]:
 
 def analyse_function(f: chainer.FunctionNode, in_data: Tuple[Any, ...],
                      out_data: Tuple[Any, ...], held: Sequence[Tuple[Any, str, Any]],
-                     rng_drawn: bool, written: Sequence[Tuple[Any, str]]) -> Analysis:
+                     rng_drawn: bool, written: Sequence[Tuple[Any, str]],
+                     rng_before: Any = None) -> Analysis:
     """Decide whether ``f`` (whose forward has just run) can be recomputed,
     and the role of each attribute array in ``held``.
 
@@ -144,11 +145,14 @@ def analyse_function(f: chainer.FunctionNode, in_data: Tuple[Any, ...],
         rng_drawn: the first forward changed the global random state.
         written: ``(owner, name)`` of the pre-existing attribute arrays the
             first forward changed in place.
+        rng_before: NumPy's global random state before the first forward.
 
     Returns:
-        An :class:`Analysis`: roles are ``written``, ``derived`` or
-        ``state``; ``recomputable`` is False when a rerun draws randomness
-        again, gives other outputs, or fails.
+        An :class:`Analysis`: roles are ``written``, ``derived``, ``drawn``
+        (made again bit for bit by a rerun from ``rng_before``, which then
+        leaves NumPy's state where the first forward left it: a dropout
+        mask) or ``state``; ``recomputable`` is False when a rerun draws
+        randomness again, gives other outputs, or fails.
     """
     roles = {name: "written" for _, name in written}
     key = _analysis_key(f, in_data, tuple(sorted(n for _, n, _ in held)), rng_drawn,
@@ -171,6 +175,26 @@ def analyse_function(f: chainer.FunctionNode, in_data: Tuple[Any, ...],
     def same(out: Optional[Tuple[Any, ...]]) -> bool:
         return out is not None and len(out) == len(out_data) and all(
             same_array(x, y) for x, y in zip(out, out_data))
+
+    rng_after = numpy.random.get_state()
+
+    def drawn_again(owner: Any, name: str, value: Any) -> bool:
+        """A rerun without the attribute, from the random state before the
+        first forward, makes it and the outputs bit for bit and leaves the
+        state where the first forward did."""
+        if not rng_drawn or rng_before is None:
+            return False
+        remade: List[Any] = []
+        with RandomStates.isolated():
+            numpy.random.set_state(rng_before)
+            try:
+                out = _rerun(f, in_data, clear=[(owner, name)], detach=written, remade=remade)
+            except Exception:  # noqa: BLE001 - any failure means "not reproducible"
+                return False
+            after = numpy.random.get_state()
+        return (same(out) and bool(remade) and is_array(remade[0])
+                and same_array(remade[0], value) and after[2:] == rng_after[2:]
+                and numpy.array_equal(after[1], rng_after[1]))
 
     result: Analysis
     out, drew = run()
@@ -195,7 +219,8 @@ def analyse_function(f: chainer.FunctionNode, in_data: Tuple[Any, ...],
             out2, drew2 = run(clear=[(owner, name)], remade=remade)
             again = remade[0] if remade else None
             roles[name] = ("derived" if same(out2) and not drew2 and is_array(again)
-                           and same_array(again, value) else "state")
+                           and same_array(again, value) else
+                           "drawn" if drew2 and drawn_again(owner, name, value) else "state")
         result = Analysis(True, "", roles)
     if len(_ANALYSIS_CACHE) < _ANALYSIS_CACHE_LIMIT:
         _ANALYSIS_CACHE[key] = Analysis(result.recomputable, result.reason, dict(result.roles))

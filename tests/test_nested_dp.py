@@ -113,14 +113,15 @@ def check(g: Graph, model: Optional[MemoryModel], rng: random.Random) -> None:
             flat.peak_bytes, pytest.approx(flat.overhead))
 
 
-def small_dag(rng: random.Random, kind: str) -> Graph:
-    """A random DAG of ``kind`` with at most 7 functions and 24 lower sets
-    (the brute force's plans grow as the chains times their groupings)."""
+def small_dag(rng: random.Random, kind: str, max_lower_sets: int = 24) -> Graph:
+    """A random DAG of ``kind`` with at most 7 functions and
+    ``max_lower_sets`` lower sets (the brute force's plans grow as the
+    chains times their groupings, or their level assignments)."""
     while True:
         sizes, edges, costs = random_dag(rng, kind)
         g = Graph.from_edges(sizes, edges, costs=costs)
         try:
-            if g.n <= 7 and count_lower_sets(g, 24):
+            if g.n <= 7 and count_lower_sets(g, max_lower_sets):
                 return g
         except LowerSetExplosionError:
             continue
@@ -202,21 +203,8 @@ def check_trees(g: Graph, model: Optional[MemoryModel]) -> None:
             assert peak == nested_cost(g, chain, ends, model)[0]
 
 
-def tiny_dag(rng: random.Random, kind: str) -> Graph:
-    """A random DAG of ``kind`` with at most 7 lower sets (every chain
-    with every level assignment: thousands of plans)."""
-    while True:
-        sizes, edges, costs = random_dag(rng, kind)
-        g = Graph.from_edges(sizes, edges, costs=costs)
-        try:
-            if count_lower_sets(g, 7):
-                return g
-        except LowerSetExplosionError:
-            continue
-
-
 @pytest.mark.parametrize("seed", range(40))
 def test_exact_trees_are_the_brute_force_over_every_chain_and_tree(seed: int) -> None:
     rng = random.Random(40_000 + seed)
-    g = tiny_dag(rng, KINDS[seed % len(KINDS)])
+    g = small_dag(rng, KINDS[seed % len(KINDS)], max_lower_sets=7)  # (every level assignment)
     check_trees(g, None if seed % 2 else random_model(rng, g))

@@ -182,7 +182,7 @@ class ExecutionPlan:
         self.drawn: Dict[int, Tuple[str, ...]] = {}
         for node in graph.nodes:
             self.derived[node.id] = tuple(h.name for h in node.held if h.remade)
-            drawn = tuple(h.name for h in node.held if h.role == "drawn" and h.remade)
+            drawn = tuple(h.name for h in node.held if h.redrawn)
             if drawn:
                 self.drawn[node.id] = drawn
             self.written[node.id] = tuple(h.name for h in node.held if h.role == "written")

@@ -214,7 +214,13 @@ class HeldArray:
         >>> HeldArray("mask", (8, 64), "float32", 2048, "drawn").remade
         False
         """
-        return self.role == "derived" or (self.role == "drawn" and self.nbytes > RNG_STATE_BYTES)
+        return self.role == "derived" or self.redrawn
+
+    @property
+    def redrawn(self) -> bool:
+        """A ``drawn`` attribute a plan releases: larger than the random
+        state the executor keeps instead."""
+        return self.role == "drawn" and self.nbytes > RNG_STATE_BYTES
 
 
 #: what the executor keeps per released ``drawn`` attribute: NumPy's global

@@ -426,14 +426,15 @@ class NestedSearch:
         if self.model is None or not small_enough(self.graph):
             return []
         g = self.graph.without_times()
-        trees = [t for t in exact_trees(g, self.model) if any(t.levels)][:GRID_STEPS]
-        out = []
-        for t in trees:
-            fine = make_plan(self.graph, list(t.masks), solver="exact", strategy="tc",
+
+        def replayed(masks: Sequence[int], levels: Sequence[int]) -> Tuple[Plan, int]:
+            fine = make_plan(self.graph, list(masks), solver="exact", strategy="tc",
                              budget_bytes=None, model=self.model)
-            p, r = nested_plan(self.graph, fine, t.levels)
-            if p.nested:
-                out.append((p, int(r.peak_bytes)))
+            p, r = nested_plan(self.graph, fine, levels)
+            return p, int(r.peak_bytes)
+
+        trees = [t for t in exact_trees(g, self.model) if any(t.levels)][:GRID_STEPS]
+        out = [c for c in (replayed(t.masks, t.levels) for t in trees) if c[0].nested]
         lo = least_nested_budget(g, self.model)
         hi = max(lo, least_feasible_budget(g, solver="exact", model=self.model))
         seen = set()
@@ -442,10 +443,7 @@ class NestedSearch:
             if chain is None or len(chain.ends) < 2 or (chain.masks, chain.ends) in seen:
                 continue
             seen.add((chain.masks, chain.ends))
-            fine = make_plan(self.graph, list(chain.masks), solver="exact", strategy="tc",
-                             budget_bytes=None, model=self.model)
-            p, r = nested_plan(self.graph, fine, two_levels(fine.n_blocks, chain.ends))
-            out.append((p, int(r.peak_bytes)))
+            out.append(replayed(chain.masks, two_levels(len(chain.masks), chain.ends)))
         return out
 
     def _try(self, plan: Plan, sizes: Sequence[int], thresholds: Sequence[float],

@@ -136,20 +136,14 @@ def state_constant_bytes(graph: Graph) -> int:
                + int(graph.step.correction_bytes))
 
 
-def rng_state_bytes(graph: Graph, dropped: Any) -> int:
-    """The random states the executor keeps, from their node's forward to
-    the iteration's end, for the ``drawn`` attributes a plan releases
-    (:attr:`~chainer_recompute.core.graph.HeldArray.remade`): one per node
-    of ``dropped`` (node ids, or a bool per node; None: plain Chainer)
-    that holds one, counted over the whole iteration (a bound, a few KB
-    each)."""
-    if dropped is None:
-        return 0
-    if isinstance(dropped, np.ndarray) and dropped.dtype == np.bool_:
-        dropped = np.flatnonzero(dropped).tolist()
-    nodes = graph.nodes
-    return RNG_STATE_BYTES * sum(1 for u in dropped
-                                 if any(h.role == "drawn" and h.remade for h in nodes[u].held))
+def _rng_state_bytes(ctx: Any, dropped: Optional[np.ndarray]) -> int:
+    """The random states the executor keeps for the ``drawn`` attributes a
+    plan of ``dropped`` nodes (a bool per node; None: plain Chainer)
+    releases (:attr:`~chainer_recompute.core.graph.HeldArray.redrawn`),
+    one per node, counted over the whole iteration (a bound, a few KB
+    each), as :func:`replay` counts them; ``ctx``: the compiled replay's
+    context of the graph."""
+    return 0 if dropped is None else RNG_STATE_BYTES * int(np.count_nonzero(ctx.redrawn & dropped))
 
 
 def shared_bytes(graph: Graph) -> int:
@@ -521,9 +515,9 @@ def replay_peak(graph: Graph, dropped: Optional[np.ndarray] = None,
                       engine="python").peak_bytes
     import sys
     from .kernels.replay import context_of, run_kernel
-    trace = run_kernel(context_of(graph, sys.modules[__name__]), dropped, block_of,
-                       release_mode)[0]
-    return int(per_step(graph, int(trace.max()) + rng_state_bytes(graph, dropped)))
+    ctx = context_of(graph, sys.modules[__name__])
+    trace = run_kernel(ctx, dropped, block_of, release_mode)[0]
+    return int(per_step(graph, int(trace.max()) + _rng_state_bytes(ctx, dropped)))
 
 
 class _ArrayPlan(ExecutionPlan):
@@ -577,7 +571,10 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
     old_grads = param_grad_bytes(graph) if graph.step.grads_in_forward else 0
     mem = _Memory(graph, constant)
     mem.alloc("old grads", old_grads)
-    mem.alloc("random states", rng_state_bytes(graph, None if plan is None else plan.dropped))
+    # the random states kept for the drawn attributes the plan releases
+    # (ExecutionPlan.drawn), over the whole iteration
+    mem.alloc("random states", 0 if plan is None else
+              RNG_STATE_BYTES * len(plan.drawn.keys() & plan.dropped))
     dropped: FrozenSet[int] = plan.dropped if plan is not None else frozenset()
     # Which outputs have their data held in their node (a consumer retains
     # them): those come back on regeneration.
@@ -831,7 +828,7 @@ def _replay_compiled(graph: Graph, plan: Optional[ExecutionPlan],
         dropped[list(plan.dropped)] = True
         block_of = np.asarray(plan.block_of, dtype=np.int64)
     trace, kinds, us, ws, recomputed = run_kernel(ctx, dropped, block_of, release_mode)
-    trace = per_step(graph, trace + rng_state_bytes(graph, dropped))
+    trace = per_step(graph, trace + _rng_state_bytes(ctx, dropped))
     events = ctx.labels(kinds, us, ws)
     k = int(np.argmax(trace))
     return ReplayResult(peak_bytes=int(trace[k]), peak_event=events[k],

@@ -767,17 +767,10 @@ class IterationHook(chainer.FunctionHook):
         return state
 
     def _run_forward(self, f: Any, u: int, in_data: Tuple[Any, ...]) -> Tuple[Any, ...]:
+        # the drawn attributes from the forward's random state, the current
+        # one put back after
         state = self._rng_state(u) if u in self.program.drawn else None
-        if state is not None:  # the drawn attributes from the forward's random state
-            current = numpy.random.get_state()
-            numpy.random.set_state(state)
-            try:
-                return self._run_forward_as_is(f, u, in_data)
-            finally:
-                numpy.random.set_state(current)
-        return self._run_forward_as_is(f, u, in_data)
-
-    def _run_forward_as_is(self, f: Any, u: int, in_data: Tuple[Any, ...]) -> Tuple[Any, ...]:
+        current = numpy.random.get_state() if state is not None else None
         detached = []
         for name in self.program.written.get(u, ()):
             owner = owner_of(f, name)
@@ -787,11 +780,15 @@ class IterationHook(chainer.FunctionHook):
                 detached.append((owner, name, original))
         keep_in, keep_out = f._input_indexes_to_retain, f._output_indexes_to_retain
         try:
+            if state is not None:
+                numpy.random.set_state(state)
             with chainer.using_config("in_recomputing", True), \
                     chainer.using_config("enable_backprop", False), \
                     chainer.using_device(backend.get_device_from_array(*in_data)):
                 outs = tuple(type(f).forward(f, in_data))
         finally:
+            if current is not None:
+                numpy.random.set_state(current)
             for owner, name, original in detached:
                 setattr(owner, name, original)
             f._input_indexes_to_retain, f._output_indexes_to_retain = keep_in, keep_out

@@ -117,6 +117,10 @@ class ReplayContext:
         self.ftr = np.array([n_.forward_transient_bytes or 0 for n_ in nodes], dtype=i64)
         # what ExecutionPlan finds for every plan of this graph
         derived = {node.id: tuple(h.name for h in node.held if h.remade) for node in nodes}
+        #: the nodes whose released attributes a random state replaces
+        #: (``HeldArray.redrawn``)
+        self.redrawn = np.array([any(h.redrawn for h in node.held) for node in nodes],
+                                dtype=np.bool_)
         rel = releasable_nodes(graph)
         self.releasable = np.zeros(n, dtype=np.bool_)
         self.releasable[list(rel)] = True

@@ -28,7 +28,7 @@ def plan_report(graph: Any, budget: Any, *, solver: str = "auto", strategy: str 
     from ..progress import Progress
     from ..core.errors import InfeasibleBudgetError
     from ..core.execution import ExecutionPlan
-    from ..core.replay import physical_floor, replay
+    from ..core.replay import least_floor, replay
     progress = progress if progress is not None else Progress(enabled=False)
     from ..core.budget import resolve_budget
     spec = resolve_budget(graph, budget, scope)
@@ -93,7 +93,7 @@ def plan_report(graph: Any, budget: Any, *, solver: str = "auto", strategy: str 
                   "replayed_peak_bytes": int(plain.peak_bytes), "peak_event": plain.peak_event},
         "plan": row(plan, times["plan"], plan_pred, planned),
         "least": None,
-        "floor": dataclasses.asdict(physical_floor(graph)) if scope == "total" else None,
+        "floor": dataclasses.asdict(least_floor(graph)) if scope == "total" else None,
         "timelines": {"plain": _timeline_dict(plain), "plan": _timeline_dict(planned)},
         "schedule": _schedule_dict(graph, plan),
     }
@@ -259,6 +259,7 @@ def _plan_dict(plan: Any) -> Dict[str, Any]:
         "cost_model", "recompute")}
     d["memory_scope"] = plan.info.get("memory_scope")
     d["nested"] = plan.info.get("nested") if plan.nested else None
+    d["reordered"] = bool(plan.backward_order)
     return d
 
 

@@ -132,6 +132,9 @@ def format_report(report: Dict[str, Any]) -> str:
             f"{_pct(plan['overhead_fraction'])} of a forward"
             + ("" if least is None else
                f" (the single-level least: {_pct(least['overhead_fraction'])})"))
+    if plan.get("reordered"):
+        lines.append("its backward runs in another order than Chainer's, with the same "
+                     "gradients (docs/algorithm.md §10)")
     if not plan["recompute"]:
         lines.append(f"plain backprop fits in {b['text']}: the plan recomputes nothing.")
     if b["text"] == "least" and b["scope"] == "total" \

@@ -41,6 +41,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
+from .backward_order import in_order, reordered
 from .errors import BudgetError, InfeasibleBudgetError
 from .execution import ExecutionPlan, releasable_nodes
 from .graph import Graph
@@ -254,6 +255,8 @@ class BudgetSearch:
         #: (default: with ``solver='auto'``)
         self.nested = solver == "auto" if nested is None else bool(nested)
         self._nested_search: Optional[Any] = None
+        self._reordered: Any = None  # the search in another backward order (False: none)
+        self._given = (solver, strategy, solver_options)
         self.model: MemoryModel = measured_model(graph)
         solver = resolve_solver(solver, graph, self.model)
         self.graph, self.solver, self.strategy = graph, solver, strategy
@@ -430,12 +433,12 @@ class BudgetSearch:
         single = self.least_budget()
         nested = self.nested_least() if self.nested else None
         if nested is not None:
-            got = self.nested_search().fit(limit)
+            got = self._below_fit(limit)
             if got is not None:
                 return self._annotate(got[0], got[1], budget_bytes, None, t0)
         least = single if nested is None else least_for(nested[1])
         how = ("" if nested is None else
-               f" with nested recomputation, which recomputes "
+               f" with {_kind(nested[0])}, which recomputes "
                f"{100 * (nested[0].overhead_fraction or 0):.0f}% of a forward (single-level "
                f"recomputation needs {format_bytes_up(single)})")
         raise InfeasibleBudgetError(
@@ -456,10 +459,48 @@ class BudgetSearch:
             self._nested_search = NestedSearch(self.graph, self.candidates(), self.model)
         return self._nested_search
 
+    def reordered_search(self) -> Optional["BudgetSearch"]:
+        """The search of this graph in another backward order with the same
+        gradients (:func:`~.backward_order.reordered`), where the recorded
+        backward allows one; its plans carry the order. Made when first
+        asked."""
+        if self._reordered is None:
+            g = reordered(self.graph)
+            solver, strategy, options = self._given
+            self._reordered = False if g is None else BudgetSearch(
+                g, solver, strategy, nested=True, **options)
+        return self._reordered or None
+
+    def _below(self) -> List[Tuple[Plan, int]]:
+        """The plans below the single-level least are searched among: the
+        nested search's, and in the other backward order the single-level
+        and nested ones (those that recompute)."""
+        out = list(self.nested_search().candidates())
+        other = self.reordered_search()
+        if other is not None:
+            order = other.graph.backward_order
+            out += [(replace_plan(p, backward_order=order), peak)
+                    for p, peak in other.candidates() + other.nested_search().candidates()
+                    if p.recompute]
+        return out
+
+    def _below_fit(self, limit: int) -> Optional[Tuple[Plan, int]]:
+        """The plan of least overhead (then peak) that replays at or under
+        ``limit`` among :meth:`_below` and, in the other backward order,
+        the plans of least overhead that fit (:meth:`_tc_fits`)."""
+        fitting = [c for c in self._below() if c[1] <= limit]
+        other = self.reordered_search()
+        if other is not None:  # (and its least overhead that fits, as fit() searches it)
+            fitting += [(replace_plan(p, backward_order=other.graph.backward_order), peak)
+                        for p, peak in other._tc_fits(limit).values() if p.recompute]
+        return min(fitting, key=lambda c: (c[0].overhead, c[1])) if fitting else None
+
     def nested_least(self) -> Optional[Tuple[Plan, int]]:
-        """The nested plan of least replayed peak and that peak, when it is
-        below the single-level least's (else ``None``)."""
-        got = self.nested_search().least()
+        """The plan of :meth:`_below` of least replayed peak (nested, or in
+        another backward order) and that peak, when it is below the
+        single-level least's (else ``None``)."""
+        below = self._below()
+        got = min(below, key=lambda c: (c[1], c[0].overhead)) if below else None
         if got is None or got[1] >= self.least()[1]:
             return None
         return got
@@ -543,11 +584,20 @@ class BudgetSearch:
         return self._annotate(plan, peak, budget, None, t0)
 
 
+def _kind(plan: Plan) -> str:
+    """What a plan below the single-level least does, in words."""
+    kind = "nested recomputation" if plan.nested else "recomputation"
+    return kind + (" and the backward in another order (the same gradients)"
+                   if plan.backward_order else "")
+
+
 def peak_of(graph: Graph, plan: Plan) -> int:
     """The replayed total peak of ``plan`` on ``graph``
     (:func:`~.replay.replay_peak`: what :func:`~.replay.replay` of its
     :class:`ExecutionPlan` gives); it depends on sizes and lifetimes, not
     on costs."""
+    if plan.backward_order:
+        graph = in_order(graph, plan.backward_order)
     if not plan.recompute:
         return replay_peak(graph)
     if plan.inner:
@@ -607,9 +657,11 @@ def release_caches() -> None:
 
     >>> release_caches()
     """
+    from . import backward_order
     from .kernels import replay as replay_kernel
     _RELEASABLE.clear()
     del replay_kernel._CONTEXTS[:]
+    backward_order._ORDERED.clear()
 
 
 def least_total_budget(graph: Graph, solver: str = "auto", strategy: str = "tc",

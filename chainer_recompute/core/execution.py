@@ -127,6 +127,9 @@ class ExecutionPlan:
             checkpoints cross it, ``d >= 1`` for a boundary inside a
             segment of depth ``d - 1``. Omitted: every boundary that only
             ``inner`` nodes cross is of level 1 (two levels).
+        backward_order: the order the backward runs in, where it is not
+            the graph's recorded one (``Plan.backward_order``); the replay
+            follows it.
 
     Attributes:
         dropped: nodes whose arrays are released in the forward pass and
@@ -163,8 +166,11 @@ class ExecutionPlan:
 
     def __init__(self, graph: Graph, lower_sets: Sequence[FrozenSet[int]],
                  kept: FrozenSet[int], inner: FrozenSet[int] = frozenset(),
-                 levels: Optional[Sequence[int]] = None) -> None:
+                 levels: Optional[Sequence[int]] = None,
+                 backward_order: Optional[Sequence[int]] = None) -> None:
         self.graph = graph
+        self.backward_order: Optional[Tuple[int, ...]] = (
+            tuple(backward_order) if backward_order else None)
         n = graph.n
         self.block_of = [0] * n
         prev: FrozenSet[int] = frozenset()
@@ -271,7 +277,8 @@ class ExecutionPlan:
         >>> sorted(ExecutionPlan.of(g, p).dropped)
         [0, 2]
         """
-        return cls(graph, plan.lower_sets, frozenset(plan.kept), plan.inner, plan.levels)
+        return cls(graph, plan.lower_sets, frozenset(plan.kept), plan.inner, plan.levels,
+                   plan.backward_order)
 
     @property
     def n(self) -> int:

@@ -75,6 +75,11 @@ class StepFacts:
             chunks are sized exactly (see :mod:`~chainer_recompute.core.workspace`).
         derived_from: the input dimensions of the recorded shapes this
             graph's sizes were derived from (None: recorded or captured).
+        closed_backward: the recorded backward ran from the graph's own
+            returned scalar (its loss), and no array a recorded function
+            read with a gradient was made outside the graph: its backward
+            may run in another order with the same gradients
+            (:mod:`~chainer_recompute.core.backward_order`).
 
     >>> StepFacts().calls_per_step, StepFacts(correction_bytes=8).correction_bytes
     (1, 8)
@@ -98,6 +103,7 @@ class StepFacts:
     workspace_bytes: Optional[int] = None
     workspace_exact: bool = False
     derived_from: Optional[Tuple[int, ...]] = None
+    closed_backward: bool = False
 
     #: the fields scaled with the graph's batch size, as its transients are
     SCALED = ("outside_peak_bytes", "outside_held_bytes", "unrecorded_tail_peak_bytes")

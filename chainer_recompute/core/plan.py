@@ -189,6 +189,11 @@ class Plan:
             (:class:`~chainer_recompute.core.execution.ExecutionPlan`): 0
             between outer blocks, 1 inside them, 2 and more inside the
             segments of a deeper nesting. Empty: two levels.
+        backward_order: the order the backward runs the graph's functions
+            in, where it is not the recorded one (Chainer's): another order
+            with the same gradients
+            (:mod:`~chainer_recompute.core.backward_order`), which the replay
+            follows and the executor makes Chainer follow. Empty: Chainer's.
 
     >>> from chainer_recompute.core.graph import Graph
     >>> g = Graph.from_edges([1, 1], [(0, 1)])
@@ -214,6 +219,7 @@ class Plan:
     info: Dict[str, Any] = field(default_factory=dict, compare=False)
     inner: NodeSet = frozenset()
     levels: Tuple[int, ...] = ()
+    backward_order: Tuple[int, ...] = ()
 
     @property
     def nested(self) -> bool:

@@ -66,7 +66,8 @@ from .graph import RNG_STATE_BYTES, Graph
 from .kernels import pick_engine
 from .pool import PoolModel
 
-__all__ = ["Floor", "RELEASE_MODES", "REPLAY_ENGINES", "ReplayResult", "physical_floor", "replay",
+__all__ = ["Floor", "RELEASE_MODES", "REPLAY_ENGINES", "ReplayResult", "least_floor",
+           "physical_floor", "replay",
            "replay_peak", "state_constant_bytes"]
 
 #: What is released after a node's last backward reader has run: ``none``
@@ -545,7 +546,8 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
         graph: a recorded graph (views, lifetimes, transients and the
             backward order are used where recorded; without a recorded
             order, backward runs in reverse node order).
-        plan: the execution plan.
+        plan: the execution plan (its ``backward_order``, where it has one,
+            instead of the graph's).
         release_mode: what the executor releases after the last backward
             reader of a node (see :data:`RELEASE_MODES`).
         engine: see :data:`REPLAY_ENGINES` (the same result from each).
@@ -557,6 +559,9 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
     """
     if release_mode not in RELEASE_MODES:
         raise ValueError(f"unknown release mode {release_mode!r}; accepted: {list(RELEASE_MODES)}")
+    if plan is not None and plan.backward_order is not None:
+        from .backward_order import in_order
+        graph = in_order(graph, plan.backward_order)
     if plan is not None and plan.inner:
         if engine == "numba":
             raise ValueError("replay engine 'numba' does not replay nested plans; pass "
@@ -880,8 +885,9 @@ def physical_floor(graph: Graph) -> Floor:
       gradients alive then, as the replay counts them (the parameters'
       made by then, its output gradients and the input gradients it makes,
       and every other array's whose reader's backward has run and whose
-      own function's has not: the recorded backward order, which every
-      plan runs, holds them);
+      own function's has not: the graph's backward order, which every
+      plan in that order runs, holds them; see
+      :func:`least_floor` for the other order a plan may run in);
     - the optimizer's update: every gradient and the update's temporary.
 
     A recomputation, at any depth, can drop everything else but none of
@@ -943,3 +949,15 @@ def physical_floor(graph: Graph) -> Floor:
         held = all_grads
     return Floor(peak_bytes=state + best[0], state_bytes=state, grad_bytes=all_grads,
                  event=best[1], working_bytes=best[2], held_grad_bytes=held)
+
+
+def least_floor(graph: Graph) -> Floor:
+    """:func:`physical_floor` over the orders a plan of ``graph`` may run
+    in: its recorded one and, where
+    :func:`~chainer_recompute.core.backward_order.reordered` allows it, the
+    other one."""
+    from .backward_order import reordered
+    other = reordered(graph)
+    floors = [physical_floor(g) for g in (graph, other) if g is not None]
+    return min(floors, key=lambda f: f.peak_bytes)
+

@@ -317,8 +317,39 @@ class IterationHook(chainer.FunctionHook):
                 if u in self._pinned_ok:
                     self._release(u)
             self._needs, self._done = self.program.needs, self.program.done
+            if self.program.backward_order:
+                self.impose_order(self.program.backward_order)
         elif self.program is not None and self.released:
             self._actual_readers()
+
+    def impose_order(self, order: Sequence[int]) -> None:
+        """Make Chainer's backward run the graph's functions in ``order``
+        (a plan's ``backward_order``, with the same gradients: see
+        :mod:`~chainer_recompute.core.backward_order`): Chainer runs the
+        highest rank first, so the functions of ``order`` get ranks above
+        every other function's, decreasing along it, and the others
+        Chainer's own rule over the new ranks (the highest of their inputs'),
+        their outputs one more, as ``FunctionNode.apply`` gives them. The
+        ranks stay a topological order of the whole graph, so a function
+        applied later to its arrays (the caller's loss, a second graph)
+        ranks above them as it would have."""
+        funcs = [c.func() for c in self.recorder.calls]  # (None: gone, read by nothing)
+        if any(funcs[v] is None for v in order):
+            return
+        top = max(f.rank for f in funcs if f is not None) + 1
+        new = {v: top + len(order) - k for k, v in enumerate(order)}
+        for v, f in enumerate(funcs):
+            if f is None:
+                continue
+            rank = new.get(v)
+            if rank is None:
+                rank = max((x.rank for x in f.inputs or ()), default=f.rank)
+            f.rank = rank
+            for ref in f.outputs or ():
+                y = ref()
+                if y is not None:
+                    y._rank = rank + 1
+        self.stats.reordered = True
 
     def release_as_planned(self, program: Program) -> None:
         """This recorded iteration's backward has run every function and

@@ -22,15 +22,17 @@ class Program(ExecutionPlan):
     learned about it.
 
     Args:
-        graph, lower_sets, kept, inner, levels: see ``ExecutionPlan``.
+        graph, lower_sets, kept, inner, levels, backward_order: see
+            ``ExecutionPlan``.
         param_refs: weak references to the parameters, by array id.
     """
 
     def __init__(self, graph: Graph, lower_sets: Sequence[FrozenSet[int]],
                  kept: FrozenSet[int], param_refs: Optional[Dict[int, Any]] = None,
                  inner: FrozenSet[int] = frozenset(),
-                 levels: Optional[Sequence[int]] = None) -> None:
-        super().__init__(graph, lower_sets, kept, inner, levels)
+                 levels: Optional[Sequence[int]] = None,
+                 backward_order: Optional[Sequence[int]] = None) -> None:
+        super().__init__(graph, lower_sets, kept, inner, levels, backward_order)
         self.param_refs: Dict[int, Any] = dict(param_refs or {})
         # learned: the graph is backpropagated more than once per iteration
         self.multi_backward = False
@@ -92,11 +94,13 @@ class IterationStats:
         measured_pool_total_bytes: on CuPy, the same with the blocks the
             memory pool added for the iteration (its cached and split
             blocks included); None on NumPy.
+        reordered: the backward ran in the plan's own order
+            (``Plan.backward_order``), not Chainer's.
     """
 
     __slots__ = ("path", "n_dropped", "n_released", "recomputed_nodes", "mismatch",
                  "measured_peak_bytes", "predicted_peak_bytes", "budget_bytes", "n_nodes",
-                 "release_mode", "measured_pool_total_bytes", "plain_peak_bytes")
+                 "release_mode", "measured_pool_total_bytes", "plain_peak_bytes", "reordered")
 
     def __init__(self, n_dropped: int = 0, path: str = "planned") -> None:
         self.path = path
@@ -111,6 +115,7 @@ class IterationStats:
         self.plain_peak_bytes: Optional[int] = None
         self.n_nodes = 0
         self.release_mode = "none"
+        self.reordered = False
 
     def __repr__(self) -> str:
         return (f"IterationStats(path={self.path!r}, dropped={self.n_dropped}, "

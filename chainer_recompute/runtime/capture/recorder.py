@@ -168,6 +168,9 @@ class Recorder(chainer.FunctionHook):
         self.index_of: Dict[int, int] = {}  # id(function) -> call index
         self.backward_order: List[int] = []
         self.backward_during_forward = False
+        # a recorded function read an array with a gradient that a function
+        # outside the graph made (the backward goes on outside it)
+        self.outside_grad_input = False
         self.forward_done = False
         self.returned: List[int] = []  # array ids the forward returned
         self._depth = 0
@@ -448,6 +451,8 @@ class Recorder(chainer.FunctionHook):
         for j, xnode in enumerate(xnodes):
             aid = self.array_of.get(xnode)
             if aid is None:
+                if xnode.requires_grad and xnode.creator_node is not None:
+                    self.outside_grad_input = True
                 var = xnode.get_variable_or_none()
                 made = call.in_made[j] if j < len(call.in_made) else None
                 if isinstance(var, chainer.Parameter):
@@ -782,8 +787,12 @@ class Recorder(chainer.FunctionHook):
         step["unrecorded_tail_peak_bytes"] = int(self._unrecorded.tail_peak or 0)
         if self.on_cupy:
             step["allocator"] = "cupy"  # the replay models its pool (core.pool)
-        step.update(facts or {})
         order = self.backward_order or None
+        if order and not (self.outside_grad_input or self.backward_during_forward):
+            loss = self.returned[0] if len(self.returned) == 1 else None
+            step["closed_backward"] = (loss is not None and arrays[loss].shape == ()
+                                       and arrays[loss].producer == order[0])
+        step.update(facts or {})
         return Graph(arrays, nodes, batch_size=batch_size, cost_model=cost_model,
                      meta={"model": name}, step=StepFacts(**step),
                      backward_order=_first_pass(order) if order else None)

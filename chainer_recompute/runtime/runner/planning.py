@@ -279,7 +279,8 @@ class Planner:
                 if plan is None:
                     plan = self.plan(graph)
             program = Program(graph, plan.lower_sets, frozenset(plan.kept),
-                              param_refs=param_refs, inner=plan.inner, levels=plan.levels)
+                              param_refs=param_refs, inner=plan.inner, levels=plan.levels,
+                              backward_order=plan.backward_order)
             program.multi_backward = multi_backward
             program.backward_known = backward_known
             s = _Structure(graph, plan, program, time.perf_counter() - t0, limit)

@@ -1,0 +1,187 @@
+"""Another backward order with Chainer's gradients
+(chainer_recompute.core.backward_order): the order, the recorded fact that
+allows it, plans below the single-level least in it, and the executor
+making Chainer run it, bit-identically (docs/algorithm.md §10)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import chainer
+import chainer.functions as F
+import chainer.links as L
+
+import chainer_recompute as cr
+from chainer_recompute.core.backward_order import reorder, reordered
+from chainer_recompute.core.budget import BudgetSearch, least_for, plan_for_budget
+from chainer_recompute.core.replay import physical_floor
+from chainer_recompute.runtime.memory import MemoryMeter
+from harness import Run, assert_same_records, outer_meter, records
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+
+
+def test_reorder_keeps_each_arrays_readers_in_order_and_runs_readers_first():
+    # 0 -> a -> 1, 2, 3 (three readers of a, in Chainer's order 3, 1, 2);
+    # 4 reads the outputs of 1, 2, 3 and runs first
+    reads = {0: ["x"], 1: ["a"], 2: ["a"], 3: ["a"], 4: ["b1", "b2", "b3"]}
+    made = {"a": 0, "b1": 1, "b2": 2, "b3": 3}
+    assert reorder([4, 3, 1, 2, 0], reads.__getitem__, made.get) == [4, 3, 1, 2, 0]
+    # 2 no longer reads a: the latest in the forward goes first, but 3
+    # still follows 1, the reader of a before it
+    reads[2] = ["c"]
+    made["c"] = 0
+    assert reorder([4, 1, 3, 2, 0], reads.__getitem__, made.get) == [4, 2, 1, 3, 0]
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.5])
+def test_chainer_runs_an_order_given_by_ranks_with_the_same_gradients(dropout):
+    """Plain Chainer, no executor: the ranks rewritten after the forward
+    (experiments/backward_order.py) and the gradients compared."""
+    backward_order = pytest.importorskip("backward_order")
+    got = backward_order.chainer_check(
+        argparse.Namespace(t=6, units=8, batch=3, vocab=20, dropout=dropout))
+    assert got["moved"] > got["backward"] // 2  # most functions run elsewhere
+    assert got["ran_as_imposed"] and got["identical"]
+
+
+class LSTMLM(chainer.Chain):
+    """Chainer's PTB example's model (two LSTM layers), unrolled over the
+    call's steps, returning the summed loss."""
+
+    def __init__(self, vocab: int = 30, units: int = 32, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.dropout = dropout
+        with self.init_scope():
+            self.embed = L.EmbedID(vocab, units)
+            self.l1 = L.LSTM(units, units)
+            self.l2 = L.LSTM(units, units)
+            self.out = L.Linear(units, vocab)
+
+    def forward(self, xs, ts):
+        self.l1.reset_state()
+        self.l2.reset_state()
+        drop = (lambda h: F.dropout(h, self.dropout)) if self.dropout else (lambda h: h)
+        loss = 0
+        for x, t in zip(xs, ts):
+            h = self.l1(drop(self.embed(x)))
+            h = self.l2(drop(h))
+            loss += F.softmax_cross_entropy(self.out(h), t)
+        return loss
+
+
+def lstm_batch(k: int, t: int = 24, batch: int = 8, vocab: int = 30):
+    """Step ``k``'s batch, made when it is needed (as an iterator does: no
+    other step's batch is alive)."""
+    rs = np.random.RandomState(k)
+    return (rs.randint(0, vocab, (t, batch)).astype(np.int32),
+            rs.randint(0, vocab, (t, batch)).astype(np.int32))
+
+
+def ptb_train(steps: int, dropout: float, budget=None) -> Run:
+    """Chainer's PTB example's update (its ``BPTTUpdater``): the forward,
+    ``cleargrads()``, the backward, ``unchain_backward()``, the update;
+    ``budget``: under ``apply()``. Each step's whole peak and records."""
+    run = Run()
+    with outer_meter():
+        np.random.seed(0)
+        model = LSTMLM(dropout=dropout)
+        if budget is not None:
+            cr.apply(model, budget=budget, verbose=False)
+        opt = chainer.optimizers.SGD(0.1)
+        opt.setup(model)
+        for k in range(steps):
+            xs, ts = lstm_batch(k)
+            with MemoryMeter() as m:
+                loss = model(xs, ts)
+                model.cleargrads()
+                loss.backward()
+                loss.unchain_backward()
+                opt.update()
+            run.peaks.append(m.result.absolute_peak_bytes)
+            run.records.append(records(model, loss))
+            if budget is not None:
+                run.stats.append(cr.runner_of(model).last_stats)
+            del loss, xs, ts
+        if budget is not None:
+            run.graph = cr.runner_of(model).planned_graphs()[-1]
+    return run
+
+
+@pytest.mark.parametrize("dropout", [pytest.param(0.0, marks=pytest.mark.slow), 0.5],
+                         ids=["no-dropout", "dropout"])
+def test_lstm_trains_bit_identically_below_what_chainers_order_reaches(dropout):
+    steps = 5
+    graph = ptb_train(2, dropout, budget="least").graph
+    assert graph.step.closed_backward
+    other = reordered(graph)
+    assert other is not None and physical_floor(other).peak_bytes < physical_floor(graph).peak_bytes
+    search = BudgetSearch(graph, "auto")
+    in_chainers = search.nested_search().least()[1]  # the least in Chainer's order
+    plan, peak = search.nested_least()
+    assert plan.backward_order == other.backward_order and peak < in_chainers
+    # at and above the single-level least nothing changes
+    assert plan_for_budget(graph, "least").backward_order == ()
+    budget = (least_for(peak) + least_for(in_chainers)) // 2
+    plain, ours = ptb_train(steps, dropout), ptb_train(steps, dropout, budget)
+    assert_same_records(plain, ours)
+    table = "\n".join(f"step {k}: plain {p}, applied {a}, {s!r}" for k, (p, a, s) in
+                      enumerate(zip(plain.peaks, ours.peaks, ours.stats)))
+    for k in range(1, steps):
+        s = ours.stats[k]
+        assert s.path == "planned" and s.reordered and s.budget_bytes == budget, table
+        # the runner's meter (the model's bytes) within the budget, and the
+        # whole step (everything the allocator holds) below the least any
+        # plan in Chainer's order is allowed
+        assert s.measured_peak_bytes is None or s.measured_peak_bytes <= budget, table
+        assert ours.peaks[k] < least_for(in_chainers), table
+
+
+class Logits(chainer.Chain):
+    def __init__(self) -> None:
+        super().__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(6, 8)
+            self.l2 = L.Linear(8, 3)
+
+    def forward(self, x):
+        return self.l2(F.relu(self.l1(x)))
+
+
+def test_the_backward_is_not_closed_when_it_goes_on_outside_the_graph():
+    x = np.random.RandomState(0).rand(4, 6).astype(np.float32)
+    t = np.zeros(4, np.int32)
+
+    def steps(model, make_input):
+        cr.apply(model, budget="least", cost="flops", verbose=False)
+        for _ in range(2):
+            model.cleargrads()
+            F.softmax_cross_entropy(model(make_input()), t).backward()
+        return cr.runner_of(model).planned_graphs()[-1]
+
+    # the loss outside: the backward starts outside the graph
+    assert not steps(Logits(), lambda: x).step.closed_backward
+    # an input made with a gradient outside: the backward goes on there
+    w = chainer.Parameter(np.ones((4, 6), np.float32))
+
+    class Loss(Logits):
+        def forward(self, x):
+            return F.softmax_cross_entropy(super().forward(x), t)
+
+    model = Loss()
+    cr.apply(model, budget="least", cost="flops", verbose=False)
+    for _ in range(2):
+        model.cleargrads()
+        model(x * w).backward()
+    assert not cr.runner_of(model).planned_graphs()[-1].step.closed_backward
+    # the same model on a plain input: closed
+    model = Loss()
+    cr.apply(model, budget="least", cost="flops", verbose=False)
+    for _ in range(2):
+        model.cleargrads()
+        model(x).backward()
+    assert cr.runner_of(model).planned_graphs()[-1].step.closed_backward

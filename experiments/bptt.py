@@ -9,8 +9,14 @@ same unrolled graph through the general DP (``cr.apply``).
 
 Each length runs in a process of its own (``--worker chain``), the graph DP
 in another (``--worker graph``), with tracemalloc restricted to NumPy's
-arrays from the process's start, so that every allocation and release of
-an iteration is seen.
+arrays. Each iteration's meter adopts the arrays live at its start that
+the iteration frees (the previous gradients at ``cleargrads()``, the
+model's last outputs), so that their frees are seen. (Before 2026-12-04
+it did not: where a peak came after ``cleargrads()`` the previous
+gradients stayed counted beside the new ones, and ``apply()``'s meter,
+nested in this one, could correct its plans for bytes that were not
+there; the t = 30 rows of experiments/nested.md measured again since came
+out the same.)
 
 Memory is in the total scope (what ``cr.apply()``'s default budget and
 ``ChainRecompute``'s cover): the bytes live when an iteration starts that
@@ -52,7 +58,7 @@ import chainer  # noqa: E402
 import chainer.functions as F  # noqa: E402
 import chainer.links as L  # noqa: E402
 
-from chainer_recompute.core.replay import physical_floor  # noqa: E402
+from chainer_recompute.core.replay import least_floor  # noqa: E402
 from chainer_recompute.core.solvers import chain as chain_solver  # noqa: E402
 from chainer_recompute.runtime import bptt  # noqa: E402
 from chainer_recompute.runtime.memory import model_state_bytes  # noqa: E402
@@ -111,15 +117,21 @@ def make(args: argparse.Namespace) -> Tuple[chainer.Link, chainer.Optimizer]:
     return model, opt
 
 
-def live_at_call(model: chainer.Link, opt: chainer.Optimizer, data: np.ndarray) -> int:
-    """Bytes live when an iteration starts that it needs, counted by hand."""
-    sb = model_state_bytes(model, opt)
-    extra = 0
+def _outputs_kept(model: chainer.Link) -> List[Any]:
+    """The model's last outputs and state that its links keep."""
+    out = []
     for link in model.links():
         for name in ("h", "c", "y", "loss", "accuracy"):
             v = getattr(link, name, None)
             if isinstance(v, chainer.Variable) and v.array is not None:
-                extra += int(v.array.nbytes)
+                out.append(v.array)
+    return out
+
+
+def live_at_call(model: chainer.Link, opt: chainer.Optimizer, data: np.ndarray) -> int:
+    """Bytes live when an iteration starts that it needs, counted by hand."""
+    sb = model_state_bytes(model, opt)
+    extra = sum(int(a.nbytes) for a in _outputs_kept(model))
     return int(sb["params"] + sb["grads"] + sb["optimizer_state"] + data.nbytes + extra)
 
 
@@ -136,6 +148,10 @@ def iterate(fn: Callable[[Any, Any], Any], model: chainer.Link, opt: chainer.Opt
     dev.synchronize()
     start = time.perf_counter()
     with dev.meter() as meter:
+        # the arrays the iteration frees, traced from here (their frees
+        # seen; on CuPy the pool sees them)
+        live -= dev.adopt(meter, [p.grad for p in model.params() if p.grad is not None]
+                          + _outputs_kept(model))
         loss = fn(xs, ts)
         model.cleargrads()
         loss.backward()
@@ -340,10 +356,10 @@ def worker_graph(args: argparse.Namespace) -> List[Dict[str, Any]]:
             continue
         runner = cr.runner_of(u)
         row["plan_and_first_call_s"] = round(time.perf_counter() - start, 1)
-        # what any schedule inside Chainer's backward holds at its fullest
-        # (its order runs the input projections last: their output
-        # gradients wait through every step's backward)
-        floor = physical_floor(runner.signatures()[0].structures[0].graph)
+        # what any schedule holds at its fullest, in Chainer's backward
+        # order (the input projections last: their output gradients wait
+        # through every step's backward) or the other one apply() may use
+        floor = least_floor(runner.signatures()[0].structures[0].graph)
         row["floor_bytes"], row["floor_held_grad_bytes"] = floor.peak_bytes, floor.held_grad_bytes
         row["first_call"] = res
         st = runner.last_stats

@@ -384,3 +384,33 @@ def test_graph_network_whose_hook_holds_pinned_arrays_into_the_next_step():
     them off it. (Recorded first: on this 0.4 MiB model the captures' and
     the planner's memory would set the first step's peak.)"""
     check(GraphRegressor, graph_batches(), convert=True, options=RECORDED)
+
+
+def test_a_kept_recorded_graph_holds_no_more_than_a_planned_one():
+    """A model that keeps its loss (the graph lives into the next forward)
+    and whose plan releases its checkpoints after the backward (release
+    mode ``none``): the recorded step's graph, held through the first
+    planned step's forward, is released as a planned one would be, its
+    checkpoints included, so that step measures what it predicts (it
+    measured 12% more when only the dropped nodes were released)."""
+    from test_backward_order import LSTMLM, lstm_batch
+
+    class KeepsLoss(LSTMLM):
+        def forward(self, xs, ts):
+            self.loss = super().forward(xs, ts)
+            return self.loss
+
+    np.random.seed(0)
+    model = KeepsLoss()
+    cr.apply(model, budget="least", verbose=False)
+    opt = chainer.optimizers.SGD(0.1)
+    opt.setup(model)
+    got = []
+    for k in range(3):
+        opt.update(model, *lstm_batch(k))
+        st = cr.runner_of(model).last_stats
+        got.append((st.path, st.measured_peak_bytes, st.predicted_peak_bytes))
+    assert [g[0] for g in got] == ["recorded", "planned", "planned"], got
+    assert cr.runner_of(model).signatures()[0].structures[0].program.release_mode == "none"
+    for path, measured, predicted in got[1:]:
+        assert abs(measured - predicted) <= 0.01 * predicted, got

@@ -353,19 +353,23 @@ class IterationHook(chainer.FunctionHook):
 
     def release_as_planned(self, program: Program) -> None:
         """This recorded iteration's backward has run every function and
-        ``program`` was planned from it: release what the plan drops and
-        can regenerate, as a planned iteration holds nothing more after its
-        backward, so that a graph the model keeps into the next step (a
-        loss link's ``self.loss``) holds no more than a planned one. A
-        later backward pass through it regenerates as usual."""
+        ``program`` was planned from it: release what a planned iteration
+        no longer holds after its backward (as :meth:`after_backward` does
+        in the program's ``release_mode``: what the plan drops, and in mode
+        ``none`` its checkpoints too) and can be regenerated, so that a
+        graph the model keeps into the next step (a loss link's
+        ``self.loss``) holds no more than a planned one. A later backward
+        pass through it regenerates as usual."""
         if (self.program is not None or self.no_release or self.multi_backward
-                or program.n != len(self.recorder.calls) or not program.dropped):
+                or program.n != len(self.recorder.calls) or not program.dropped
+                or program.release_mode == "all"):
             return
         self.program = program
         self.candidates = [program]
         self.recorder.recording = False
         self._needs, self._done = program.needs, program.done
-        for u in sorted(program.dropped):
+        for u in sorted(program.releasable if program.release_mode == "none"
+                        else program.dropped):
             if u in program.releasable and self._regenerable(u):
                 self._release(u)
 

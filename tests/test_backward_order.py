@@ -142,46 +142,31 @@ def test_lstm_trains_bit_identically_below_what_chainers_order_reaches(dropout):
 
 
 class Logits(chainer.Chain):
-    def __init__(self) -> None:
+    def __init__(self, loss_inside: bool) -> None:
         super().__init__()
+        self.loss_inside = loss_inside
         with self.init_scope():
             self.l1 = L.Linear(6, 8)
             self.l2 = L.Linear(8, 3)
 
     def forward(self, x):
-        return self.l2(F.relu(self.l1(x)))
+        y = self.l2(F.relu(self.l1(x)))
+        return F.softmax_cross_entropy(y, np.zeros(4, np.int32)) if self.loss_inside else y
 
 
-def test_the_backward_is_not_closed_when_it_goes_on_outside_the_graph():
+@pytest.mark.parametrize("loss_inside, grad_input, closed", [
+    (True, False, True),
+    (False, False, False),  # the loss outside: the backward starts outside the graph
+    (True, True, False),  # an input made with a gradient outside: it goes on there
+])
+def test_the_backward_is_closed_only_when_it_runs_from_the_graphs_loss_to_its_own_inputs(
+        loss_inside, grad_input, closed):
     x = np.random.RandomState(0).rand(4, 6).astype(np.float32)
-    t = np.zeros(4, np.int32)
-
-    def steps(model, make_input):
-        cr.apply(model, budget="least", cost="flops", verbose=False)
-        for _ in range(2):
-            model.cleargrads()
-            F.softmax_cross_entropy(model(make_input()), t).backward()
-        return cr.runner_of(model).planned_graphs()[-1]
-
-    # the loss outside: the backward starts outside the graph
-    assert not steps(Logits(), lambda: x).step.closed_backward
-    # an input made with a gradient outside: the backward goes on there
     w = chainer.Parameter(np.ones((4, 6), np.float32))
-
-    class Loss(Logits):
-        def forward(self, x):
-            return F.softmax_cross_entropy(super().forward(x), t)
-
-    model = Loss()
-    cr.apply(model, budget="least", cost="flops", verbose=False)
+    model = Logits(loss_inside)
+    cr.apply(model, budget="least", verbose=False)
     for _ in range(2):
         model.cleargrads()
-        model(x * w).backward()
-    assert not cr.runner_of(model).planned_graphs()[-1].step.closed_backward
-    # the same model on a plain input: closed
-    model = Loss()
-    cr.apply(model, budget="least", cost="flops", verbose=False)
-    for _ in range(2):
-        model.cleargrads()
-        model(x).backward()
-    assert cr.runner_of(model).planned_graphs()[-1].step.closed_backward
+        y = model(x * w if grad_input else x)
+        (y if loss_inside else F.softmax_cross_entropy(y, np.zeros(4, np.int32))).backward()
+    assert cr.runner_of(model).planned_graphs()[-1].step.closed_backward is closed

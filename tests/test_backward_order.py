@@ -90,8 +90,8 @@ def ptb_train(steps: int, dropout: float, budget=None) -> Run:
     with outer_meter():
         np.random.seed(0)
         model = LSTMLM(dropout=dropout)
-        if budget is not None:
-            cr.apply(model, budget=budget, verbose=False)
+        if budget is not None:  # (flops: the same plans on every machine)
+            cr.apply(model, budget=budget, tuning=cr.Tuning(cost="flops"), verbose=False)
         opt = chainer.optimizers.SGD(0.1)
         opt.setup(model)
         for k in range(steps):

@@ -74,7 +74,7 @@ class LSTMLM(chainer.Chain):
         return loss
 
 
-def lstm_batch(k: int, t: int = 24, batch: int = 8, vocab: int = 30):
+def lstm_batch(k: int, t: int = 16, batch: int = 8, vocab: int = 30):
     """Step ``k``'s batch, made when it is needed (as an iterator does: no
     other step's batch is alive)."""
     rs = np.random.RandomState(k)

@@ -392,7 +392,8 @@ def test_a_kept_recorded_graph_holds_no_more_than_a_planned_one():
     mode ``none``): the recorded step's graph, held through the first
     planned step's forward, is released as a planned one would be, its
     checkpoints included, so that step measures what it predicts (it
-    measured 12% more when only the dropped nodes were released)."""
+    measured 15.5% more, 348,856 B against 301,940, when only the dropped
+    nodes were released)."""
     from test_backward_order import LSTMLM, lstm_batch
 
     class KeepsLoss(LSTMLM):
@@ -402,12 +403,12 @@ def test_a_kept_recorded_graph_holds_no_more_than_a_planned_one():
 
     np.random.seed(0)
     model = KeepsLoss()
-    cr.apply(model, budget="least", verbose=False)
+    cr.apply(model, budget="least", tuning=cr.Tuning(cost="flops"), verbose=False)
     opt = chainer.optimizers.SGD(0.1)
     opt.setup(model)
     got = []
     for k in range(3):
-        opt.update(model, *lstm_batch(k))
+        opt.update(model, *lstm_batch(k, t=20))
         st = cr.runner_of(model).last_stats
         got.append((st.path, st.measured_peak_bytes, st.predicted_peak_bytes))
     assert [g[0] for g in got] == ["recorded", "planned", "planned"], got

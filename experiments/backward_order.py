@@ -45,7 +45,7 @@ import chainer  # noqa: E402
 
 import chainer_recompute as cr  # noqa: E402
 import bptt  # noqa: E402
-from chainer_recompute.core.backward_order import in_order, reorder  # noqa: E402
+from chainer_recompute.core.backward_order import reorder, reordered  # noqa: E402
 from chainer_recompute.core.budget import BudgetSearch  # noqa: E402
 from chainer_recompute.core.graph import Graph  # noqa: E402
 from chainer_recompute.core.io import load_graph  # noqa: E402
@@ -55,8 +55,7 @@ from chainer_recompute.core.replay import physical_floor  # noqa: E402
 def graph_reordered(g: Graph) -> Graph:
     """``g`` in :func:`reorder`'s order (whatever ``step.closed_backward``
     says: for the figures)."""
-    return in_order(g, reorder(list(g.backward_order), lambda v: g.nodes[v].inputs,
-                               lambda a: g.arrays[a].producer))
+    return reordered(g.with_step(closed_backward=True)) or g
 
 
 class _Functions(chainer.FunctionHook):
@@ -116,12 +115,12 @@ def figures(g: Graph, below: bool = True) -> Dict[str, Any]:
     nested least in its own order and the least below the single-level
     least that ``apply()`` plans (in either order: ``closed_backward`` set
     here)."""
-    search = BudgetSearch(g)
+    search = BudgetSearch(g.with_step(closed_backward=True))
     out = dict(floor=physical_floor(g).peak_bytes, plain=search.vanilla()[1],
                single=search.least()[1])
     if below:
         chainers = search.nested_search().least()
-        got = BudgetSearch(g.with_step(closed_backward=True)).nested_least()
+        got = search.nested_least()
         out.update(nested=None if chainers is None else chainers[1],
                    below=None if got is None else got[1],
                    order="other" if got is not None and got[0].backward_order else "own")

@@ -478,11 +478,14 @@ class BudgetSearch:
         out = list(self.nested_search().candidates())
         other = self.reordered_search()
         if other is not None:
-            order = other.graph.backward_order
-            out += [(replace_plan(p, backward_order=order), peak)
-                    for p, peak in other.candidates() + other.nested_search().candidates()
-                    if p.recompute]
+            out += other._in_its_order(other.candidates() + other.nested_search().candidates())
         return out
+
+    def _in_its_order(self, plans: List[Tuple[Plan, int]]) -> List[Tuple[Plan, int]]:
+        """Those of ``plans`` that recompute, carrying this search's graph's
+        backward order (a :meth:`reordered_search`'s plans, for its parent)."""
+        return [(replace_plan(p, backward_order=self.graph.backward_order), peak)
+                for p, peak in plans if p.recompute]
 
     def _below_fit(self, limit: int) -> Optional[Tuple[Plan, int]]:
         """The plan of least overhead (then peak) that replays at or under
@@ -491,8 +494,7 @@ class BudgetSearch:
         fitting = [c for c in self._below() if c[1] <= limit]
         other = self.reordered_search()
         if other is not None:  # (and its least overhead that fits, as fit() searches it)
-            fitting += [(replace_plan(p, backward_order=other.graph.backward_order), peak)
-                        for p, peak in other._tc_fits(limit).values() if p.recompute]
+            fitting += other._in_its_order(list(other._tc_fits(limit).values()))
         return min(fitting, key=lambda c: (c[0].overhead, c[1])) if fitting else None
 
     def nested_least(self) -> Optional[Tuple[Plan, int]]:

@@ -73,6 +73,23 @@ def test_auto_runs_the_reference_engines_without_numba(no_numba):
     assert ws._compiled_columns() is None
 
 
+def test_a_numba_that_does_not_import_counts_as_missing(monkeypatch):
+    """numba installed for another NumPy raises ``ImportError`` on import:
+    ``auto`` then runs the reference engines, with a warning, not the error."""
+    import importlib.util
+    import sys
+    spec = importlib.util.spec_from_loader("numba", loader=None)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: spec if name == "numba" else real_find_spec(name, *a))
+    monkeypatch.setitem(sys.modules, "numba", None)  # `import numba` raises ImportError
+    monkeypatch.setattr(kernels, "_NUMBA", None)
+    with pytest.warns(RuntimeWarning, match="numba is installed but does not import"):
+        assert kernels.numba_available() is False
+    assert kernels.pick_engine("auto", what="x") == "numpy"
+    assert replay(_diamond(), engine="auto").peak_bytes == replay(_diamond(), engine="python").peak_bytes
+
+
 def test_hierarchical_dp_numpy_engine_without_numba(no_numba):
     g = _repeated()
     prob = HierProblem(g)

@@ -36,7 +36,10 @@ _NUMBA: Optional[bool] = None
 
 
 def numba_available() -> bool:
-    """Whether numba is installed (the compiled engines can run).
+    """Whether numba is installed and imports (the compiled engines can
+    run). A numba that is installed but does not import (one built for
+    another NumPy raises ``ImportError``) counts as missing, with a warning,
+    so that ``engine='auto'`` runs the reference engines instead of failing.
 
     >>> isinstance(numba_available(), bool)
     True
@@ -45,6 +48,15 @@ def numba_available() -> bool:
     if _NUMBA is None:
         import importlib.util
         _NUMBA = importlib.util.find_spec("numba") is not None
+        if _NUMBA:
+            try:
+                import numba  # noqa: F401
+            except Exception as e:  # noqa: BLE001  (any failure of its import)
+                import warnings
+                warnings.warn(f"numba is installed but does not import ({type(e).__name__}: "
+                              f"{e}); the planner runs its NumPy engines", RuntimeWarning,
+                              stacklevel=2)
+                _NUMBA = False
     return _NUMBA
 
 
@@ -86,9 +98,9 @@ def pick_engine(engine: Optional[str], *, what: str, default: str = "auto",
                 f"pip install 'chainer-recompute[fast]', or pass engine='auto' (the "
                 f"{reference} engine when numba is missing) or engine={reference!r}")
         return "numba"
-    if not numba_available():
+    if not (pays() if callable(pays) else pays):  # asked first: numba is imported only if it pays
         return reference
-    return "numba" if (pays() if callable(pays) else pays) else reference
+    return "numba" if numba_available() else reference
 
 
 _COMPILED: Dict[Tuple[str, str], Any] = {}

@@ -10,8 +10,12 @@ Its arrays are NumPy arrays, put on the "device" by
   fit, split when larger; a limit
   (``set_limit(size=...)``) frees the cached whole blocks first and then
   raises ``OutOfMemoryError``, as CuPy's does;
-- ``cuda.MemoryHook``: hooks see ``malloc_postprocess`` after each
-  allocation (CuPy refuses two active hooks of one name);
+- ``cuda.MemoryHook``: hooks see what CuPy 14 tells them, with its
+  arguments: ``alloc_postprocess`` when the pool takes a new block from
+  the device, ``malloc_postprocess`` after each allocation from the pool
+  and ``free_postprocess`` after each free back to it, each with the
+  block's rounded ``mem_size`` (CuPy refuses two active hooks of one
+  name);
 - the global random generators (``random._generator._random_states``, one
   ``RandomState`` per device, created on demand, ``random.seed``,
   ``random.rand`` ...), separate from NumPy's global state, like CuPy's;
@@ -23,9 +27,10 @@ Its arrays are NumPy arrays, put on the "device" by
 
 Chainer's own functions allocate with NumPy, not through this pool: while a
 :class:`FakeCupy` is :meth:`~FakeCupy.active`, the NumPy bytes alive
-(tracemalloc) count as used by the pool and a function hook reports an
-allocation to the memory hooks after every forward and backward call, so a
-meter sees the peaks at function boundaries.
+(tracemalloc) count as used by the pool (and as taken from the device), and
+their change is reported to the memory hooks as one allocation (or free)
+after every forward and backward call and whenever the pool's bytes are
+read, so a meter sees the peaks at function boundaries.
 """
 from __future__ import annotations
 
@@ -62,17 +67,30 @@ class FakePool:
         self.limit = 0
         self._next = 0
         self.host_base = 0  # NumPy bytes alive when the double became active
+        self._host_told = 0  # the NumPy bytes the hooks were last told of
 
     def _host(self) -> int:
         if not self.owner.is_active or not tracemalloc.is_tracing():
             return 0
         return max(0, tracemalloc.get_traced_memory()[0] - self.host_base)
 
+    def sync_host(self) -> None:
+        """Tell the hooks how the NumPy bytes changed since they were last told."""
+        h = self._host()
+        d, self._host_told = h - self._host_told, h
+        if d > 0:
+            self.owner.tell("alloc_postprocess", mem_size=d, mem_ptr=1)
+            self.owner.tell("malloc_postprocess", size=d, mem_size=d, mem_ptr=1, pmem_id=0)
+        elif d < 0:
+            self.owner.tell("free_postprocess", mem_size=-d, mem_ptr=1, pmem_id=0)
+
     def used_bytes(self) -> int:
-        return sum(b.size for b in self.blocks if not b.free) + self._host()
+        self.sync_host()
+        return sum(b.size for b in self.blocks if not b.free) + self._host_told
 
     def total_bytes(self) -> int:
-        return sum(self.segments.values()) + self._host()
+        self.sync_host()
+        return sum(self.segments.values()) + self._host_told
 
     def free_bytes(self) -> int:
         return self.total_bytes() - self.used_bytes()
@@ -109,15 +127,20 @@ class FakePool:
                         f"out of memory allocating {size} bytes (limit {self.limit}, "
                         f"total {self.total_bytes()})")
             self._next += 1
+            self.owner.tell("alloc_postprocess", mem_size=size, mem_ptr=self._next)
             self.segments[self._next] = size
             block = _Block(size, self._next)
             self.blocks.append(block)
-        self.owner.notify(size)
+        self.owner.tell("malloc_postprocess", size=int(nbytes), mem_size=size,
+                        mem_ptr=block.segment, pmem_id=id(block))
         return block
 
     def free(self, block: _Block) -> None:
         """Cache the block, merged with its free neighbours in its segment."""
+        size = block.size
         block.free = True
+        self.owner.tell("free_postprocess", mem_size=size, mem_ptr=block.segment,
+                        pmem_id=id(block))
         for other in [b for b in self.blocks if b.free and b is not block
                       and b.segment == block.segment]:
             if other.offset + other.size == block.offset:
@@ -143,7 +166,13 @@ class _Hook:
     def __exit__(self, *exc: Any) -> None:
         self._active.remove(self)
 
+    def alloc_postprocess(self, **kwargs: Any) -> None:
+        pass
+
     def malloc_postprocess(self, **kwargs: Any) -> None:
+        pass
+
+    def free_postprocess(self, **kwargs: Any) -> None:
         pass
 
 
@@ -175,7 +204,7 @@ class _Stream:
 
 
 class _SampleHook(chainer.FunctionHook):
-    """Reports an allocation to the memory hooks after each function call."""
+    """Tells the memory hooks of the NumPy bytes after each function call."""
 
     name = "FakeCupySample"
 
@@ -183,10 +212,10 @@ class _SampleHook(chainer.FunctionHook):
         self.owner = owner
 
     def forward_postprocess(self, function: Any, in_data: Any) -> None:
-        self.owner.notify(0)
+        self.owner._pool.sync_host()
 
     def backward_postprocess(self, function: Any, in_data: Any, out_grad: Any) -> None:
-        self.owner.notify(0)
+        self.owner._pool.sync_host()
 
 
 class FakeCupy(types.SimpleNamespace):
@@ -245,9 +274,10 @@ class FakeCupy(types.SimpleNamespace):
     def copy(a: Any) -> Any:
         return numpy.array(a, copy=True)
 
-    def notify(self, size: int) -> None:
+    def tell(self, event: str, **kwargs: Any) -> None:
+        """Call ``event`` on every active memory hook, as CuPy does."""
         for h in list(self.hooks):
-            h.malloc_postprocess(device_id=0, size=size, mem_size=size, mem_ptr=0, pmem_id=0)
+            getattr(h, event)(device_id=0, **kwargs)
 
     @contextlib.contextmanager
     def active(self) -> Iterator["FakeCupy"]:
@@ -257,6 +287,7 @@ class FakeCupy(types.SimpleNamespace):
         outer = MemoryMeter()  # keeps tracemalloc on, NumPy's domain only
         outer.start()
         self._pool.host_base = tracemalloc.get_traced_memory()[0]
+        self._pool._host_told = 0
         self.is_active = True
         sample = _SampleHook(self)
         try:

@@ -11,8 +11,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
-PIP_CONSTRAINT="$PWD/constraints-gpu.txt" "$py" -m pip install -q \
-    ${WHEELS:+--no-index --find-links "$WHEELS"} -e .
+if [ -n "${WHEELS:-}" ]; then
+    # as variables, not options: a pip that installs `-e .` through `setup.py
+    # develop` runs another pip for the build, which sees only these
+    export PIP_NO_INDEX=1 PIP_FIND_LINKS="$(cd "$WHEELS" && pwd)"
+fi
+PIP_CONSTRAINT="$PWD/constraints-gpu.txt" "$py" -m pip install -q -e .
 "$py" -m chainer_recompute._numpy2_hook install
 "$py" -c "
 import chainer, numpy, chainer_recompute

@@ -480,6 +480,29 @@ class Graph:
         :func:`~chainer_recompute.core.keep.with_must_keep`)."""
         return frozenset(v for v, node in enumerate(self.nodes) if node.must_keep)
 
+    @functools.cached_property
+    def forward_only(self) -> Tuple[int, ...]:
+        """The nodes no backward needs, in topological order: the recorded
+        backward does not run them and reaches none of their descendants
+        (a metric computed beside the loss, ``F.accuracy``). A plan never
+        regenerates them, so their inputs need not be kept for them; a lower
+        set may take them in as soon as it holds their inputs
+        (:meth:`~chainer_recompute.core.lower_sets.LowerSetFamily.ancestor_closures`).
+        Without a recorded backward order, the nodes without a backward
+        stand for the ones it runs.
+
+        >>> g = Graph.from_edges([4, 4, 4], [(0, 1), (0, 2)])
+        >>> g.backward_order = (1, 0)
+        >>> g.forward_only
+        (2,)
+        """
+        run = set(self.backward_order) if self.backward_order is not None else {
+            v for v, node in enumerate(self.nodes) if node.has_backward}
+        needed = [False] * self.n
+        for v in range(self.n - 1, -1, -1):
+            needed[v] = v in run or any(needed[w] for w in self.succs[v])
+        return tuple(v for v in range(self.n) if not needed[v])
+
     def with_cost_model(self, cost_model: str) -> "Graph":
         """The same graph under another cost model."""
         return self.replace(cost_model=cost_model)

@@ -170,3 +170,37 @@ def test_the_backward_is_closed_only_when_it_runs_from_the_graphs_loss_to_its_ow
         y = model(x * w if grad_input else x)
         (y if loss_inside else F.softmax_cross_entropy(y, np.zeros(4, np.int32))).backward()
     assert cr.runner_of(model).planned_graphs()[-1].step.closed_backward is closed
+
+
+def test_at_the_nested_least_every_step_is_planned_and_under_the_budget():
+    """Chainer's PTB LSTM unrolled as one Link (experiments/bptt.py;
+    ``L.Classifier`` per step lets go of the previous call's graph): the
+    replay without that graph ran at the end of the first planned forward,
+    and its graph copies were in that step's peak (8.6 KB over the
+    prediction at t = 16): the correction then put the nested least out of
+    reach and the model ran plain from the second step on. It runs at the
+    model's next call now."""
+    import bptt
+    from chainer_recompute.core.budget import BudgetSearch, least_for
+    args = argparse.Namespace(t=16, units=32, batch=8, vocab=100, dropout=0.0)
+    data = np.random.RandomState(1).randint(0, args.vocab, (args.t + 1, args.batch)) \
+        .astype(np.int32)
+
+    def train(budget, steps):
+        model, opt = bptt.make(args)
+        unrolled = bptt.Unrolled(model)
+        cr.apply(unrolled, budget=budget, tuning=cr.Tuning(cost="flops"), verbose=False)
+        stats = []
+        for _ in range(steps):
+            bptt.iterate(lambda a, b: unrolled(a, b), model, opt, data)
+            stats.append(cr.runner_of(unrolled).last_stats)
+        return cr.runner_of(unrolled), stats
+
+    runner, _ = train("least", 2)
+    _, peak = BudgetSearch(runner.planned_graphs()[-1], "auto").nested_least()
+    budget = least_for(peak)
+    _, stats = train(budget, 4)
+    for s in stats[1:]:
+        assert s.path == "planned" and s.reordered, stats
+        assert s.budget_bytes == budget and s.predicted_peak_bytes == peak, stats
+        assert s.measured_peak_bytes <= budget, stats

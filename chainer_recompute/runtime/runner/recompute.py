@@ -458,6 +458,7 @@ class Recompute:
         with planner.watch_planning(entry, args, kwargs, "again at a training call"):
             if steps.corrections:
                 steps.apply_corrections()
+            steps.replay_let_go()
             steps.count_held_graph(entry)
             steps.count_step_calls(entry, args)
         if entry.error is not None:

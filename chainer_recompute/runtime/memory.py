@@ -384,8 +384,9 @@ class _PoolPeak:
 
     CuPy 14's ``used_bytes()`` sums every chunk in use and ``total_bytes()``
     every chunk, so reading them after each allocation made a metered step
-    quadratic in its arrays (ResNet152 b32 on an H200: each planned step
-    ran 0.7-1 s over plain Chainer's 0.33 s). The hook reads them once at
+    quadratic in its arrays (on an H200, ResNet152 b32's metered planned
+    steps ran at 3-4 times plain Chainer's time; the meter's share of that
+    was not measured). The hook reads them once at
     its start and keeps the used bytes from the sizes CuPy passes to its
     hooks: a ``malloc`` adds the chunk's ``mem_size``, a ``free`` takes it
     back (the pool's used bytes are the sum of the sizes of its chunks in

@@ -854,10 +854,11 @@ def section_lstm(ctx: Context) -> None:
         # 5% is below the least the policy reaches on this device (on CuPy
         # every array takes a multiple of 512 bytes), 10% is timed instead
         # (at the least itself, one slot, the schedule is quadratic in t)
-        todo = [(f"{policy} at {frac:.0%} of plain", int(frac * plain_peak), frac == 0.05)
-                for frac in (0.05, 0.10)]
-        while todo:
-            label, budget, timed = todo.pop(0)
+        timed_next = True
+        for frac in (0.05, 0.10):
+            label = f"{policy} at {frac:.0%} of plain"
+            budget = int(frac * plain_peak)
+            timed, timed_next = timed_next, False
             model.predictor.reset_state()
             try:
                 runner = cr_bptt.ChainRecompute(model, policy=policy, budget=budget)
@@ -867,8 +868,7 @@ def section_lstm(ctx: Context) -> None:
             except cr.RecomputeError as e:  # infeasible: said, not run
                 ctx.emit(case=label, budget_bytes=budget,
                          note=f"{type(e).__name__}: {str(e)[:200]}")
-                if timed and todo:
-                    todo[0] = todo[0][:2] + (True,)
+                timed_next = timed
                 continue
             same = all(bool(xp.array_equal(ref_grads[n], g)) for n, g in grads.items())
             rows[label] = dict(case=label, budget_bytes=budget,

@@ -29,8 +29,11 @@ def sections(report: dict) -> dict:
 
 
 def test_tiny_run_writes_table_and_json_with_identical_rows(tmp_path):
-    report = run(tmp_path, "--sections", "pytest,mlp,torch")
+    report = run(tmp_path, "--sections", "pytest,mlp,torch", "--bundle", str(tmp_path / "b"))
     s = sections(report)
+    # what the device tool brings back: three files
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == [
+        "gpu_run.json", "gpu_run.md", "logs.tar.gz"]
     assert list(s) == ["pytest", "torch", "mlp"]  # the run's order, extra networks last
     assert s["pytest"]["status"] == "skipped" and "no CuPy" in s["pytest"]["reason"]
     reason = s["torch"]["reason"]
@@ -79,6 +82,7 @@ def test_tiny_lstm_and_resnet50(tmp_path):
     report = run(tmp_path, "--sections", "resnet50,lstm", timeout=900)
     s = sections(report)
     assert s["resnet50"]["status"] == "ok" and s["lstm"]["status"] == "ok", s
+    assert {r["case"] for r in s["resnet50"]["rows"]} >= {"vanilla", "least", "nested"}
     for name in ("resnet50", "lstm"):
         for r in s[name]["rows"]:
             if "identical" in r:

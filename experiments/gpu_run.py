@@ -192,7 +192,7 @@ def run_all(args: argparse.Namespace) -> int:
 def bundle(out: Path, dest: Optional[str]) -> None:
     """Copy the report to ``dest`` as three files (the device tool brings
     back a few files only): ``gpu_run.md``, ``gpu_run.json`` and
-    ``logs.tar.gz`` (``logs/``, ``rows/`` and ``setup.log``)."""
+    ``logs.tar.gz`` (``logs/``, ``rows/``, ``graphs/`` and ``setup.log``)."""
     if not dest:
         return
     import shutil
@@ -203,7 +203,7 @@ def bundle(out: Path, dest: Optional[str]) -> None:
         shutil.copyfile(out / f, d / f)
     tmp = d / "logs.tar.gz.part"
     with tarfile.open(tmp, "w:gz") as tar:
-        for f in ("logs", "rows", "setup.log"):
+        for f in ("logs", "rows", "graphs", "setup.log"):
             if (out / f).exists():
                 tar.add(out / f, arcname=f)
     tmp.replace(d / "logs.tar.gz")
@@ -600,6 +600,18 @@ def paired(ts: List[float], base: List[float]) -> float:
     return statistics.median(a / b - 1 for a, b in zip(ts, base))
 
 
+def save_graphs(ctx: Context, name: str, model: Any) -> None:
+    """The model's planned graphs, recorded on this device, as
+    ``OUT/graphs/NAME-K.json`` (in ``logs.tar.gz`` with ``--bundle``): what
+    the memory model predicted from, to replay on another machine."""
+    import chainer_recompute as cr
+    from chainer_recompute.core.io import save_graph
+    folder = Path(ctx.args.out) / "graphs"
+    folder.mkdir(exist_ok=True)
+    for k, g in enumerate(cr.runner_of(model).planned_graphs()):
+        save_graph(g, folder / f"{name}-{k}.json")
+
+
 def nested_least(base: Any, x: Any, t: Any, step: "Step", xp: Any) -> Optional[int]:
     """The least budget with nested recomputation (issue 35) of the model
     as a step runs it, from the error a budget of one byte gets at the
@@ -681,6 +693,8 @@ def section_net(ctx: Context, name: str, batch: int, full: bool, nested: bool = 
                      note=f"{type(e).__name__}: {str(e)[:300]}")
             continue
         models[label] = model
+        if label == "least":  # the graph as recorded here, to replay elsewhere (core.io)
+            save_graphs(ctx, name, model)
         planned = [(r, s) for r, s in zip(res, stats) if s and s["path"] == "planned"]
         last = planned[-1][1] if planned else (stats[-1] or {})
         if label == "least":  # before any correction of the plan after a step
@@ -966,7 +980,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                         "(510; --tiny: 3600)")
     p.add_argument("--bundle", metavar="DIR",
                    help="after each section, copy gpu_run.md, gpu_run.json and logs.tar.gz "
-                        "(logs/, rows/, setup.log) there: three files")
+                        "(logs/, rows/, graphs/, setup.log) there: three files")
     p.add_argument("--box-scale", type=float, default=1.0, help="multiply every time box")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

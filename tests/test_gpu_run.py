@@ -34,6 +34,12 @@ def test_tiny_run_writes_table_and_json_with_identical_rows(tmp_path):
     # what the device tool brings back: three files
     assert sorted(p.name for p in (tmp_path / "b").iterdir()) == [
         "gpu_run.json", "gpu_run.md", "logs.tar.gz"]
+    # with the graph the least plan was made from, to replay elsewhere
+    import tarfile
+    from chainer_recompute.core.io import load_graph
+    with tarfile.open(tmp_path / "b" / "logs.tar.gz") as tar:
+        assert any(n.startswith("graphs/mlp-") for n in tar.getnames())
+    assert load_graph(next((tmp_path / "graphs").glob("mlp-*.json"))).n > 0
     assert list(s) == ["pytest", "torch", "mlp"]  # the run's order, extra networks last
     assert s["pytest"]["status"] == "skipped" and "no CuPy" in s["pytest"]["reason"]
     reason = s["torch"]["reason"]

@@ -19,7 +19,7 @@ skipped is recorded without stopping the rest:
    572x572): plain Chainer, ``apply(budget='least')`` and a byte budget
    halfway between the least and plain's measured peak; on ResNet50 and
    ResNet152, also the least budget with nested recomputation (issue 35),
-   below the single-level least. Three steps of
+   below the single-level least, searched on the least plan's graph. Three steps of
    each from the same parameters with NumPy's and CuPy's generators seeded
    alike: loss, gradients, parameters and BatchNorm statistics compared bit
    for bit with plain's; the pool's used and total peaks of the planned
@@ -612,20 +612,15 @@ def save_graphs(ctx: Context, name: str, model: Any) -> None:
         save_graph(g, folder / f"{name}-{k}.json")
 
 
-def nested_least(base: Any, x: Any, t: Any, step: "Step", xp: Any) -> Optional[int]:
-    """The least budget with nested recomputation (issue 35) of the model
-    as a step runs it, from the error a budget of one byte gets at the
-    first call: ``apply()`` says the least it can reach."""
+def nested_least(least_model: Any) -> Optional[int]:
+    """The least budget with nested recomputation (issue 35), from the
+    graph the least plan was made from, as ``apply()`` searches it below
+    the single-level least (``BudgetSearch.nested_least``, with the
+    planner's headroom)."""
     import chainer_recompute as cr
-    probe = cr.apply(copy.deepcopy(base), budget=1, verbose=False)
-    try:
-        run_steps(probe, x, t, step, 1, None, xp)
-    except cr.InfeasibleBudgetError as e:
-        return None if e.least_feasible_bytes is None else int(e.least_feasible_bytes)
-    finally:
-        del probe
-        gc.collect()
-    raise RuntimeError("a budget of 1 byte was not refused")
+    from chainer_recompute.core.budget import BudgetSearch, least_for
+    got = BudgetSearch(cr.runner_of(least_model).planned_graphs()[-1], "auto").nested_least()
+    return None if got is None else least_for(got[1])
 
 
 def section_net(ctx: Context, name: str, batch: int, full: bool, nested: bool = False) -> None:
@@ -652,13 +647,13 @@ def section_net(ctx: Context, name: str, batch: int, full: bool, nested: bool = 
     found = ""
     labels = ("least", "half", "nested") if nested else ("least", "half") if full else ("least",)
     for label in labels:
-        if label != "least" and "least_bytes" not in budgets:
+        if label != "least" and "least" not in models:
             ctx.emit(case=label, note="not run: no least plan ran")
             continue
         if label == "nested":  # below the single-level least (issue 35)
             t0 = time.monotonic()
             try:
-                below = nested_least(base, x, t, step, xp)
+                below = nested_least(models["least"])
             except Exception as e:  # noqa: BLE001  (said; the timing rounds still run)
                 traceback.print_exc()
                 ctx.emit(case=label, note=f"the nested least not found: {type(e).__name__}: "

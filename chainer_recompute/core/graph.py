@@ -496,8 +496,8 @@ class Graph:
         >>> g.forward_only
         (2,)
         """
-        run = set(self.backward_order) if self.backward_order is not None else {
-            v for v, node in enumerate(self.nodes) if node.has_backward}
+        from .replay import backward_steps  # (replay imports this module)
+        run = set(backward_steps(self))
         needed = [False] * self.n
         for v in range(self.n - 1, -1, -1):
             needed[v] = v in run or any(needed[w] for w in self.succs[v])

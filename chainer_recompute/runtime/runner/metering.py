@@ -215,7 +215,7 @@ class StepMeter:
     optimizer's update (:meth:`start`), what an earlier call's graph still
     holds at the next (:meth:`count_held_graph`), the calls of one step
     held at once (:meth:`find_step`, :meth:`count_step_calls`), and the
-    correction of a plan that a step overshot (:meth:`apply_corrections`,
+    correction of a plan that a step overshot (:meth:`apply_pending`,
     at the next call: planned by ``planner``).
 
     Args:
@@ -237,7 +237,8 @@ class StepMeter:
         # the function nodes of the previous call's graph (weak references)
         # when this call found it alive
         self._held_previous: Optional[List[Any]] = None
-        #: plans to replay without the previous call's graph (check_held_graph)
+        #: plans to replay without the previous call's graph (check_held_graph,
+        #: apply_pending)
         self._let_go: Optional[List[Tuple[_Entry, _Structure]]] = None
         # whether that graph was still alive at the forward's first function
         # when last seen (None: never seen)
@@ -449,7 +450,7 @@ class StepMeter:
                measured: int) -> None:
         """A peak over the budget (total scope): the memory model is to be
         corrected by what the plan missed, and the structure planned again
-        at the model's next call (:meth:`apply_corrections`): the check
+        at the model's next call (:meth:`apply_pending`): the check
         runs inside the step (at the end of its backward, or of the
         optimizer's update), and planning there would add the planner's
         memory to the step the budget bounds."""
@@ -465,11 +466,34 @@ class StepMeter:
         _, _, before = self.corrections.get(id(s), (entry, s, 0))
         self.corrections[id(s)] = (entry, s, max(before, correction))
 
-    def apply_corrections(self) -> None:
-        """At a training call, before its meter starts: the structures that
-        overshot their budget planned again with the memory model corrected
-        by what they missed. A budget the corrected model cannot meet is
-        raised (or warned about) by the call of that signature."""
+    @property
+    def pending(self) -> bool:
+        """Whether plans are to change at the model's next call
+        (:meth:`apply_pending`)."""
+        return bool(self.corrections or self._let_go)
+
+    def apply_pending(self) -> None:
+        """At a training call, before its meter starts: the plans that
+        :meth:`check_held_graph` found let go of the previous call's graph,
+        replayed without it (the same plan, its prediction and plain
+        Chainer's as they are); then the structures that overshot their
+        budget planned again with the memory model corrected by what they
+        missed. A budget the corrected model cannot meet is raised (or
+        warned about) by the call of that signature."""
+        let_go, self._let_go = self._let_go, None
+        if let_go:
+            from ...core.replay import replay
+            for entry, s in let_go:
+                if s not in entry.structures or not s.graph.step.held_into_next_forward:
+                    continue
+                graph = s.graph.with_step(held_into_next_forward=False)
+                peak = replay(graph, s.program if s.plan.recompute else None,
+                              release_mode=s.program.release_mode).peak_bytes
+                info = dict(s.plan.info)
+                if "vanilla_peak_bytes" in info:
+                    info["vanilla_peak_bytes"] = replay(graph, None).peak_bytes
+                s.graph = s.program.graph = graph
+                s.plan = dataclasses.replace(s.plan, predicted_peak_bytes=int(peak), info=info)
         pending, self.corrections = self.corrections, None
         for entry, s, correction in (pending or {}).values():
             if s in entry.structures:
@@ -482,7 +506,7 @@ class StepMeter:
         forward (``held_into_next_forward``, assumed for a model that keeps
         an output in an attribute) when the model let go of it before its
         first function (``L.Classifier`` and ``L.LSTM``'s ``reset_state``
-        do) is to be replayed without it (:meth:`replay_let_go`), at the
+        do) is to be replayed without it (:meth:`apply_pending`), at the
         model's next call: the replay and the graph it makes would be in
         this step's peak (3 KB a graph array per 386 functions, 14 KB over
         the prediction on Chainer's PTB LSTM, which a tight budget's
@@ -495,25 +519,6 @@ class StepMeter:
                   if s.program is hook.program and s.graph.step.held_into_next_forward]
         if let_go:
             self._let_go = (self._let_go or []) + let_go
-
-    def replay_let_go(self) -> None:
-        """At a training call, before its meter starts: the plans that
-        :meth:`check_held_graph` found let go of the previous call's graph,
-        replayed without it: the same plan, its prediction and plain
-        Chainer's as they are."""
-        pending, self._let_go = self._let_go, None
-        from ...core.replay import replay
-        for entry, s in pending or ():
-            if s not in entry.structures or not s.graph.step.held_into_next_forward:
-                continue
-            graph = s.graph.with_step(held_into_next_forward=False)
-            peak = replay(graph, s.program if s.plan.recompute else None,
-                          release_mode=s.program.release_mode).peak_bytes
-            info = dict(s.plan.info)
-            if "vanilla_peak_bytes" in info:
-                info["vanilla_peak_bytes"] = replay(graph, None).peak_bytes
-            s.graph = s.program.graph = graph
-            s.plan = dataclasses.replace(s.plan, predicted_peak_bytes=int(peak), info=info)
 
     def watch_held_graph(self, hook: IterationHook) -> None:
         """Whether the previous call's graph, alive at this call, is still

@@ -381,8 +381,8 @@ class Recompute:
     def plan_for(self, *args: Any, **kwargs: Any) -> Any:
         """The plan for these inputs: the current one, or one made now from
         a separate capture that leaves no trace."""
-        if self.steps.corrections:
-            self.steps.apply_corrections()
+        if self.steps.pending:
+            self.steps.apply_pending()
         entry = self.entries.entry(self.signature(args, kwargs))
         if entry.pending is not None:
             self.planner.plan_pending(entry, args, kwargs)
@@ -456,9 +456,8 @@ class Recompute:
         # plans made again here, where no step's meter runs: after a
         # correction, for a graph held into this call, for more calls per step
         with planner.watch_planning(entry, args, kwargs, "again at a training call"):
-            if steps.corrections:
-                steps.apply_corrections()
-            steps.replay_let_go()
+            if steps.pending:
+                steps.apply_pending()
             steps.count_held_graph(entry)
             steps.count_step_calls(entry, args)
         if entry.error is not None:

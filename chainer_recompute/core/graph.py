@@ -480,6 +480,13 @@ class Graph:
         :func:`~chainer_recompute.core.keep.with_must_keep`)."""
         return frozenset(v for v, node in enumerate(self.nodes) if node.must_keep)
 
+    def backward_steps(self) -> List[int]:
+        """The nodes whose backward runs, in the order it runs: the recorded
+        order, else reverse node order (those with a backward)."""
+        if self.backward_order:
+            return list(self.backward_order)
+        return [v for v in range(self.n - 1, -1, -1) if self.nodes[v].has_backward]
+
     @functools.cached_property
     def forward_only(self) -> Tuple[int, ...]:
         """The nodes no backward needs, in topological order: the recorded
@@ -496,8 +503,7 @@ class Graph:
         >>> g.forward_only
         (2,)
         """
-        from .replay import backward_steps  # (replay imports this module)
-        run = set(backward_steps(self))
+        run = set(self.backward_steps())
         needed = [False] * self.n
         for v in range(self.n - 1, -1, -1):
             needed[v] = v in run or any(needed[w] for w in self.succs[v])

@@ -263,11 +263,9 @@ def lifetimes(graph: Graph) -> Tuple[Dict[int, List[int]], Dict[int, List[int]],
 
 
 def backward_steps(graph: Graph) -> List[int]:
-    """The nodes whose backward runs, in the order it runs: the recorded
-    order, else reverse node order (those with a backward)."""
-    if graph.backward_order:
-        return list(graph.backward_order)
-    return [v for v in range(graph.n - 1, -1, -1) if graph.nodes[v].has_backward]
+    """The nodes whose backward runs, in the order it runs
+    (:meth:`~chainer_recompute.core.graph.Graph.backward_steps`)."""
+    return graph.backward_steps()
 
 
 def param_grad_bytes(graph: Graph) -> int:

@@ -283,6 +283,12 @@ class _Memory:
     def __init__(self, graph: Graph, base: int) -> None:
         self.graph = graph
         self.owner = [a.id if a.view_of is None else a.view_of for a in graph.arrays]
+        # the buffer each array is in now: its owner's, or after a
+        # regeneration that made the owner again while views of the old
+        # one were still held, the owner's second buffer (``n + owner``;
+        # see :meth:`remake`)
+        self.n_arrays = len(graph.arrays)
+        self.cur = list(self.owner)
         # Buffers of parameters and of the caller's inputs (and views of
         # them) are in the constant: holding them adds nothing.
         self.constant = {a.id for a in graph.arrays
@@ -319,30 +325,51 @@ class _Memory:
             self.pool.free(h)
         self.trace.append(used)
 
+    def buffer_array(self, buf: int) -> Any:
+        """The array whose bytes buffer ``buf`` takes."""
+        return self.graph.arrays[buf % self.n_arrays] if self.n_arrays else None
+
     def hold(self, a: int, why: str) -> None:
-        buf = self.owner[a]
-        if buf in self.constant:
+        if self.owner[a] in self.constant:
             return
+        buf = self.cur[a]
         held = self.holders.get(buf)
         if held is None:
             held = self.holders[buf] = set()
-            self.alloc(("buf", buf), self.graph.arrays[buf].owned_bytes)
+            self.alloc(("buf", buf), self.buffer_array(buf).owned_bytes)
         held.add((a, why))
 
     def drop(self, a: int, why: str) -> None:
-        buf = self.owner[a]
+        buf = self.cur[a]
         held = self.holders.get(buf)
         if held is None:
             return
         held.discard((a, why))
         if not held:
             del self.holders[buf]
-            self.free(("buf", buf), self.graph.arrays[buf].owned_bytes)
+            self.free(("buf", buf), self.buffer_array(buf).owned_bytes)
 
     def alive(self, a: int) -> bool:
         if self.owner[a] in self.constant:
             return True
-        return any(x == a for x, _ in self.holders.get(self.owner[a], ()))
+        return any(x == a for x, _ in self.holders.get(self.cur[a], ()))
+
+    def remake(self, a: int) -> None:
+        """Array ``a`` is made again by a regeneration. Held by nothing
+        itself, it is a new buffer where its owner's old one is still held
+        by views of it (a checkpoint that is a ``Reshape`` of a dropped
+        output keeps that output's memory): it goes to the owner's other
+        buffer, and the views made after it, to the owner's buffer then.
+        (Two buffers per owner at most; a third is counted in the second.)"""
+        r = self.owner[a]
+        if r in self.constant or any(x == a for x, _ in self.holders.get(self.cur[a], ())):
+            return
+        if r != a:
+            self.cur[a] = self.cur[r]
+        elif self.cur[a] in self.holders:
+            other = a + self.n_arrays if self.cur[a] == a else a
+            if other not in self.holders:
+                self.cur[a] = other
 
     def set_attr(self, key: Tuple[int, str], nbytes: int) -> None:
         if key not in self.attrs:
@@ -702,6 +729,7 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
                 if nested else {})
         for u in steps:
             for a in nodes[u].outputs:
+                mem.remake(a)
                 mem.hold(a, "val")
                 values.add(a)
             for name, nbytes, remade in held_attrs(u):
@@ -789,13 +817,14 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
     # model's next call (``step.held_into_next_forward``) holds it
     # through that call's forward, so the forward's events carry it too.
     held = graph.step.held_into_next_forward
-    held_end = (sum(arrays[buf].nbytes for buf in mem.holders) + sum(mem.attrs.values())
+    held_end = (sum(mem.buffer_array(buf).nbytes for buf in mem.holders)
+                + sum(mem.attrs.values())
                 + held_caller_input_bytes(graph) if held else 0)
     # The optimizer update: the graph is gone by then, or it still holds
     # what nothing released (see graph_gone_at_update).
     if graph_gone_at_update(graph):
         for buf in list(mem.holders):
-            mem.free(("buf", buf), arrays[buf].nbytes)
+            mem.free(("buf", buf), mem.buffer_array(buf).nbytes)
         mem.holders.clear()
         for key in list(mem.attrs):
             mem.clear_attr(key)

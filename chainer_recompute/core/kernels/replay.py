@@ -191,7 +191,8 @@ def context_of(graph: Graph, helpers: Any) -> ReplayContext:
 
 def _kernel() -> Any:
     return compiled(sys.modules[__name__], "_replay_loop",
-                    helpers=("_event", "_attr_hold", "_hold", "_drop", "_release", "_regenerable"))
+                    helpers=("_event", "_attr_hold", "_hold", "_drop", "_remake", "_release",
+                             "_regenerable"))
 
 
 def run_kernel(ctx: ReplayContext, dropped: Optional[np.ndarray], block_of: Optional[np.ndarray],
@@ -234,7 +235,13 @@ def _replay_loop(n, owner, owned, nbytes, pc, constown, producer, dies_at, retby
     VAR, RET, PIN, VAL = 1, 2, 4, 8
     n_arrays = owner.shape[0]
     reasons = np.zeros(n_arrays, dtype=np.uint8)
-    count = np.zeros(n_arrays, dtype=np.int64)
+    # two buffers per owner: its own and, made again by a regeneration
+    # while views of the old one are held, a second (the reference
+    # replay's ``_Memory.remake``)
+    count = np.zeros(2 * n_arrays, dtype=np.int64)
+    cur = owner.copy()
+    owned2 = np.concatenate((owned, owned))
+    nbytes2 = np.concatenate((nbytes, nbytes))
     attr_on = np.zeros(n_keys, dtype=np.bool_)
     attr_nb = np.zeros(n_keys, dtype=np.int64)
     released = np.zeros(n, dtype=np.bool_)
@@ -280,55 +287,55 @@ def _replay_loop(n, owner, owned, nbytes, pc, constown, producer, dies_at, retby
     # ------------------------------------------------------------ forward
     for i in range(n):
         for k in range(dies_p[i], dies_p[i + 1]):
-            level += _drop(dies_i[k], VAR, reasons, count, owner, owned)
+            level += _drop(dies_i[k], VAR, reasons, count, cur, owned2)
         if unrec[i] > 0:
             trace, kinds, ev_u, ev_w, cap, ne = _event(
                 trace, kinds, ev_u, ev_w, cap, ne, level + unrec[i], 5, i, -1)
         for k in range(made_p[i], made_p[i + 1]):
-            level += _hold(made_i[k], VAR, reasons, count, owner, owned, constown)
+            level += _hold(made_i[k], VAR, reasons, count, cur, owned2, constown)
         if has_plan:
             for k in range(rel_p[i], rel_p[i + 1]):
                 level += _release(rel_i[k], out_p, out_i, held_p, held_key, held_der, reasons,
-                                  count, owner, owned, attr_on, attr_nb, released)
+                                  count, cur, owned2, attr_on, attr_nb, released)
         for k in range(tmp_p[i], tmp_p[i + 1]):
-            level += _hold(tmp_i[k], VAR, reasons, count, owner, owned, constown)
+            level += _hold(tmp_i[k], VAR, reasons, count, cur, owned2, constown)
         if has_plan and dropped[i]:
             for k in range(in_p[i], in_p[i + 1]):
                 a = in_i[k]
                 p = producer[a]
                 if (p < 0 or not dropped[p]) and not pc[a]:
-                    level += _hold(a, PIN, reasons, count, owner, owned, constown)
+                    level += _hold(a, PIN, reasons, count, cur, owned2, constown)
         for k in range(out_p[i], out_p[i + 1]):
-            level += _hold(out_i[k], VAR, reasons, count, owner, owned, constown)
+            level += _hold(out_i[k], VAR, reasons, count, cur, owned2, constown)
         for k in range(rout_p[i], rout_p[i + 1]):
-            level += _hold(rout_i[k], RET, reasons, count, owner, owned, constown)
+            level += _hold(rout_i[k], RET, reasons, count, cur, owned2, constown)
         for k in range(rin_p[i], rin_p[i + 1]):
             a = rin_i[k]
             if not pc[a]:
-                level += _hold(a, RET, reasons, count, owner, owned, constown)
+                level += _hold(a, RET, reasons, count, cur, owned2, constown)
         for k in range(held_p[i], held_p[i + 1]):
             level += _attr_hold(held_key[k], held_nb[k], attr_on, attr_nb)
         trace, kinds, ev_u, ev_w, cap, ne = _event(
             trace, kinds, ev_u, ev_w, cap, ne, level + ftr[i], 0, i, -1)
         for k in range(tmp_p[i], tmp_p[i + 1]):
-            level += _drop(tmp_i[k], VAR, reasons, count, owner, owned)
+            level += _drop(tmp_i[k], VAR, reasons, count, cur, owned2)
         for k in range(out_p[i], out_p[i + 1]):
             a = out_i[k]
             if dies_at[a] >= 0 and dies_at[a] <= i + 1:
-                level += _drop(a, VAR, reasons, count, owner, owned)
+                level += _drop(a, VAR, reasons, count, cur, owned2)
     for k in range(dies_p[n], dies_p[n + 1]):
-        level += _drop(dies_i[k], VAR, reasons, count, owner, owned)
+        level += _drop(dies_i[k], VAR, reasons, count, cur, owned2)
     if unrec[n] > 0:
         trace, kinds, ev_u, ev_w, cap, ne = _event(
             trace, kinds, ev_u, ev_w, cap, ne, level + unrec[n], 5, n, -1)
     for k in range(made_p[n], made_p[n + 1]):
-        level += _hold(made_i[k], VAR, reasons, count, owner, owned, constown)
+        level += _hold(made_i[k], VAR, reasons, count, cur, owned2, constown)
     for k in range(dies_p[n + 1], dies_p[n + 2]):
-        level += _drop(dies_i[k], VAR, reasons, count, owner, owned)
+        level += _drop(dies_i[k], VAR, reasons, count, cur, owned2)
     if has_plan:
         for k in range(rel_p[n], rel_p[n + 1]):
             level += _release(rel_i[k], out_p, out_i, held_p, held_key, held_der, reasons,
-                              count, owner, owned, attr_on, attr_nb, released)
+                              count, cur, owned2, attr_on, attr_nb, released)
     trace, kinds, ev_u, ev_w, cap, ne = _event(
         trace, kinds, ev_u, ev_w, cap, ne, level + outside_peak, 1, -1, -1)
     level -= old_grads
@@ -408,7 +415,8 @@ def _replay_loop(n, owner, owned, nbytes, pc, constown, producer, dies_at, retby
                     u = todo[t]
                     for k in range(out_p[u], out_p[u + 1]):
                         a = out_i[k]
-                        level += _hold(a, VAL, reasons, count, owner, owned, constown)
+                        _remake(a, reasons, count, owner, cur, constown, n_arrays)
+                        level += _hold(a, VAL, reasons, count, cur, owned2, constown)
                         if vmark[a] != stamp:
                             vmark[a] = stamp
                             values[nv] = a
@@ -424,7 +432,7 @@ def _replay_loop(n, owner, owned, nbytes, pc, constown, producer, dies_at, retby
                         for k in range(out_p[u], out_p[u + 1]):
                             a = out_i[k]
                             if retby[a]:
-                                level += _hold(a, RET, reasons, count, owner, owned, constown)
+                                level += _hold(a, RET, reasons, count, cur, owned2, constown)
                     else:
                         for k in range(held_p[u], held_p[u + 1]):
                             if held_der[k]:
@@ -433,7 +441,7 @@ def _replay_loop(n, owner, owned, nbytes, pc, constown, producer, dies_at, retby
                                     attr_on[key] = False
                                     level -= attr_nb[key]
                 for t in range(nv):
-                    level += _drop(values[t], VAL, reasons, count, owner, owned)
+                    level += _drop(values[t], VAL, reasons, count, cur, owned2)
         trace, kinds, ev_u, ev_w, cap, ne = _event(
             trace, kinds, ev_u, ev_w, cap, ne, level + g_rec[s] + g_extra[s], 3, w, -1)
         grad = g_after[s]
@@ -448,21 +456,21 @@ def _replay_loop(n, owner, owned, nbytes, pc, constown, producer, dies_at, retby
                             and _regenerable(u, regen, stack_v, stack_k, in_p, in_i, producer,
                                              pc, constown, reasons)):
                         level += _release(u, out_p, out_i, held_p, held_key, held_der, reasons,
-                                          count, owner, owned, attr_on, attr_nb, released)
+                                          count, cur, owned2, attr_on, attr_nb, released)
     # what the graph still holds after its backward (a graph held into the
     # next call holds it through that call's forward)
     held_end = 0
-    for b in range(n_arrays):
+    for b in range(2 * n_arrays):
         if count[b] > 0:
-            held_end += nbytes[b]
+            held_end += nbytes2[b]
     for key in range(n_keys):
         if attr_on[key]:
             held_end += attr_nb[key]
     # the optimizer update
     if free_all:
-        for b in range(n_arrays):
+        for b in range(2 * n_arrays):
             if count[b] > 0:
-                level -= nbytes[b]
+                level -= nbytes2[b]
                 count[b] = 0
         for a in range(n_arrays):
             reasons[a] = 0
@@ -515,6 +523,19 @@ def _hold(a, bit, reasons, count, owner, owned, constown):
     if count[buf] == 1:
         return owned[buf]
     return 0
+
+
+def _remake(a, reasons, count, owner, cur, constown, n_arrays):
+    """As the reference replay's ``_Memory.remake``."""
+    r = owner[a]
+    if constown[a] or reasons[a] != 0:
+        return
+    if r != a:
+        cur[a] = cur[r]
+    elif count[cur[a]] > 0:
+        other = a + n_arrays if cur[a] == a else a
+        if count[other] == 0:
+            cur[a] = other
 
 
 def _drop(a, bit, reasons, count, owner, owned):

@@ -95,3 +95,31 @@ def test_on_a_uniform_chain_the_dp_is_revolve(t):
         assert table.time[m] + t - 1 == want, (t, m, table.time[m], want)
         peak, time = tree_cost([1] * (t - 1), [0] * t, [1] * t, table.levels(m))
         assert peak <= m and time == table.time[m]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_base_below_every_need_changes_no_tree_and_spends_the_units_above_it(seed):
+    """Blocks that need 1,000 bytes or more beside checkpoints of a few:
+    with ``base`` their least need, the table in units of one byte above
+    it is the exact DP shifted by ``base`` (the brute force's); without,
+    in as many units over the whole range, a checkpoint rounds up to a
+    unit of dozens of bytes, and the least found is higher or none."""
+    rs = np.random.RandomState(seed)
+    k = int(rs.randint(3, 7))
+    c = rs.randint(1, 6, k - 1).tolist()
+    w = (1000 + rs.randint(0, 9, k)).tolist()
+    tau = rs.randint(1, 5, k).tolist()
+    base = min(w)
+    grid = int(sum(c) + max(w) - base)
+    table = TreeTable(c, w, tau, budget=base + grid, grid=grid, base=base)
+    for m in range(grid + 1):
+        want = brute_force(c, w, tau, base + m)
+        if want is None:
+            assert not np.isfinite(table.time[m]), (m, table.time[m])
+            continue
+        assert table.time[m] == want[0], (m, table.time[m], want)
+        assert tree_cost(c, w, tau, table.levels(m))[0] <= base + m
+    coarse = TreeTable(c, w, tau, budget=base + grid, grid=grid)
+    assert coarse.least() is None or coarse.least() * coarse.unit > base + table.least()
+    with pytest.raises(ValueError, match="above a block's need"):
+        TreeTable(c, w, tau, budget=base + grid, base=base + 1)

@@ -39,8 +39,8 @@ from .plan import Plan, make_plan, replace_plan
 from .replay import ReplayResult, backward_steps, replay
 from .solvers import nested_tree
 
-__all__ = ["NestedSearch", "backward_positions", "nest", "nested_plan", "split_block",
-           "two_levels"]
+__all__ = ["NestedSearch", "backward_positions", "cut_block", "nest", "nested_plan",
+           "split_block", "two_levels"]
 
 #: outer-block sizes tried per fine chain (geometric), then refined
 #: between the neighbours of the best
@@ -55,6 +55,10 @@ TREE_LOW = 8
 TREE_HIGH = 4
 #: rounds of refinement at the least plan's peak (:meth:`NestedSearch._refined`)
 REFINE_ROUNDS = 4
+#: rounds of cutting the blocks that bound the tree DP's least (:meth:`NestedSearch._cut`),
+#: and how near the bound a block's need must come to be cut
+CUT_ROUNDS = 8
+CUT_TOL = 0.01
 #: on graphs of this many nodes or more, the fine chains' groupings are
 #: ranked by the tree DP's model (:func:`~.solvers.nested_tree.tree_peak`)
 #: and only those of least modelled peak, of all chains, are replayed (a
@@ -174,8 +178,11 @@ def _grouping(sizes: Sequence[int], threshold: float) -> Tuple[int, ...]:
 _EVENT_NODE = re.compile(r"^(?:backward (\d+) |regenerate \d+ \S+ for backward (\d+)$)")
 
 
-def _profile(graph: Graph, plan: Plan, cost: np.ndarray
-             ) -> Tuple[List[int], List[int], List[float], int]:
+#: a chain's figures for the tree DP: crossing bytes, block needs, block costs, peak
+_Profile = Tuple[List[int], List[int], List[float], int]
+
+
+def _profile(graph: Graph, plan: Plan, cost: np.ndarray) -> _Profile:
     """The tree DP's figures of ``plan``'s chain
     (:mod:`~chainer_recompute.core.solvers.nested_tree`): the bytes crossing
     each boundary (the outputs of nodes before it read after it); what each
@@ -247,6 +254,47 @@ def split_block(lower_sets: Sequence[FrozenSet[int]], b: int, position: Sequence
         acc.add(v)
         out.append(frozenset(acc))
     return out + list(lower_sets[b:])
+
+
+def cut_block(graph: Graph, lower_sets: Sequence[FrozenSet[int]], b: int,
+              position: Sequence[int]) -> Optional[List[FrozenSet[int]]]:
+    """The chain ``lower_sets`` with its block ``b`` cut in two where the
+    fewest bytes cross: after the prefix, in the order ``position`` gives
+    (:func:`backward_positions`), whose outputs read beyond it weigh least
+    (of equal ones, the nearest the middle). ``None`` for a block of one
+    node.
+
+    >>> g = Graph.from_edges([4, 8, 1, 8, 4], [(0, 1), (1, 2), (2, 3), (3, 4)])
+    >>> [sorted(x) for x in cut_block(g, [frozenset(range(5))], 0, range(5))]
+    [[0, 1, 2], [0, 1, 2, 3, 4]]
+    """
+    prev = lower_sets[b - 1] if b else frozenset()
+    nodes = sorted(lower_sets[b] - prev, key=lambda v: position[v])
+    if len(nodes) < 2:
+        return None
+    inside = set(prev)
+    # bytes of the nodes inside read outside, kept as each node comes in
+    out_readers = {}
+    crossing = sum(graph.arrays[a].owned_bytes for v in prev for a in graph.nodes[v].outputs
+                   if graph.succs[v] and any(w not in prev for w in graph.succs[v]))
+    best: Optional[Tuple[Tuple[int, float], int]] = None
+    for k, v in enumerate(nodes[:-1], start=1):
+        inside.add(v)
+        n_out = sum(w not in inside for w in graph.succs[v])
+        out_readers[v] = n_out
+        if n_out:
+            crossing += sum(graph.arrays[a].owned_bytes for a in graph.nodes[v].outputs)
+        for u in graph.preds[v]:
+            if u in inside and out_readers.get(u, 1) > 0:
+                left = out_readers[u] = (out_readers[u] - 1 if u in out_readers else
+                                         sum(w not in inside for w in graph.succs[u]))
+                if left == 0:
+                    crossing -= sum(graph.arrays[a].owned_bytes for a in graph.nodes[u].outputs)
+        key = (crossing, abs(k - len(nodes) / 2))
+        if best is None or key < best[0]:
+            best = (key, k)
+    assert best is not None
+    return list(lower_sets[:b]) + [frozenset(prev | set(nodes[:best[1]]))] + list(lower_sets[b:])
 
 
 class NestedSearch:
@@ -335,6 +383,7 @@ class NestedSearch:
             out.append((p, p.predicted_peak_bytes))
         out += self._trees() + self._exact()
         out += self._refined(out)
+        out += self._cut(out)
         self._candidates = out
         return out
 
@@ -345,18 +394,20 @@ class NestedSearch:
         blocks, the tree DP's plans (:meth:`_tree_plans`)."""
         return [c for plan in self.fine[:MAX_FINE_CHAINS // 2] for c in self._tree_plans(plan)]
 
-    def _tree_plans(self, plan: Plan) -> List[Tuple[Plan, int]]:
+    def _tree_plans(self, plan: Plan, profile: Optional[_Profile] = None
+                    ) -> List[Tuple[Plan, int]]:
         """The tree DP's plans of ``plan``'s chain (under :func:`_profile`'s
         figures, from its single-level replay) at its least memory and
         above: the :data:`TREE_LOW` distinct trees of least memory, then
         :data:`TREE_HIGH` more spread up to the chain's single-level peak;
-        each replayed. None for a chain of more than
+        each replayed (``profile``: the chain's :func:`_profile`, when
+        known). None for a chain of more than
         :data:`~chainer_recompute.core.solvers.nested_tree.MAX_BLOCKS` blocks."""
         if plan.n_blocks > nested_tree.MAX_BLOCKS:
             return []
         cost = self.graph.without_times().node_cost  # (the trees do not move with timings)
-        c, w, tau, peak = _profile(self.graph, plan, cost)
-        table = nested_tree.TreeTable(c, w, tau, budget=peak)
+        c, w, tau, peak = profile or _profile(self.graph, plan, cost)
+        table = nested_tree.TreeTable(c, w, tau, budget=peak, base=min(w))
         least = table.least()
         if least is None:
             return []
@@ -411,6 +462,44 @@ class NestedSearch:
             if not got or min(c[1] for c in got) >= peak:
                 break
             best, peak = min(got, key=lambda c: (c[1], c[0].overhead))
+        return out
+
+    def _cut(self, found: Sequence[Tuple[Plan, int]]) -> List[Tuple[Plan, int]]:
+        """Up to :data:`CUT_ROUNDS` rounds from the fine chain of the least
+        of ``found``: the blocks whose need (:func:`_profile`'s ``w[t]``,
+        with the checkpoint before them) comes within :data:`CUT_TOL` of
+        the largest, which bounds every tree of the chain from below, each
+        cut in two where the fewest bytes cross (:func:`cut_block`), and
+        the tree DP's plans of the new chain (:meth:`_tree_plans`). A round
+        goes on from the chain the last one made, whatever its plans gave
+        (the model and the replay differ: a round that is no lower may lead
+        to one that is). A single-level DP's chain groups a recurrent
+        net's steps two by two where its memory allows (the PTB LSTM at
+        t = 30: the first 12 steps), and a tree over that chain holds two
+        steps' values at those blocks' backward."""
+        if not found:
+            return []
+        best = min(found, key=lambda c: (c[1], c[0].overhead))[0]
+        cost = self.graph.without_times().node_cost
+        position = backward_positions(self.graph)
+        fine = make_plan(self.graph, list(best.lower_sets),
+                         solver=best.solver.replace("nested-", ""), strategy=best.strategy,
+                         budget_bytes=None)
+        profile = _profile(self.graph, fine, cost)
+        out: List[Tuple[Plan, int]] = []
+        for _ in range(CUT_ROUNDS):
+            c, w = profile[:2]
+            need = [w[t] + (c[t - 1] if t else 0) for t in range(len(w))]
+            lower_sets = list(fine.lower_sets)
+            for t in sorted((t for t in range(len(w)) if need[t] >= max(need) * (1 - CUT_TOL)),
+                            reverse=True):  # (from the last: the indices before stay)
+                lower_sets = cut_block(self.graph, lower_sets, t, position) or lower_sets
+            if len(lower_sets) == fine.n_blocks or len(lower_sets) > nested_tree.MAX_BLOCKS:
+                break
+            fine = make_plan(self.graph, lower_sets, solver=fine.solver, strategy=fine.strategy,
+                             budget_bytes=None)
+            profile = _profile(self.graph, fine, cost)
+            out += self._tree_plans(fine, profile)
         return out
 
     def _exact(self) -> List[Tuple[Plan, int]]:

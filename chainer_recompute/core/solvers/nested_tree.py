@@ -107,7 +107,13 @@ def tree_peak(c: Sequence[float], w: Sequence[float], levels: Sequence[int]) -> 
 
 class TreeTable:
     """The DP's tables for one chain and a memory range of ``budget``
-    bytes, in :data:`GRID` units (``grid``: another count of units).
+    bytes, in :data:`GRID` units (``grid``: another count of units) above
+    ``base`` bytes: ``m`` units stand for ``base + m * unit`` bytes. Every
+    memory figure of the model is one block's need plus checkpoints, so a
+    ``base`` at most each ``w[t]`` (the least of them) changes no tree and
+    spends the units on the range where trees differ: a chain whose blocks
+    need 250 KB each and whose checkpoints are 4 KB, planned within 280 KB,
+    gets units of 0.2 KB instead of 2.2 KB.
 
     >>> tt = TreeTable([1, 1, 1], [2, 2, 2, 2], [1, 1, 1, 1], budget=8, grid=8)
     >>> tt.least(), tt.levels(3), float(tt.time[3])
@@ -117,12 +123,14 @@ class TreeTable:
     """
 
     def __init__(self, c: Sequence[float], w: Sequence[float], tau: Sequence[float],
-                 budget: float, grid: int = GRID) -> None:
+                 budget: float, grid: int = GRID, base: float = 0.0) -> None:
         k = len(w)
-        self.k, self.grid = k, grid
-        self.unit = budget / grid if budget > 0 else 1.0
+        if w and base > min(w):
+            raise ValueError(f"base {base} is above a block's need ({min(w)})")
+        self.k, self.grid, self.base = k, grid, base
+        self.unit = (budget - base) / grid if budget > base else 1.0
         self.c = [min(grid + 1, math.ceil(x / self.unit)) for x in c]
-        wu = [math.ceil(x / self.unit) for x in w]
+        wu = [math.ceil((x - base) / self.unit) for x in w]
         prefix = np.concatenate([[0.0], np.cumsum(np.asarray(tau, dtype=np.float64))])
         ms = np.arange(grid + 1)
         # H[i, j]: the segment [i, j)'s least recomputation per memory unit;

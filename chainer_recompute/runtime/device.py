@@ -36,8 +36,24 @@ import numpy
 from ..core.errors import RecomputeError, UnsafeRecomputeError
 from .memory import MemoryMeter
 
-__all__ = ["Device", "CupyDevice", "CPU", "device_of", "simulate", "RandomStates",
+__all__ = ["Device", "CupyDevice", "CPU", "device_of", "dtype_name", "simulate", "RandomStates",
            "RandomTape", "recording_random", "seed_all"]
+
+_DTYPE_NAMES: Dict[Any, str] = {}
+
+
+def dtype_name(dtype: Any) -> str:
+    """``str(dtype)``, remembered: NumPy computes a dtype's name in Python
+    each time (about 3 us), and the recorder and the executor ask it for
+    every array of every function of every step.
+
+    >>> dtype_name(numpy.zeros(1, numpy.float32).dtype)
+    'float32'
+    """
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype)
+    return name
 
 
 class Device:
@@ -99,7 +115,7 @@ class Device:
         flat = numpy.ascontiguousarray(a).reshape(-1).view(numpy.uint8)
         n8 = (flat.size // 8) * 8
         total = int(flat[:n8].view(numpy.uint64).sum(dtype=numpy.uint64))
-        return (tuple(a.shape), str(a.dtype), total, zlib.crc32(flat),
+        return (tuple(a.shape), dtype_name(a.dtype), total, zlib.crc32(flat),
                 bytes(flat[n8:].tobytes()))
 
     def same(self, a: Any, b: Any) -> bool:
@@ -194,7 +210,7 @@ class CupyDevice(Device):
         for k, v in enumerate(host[1:].tolist()):
             mixed = (mixed * 0x100000001B3 + (k + 1) * int(v)) & 0xFFFFFFFFFFFFFFFF
         tail = self.to_host(flat[n4:])
-        return (tuple(a.shape), str(a.dtype), int(host[0]), mixed, bytes(tail.tobytes()))
+        return (tuple(a.shape), dtype_name(a.dtype), int(host[0]), mixed, bytes(tail.tobytes()))
 
 
 CPU = Device()

@@ -54,6 +54,23 @@ class Program(ExecutionPlan):
         returned = graph.step.returned
         self.returns_loss = bool(returned) and all(
             graph.arrays[a].shape == () for a in returned)
+        self._before: Dict[int, Tuple[Any, ...]] = {}
+
+    def before_key(self, i: int) -> Tuple[Any, ...]:
+        """What :func:`_matches_before` compares node ``i`` with, made once:
+        its function class, its inputs' shapes (``None`` where one is not
+        recorded), the inputs the caller passed (position, argument name)
+        and the parameters (position, array id)."""
+        key = self._before.get(i)
+        if key is None:
+            node, arrays = self.graph.nodes[i], self.graph.arrays
+            infos = [arrays[a] for a in node.inputs]
+            shapes = tuple(None if x.shape is None else tuple(x.shape) for x in infos)
+            key = self._before[i] = (
+                node.op, shapes if None not in shapes else None, shapes,
+                tuple((j, x.name or None) for j, x in enumerate(infos) if x.kind == "input"),
+                tuple((j, x.id) for j, x in enumerate(infos) if x.kind == "param"))
+        return key
 
     @property
     def saves_parameters(self) -> bool:
@@ -139,21 +156,22 @@ def _matches_before(p: Program, call: Call, in_data: Tuple[Any, ...]) -> bool:
     i = call.index
     if i >= p.n:
         return False
-    node = p.graph.nodes[i]
-    if node.op != call.op or len(node.inputs) != len(call.in_shapes):
+    op, known, shapes, args, params = p.before_key(i)
+    if op != call.op or len(shapes) != len(call.in_shapes):
         return False
-    arrays = p.graph.arrays
-    for a, shape, arg, x in zip(node.inputs, call.in_shapes, call.in_args, in_data):
-        info = arrays[a]
-        if info.shape is not None and tuple(info.shape) != shape:
+    if known is not None:
+        if known != call.in_shapes:
             return False
-        if info.kind == "input" and (info.name or None) != arg:
+    elif any(s is not None and s != c for s, c in zip(shapes, call.in_shapes)):
+        return False
+    for j, name in args:
+        if name != call.in_args[j]:
             return False
-        if info.kind == "param":
-            ref = p.param_refs.get(a)
-            param = ref() if ref is not None else None
-            if param is None or param.array is not x:
-                return False
+    for j, a in params:
+        ref = p.param_refs.get(a)
+        param = ref() if ref is not None else None
+        if param is None or param.array is not in_data[j]:
+            return False
     return True
 
 

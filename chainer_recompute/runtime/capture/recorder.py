@@ -37,7 +37,7 @@ import chainer
 
 from ...core.errors import CaptureError, RecomputeError
 from ...core.graph import ArrayInfo, Graph, HeldArray, Node, StepFacts
-from ..device import Device, RandomStates, device_of
+from ..device import Device, RandomStates, device_of, dtype_name
 from .arrays import (_arrays_in, _variables_in, attribute_arrays, buffer_print, fingerprint,
                      function_op, gone_watch, is_array, node_nbytes, persistent_array_ids,
                      root_of)
@@ -412,7 +412,7 @@ class Recorder(chainer.FunctionHook):
             role = roles.get(name, "state")
             if id(a) in io or (id(a) in self._external_ids and role != "written"):
                 continue
-            held.append(HeldArray(name, tuple(a.shape), str(a.dtype), nb_of(a.nbytes), role))
+            held.append(HeldArray(name, tuple(a.shape), dtype_name(a.dtype), nb_of(a.nbytes), role))
         call.held = tuple(held)
         roots = [root_of(x) if is_array(x) else None for x in in_data]
         views: List[Optional[int]] = []
@@ -426,7 +426,7 @@ class Recorder(chainer.FunctionHook):
             buffers.append(nb_of(nb) if views[-1] is None and r is not y and nb and nb > y.nbytes
                            else None)
         call.out_view = tuple(views)
-        call.out_meta = tuple((tuple(y.shape), str(y.dtype), nb_of(y.nbytes), b)
+        call.out_meta = tuple((tuple(y.shape), dtype_name(y.dtype), nb_of(y.nbytes), b)
                               for y, b in zip(out, buffers))
         call.label = getattr(function, "label", "") or ""
 
@@ -460,7 +460,7 @@ class Recorder(chainer.FunctionHook):
                 elif made is not None:
                     if made.aid is None:  # its first reader
                         made.aid = self._new_array(_ArrayRecord(
-                            tuple(xnode.shape), str(xnode.dtype), self._node_bytes(xnode),
+                            tuple(xnode.shape), dtype_name(xnode.dtype), self._node_bytes(xnode),
                             "input", None))
                         self.arrays[made.aid].made_at = made.at
                     aid = made.aid
@@ -475,7 +475,7 @@ class Recorder(chainer.FunctionHook):
                     aid = self._arg_ids.get(name) if name else None
                     if aid is None:
                         aid = self._new_array(_ArrayRecord(
-                            tuple(xnode.shape), str(xnode.dtype), self._node_bytes(xnode),
+                            tuple(xnode.shape), dtype_name(xnode.dtype), self._node_bytes(xnode),
                             "input", None, name or ""))
                         if name:
                             self._arg_ids[name] = aid
@@ -525,7 +525,7 @@ class Recorder(chainer.FunctionHook):
         """A new parameter array (``param`` read for the first time)."""
         name = self._param_names.get(id(param), param.name or "")
         node = param.node
-        aid = self._new_array(_ArrayRecord(tuple(node.shape), str(node.dtype),
+        aid = self._new_array(_ArrayRecord(tuple(node.shape), dtype_name(node.dtype),
                                            self._node_bytes(node), "param", None, name))
         self.param_refs[aid] = weakref.ref(param)
         self.array_of[node] = aid

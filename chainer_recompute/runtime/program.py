@@ -55,6 +55,7 @@ class Program(ExecutionPlan):
         self.returns_loss = bool(returned) and all(
             graph.arrays[a].shape == () for a in returned)
         self._before: Dict[int, Tuple[Any, ...]] = {}
+        self._after: Dict[int, Tuple[Any, ...]] = {}
 
     def before_key(self, i: int) -> Tuple[Any, ...]:
         """What :func:`_matches_before` compares node ``i`` with, made once:
@@ -70,6 +71,22 @@ class Program(ExecutionPlan):
                 node.op, shapes if None not in shapes else None, shapes,
                 tuple((j, x.name or None) for j, x in enumerate(infos) if x.kind == "input"),
                 tuple((j, x.id) for j, x in enumerate(infos) if x.kind == "param"))
+        return key
+
+    def after_key(self, i: int) -> Tuple[Any, ...]:
+        """What :func:`_matches_after` compares node ``i`` with, made once:
+        its inputs, outputs' count, inner parameters, the parameters it
+        reads (array ids), its outputs' shapes (position, shape) where
+        recorded, and the inputs and outputs it retains (sorted)."""
+        key = self._after.get(i)
+        if key is None:
+            node, arrays = self.graph.nodes[i], self.graph.arrays
+            key = self._after[i] = (
+                node.inputs, len(node.outputs), node.inner_params,
+                tuple(a for a in node.inputs + node.inner_params if a in self.param_refs),
+                tuple((k, tuple(arrays[a].shape)) for k, a in enumerate(node.outputs)
+                      if arrays[a].shape is not None),
+                sorted(node.retained_inputs), sorted(node.retained_outputs))
         return key
 
     @property
@@ -208,21 +225,17 @@ def _matches_after(p: Program, call: Call, param_refs: Dict[int, Any]) -> bool:
     """The call's wiring (which recorded array each input is, the very
     parameters, those its inner functions read too), outputs and retention
     are the planned node's."""
-    i = call.index
-    node = p.graph.nodes[i]
+    inputs, n_out, inner, params, shapes, keep_in, keep_out = p.after_key(call.index)
     in_ids, out_ids = call.in_ids or (), call.out_ids or ()
-    if (in_ids != node.inputs or len(out_ids) != len(node.outputs)
-            or call.inner_ids != node.inner_params):
+    if in_ids != inputs or len(out_ids) != n_out or call.inner_ids != inner:
         return False
-    for a in in_ids + call.inner_ids:
-        planned = p.param_refs.get(a)
-        if planned is not None:
-            ref = param_refs.get(a)
-            if ref is None or ref() is not planned():
-                return False
-    arrays = p.graph.arrays
-    for a, (shape, _, _, _) in zip(node.outputs, call.out_meta):
-        if arrays[a].shape is not None and tuple(arrays[a].shape) != shape:
+    for a in params:
+        ref = param_refs.get(a)
+        if ref is None or ref() is not p.param_refs[a]():
             return False
-    return (sorted(in_ids[j] for j in call.keep_in) == sorted(node.retained_inputs) and
-            sorted(out_ids[k] for k in call.keep_out) == sorted(node.retained_outputs))
+    meta = call.out_meta
+    for k, shape in shapes:
+        if k >= len(meta) or meta[k][0] != shape:
+            return False
+    return (sorted(in_ids[j] for j in call.keep_in) == keep_in and
+            sorted(out_ids[k] for k in call.keep_out) == keep_out)

@@ -4,6 +4,7 @@ checksums, the arrays of a call's arguments and of a forward's result, and
 whether a gradient array is gone."""
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Any, Callable, Iterator, List, Optional, Tuple
 
@@ -171,4 +172,4 @@ def node_nbytes(xnode: Any) -> int:
     shape, dtype = xnode.shape, xnode.dtype
     if shape is None or dtype is None:
         return 0
-    return int(numpy.prod(shape, dtype=numpy.int64)) * numpy.dtype(dtype).itemsize
+    return math.prod(int(d) for d in shape) * numpy.dtype(dtype).itemsize

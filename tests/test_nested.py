@@ -226,7 +226,7 @@ def refined_or_not(name: str, monkeypatch, keep: Tuple[str, ...] = ()
     got = BudgetSearch(g, "auto").nested_least()
     with monkeypatch.context() as m:
         for name in {"_refined", "_cut"} - set(keep):
-            m.setattr(NestedSearch, name, lambda self, found: [])
+            m.setattr(NestedSearch, name, lambda self, found, rank=None: [])
         without = BudgetSearch(g, "auto").nested_least()
     return got, without, g
 

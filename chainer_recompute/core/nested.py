@@ -28,7 +28,7 @@ which gives its peak and its recomputation).
 from __future__ import annotations
 
 import re
-from typing import Any, FrozenSet, List, Optional, Sequence, Tuple
+from typing import Any, Callable, FrozenSet, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -216,13 +216,24 @@ def _profile(graph: Graph, plan: Plan, cost: np.ndarray) -> _Profile:
 def _by_structure(candidate: Tuple[Plan, int]) -> Tuple[Any, ...]:
     """A nested candidate's rank where a refinement starts from the least:
     its peak, then what depends only on the graph's sizes and structure
-    (the nodes it recomputes, its chain), never the measured times, so
-    that the refinements, and the least they find, do not move between
-    recordings of one model (the PTB LSTM's did, by 2%, when equal peaks
-    were ranked by measured overhead)."""
+    (the finer chain first, then the fewer nodes recomputed), never the
+    measured times, so that the refinements, and the least they find, do
+    not move between recordings of one model (the PTB LSTM's did, by 2%,
+    when equal peaks were ranked by measured overhead)."""
     plan, peak = candidate
-    return (peak, plan.info.get("nested", {}).get("recomputed_nodes", 0), plan.n_blocks,
-            plan.levels or (), tuple(len(b) for b in plan.blocks))
+    return (peak, -plan.n_blocks, _recomputed(plan), plan.levels or (),
+            tuple(len(b) for b in plan.blocks))
+
+
+def _by_recomputation(candidate: Tuple[Plan, int]) -> Tuple[Any, ...]:
+    """As :func:`_by_structure`, the fewer nodes recomputed first."""
+    plan, peak = candidate
+    return (peak, _recomputed(plan), -plan.n_blocks, plan.levels or (),
+            tuple(len(b) for b in plan.blocks))
+
+
+def _recomputed(plan: Plan) -> int:
+    return int(plan.info.get("nested", {}).get("recomputed_nodes", 0))
 
 
 def backward_positions(graph: Graph) -> List[int]:
@@ -360,7 +371,8 @@ class NestedSearch:
         the groupings of least modelled peak are replayed, see
         :data:`SCREEN_REPLAY_NODES`); the trees of the tree DP
         (:meth:`_trees`, any depth); on small graphs the exact two-level
-        DP's plans (:meth:`_exact`); the refinement's (:meth:`_refined`)."""
+        DP's plans (:meth:`_exact`); the refinements' (:meth:`_refined`,
+        :meth:`_cut`), from the least plan ranked by structure two ways."""
         if self._candidates is not None:
             return self._candidates
         out: List[Tuple[Plan, int]] = []
@@ -394,8 +406,15 @@ class NestedSearch:
             p = nested_plan(self.graph, plan, levels)[0]
             out.append((p, p.predicted_peak_bytes))
         out += self._trees() + self._exact()
-        out += self._refined(out)
-        out += self._cut(out)
+        # the refinements, from the least plan by either structural rank,
+        # each going on by its rank (plans of equal peaks are common:
+        # ResNet152 refines lower from its finest chain, the PTB LSTM's cut
+        # from its least recomputing one)
+        found = list(out)
+        for rank in (_by_structure, _by_recomputation) if found else ():
+            refined = self._refined(found, rank)
+            out += refined
+            out += self._cut(found + refined, rank)
         self._candidates = out
         return out
 
@@ -434,8 +453,10 @@ class NestedSearch:
                 out.append((p, int(r.peak_bytes)))
         return out
 
-    def _refined(self, found: Sequence[Tuple[Plan, int]]) -> List[Tuple[Plan, int]]:
-        """Up to :data:`REFINE_ROUNDS` rounds from the least of ``found``:
+    def _refined(self, found: Sequence[Tuple[Plan, int]],
+                 rank: Callable[..., Any] = _by_structure) -> List[Tuple[Plan, int]]:
+        """Up to :data:`REFINE_ROUNDS` rounds from the least of ``found``
+        (by ``rank``):
         its fine chain with the block of its peak's backward (or the larger
         of its neighbours, when that block is one node) split into one
         block per node in the backward's order reversed (:func:`split_block`,
@@ -448,7 +469,7 @@ class NestedSearch:
         path's backward); split, the tree lets them go."""
         if not found:
             return []
-        best, peak = min(found, key=_by_structure)
+        best, peak = min(found, key=rank)
         position: Optional[List[int]] = None
         out: List[Tuple[Plan, int]] = []
         for _ in range(REFINE_ROUNDS):
@@ -473,12 +494,13 @@ class NestedSearch:
             out += got
             if not got or min(c[1] for c in got) >= peak:
                 break
-            best, peak = min(got, key=_by_structure)
+            best, peak = min(got, key=rank)
         return out
 
-    def _cut(self, found: Sequence[Tuple[Plan, int]]) -> List[Tuple[Plan, int]]:
+    def _cut(self, found: Sequence[Tuple[Plan, int]],
+             rank: Callable[..., Any] = _by_structure) -> List[Tuple[Plan, int]]:
         """Up to :data:`CUT_ROUNDS` rounds from the fine chain of the least
-        of ``found``: the blocks whose need (:func:`_profile`'s ``w[t]``,
+        of ``found`` (by ``rank``): the blocks whose need (:func:`_profile`'s ``w[t]``,
         with the checkpoint before them) comes within :data:`CUT_TOL` of
         the largest, which bounds every tree of the chain from below, each
         cut in two where the fewest bytes cross (:func:`cut_block`), and
@@ -491,7 +513,7 @@ class NestedSearch:
         steps' values at those blocks' backward."""
         if not found:
             return []
-        best = min(found, key=_by_structure)[0]
+        best = min(found, key=rank)[0]
         cost = self.graph.without_times().node_cost
         position = backward_positions(self.graph)
         fine = make_plan(self.graph, list(best.lower_sets),

@@ -408,7 +408,9 @@ class Recorder(chainer.FunctionHook):
         # what each array takes from its allocator (CuPy's pool rounds up)
         nb_of = device_of(tuple(out) + tuple(in_data)).allocation_bytes
         held = []
-        for owner, name, a in attribute_arrays(function):
+        # (a call a plan ran without measuring it has its planned node's:
+        # Recorder.graph's ``fill``)
+        for owner, name, a in attribute_arrays(function) if call.measured else ():
             role = roles.get(name, "state")
             if id(a) in io or (id(a) in self._external_ids and role != "written"):
                 continue

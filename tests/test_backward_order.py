@@ -206,12 +206,15 @@ def test_at_the_nested_least_every_step_is_planned_and_under_the_budget():
         assert s.measured_peak_bytes <= budget, stats
 
 
+@pytest.mark.slow
 def test_the_nested_least_does_not_move_with_the_measured_times():
     """The PTB LSTM's unroll (t = 30) with its functions' times measured
     again (each scaled by a random factor): the same least below the
     single-level least. (Its refinements started from the least plan of
     equal peaks ranked by measured overhead: one recording in three gave
-    270,836 B instead of 265,452 B.)"""
+    270,836 B instead of 265,452 B. Whether three scalings catch that
+    depends on the recording's own times: with the old ranking it failed
+    in one run of two; slow, 42 s.)"""
     import dataclasses
     import bptt
     args = argparse.Namespace(t=30, units=32, batch=8, vocab=100, dropout=0.0)

@@ -296,23 +296,22 @@ def cut_block(graph: Graph, lower_sets: Sequence[FrozenSet[int]], b: int,
     if len(nodes) < 2:
         return None
     inside = set(prev)
-    # bytes of the nodes inside read outside, kept as each node comes in
-    out_readers = {}
-    crossing = sum(graph.arrays[a].owned_bytes for v in prev for a in graph.nodes[v].outputs
-                   if graph.succs[v] and any(w not in prev for w in graph.succs[v]))
+
+    def owned(v: int) -> int:
+        return sum(graph.arrays[a].owned_bytes for a in graph.nodes[v].outputs)
+    # each node inside: its readers outside; the crossing bytes, kept as
+    # each node comes in
+    outside = {v: sum(w not in inside for w in graph.succs[v]) for v in prev}
+    crossing = sum(owned(v) for v, k in outside.items() if k)
     best: Optional[Tuple[Tuple[int, float], int]] = None
     for k, v in enumerate(nodes[:-1], start=1):
         inside.add(v)
-        n_out = sum(w not in inside for w in graph.succs[v])
-        out_readers[v] = n_out
-        if n_out:
-            crossing += sum(graph.arrays[a].owned_bytes for a in graph.nodes[v].outputs)
+        outside[v] = sum(w not in inside for w in graph.succs[v])
+        crossing += owned(v) if outside[v] else 0
         for u in graph.preds[v]:
-            if u in inside and out_readers.get(u, 1) > 0:
-                left = out_readers[u] = (out_readers[u] - 1 if u in out_readers else
-                                         sum(w not in inside for w in graph.succs[u]))
-                if left == 0:
-                    crossing -= sum(graph.arrays[a].owned_bytes for a in graph.nodes[u].outputs)
+            if u in outside:
+                outside[u] -= 1
+                crossing -= owned(u) if outside[u] == 0 else 0
         key = (crossing, abs(k - len(nodes) / 2))
         if best is None or key < best[0]:
             best = (key, k)

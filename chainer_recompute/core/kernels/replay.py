@@ -514,14 +514,14 @@ def _attr_hold(key, nb, attr_on, attr_nb):
     return nb
 
 
-def _hold(a, bit, reasons, count, owner, owned, constown):
+def _hold(a, bit, reasons, count, buf_of, buf_bytes, constown):
     if constown[a] or reasons[a] & bit:
         return 0
     reasons[a] |= bit
-    buf = owner[a]
+    buf = buf_of[a]
     count[buf] += 1
     if count[buf] == 1:
-        return owned[buf]
+        return buf_bytes[buf]
     return 0
 
 
@@ -538,24 +538,24 @@ def _remake(a, reasons, count, owner, cur, constown, n_arrays):
             cur[a] = other
 
 
-def _drop(a, bit, reasons, count, owner, owned):
+def _drop(a, bit, reasons, count, buf_of, buf_bytes):
     if not reasons[a] & bit:
         return 0
     reasons[a] &= ~bit
-    buf = owner[a]
+    buf = buf_of[a]
     count[buf] -= 1
     if count[buf] == 0:
-        return -owned[buf]
+        return -buf_bytes[buf]
     return 0
 
 
-def _release(u, out_p, out_i, held_p, held_key, held_der, reasons, count, owner, owned,
+def _release(u, out_p, out_i, held_p, held_key, held_der, reasons, count, buf_of, buf_bytes,
              attr_on, attr_nb, released):
     d = 0
     for k in range(out_p[u], out_p[u + 1]):
         a = out_i[k]
-        d += _drop(a, 2, reasons, count, owner, owned)
-        d += _drop(a, 4, reasons, count, owner, owned)
+        d += _drop(a, 2, reasons, count, buf_of, buf_bytes)
+        d += _drop(a, 4, reasons, count, buf_of, buf_bytes)
     for k in range(held_p[u], held_p[u + 1]):
         if held_der[k]:
             key = held_key[k]

@@ -602,6 +602,30 @@ def test_change_to_a_parameter_before_recomputation_is_an_unsafe_recompute_error
               dict(budget="least", cost="flops", verbose=False), between=tamper)
 
 
+def test_change_to_a_parameter_between_two_backward_passes_is_seen_by_the_second():
+    """A regeneration checks each source once per backward pass: a weight
+    changed in place after the first ``loss.backward()`` of a step is seen
+    by the second one, which regenerates from it again."""
+    batches = mlp_data(n=5)
+    np.random.seed(0)
+    model = MLP(width=128, depth=6)
+    cr.apply(model, budget="least", cost="flops", verbose=False)
+    opt = chainer.optimizers.MomentumSGD(0.01)
+    opt.setup(model)
+    for args in batches[:3]:
+        model.cleargrads()
+        model(*args).backward()
+        opt.update()
+    model.cleargrads()
+    loss = model(*batches[3])
+    loss.backward()
+    assert cr.runner_of(model).last_stats.recomputed_nodes > 0
+    W = _dropped_weight(model).array
+    W[3, 2] = np.nextafter(W[3, 2], np.float32(np.inf))
+    with pytest.raises(cr.UnsafeRecomputeError, match=r"parameter /.*/W was modified in place"):
+        loss.backward()
+
+
 def test_numpy_scalar_argument_planned_not_recorded_every_call():
     """A schedule value passed as a new np.float32 each call (its value
     changing): planned from the third call on, identical."""

@@ -131,6 +131,9 @@ class IterationHook(chainer.FunctionHook):
         # function): a regeneration reads them live, so no saved copy helps
         self._inner: Set[int] = set()
         self.fingerprints: Dict[int, Tuple[Any, ...]] = {}
+        # arrays whose fingerprint a regeneration checked in this backward
+        # pass (each is checked at its first read of each pass)
+        self._checked: Set[int] = set()
         self.snapshots: Dict[int, Any] = {}  # array id -> parameter values saved before an update
         # dropped node -> NumPy's random state before its forward (its drawn
         # attributes are made again from it)
@@ -208,7 +211,7 @@ class IterationHook(chainer.FunctionHook):
         if not self.executing:
             return
         i = call.index
-        alive = [p for p in self.candidates if _matches_before(p, call, in_data)]
+        alive = _alive(self.candidates, _matches_before, call, in_data)
         if not alive:
             p = self.program
             if i >= p.n:
@@ -283,7 +286,7 @@ class IterationHook(chainer.FunctionHook):
     def after_mapping(self, call: Call) -> None:
         if not self.executing:
             return
-        alive = [p for p in self.candidates if _matches_after(p, call, self.recorder.param_refs)]
+        alive = _alive(self.candidates, _matches_after, call, self.recorder.param_refs)
         if not alive:
             i = call.index
             self._set_mismatch(i, _after_mismatch(self.program, call, self.recorder.param_refs))
@@ -482,6 +485,7 @@ class IterationHook(chainer.FunctionHook):
             if self.planned is not None:
                 self.planned.multi_backward = True
             self._bw_seen = set()
+            self._checked = set()
             self._reach = None
             self.remaining = {}
             self._bw_left = None
@@ -508,19 +512,21 @@ class IterationHook(chainer.FunctionHook):
                 self.recorder.end_session()  # (before planning, which on_backward_done may run)
                 if self.on_backward_done is not None:
                     self.on_backward_done(self)
-        if self.program is None:
+        p = self.program
+        if p is None:
             return
-        for u in self._done.get(i, ()):
-            if u in self.remaining:
-                self.remaining[u] -= 1
-        mode = self.program.release_mode
+        done = self._done.get(i, ())
+        remaining = self.remaining
+        for u in done:
+            if u in remaining:
+                remaining[u] -= 1
+        mode = p.release_mode
         if self.no_release or mode == "all":
             return
-        limit = self.program.n if self.mismatch_at is None else self.mismatch_at
-        for u in self._done.get(i, ()):
-            if (self.remaining.get(u, 0) <= 0 and u in self.program.releasable and u < limit
-                    and (mode == "none" or u in self.program.dropped)
-                    and self._regenerable(u)):
+        limit = p.n if self.mismatch_at is None else self.mismatch_at
+        for u in done:
+            if (remaining.get(u, 0) <= 0 and u in p.releasable and u < limit
+                    and (mode == "none" or u in p.dropped) and self._regenerable(u)):
                 self._release(u)
 
     def _regenerable(self, u: int) -> bool:
@@ -676,51 +682,55 @@ class IterationHook(chainer.FunctionHook):
         # a nested plan's regeneration lets each value go after its last reader
         last = (regeneration_frees(steps, lambda u: calls[u].in_ids or (),
                                    lambda u: calls[u].out_ids or ()) if p.inner else {})
-        for u in steps:
-            f = calls[u].func()
-            in_ids = calls[u].in_ids or ()
-            in_data = tuple(self._input_array(f, j, a, values) for j, a in enumerate(in_ids))
-            inner = calls[u].inner_ids
-            self._check_updates(u, in_ids + inner)
-            if self.verify:
-                self._check_sources(u, in_ids + inner, in_data + tuple(
-                    self.params[a].array if a in self.params else None for a in inner))
-            outs = self._run_forward(f, u, in_data)
-            self.stats.recomputed_nodes += 1
-            for a, y in zip(calls[u].out_ids or (), outs):
-                values[a] = y
-            if (u in self.released and u not in wanted and self._live_reader(u)
-                    and (not p.inner or u not in p.dropped
-                         or (block is not None and p.keeps(u, block)))):
-                # a checkpoint released after an earlier backward pass, or a
-                # nested plan's inner checkpoint of an open segment (kept
-                # until its last reader)
-                wanted.add(u)
-            if u in wanted and u in self.released:
+        # (each forward runs as it does in Chainer's own recomputation: F.forget)
+        with chainer.using_config("in_recomputing", True), \
+                chainer.using_config("enable_backprop", False):
+            for u in steps:
+                f = calls[u].func()
+                in_ids = calls[u].in_ids or ()
+                in_data = tuple(self._input_array(f, j, a, values) for j, a in enumerate(in_ids))
+                inner = calls[u].inner_ids
+                self._check_updates(u, in_ids + inner)
+                if self.verify:
+                    self._check_sources(u, in_ids + inner, in_data + tuple(
+                        self.params[a].array if a in self.params else None for a in inner))
+                outs = self._run_forward(f, u, in_data)
+                self.stats.recomputed_nodes += 1
                 for a, y in zip(calls[u].out_ids or (), outs):
-                    if a in p.source_arrays:
-                        self.kept[a] = y  # later blocks start from it again
-                out_idx, had_retained = self.released.pop(u)
-                self.stats.n_released = len(self.released)
-                for k in out_idx:
-                    vnode = f.outputs[k]()
-                    if vnode is not None:
-                        # a live Variable (one the forward returned) holds
-                        # the same values already: no second copy
-                        var = vnode.get_variable_or_none()
-                        held = None if var is None else var.raw_array
-                        same = (held is not None and held.shape == outs[k].shape
-                                and held.dtype == outs[k].dtype)
-                        vnode._data = held if same else outs[k]
-                if had_retained:
-                    f._retained_output_data = tuple(outs[k] for k in f._output_indexes_to_retain)
-                self.regenerated.add(u)
-            else:
-                for name in self._remade(u):  # transient: drop what forward made
-                    setattr(owner_of(f, name), name, None)
-            for a in last.get(u, ()):
-                del values[a]
-            in_data = outs = None
+                    values[a] = y
+                if (u in self.released and u not in wanted and self._live_reader(u)
+                        and (not p.inner or u not in p.dropped
+                             or (block is not None and p.keeps(u, block)))):
+                    # a checkpoint released after an earlier backward pass, or a
+                    # nested plan's inner checkpoint of an open segment (kept
+                    # until its last reader)
+                    wanted.add(u)
+                if u in wanted and u in self.released:
+                    for a, y in zip(calls[u].out_ids or (), outs):
+                        if a in p.source_arrays:
+                            self.kept[a] = y  # later blocks start from it again
+                    out_idx, had_retained = self.released.pop(u)
+                    self.stats.n_released = len(self.released)
+                    for k in out_idx:
+                        vnode = f.outputs[k]()
+                        if vnode is not None:
+                            # a live Variable (one the forward returned) holds
+                            # the same values already: no second copy
+                            var = vnode.get_variable_or_none()
+                            held = None if var is None else var.raw_array
+                            same = (held is not None and held.shape == outs[k].shape
+                                    and held.dtype == outs[k].dtype)
+                            vnode._data = held if same else outs[k]
+                    if had_retained:
+                        f._retained_output_data = tuple(outs[k]
+                                                        for k in f._output_indexes_to_retain)
+                    self.regenerated.add(u)
+                else:
+                    for name in self._remade(u):  # transient: drop what forward made
+                        setattr(owner_of(f, name), name, None)
+                for a in last.get(u, ()):
+                    del values[a]
+                in_data = outs = None
         if self.no_release and self.recorder.forward_done:
             self._unpin_spent()
 
@@ -765,9 +775,11 @@ class IterationHook(chainer.FunctionHook):
         calls, arrays = self.recorder.calls, self.recorder.arrays
         for a, x in zip(in_ids, in_data):
             expected = self.fingerprints.get(a)
-            if expected is None or x is None:
+            if expected is None or x is None or a in self._checked:
                 continue
-            if fingerprint(x) != expected:
+            if fingerprint(x) == expected:
+                self._checked.add(a)
+            else:
                 info = arrays[a]
                 what = (f"parameter {info.name or a}" if info.kind == "param"
                         else f"input array {info.name or a}")
@@ -817,9 +829,8 @@ class IterationHook(chainer.FunctionHook):
         try:
             if state is not None:
                 numpy.random.set_state(state)
-            with chainer.using_config("in_recomputing", True), \
-                    chainer.using_config("enable_backprop", False), \
-                    chainer.using_device(backend.get_device_from_array(*in_data)):
+            # (under _regenerate's configuration)
+            with chainer.using_device(backend.get_device_from_array(*in_data)):
                 outs = tuple(type(f).forward(f, in_data))
         finally:
             if current is not None:
@@ -828,6 +839,15 @@ class IterationHook(chainer.FunctionHook):
                 setattr(owner, name, original)
             f._input_indexes_to_retain, f._output_indexes_to_retain = keep_in, keep_out
         return outs
+
+
+def _alive(candidates: List[Program], matches: Callable[..., bool], *args: Any) -> List[Program]:
+    """The candidate plans that ``matches(plan, *args)`` (the list itself
+    when it has one plan and that one matches: the usual case, and a
+    check of every function of every step)."""
+    if len(candidates) == 1:
+        return candidates if matches(candidates[0], *args) else []
+    return [p for p in candidates if matches(p, *args)]
 
 
 def _same_link(a: Recorder, b: Recorder) -> bool:

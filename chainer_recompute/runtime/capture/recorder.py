@@ -73,7 +73,7 @@ class Call:
         self.func = weakref.ref(func)
         self.op = function_op(func)
         self.label = ""
-        self.in_shapes = tuple(tuple(x.shape) for x in in_data)
+        self.in_shapes = tuple([tuple(x.shape) for x in in_data])
         self.in_args = in_args
         self.out_meta: Tuple[Tuple[Any, ...], ...] = ()  # (shape, dtype, nbytes, buffer bytes)
         self.out_view: Tuple[Optional[int], ...] = ()  # input index each output views
@@ -223,7 +223,7 @@ class Recorder(chainer.FunctionHook):
         self._map_pending()
         peak = self._unrecorded.end()
         call = Call(len(self.calls), function, in_data,
-                    tuple(self._arg_names.get(id(x)) for x in in_data), self._links.current)
+                    tuple([self._arg_names.get(id(x)) for x in in_data]), self._links.current)
         call.unrecorded_peak = 0 if peak is None and self.recording and self.measure else peak
         if self._unrecorded.any_made:
             call.in_made = tuple(self._unrecorded.made_of(x) for x in in_data)
@@ -239,11 +239,11 @@ class Recorder(chainer.FunctionHook):
         if call is None:
             return
         if isinstance(call, Aside):
-            vars(function).pop("forward", None)
+            _unwrap(function)
             self._unrecorded.note(call.out, len(self.calls))
             return
         out = call._out or ()
-        vars(function).pop("forward", None)
+        _unwrap(function)
         # The safety analysis runs the forward once more: the functions that
         # applies (F.forget's) are nested in this call, not unrecorded work.
         self._depth += 1
@@ -275,7 +275,7 @@ class Recorder(chainer.FunctionHook):
                 continue  # (an unrecorded function's wrapper goes with its node)
             f = call.func()
             if f is not None:
-                vars(f).pop("forward", None)
+                _unwrap(f)
             if call._before is not None and call._before.meter is not None:
                 call._before.meter.stop()
             call._before = None
@@ -339,13 +339,15 @@ class Recorder(chainer.FunctionHook):
             call._before = _Before(attrs_before, inputs_before, numpy.random.get_state(), meter)
 
         def wrapped(inputs: Tuple[Any, ...], _f: Any = function, _call: Call = call) -> Any:
-            if measure:
-                dev.synchronize()
+            if not measure:
+                out = original(_f, inputs)
+                _call._out = tuple(out)
+                return out
+            dev.synchronize()
             t0 = time.perf_counter()
             out = original(_f, inputs)
-            if measure:
-                dev.synchronize()
-                _call.time_s = time.perf_counter() - t0
+            dev.synchronize()
+            _call.time_s = time.perf_counter() - t0
             _call._out = tuple(out)
             return out
 
@@ -404,18 +406,20 @@ class Recorder(chainer.FunctionHook):
         function after its forward (arrays are looked at, not kept)."""
         call.keep_in = tuple(function._input_indexes_to_retain or ())
         call.keep_out = tuple(function._output_indexes_to_retain or ())
-        io = {id(x) for x in tuple(in_data) + out if is_array(x)}
         # what each array takes from its allocator (CuPy's pool rounds up)
-        nb_of = device_of(tuple(out) + tuple(in_data)).allocation_bytes
-        held = []
+        nb_of = device_of(out or in_data).allocation_bytes
         # (a call a plan ran without measuring it has its planned node's:
         # Recorder.graph's ``fill``)
-        for owner, name, a in attribute_arrays(function) if call.measured else ():
-            role = roles.get(name, "state")
-            if id(a) in io or (id(a) in self._external_ids and role != "written"):
-                continue
-            held.append(HeldArray(name, tuple(a.shape), dtype_name(a.dtype), nb_of(a.nbytes), role))
-        call.held = tuple(held)
+        if call.measured:
+            io = {id(x) for x in tuple(in_data) + out if is_array(x)}
+            held = []
+            for owner, name, a in attribute_arrays(function):
+                role = roles.get(name, "state")
+                if id(a) in io or (id(a) in self._external_ids and role != "written"):
+                    continue
+                held.append(HeldArray(name, tuple(a.shape), dtype_name(a.dtype), nb_of(a.nbytes),
+                                      role))
+            call.held = tuple(held)
         roots = [root_of(x) if is_array(x) else None for x in in_data]
         views: List[Optional[int]] = []
         buffers: List[Optional[int]] = []
@@ -810,6 +814,17 @@ OUTSIDE_FLOOR_BYTES = 1024
 #: Recorders whose backward's tracing session (or watch of the caller's
 #: work before it) is open.
 _SESSIONS: "weakref.WeakSet[Recorder]" = weakref.WeakSet()
+
+
+def _unwrap(function: Any) -> None:
+    """Take off the forward wrapper set on ``function`` (an instance
+    attribute). ``vars()`` is not used: it would make the function's
+    instance dictionary an object of its own, one more for the collector
+    to follow through every step."""
+    try:
+        del function.forward
+    except AttributeError:
+        pass
 
 
 def end_backward_sessions() -> None:

@@ -117,6 +117,34 @@ class _ArrayRecord:
         self.made_at: Optional[int] = None
 
 
+class NodeIds:
+    """Array ids by ``VariableNode``, the nodes held weakly.
+
+    A node's key is a plain weak reference to it: the one its creator's
+    ``outputs`` already holds (``weakref.ref`` gives it back), so mapping a
+    function's outputs makes no object. A node that dies leaves its key
+    behind, which no other node matches (a dead reference equals only
+    itself); the recorder that keeps this lives one iteration.
+    """
+
+    __slots__ = ("ids",)
+
+    def __init__(self) -> None:
+        self.ids: Dict[Any, int] = {}
+
+    def get(self, node: Any, default: Optional[int] = None) -> Optional[int]:
+        return self.ids.get(weakref.ref(node), default)
+
+    def __getitem__(self, node: Any) -> int:
+        return self.ids[weakref.ref(node)]
+
+    def __setitem__(self, node: Any, aid: int) -> None:
+        self.ids[weakref.ref(node)] = aid
+
+    def __contains__(self, node: Any) -> bool:
+        return weakref.ref(node) in self.ids
+
+
 class Recorder(chainer.FunctionHook):
     """Records the top-level function applications of a forward pass, and
     the backward that follows (see the module docstring).
@@ -163,7 +191,7 @@ class Recorder(chainer.FunctionHook):
         self.on_cupy = False  # a recorded call ran on CuPy: the graph's allocator is its pool
         self.calls: List[Call] = []
         self.arrays: List[_ArrayRecord] = []
-        self.array_of: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+        self.array_of = NodeIds()
         self.param_refs: Dict[int, "weakref.ref[Any]"] = {}
         self.index_of: Dict[int, int] = {}  # id(function) -> call index
         self.backward_order: List[int] = []
@@ -420,20 +448,27 @@ class Recorder(chainer.FunctionHook):
                 held.append(HeldArray(name, tuple(a.shape), dtype_name(a.dtype), nb_of(a.nbytes),
                                       role))
             call.held = tuple(held)
-        roots = [root_of(x) if is_array(x) else None for x in in_data]
+        roots = [root_of(x) if is_array(x) else None for x in in_data] if out else []
         views: List[Optional[int]] = []
-        buffers: List[Optional[int]] = []
+        meta = []
         for y in out:
             r = root_of(y)
-            views.append(next((j for j, rx in enumerate(roots) if rx is r), None))
+            view = None
+            for j, rx in enumerate(roots):
+                if rx is r:
+                    view = j
+                    break
+            views.append(view)
             # a strided view of a larger private buffer (Deconvolution2D's
             # output): the buffer is what it costs
-            nb = getattr(r, "nbytes", None)
-            buffers.append(nb_of(nb) if views[-1] is None and r is not y and nb and nb > y.nbytes
-                           else None)
+            buffer = None
+            if view is None and r is not y:
+                nb = getattr(r, "nbytes", None)
+                if nb and nb > y.nbytes:
+                    buffer = nb_of(nb)
+            meta.append((tuple(y.shape), dtype_name(y.dtype), nb_of(y.nbytes), buffer))
         call.out_view = tuple(views)
-        call.out_meta = tuple((tuple(y.shape), dtype_name(y.dtype), nb_of(y.nbytes), b)
-                              for y, b in zip(out, buffers))
+        call.out_meta = tuple(meta)
         call.label = getattr(function, "label", "") or ""
 
     # ---------------------------------------------------- mapping to ids
@@ -454,8 +489,9 @@ class Recorder(chainer.FunctionHook):
         f = call.func()
         in_ids = []
         xnodes = f.inputs if f is not None and f.inputs is not None else ()
+        ids, weak = self.array_of.ids, weakref.ref
         for j, xnode in enumerate(xnodes):
-            aid = self.array_of.get(xnode)
+            aid = ids.get(weak(xnode))
             if aid is None:
                 if xnode.requires_grad and xnode.creator_node is not None:
                     self.outside_grad_input = True
@@ -487,10 +523,14 @@ class Recorder(chainer.FunctionHook):
                             self._arg_ids[name] = aid
                         elif var is None:  # a temporary made in the forward (noise)
                             self.arrays[aid].dies_at = call.index + 1
-                self.array_of[xnode] = aid
+                ids[weak(xnode)] = aid
             in_ids.append(aid)
         call.in_ids = tuple(in_ids)
-        call.has_backward = any(x.requires_grad for x in xnodes)
+        call.has_backward = False
+        for x in xnodes:
+            if x.requires_grad:
+                call.has_backward = True
+                break
         inner = []
         for p in call.inner.values():
             a = self.array_of.get(p.node)
@@ -501,25 +541,28 @@ class Recorder(chainer.FunctionHook):
         call.inner_ids = tuple(inner)
         call.inner = {}
         out_ids = []
-        out_nodes = [ref() for ref in (f.outputs or ())] if f is not None else []
+        arrays, out_view = self.arrays, call.out_view
+        outputs = (f.outputs or ()) if f is not None else ()
         for k, (shape, dtype, nbytes, buffer_bytes) in enumerate(call.out_meta):
-            j = call.out_view[k] if k < len(call.out_view) else None
+            j = out_view[k] if k < len(out_view) else None
             view_of = None
             if j is not None and j < len(in_ids):
-                base = self.arrays[in_ids[j]]
+                base = arrays[in_ids[j]]
                 view_of = in_ids[j] if base.view_of is None else base.view_of
-            aid = self._new_array(_ArrayRecord(shape, dtype, nbytes, "intermediate",
-                                               call.index, view_of=view_of))
-            self.arrays[aid].buffer_bytes = buffer_bytes
+            rec = _ArrayRecord(shape, dtype, nbytes, "intermediate", call.index, view_of=view_of)
+            rec.buffer_bytes = buffer_bytes
+            arrays.append(rec)
+            aid = len(arrays) - 1
             out_ids.append(aid)
-            ynode = out_nodes[k] if k < len(out_nodes) else None
+            yref = outputs[k] if k < len(outputs) else None
+            ynode = yref() if yref is not None else None
             if ynode is None:
-                self.arrays[aid].dies_at = call.index + 1
+                rec.dies_at = call.index + 1
                 continue
-            self.array_of[ynode] = aid
+            ids[yref] = aid
             var = ynode.get_variable_or_none()
             if var is None:
-                self.arrays[aid].dies_at = call.index + 1
+                rec.dies_at = call.index + 1
             elif self.recording:
                 self._watch.append(weakref.ref(var, self._death_callback(aid)))
         call.out_ids = tuple(out_ids)

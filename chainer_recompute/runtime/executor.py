@@ -124,7 +124,7 @@ class IterationHook(chainer.FunctionHook):
         self.verify = verify
         self.mismatch_at: Optional[int] = None
         self.kept: Dict[int, Any] = {}  # array id -> pinned array
-        self._pinned_at: Dict[int, List[int]] = {}  # node -> array ids it pinned
+        self._pinned_at: Dict[int, Tuple[int, ...]] = {}  # node -> array ids it pinned
         self._pinned_ok: Set[int] = set()  # dropped nodes whose sources are held
         self.params: Dict[int, Any] = {}  # array id -> Parameter read by a dropped node
         # parameters that a dropped node's inner functions read (F.forget's
@@ -264,7 +264,8 @@ class IterationHook(chainer.FunctionHook):
             self._inner.add(a)
             if self._watch_param(a, p.param_refs.get(a)):
                 new.append(a)
-        self._pinned_at[i] = new
+        if new:
+            self._pinned_at[i] = tuple(new)  # (ints only: the collector stops following it)
         self._pinned_ok.add(i)
 
     def _watch_param(self, a: int, ref: Any) -> bool:
@@ -585,8 +586,10 @@ class IterationHook(chainer.FunctionHook):
             if not any(x.requires_grad for x in (f.inputs or ())):
                 continue
             reach.add(i)
-            if self._bw_left is not None or not self._bw_seen:
-                self._bw_left = (self._bw_left or set()) | {i}
+            if self._bw_left is None and not self._bw_seen:
+                self._bw_left = set()
+            if self._bw_left is not None:
+                self._bw_left.add(i)
             for u in self._done.get(i, ()):
                 self.remaining[u] = self.remaining.get(u, 0) + 1
             for x in f.inputs:

@@ -68,10 +68,12 @@ def test_device_of_and_allocation_bytes():
     assert state_bytes(L.Linear(3, 2))["params"] == 32
 
 
-def test_checksum_one_transfer_and_exact_equality():
+@pytest.mark.parametrize("size", [11, 101])  # (on CPU: its bytes themselves; the checksum)
+def test_checksum_one_transfer_and_exact_equality(size):
     fake = FakeCupy()
     dev = CupyDevice(fake)
-    x = np.arange(11, dtype=np.float32)
+    x = np.arange(size, dtype=np.float32)
+    assert (x.nbytes <= CPU.SMALL_BYTES) == (size == 11)
     y = x.copy()
     y[3] += 1
     assert dev.checksum(x) == dev.checksum(x.copy())

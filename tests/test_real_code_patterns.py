@@ -603,9 +603,10 @@ def test_change_to_a_parameter_before_recomputation_is_an_unsafe_recompute_error
 
 
 def test_change_to_a_parameter_between_two_backward_passes_is_seen_by_the_second():
-    """A regeneration checks each source once per backward pass: a weight
-    changed in place after the first ``loss.backward()`` of a step is seen
-    by the second one, which regenerates from it again."""
+    """A regeneration checks each source once until the backward reaches
+    functions it had not: a weight changed in place after the first
+    ``loss.backward()`` of a step is seen by the second one, which
+    regenerates from it again."""
     batches = mlp_data(n=5)
     np.random.seed(0)
     model = MLP(width=128, depth=6)

@@ -131,8 +131,8 @@ class IterationHook(chainer.FunctionHook):
         # function): a regeneration reads them live, so no saved copy helps
         self._inner: Set[int] = set()
         self.fingerprints: Dict[int, Tuple[Any, ...]] = {}
-        # arrays whose fingerprint a regeneration checked in this backward
-        # pass (each is checked at its first read of each pass)
+        # arrays whose fingerprint a regeneration checked since the
+        # backward last reached new functions (_extend_reach)
         self._checked: Set[int] = set()
         self.snapshots: Dict[int, Any] = {}  # array id -> parameter values saved before an update
         # dropped node -> NumPy's random state before its forward (its drawn
@@ -486,7 +486,6 @@ class IterationHook(chainer.FunctionHook):
             if self.planned is not None:
                 self.planned.multi_backward = True
             self._bw_seen = set()
-            self._checked = set()
             self._reach = None
             self.remaining = {}
             self._bw_left = None
@@ -575,6 +574,9 @@ class IterationHook(chainer.FunctionHook):
         those reachable from ``function`` through their inputs' creators,
         with an input that requires a gradient. Counts their reads."""
         reach = self._reach if self._reach is not None else set()
+        # a backward pass reaches functions it had not: the sources its
+        # regenerations read are checked again
+        self._checked = set()
         stack = [function]
         while stack:
             f = stack.pop()

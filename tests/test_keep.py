@@ -232,7 +232,7 @@ def _train(keep, applied: bool, steps: int = 4, **options):
     # an array is freed as in plain Chainer), regenerated in the backward
     seen = {"released": set(), "regenerated": set()}
     release, forward, backward = (IterationHook._release, IterationHook._run_forward,
-                                  IterationHook.backward_preprocess)
+                                  IterationHook.before_backward)
 
     def spy_release(self, u):
         if self.program is not None and u < self.program.n and \
@@ -250,7 +250,7 @@ def _train(keep, applied: bool, steps: int = 4, **options):
 
     params = []
     IterationHook._release, IterationHook._run_forward = spy_release, spy_forward
-    IterationHook.backward_preprocess = spy_backward
+    IterationHook.before_backward = spy_backward
     try:
         for _ in range(steps):
             x = rng.randn(8, 16).astype(np.float32)
@@ -259,7 +259,7 @@ def _train(keep, applied: bool, steps: int = 4, **options):
             params.append({p: v.array.copy() for p, v in model.namedparams()})
     finally:
         IterationHook._release, IterationHook._run_forward = release, forward
-        IterationHook.backward_preprocess = backward
+        IterationHook.before_backward = backward
     return model, params, seen
 
 

@@ -118,6 +118,7 @@ class IterationHook(chainer.FunctionHook):
         self.name = f"chainer_recompute-run-{id(self):x}"  # (unique: see Recorder)
         self.recorder = Recorder(measure=measure, analyse=analyse, link=link, args=args,
                                  driver=self)
+        self._bind_recorder()
         self.candidates: List[Program] = list(programs)
         self.program: Optional[Program] = self.candidates[0] if self.candidates else None
         self.recorder.recording = self.program is None
@@ -172,17 +173,16 @@ class IterationHook(chainer.FunctionHook):
         self._param_t: Dict[int, int] = {}
 
     # ------------------------------------- Chainer's calls, to the recorder
-    def forward_preprocess(self, function: Any, in_data: Tuple[Any, ...]) -> None:
-        self.recorder.forward_preprocess(function, in_data)
-
-    def forward_postprocess(self, function: Any, in_data: Tuple[Any, ...]) -> None:
-        self.recorder.forward_postprocess(function, in_data)
-
-    def backward_preprocess(self, function: Any, in_data: Any, out_grad: Any) -> None:
-        self.recorder.backward_preprocess(function, in_data, out_grad)
-
-    def backward_postprocess(self, function: Any, in_data: Any, out_grad: Any) -> None:
-        self.recorder.backward_postprocess(function, in_data, out_grad)
+    def _bind_recorder(self) -> None:
+        """Chainer's calls before and after each function's forward and
+        backward go to the recorder's own methods (bound here, per
+        instance: no call of this hook's in between, for every function of
+        every step); it calls this hook back (``before_forward``, ...)."""
+        rec = self.recorder
+        self.forward_preprocess = rec.forward_preprocess
+        self.forward_postprocess = rec.forward_postprocess
+        self.backward_preprocess = rec.backward_preprocess
+        self.backward_postprocess = rec.backward_postprocess
 
     def added(self, function: Any = None) -> None:
         self.recorder.added(function)
@@ -208,7 +208,7 @@ class IterationHook(chainer.FunctionHook):
     def before_forward(self, call: Call, function: Any, in_data: Tuple[Any, ...]) -> None:
         if call.index == 0 and self.on_first_function is not None:
             self.on_first_function()
-        if not self.executing:
+        if self.program is None or self.mismatch_at is not None:  # (not executing)
             return
         i = call.index
         alive = _alive(self.candidates, _matches_before, call, in_data)
@@ -237,6 +237,14 @@ class IterationHook(chainer.FunctionHook):
             self._pin(i, p, in_data)
             if i in p.drawn:
                 self._rng_states[i] = numpy.random.get_state()
+
+    def planned_outputs(self, i: int) -> Optional[Tuple[Tuple[Any, ...], Tuple[Any, ...]]]:
+        """Call ``i``'s outputs as its planned node has them
+        (:meth:`Program.planned_outputs`), while the plan is followed."""
+        p = self.program
+        if p is None or self.mismatch_at is not None or i >= p.n:
+            return None
+        return p.planned_outputs(i)
 
     def _switch(self, program: Program) -> None:
         self.program = program
@@ -285,7 +293,7 @@ class IterationHook(chainer.FunctionHook):
         return True
 
     def after_mapping(self, call: Call) -> None:
-        if not self.executing:
+        if self.program is None or self.mismatch_at is not None:  # (not executing)
             return
         alive = _alive(self.candidates, _matches_after, call, self.recorder.param_refs)
         if not alive:
@@ -401,18 +409,20 @@ class IterationHook(chainer.FunctionHook):
     def _release(self, u: int) -> None:
         if u in self.released or u >= len(self.recorder.calls):
             return
-        f = self.recorder.calls[u].func()
+        call = self.recorder.calls[u]
+        f = call.func()
         if f is None:
             return
-        for a in self.program.graph.nodes[u].outputs:
-            self.kept.pop(a, None)
+        if self.kept:
+            for a in self.program.graph.nodes[u].outputs:
+                self.kept.pop(a, None)
         outs = []
         # Arrays the forward returned keep their node's data: functions
         # outside the link (their consumers) may read it again in another
         # backward pass that never reaches this link's functions (pix2pix's
         # updater unchains the encoder's outputs and backpropagates through
         # the decoder again), and the caller's Variable holds them anyway.
-        out_ids = self.recorder.calls[u].out_ids or ()
+        out_ids = call.out_ids or ()
         for k, ref in enumerate(f.outputs or ()):
             vnode = ref()
             if (vnode is not None and vnode._data is not None
@@ -422,8 +432,9 @@ class IterationHook(chainer.FunctionHook):
         had_retained = f._retained_output_data is not None and bool(f._output_indexes_to_retain)
         if had_retained:
             f._retained_output_data = None
-        for name in self._remade(u):
-            setattr(owner_of(f, name), name, None)
+        if u in self.program.derived:
+            for name in self._remade(u):
+                setattr(owner_of(f, name), name, None)
         self.released[u] = (tuple(outs), had_retained)
         self.stats.n_released = len(self.released)
 
@@ -577,24 +588,33 @@ class IterationHook(chainer.FunctionHook):
         # a backward pass reaches functions it had not: the sources its
         # regenerations read are checked again
         self._checked = set()
+        bw_left, remaining, done = self._bw_left, self.remaining, self._done
+        first = bw_left is None and not self._bw_seen  # (its end is the backward's)
+        index_of, calls = self.recorder.index_of, self.recorder.calls
         stack = [function]
         while stack:
             f = stack.pop()
-            i = self.recorder.index_of.get(id(f))
+            i = index_of.get(id(f))
             if i is None or i in reach:
                 continue
-            if self.recorder.calls[i].func() is not f:
+            call = calls[i]
+            if call.func() is not f:
                 continue
-            if not any(x.requires_grad for x in (f.inputs or ())):
+            xs = f.inputs or ()
+            # (its inputs' requirement, as mapped; a call not mapped yet: a
+            # backward inside the forward)
+            if not (call.has_backward if call.in_ids is not None
+                    else any(x.requires_grad for x in xs)):
                 continue
             reach.add(i)
-            if self._bw_left is None and not self._bw_seen:
-                self._bw_left = set()
-            if self._bw_left is not None:
-                self._bw_left.add(i)
-            for u in self._done.get(i, ()):
-                self.remaining[u] = self.remaining.get(u, 0) + 1
-            for x in f.inputs:
+            if first:
+                bw_left = self._bw_left = set()
+                first = False
+            if bw_left is not None:
+                bw_left.add(i)
+            for u in done.get(i, ()):
+                remaining[u] = remaining.get(u, 0) + 1
+            for x in xs:
                 c = x.creator_node
                 if c is not None:
                     stack.append(c)
@@ -647,21 +667,19 @@ class IterationHook(chainer.FunctionHook):
             return var.raw_array
         return None
 
-    def _live_reader(self, u: int) -> bool:
-        return self.remaining.get(u, 0) > 0
-
     def _regenerate(self, i: int, targets: List[int]) -> None:
         """Recompute the released nodes of the targets' block(s) that a
         remaining backward reads, for the backward of node ``i``, and put
         their arrays back."""
         calls, arrays = self.recorder.calls, self.recorder.arrays
         p = self.program
+        released, remaining = self.released, self.remaining
         block = p.block_of[i] if i < p.n else None
         blocks = {p.block_of[u] for u in targets if u < p.n}
         wanted = set(targets)
         for b in blocks:
             for u in p.block_nodes.get(b, ()):
-                if u in self.released and self._live_reader(u):
+                if u in released and remaining.get(u, 0) > 0:
                     wanted.add(u)
         values: Dict[int, Any] = {}
         order: Set[int] = set()
@@ -687,35 +705,49 @@ class IterationHook(chainer.FunctionHook):
         # a nested plan's regeneration lets each value go after its last reader
         last = (regeneration_frees(steps, lambda u: calls[u].in_ids or (),
                                    lambda u: calls[u].out_ids or ()) if p.inner else {})
+        verify, params = self.verify, self.params
+        # (the checks below look only at arrays that were watched or
+        # fingerprinted: a node that reads none of them has nothing to check)
+        updated, printed = self._param_t.keys(), self.fingerprints.keys()
+        stats = self.stats
         # (each forward runs as it does in Chainer's own recomputation: F.forget)
         with chainer.using_config("in_recomputing", True), \
                 chainer.using_config("enable_backprop", False):
             for u in steps:
-                f = calls[u].func()
-                in_ids = calls[u].in_ids or ()
-                in_data = tuple(self._input_array(f, j, a, values) for j, a in enumerate(in_ids))
-                inner = calls[u].inner_ids
-                self._check_updates(u, in_ids + inner)
-                if self.verify:
-                    self._check_sources(u, in_ids + inner, in_data + tuple(
-                        self.params[a].array if a in self.params else None for a in inner))
+                call = calls[u]
+                f = call.func()
+                in_ids = call.in_ids or ()
+                out_ids = call.out_ids or ()
+                in_data = tuple([values[a] if a in values else self._input_array(f, j, a, values)
+                                 for j, a in enumerate(in_ids)])
+                inner = call.inner_ids
+                if inner:
+                    self._check_updates(u, in_ids + inner)
+                    if verify:
+                        self._check_sources(u, in_ids + inner, in_data + tuple(
+                            params[a].array if a in params else None for a in inner))
+                else:
+                    if not updated.isdisjoint(in_ids):
+                        self._check_updates(u, in_ids)
+                    if verify and not printed.isdisjoint(in_ids):
+                        self._check_sources(u, in_ids, in_data)
                 outs = self._run_forward(f, u, in_data)
-                self.stats.recomputed_nodes += 1
-                for a, y in zip(calls[u].out_ids or (), outs):
+                stats.recomputed_nodes += 1
+                for a, y in zip(out_ids, outs):
                     values[a] = y
-                if (u in self.released and u not in wanted and self._live_reader(u)
+                if (u in released and u not in wanted and remaining.get(u, 0) > 0
                         and (not p.inner or u not in p.dropped
                              or (block is not None and p.keeps(u, block)))):
                     # a checkpoint released after an earlier backward pass, or a
                     # nested plan's inner checkpoint of an open segment (kept
                     # until its last reader)
                     wanted.add(u)
-                if u in wanted and u in self.released:
-                    for a, y in zip(calls[u].out_ids or (), outs):
+                if u in wanted and u in released:
+                    for a, y in zip(out_ids, outs):
                         if a in p.source_arrays:
                             self.kept[a] = y  # later blocks start from it again
-                    out_idx, had_retained = self.released.pop(u)
-                    self.stats.n_released = len(self.released)
+                    out_idx, had_retained = released.pop(u)
+                    stats.n_released = len(released)
                     for k in out_idx:
                         vnode = f.outputs[k]()
                         if vnode is not None:
@@ -834,8 +866,14 @@ class IterationHook(chainer.FunctionHook):
         try:
             if state is not None:
                 numpy.random.set_state(state)
-            # (under _regenerate's configuration)
-            with chainer.using_device(backend.get_device_from_array(*in_data)):
+            # (under _regenerate's configuration; in the device context of
+            # its arrays, as FunctionNode.apply runs it: NumPy's does nothing)
+            for x in in_data:
+                if type(x) is not numpy.ndarray:
+                    with chainer.using_device(backend.get_device_from_array(*in_data)):
+                        outs = tuple(type(f).forward(f, in_data))
+                    break
+            else:
                 outs = tuple(type(f).forward(f, in_data))
         finally:
             if current is not None:

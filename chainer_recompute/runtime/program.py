@@ -56,6 +56,7 @@ class Program(ExecutionPlan):
             graph.arrays[a].shape == () for a in returned)
         self._before: Dict[int, Tuple[Any, ...]] = {}
         self._after: Dict[int, Tuple[Any, ...]] = {}
+        self._outputs: Dict[int, Any] = {}
 
     def before_key(self, i: int) -> Tuple[Any, ...]:
         """What :func:`_matches_before` compares node ``i`` with, made once:
@@ -88,6 +89,29 @@ class Program(ExecutionPlan):
                       if arrays[a].shape is not None),
                 sorted(node.retained_inputs), sorted(node.retained_outputs))
         return key
+
+    def planned_outputs(self, i: int) -> Optional[Tuple[Tuple[Any, ...], Tuple[Any, ...]]]:
+        """Node ``i``'s outputs as the recorder describes a call's
+        (``Call.out_meta``: shape, dtype, bytes, buffer bytes;
+        ``Call.out_view``: the input each output views), made once; None
+        where an output's shape is not recorded."""
+        found = self._outputs.get(i, False)
+        if found is False:
+            node, arrays = self.graph.nodes[i], self.graph.arrays
+            roots = [arrays[a].view_of if arrays[a].view_of is not None else a
+                     for a in node.inputs]
+            meta, views = [], []
+            for a in node.outputs:
+                info = arrays[a]
+                if info.shape is None:
+                    found = None
+                    break
+                meta.append((tuple(info.shape), info.dtype, info.nbytes, info.buffer_bytes))
+                views.append(roots.index(info.view_of) if info.view_of in roots else None)
+            else:
+                found = (tuple(meta), tuple(views))
+            self._outputs[i] = found
+        return found
 
     @property
     def saves_parameters(self) -> bool:
@@ -173,7 +197,7 @@ def _matches_before(p: Program, call: Call, in_data: Tuple[Any, ...]) -> bool:
     i = call.index
     if i >= p.n:
         return False
-    op, known, shapes, args, params = p.before_key(i)
+    op, known, shapes, args, params = p._before.get(i) or p.before_key(i)
     if op != call.op or len(shapes) != len(call.in_shapes):
         return False
     if known is not None:
@@ -225,7 +249,8 @@ def _matches_after(p: Program, call: Call, param_refs: Dict[int, Any]) -> bool:
     """The call's wiring (which recorded array each input is, the very
     parameters, those its inner functions read too), outputs and retention
     are the planned node's."""
-    inputs, n_out, inner, params, shapes, keep_in, keep_out = p.after_key(call.index)
+    inputs, n_out, inner, params, shapes, keep_in, keep_out = (p._after.get(call.index)
+                                                               or p.after_key(call.index))
     in_ids, out_ids = call.in_ids or (), call.out_ids or ()
     if in_ids != inputs or len(out_ids) != n_out or call.inner_ids != inner:
         return False
@@ -237,5 +262,5 @@ def _matches_after(p: Program, call: Call, param_refs: Dict[int, Any]) -> bool:
     for k, shape in shapes:
         if k >= len(meta) or meta[k][0] != shape:
             return False
-    return (sorted(in_ids[j] for j in call.keep_in) == keep_in and
-            sorted(out_ids[k] for k in call.keep_out) == keep_out)
+    return (sorted([in_ids[j] for j in call.keep_in]) == keep_in and
+            sorted([out_ids[k] for k in call.keep_out]) == keep_out)

@@ -280,8 +280,13 @@ class Recorder(chainer.FunctionHook):
                      if call._before is not None else {})
         finally:
             self._depth -= 1
-        self._describe(call, function, in_data, out, roles)
-        function.add_hook(self._events())  # to see its backward
+        if call.measured or not self._describe_as_planned(call, function, out):
+            self._describe(call, function, in_data, out, roles)
+        # A local hook, to see its backward (FunctionNode.add_hook's work,
+        # without its checks and its ``added`` call, which does nothing here:
+        # this runs for every function of every step)
+        events = self._events()
+        function.local_function_hooks[events.name] = events
         # Held until its inputs and outputs are mapped at the next function:
         # a result thrown away at once would take its node with it.
         call._func_strong = function
@@ -426,6 +431,30 @@ class Recorder(chainer.FunctionHook):
                 call.reason = "its forward draws from the global random state"
         return roles
 
+    def _describe_as_planned(self, call: Call, function: Any, out: Tuple[Any, ...]) -> bool:
+        """Describe an unmeasured call (one a plan runs) as its planned
+        node, where its outputs have the node's shapes (the plan's dtypes,
+        bytes and views then, with its own retention: what the wiring check
+        compares): False where there is no such node."""
+        planned = self._events().planned_outputs(call.index)
+        if planned is None:
+            return False
+        meta, views = planned
+        if len(meta) != len(out):
+            return False
+        for m, y in zip(meta, out):
+            if m[0] != y.shape or m[1] != dtype_name(y.dtype):
+                return False
+        call.keep_in = tuple(function._input_indexes_to_retain or ())
+        call.keep_out = tuple(function._output_indexes_to_retain or ())
+        call.out_meta, call.out_view = meta, views
+        return True
+
+    def planned_outputs(self, i: int) -> Optional[Tuple[Tuple[Any, ...], Tuple[Any, ...]]]:
+        """The planned description of call ``i``'s outputs (the executor's;
+        a recorder of its own has no plan)."""
+        return None
+
     def _describe(self, call: Call, function: Any, in_data: Tuple[Any, ...],
                   out: Tuple[Any, ...], roles: Dict[str, str]) -> None:
         """Retention, held attributes (their ``roles``) and views, from the
@@ -484,85 +513,98 @@ class Recorder(chainer.FunctionHook):
         call, self._pending = self._pending, None
         if call is None:
             return
-        f = call.func()
+        f = call._func_strong
         in_ids = []
         xnodes = f.inputs if f is not None and f.inputs is not None else ()
         ids, weak = self.array_of.ids, weakref.ref  # (NodeIds' own dict: the hot path)
+        has_backward = False
         for j, xnode in enumerate(xnodes):
             aid = ids.get(weak(xnode))
             if aid is None:
-                if xnode.requires_grad and xnode.creator_node is not None:
-                    self.outside_grad_input = True
-                var = xnode.get_variable_or_none()
-                made = call.in_made[j] if j < len(call.in_made) else None
-                if isinstance(var, chainer.Parameter):
-                    aid = self._param_array(var)
-                elif made is not None:
-                    if made.aid is None:  # its first reader
-                        made.aid = self._new_array(_ArrayRecord(
-                            tuple(xnode.shape), dtype_name(xnode.dtype), self._node_bytes(xnode),
-                            "input", None))
-                        self.arrays[made.aid].made_at = made.at
-                    aid = made.aid
-                    ref = made.read(self.arrays[aid], call.index, var, self.recording,
-                                    self._death_position)
-                    if ref is not None:
-                        self._watch.append(ref)
-                else:
-                    name = call.in_args[j] if j < len(call.in_args) else None
-                    # A raw array argument gets a new Variable (and node) at every
-                    # function it is passed to: it is still one array.
-                    aid = self._arg_ids.get(name) if name else None
-                    if aid is None:
-                        aid = self._new_array(_ArrayRecord(
-                            tuple(xnode.shape), dtype_name(xnode.dtype), self._node_bytes(xnode),
-                            "input", None, name or ""))
-                        if name:
-                            self._arg_ids[name] = aid
-                        elif var is None:  # a temporary made in the forward (noise)
-                            self.arrays[aid].dies_at = call.index + 1
-                ids[weak(xnode)] = aid
+                aid = ids[weak(xnode)] = self._new_input(call, j, xnode)
             in_ids.append(aid)
+            if not has_backward and xnode.requires_grad:
+                has_backward = True
         call.in_ids = tuple(in_ids)
-        call.has_backward = any(x.requires_grad for x in xnodes)
-        inner = []
-        for p in call.inner.values():
-            a = ids.get(weak(p.node))
-            if a is None:
-                a = self._param_array(p)
-            if a not in in_ids and a not in inner:
-                inner.append(a)
-        call.inner_ids = tuple(inner)
-        call.inner = {}
+        call.has_backward = has_backward
+        if call.inner:
+            inner = []
+            for p in call.inner.values():
+                a = ids.get(weak(p.node))
+                if a is None:
+                    a = self._param_array(p)
+                if a not in in_ids and a not in inner:
+                    inner.append(a)
+            call.inner_ids = tuple(inner)
+            call.inner = {}
         out_ids = []
         arrays, out_view = self.arrays, call.out_view
         outputs = (f.outputs or ()) if f is not None else ()
+        n_out = len(outputs)
         for k, (shape, dtype, nbytes, buffer_bytes) in enumerate(call.out_meta):
-            j = out_view[k] if k < len(out_view) else None
+            j = out_view[k]
             view_of = None
             if j is not None and j < len(in_ids):
                 base = arrays[in_ids[j]]
                 view_of = in_ids[j] if base.view_of is None else base.view_of
             rec = _ArrayRecord(shape, dtype, nbytes, "intermediate", call.index, view_of=view_of)
             rec.buffer_bytes = buffer_bytes
+            aid = len(arrays)
             arrays.append(rec)
-            aid = len(arrays) - 1
             out_ids.append(aid)
-            yref = outputs[k] if k < len(outputs) else None
+            yref = outputs[k] if k < n_out else None
             ynode = yref() if yref is not None else None
             if ynode is None:
                 rec.dies_at = call.index + 1
                 continue
             ids[yref] = aid
-            var = ynode.get_variable_or_none()
-            if var is None:
+            if self.recording:
+                var = ynode.get_variable_or_none()
+                if var is None:
+                    rec.dies_at = call.index + 1
+                else:
+                    self._watch.append(weakref.ref(var, self._death_callback(aid)))
+            elif ynode.get_variable_or_none() is None:
                 rec.dies_at = call.index + 1
-            elif self.recording:
-                self._watch.append(weakref.ref(var, self._death_callback(aid)))
         call.out_ids = tuple(out_ids)
         call._out = None
         self._events().after_mapping(call)
         call._func_strong = None
+
+    def _new_input(self, call: Call, j: int, xnode: Any) -> int:
+        """The array id of input ``j`` of ``call``, read for the first time
+        (``xnode``): a parameter, an array an unrecorded function made, the
+        caller's argument, or a temporary."""
+        if xnode.requires_grad and xnode.creator_node is not None:
+            self.outside_grad_input = True
+        var = xnode.get_variable_or_none()
+        made = call.in_made[j] if j < len(call.in_made) else None
+        if isinstance(var, chainer.Parameter):
+            return self._param_array(var)
+        if made is not None:
+            if made.aid is None:  # its first reader
+                made.aid = self._new_array(_ArrayRecord(
+                    tuple(xnode.shape), dtype_name(xnode.dtype), self._node_bytes(xnode),
+                    "input", None))
+                self.arrays[made.aid].made_at = made.at
+            ref = made.read(self.arrays[made.aid], call.index, var, self.recording,
+                            self._death_position)
+            if ref is not None:
+                self._watch.append(ref)
+            return made.aid
+        name = call.in_args[j] if j < len(call.in_args) else None
+        # A raw array argument gets a new Variable (and node) at every
+        # function it is passed to: it is still one array.
+        aid = self._arg_ids.get(name) if name else None
+        if aid is None:
+            aid = self._new_array(_ArrayRecord(
+                tuple(xnode.shape), dtype_name(xnode.dtype), self._node_bytes(xnode),
+                "input", None, name or ""))
+            if name:
+                self._arg_ids[name] = aid
+            elif var is None:  # a temporary made in the forward (noise)
+                self.arrays[aid].dies_at = call.index + 1
+        return aid
 
     def _param_array(self, param: Any) -> int:
         """A new parameter array (``param`` read for the first time)."""
@@ -813,7 +855,8 @@ class Recorder(chainer.FunctionHook):
                 retained_inputs=tuple(in_ids[i] for i in c.keep_in if i < len(in_ids)),
                 retained_outputs=tuple(out_ids[i] for i in c.keep_out if i < len(out_ids)),
                 held=held, forward_time_s=time_s, backward_time_s=bwd_time,
-                recomputable=recomputable, label=c.label, attrs=attrs,
+                recomputable=recomputable, attrs=attrs,
+                label=c.label or (ref.label if ref is not None else ""),
                 forward_transient_bytes=fwd_t, backward_transient_bytes=bwd_t,
                 backward_alloc_bytes=bwd_a, has_backward=c.has_backward,
                 inner_params=c.inner_ids, unrecorded_peak_bytes=int(unrecorded), link=c.link))

@@ -545,6 +545,52 @@ def test_wiring_depends_on_data(net):
     assert pair.ours.data["structures"] == 2, pair.stats_report()
 
 
+class OutputByData(chainer.Chain):
+    """The same functions on arrays of the same shapes at every call, but
+    the data choose what one of them makes: the dtype of a cast (a float64
+    or float16 round trip), or the shape of a sum (over the batch or over
+    the features): only that output tells the two structures apart."""
+
+    def __init__(self, what: str, w: int = 32) -> None:
+        super().__init__()
+        self.what = what
+        with self.init_scope():
+            self.a, self.b, self.c = L.Linear(w, w), L.Linear(w, w), L.Linear(w, w)
+            self.out = L.Linear(w, 10)
+
+    def forward(self, x, t):
+        h = F.relu(self.a(x))
+        wide = float(x[:, 0].mean()) >= 0
+        if self.what == "dtype":
+            h = F.cast(F.cast(h, np.float64 if wide else np.float16), np.float32)
+        h = F.relu(self.c(F.tanh(self.b(h))))
+        loss = F.softmax_cross_entropy(self.out(h), t)
+        if self.what == "shape":
+            loss = loss + 1e-3 * F.sum(F.sum(h * h, axis=0 if wide else 1))
+        return loss
+
+
+@pytest.mark.parametrize("what,op", [("dtype", "Cast"), ("shape", "Sum")])
+def test_output_depends_on_data(what, op):
+    """A planned call whose output has another dtype (another size) or
+    another shape than its planned node's, on the same inputs, does not
+    follow the plan: the iteration stops matching it at that very call,
+    and the training stays plain Chainer's."""
+    data = _signed(batches(len(SIGNS)))
+
+    def scenario(env):
+        model = env.apply("model", OutputByData(what))
+        opt = env.optimizer("main", chainer.optimizers.MomentumSGD(0.05), model)
+        train_steps(env, model, opt, data)
+
+    pair = compare(scenario)
+    pair.assert_recomputed(at_least=2)
+    mismatches = [s["model"].mismatch for _, s in pair.ours.stats if s["model"].mismatch]
+    assert mismatches, pair.stats_report()
+    assert all(re.search(rf"\({op}\) makes array \d+ of {what} ", m) for m in mismatches), \
+        mismatches
+
+
 @pytest.mark.parametrize("capture_batch", [None, 4])
 @pytest.mark.parametrize("ratio", [0.0, 0.3])
 def test_lazy_init_and_dropout(ratio, capture_batch):

@@ -77,16 +77,17 @@ class Program(ExecutionPlan):
     def after_key(self, i: int) -> Tuple[Any, ...]:
         """What :func:`_matches_after` compares node ``i`` with, made once:
         its inputs, outputs' count, inner parameters, the parameters it
-        reads (array ids), its outputs' shapes (position, shape) where
-        recorded, and the inputs and outputs it retains (sorted)."""
+        reads (array ids), its outputs' shapes and dtypes (position, shape,
+        dtype) where recorded, and the inputs and outputs it retains
+        (sorted)."""
         key = self._after.get(i)
         if key is None:
             node, arrays = self.graph.nodes[i], self.graph.arrays
             key = self._after[i] = (
                 node.inputs, len(node.outputs), node.inner_params,
                 tuple(a for a in node.inputs + node.inner_params if a in self.param_refs),
-                tuple((k, tuple(arrays[a].shape)) for k, a in enumerate(node.outputs)
-                      if arrays[a].shape is not None),
+                tuple((k, tuple(arrays[a].shape), arrays[a].dtype)
+                      for k, a in enumerate(node.outputs) if arrays[a].shape is not None),
                 sorted(node.retained_inputs), sorted(node.retained_outputs))
         return key
 
@@ -237,11 +238,13 @@ def _after_mismatch(p: Program, call: Call, param_refs: Dict[int, Any]) -> str:
             ref = param_refs.get(a)
             if ref is None or ref() is not planned():
                 return f"{head} reads another parameter than the plan's as array {a}"
-    for a, (shape, _, _, _) in zip(node.outputs, call.out_meta):
-        planned_shape = p.graph.arrays[a].shape
-        if planned_shape is not None and tuple(planned_shape) != shape:
+    for a, (shape, dtype, _, _) in zip(node.outputs, call.out_meta):
+        planned = p.graph.arrays[a]
+        if planned.shape is not None and tuple(planned.shape) != shape:
             return (f"{head} makes array {a} of shape {shape}, the plan one of shape "
-                    f"{tuple(planned_shape)}")
+                    f"{tuple(planned.shape)}")
+        if planned.shape is not None and planned.dtype and planned.dtype != dtype:
+            return f"{head} makes array {a} of dtype {dtype}, the plan one of dtype {planned.dtype}"
     return f"{head} retains other arrays for its backward than the plan's"
 
 
@@ -259,8 +262,8 @@ def _matches_after(p: Program, call: Call, param_refs: Dict[int, Any]) -> bool:
         if ref is None or ref() is not p.param_refs[a]():
             return False
     meta = call.out_meta
-    for k, shape in shapes:
-        if k >= len(meta) or meta[k][0] != shape:
+    for k, shape, dtype in shapes:
+        if k >= len(meta) or meta[k][0] != shape or (dtype and meta[k][1] != dtype):
             return False
     return (sorted([in_ids[j] for j in call.keep_in]) == keep_in and
             sorted([out_ids[k] for k in call.keep_out]) == keep_out)

@@ -208,7 +208,7 @@ class IterationHook(chainer.FunctionHook):
     def before_forward(self, call: Call, function: Any, in_data: Tuple[Any, ...]) -> None:
         if call.index == 0 and self.on_first_function is not None:
             self.on_first_function()
-        if self.program is None or self.mismatch_at is not None:  # (not executing)
+        if not self.executing:
             return
         i = call.index
         alive = _alive(self.candidates, _matches_before, call, in_data)
@@ -241,10 +241,9 @@ class IterationHook(chainer.FunctionHook):
     def planned_outputs(self, i: int) -> Optional[Tuple[Tuple[Any, ...], Tuple[Any, ...]]]:
         """Call ``i``'s outputs as its planned node has them
         (:meth:`Program.planned_outputs`), while the plan is followed."""
-        p = self.program
-        if p is None or self.mismatch_at is not None or i >= p.n:
+        if not self.executing or i >= self.program.n:
             return None
-        return p.planned_outputs(i)
+        return self.program.planned_outputs(i)
 
     def _switch(self, program: Program) -> None:
         self.program = program
@@ -293,7 +292,7 @@ class IterationHook(chainer.FunctionHook):
         return True
 
     def after_mapping(self, call: Call) -> None:
-        if self.program is None or self.mismatch_at is not None:  # (not executing)
+        if not self.executing:
             return
         alive = _alive(self.candidates, _matches_after, call, self.recorder.param_refs)
         if not alive:

@@ -558,14 +558,11 @@ class Recorder(chainer.FunctionHook):
                 rec.dies_at = call.index + 1
                 continue
             ids[yref] = aid
-            if self.recording:
-                var = ynode.get_variable_or_none()
-                if var is None:
-                    rec.dies_at = call.index + 1
-                else:
-                    self._watch.append(weakref.ref(var, self._death_callback(aid)))
-            elif ynode.get_variable_or_none() is None:
+            var = ynode.get_variable_or_none()
+            if var is None:
                 rec.dies_at = call.index + 1
+            elif self.recording:
+                self._watch.append(weakref.ref(var, self._death_callback(aid)))
         call.out_ids = tuple(out_ids)
         call._out = None
         self._events().after_mapping(call)

@@ -179,8 +179,11 @@ def test_at_the_nested_least_every_step_is_planned_and_under_the_budget():
     and its graph copies were in that step's peak (8.6 KB over the
     prediction at t = 16): the correction then put the nested least out of
     reach and the model ran plain from the second step on. It runs at the
-    model's next call now."""
+    model's next call now, and lets go of the replays' caches (the plan's
+    graph in its backward order stayed through that step, and every later
+    one, until the model was planned again)."""
     import bptt
+    from chainer_recompute.core import backward_order
     from chainer_recompute.core.budget import BudgetSearch, least_for
     args = argparse.Namespace(t=16, units=32, batch=8, vocab=100, dropout=0.0)
     data = np.random.RandomState(1).randint(0, args.vocab, (args.t + 1, args.batch)) \
@@ -194,6 +197,7 @@ def test_at_the_nested_least_every_step_is_planned_and_under_the_budget():
         for _ in range(steps):
             bptt.iterate(lambda a, b: unrolled(a, b), model, opt, data)
             stats.append(cr.runner_of(unrolled).last_stats)
+            assert backward_order._ORDERED == {}, len(stats)
         return cr.runner_of(unrolled), stats
 
     runner, _ = train("least", 2)

@@ -28,7 +28,7 @@ which gives its peak and its recomputation).
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, FrozenSet, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -50,15 +50,21 @@ REFINE_STEPS = 4
 #: of the least replayed peak, half each
 MAX_FINE_CHAINS = 12
 #: trees of the tree DP replayed per fine chain: those of least memory,
-#: then more spread above them
+#: then more spread above them; on a graph of more than
+#: :data:`TREE_REPLAY_NODES` / 12 nodes, as many as replay that many nodes
+#: (at least two: the least tree and one above it)
 TREE_LOW = 8
 TREE_HIGH = 4
+TREE_REPLAY_NODES = 24_000
 #: rounds of refinement at the least plan's peak (:meth:`NestedSearch._refined`)
 REFINE_ROUNDS = 4
 #: rounds of cutting the blocks that bound the tree DP's least (:meth:`NestedSearch._cut`),
 #: and how near the bound a block's need must come to be cut
 CUT_ROUNDS = 8
 CUT_TOL = 0.01
+#: on a large graph (:data:`SCREEN_MIN_NODES`), the cutting stops after
+#: this many rounds in a row without a lower plan
+CUT_PATIENCE = 3
 #: on graphs of this many nodes or more, the fine chains' groupings are
 #: ranked by the tree DP's model (:func:`~.solvers.nested_tree.tree_peak`)
 #: and only those of least modelled peak, of all chains, are replayed (a
@@ -360,6 +366,15 @@ class NestedSearch:
                 if took == MAX_FINE_CHAINS // 2:
                     break
         self._candidates: Optional[List[Tuple[Plan, int]]] = None
+        self._trees_of: Dict[Tuple[Any, ...], List[Tuple[Plan, int]]] = {}
+        self._cut_from: set = set()
+        self._cost: Optional[np.ndarray] = None
+
+    def _time_free_cost(self) -> np.ndarray:
+        """The graph's node costs without its measured times (made once)."""
+        if self._cost is None:
+            self._cost = self.graph.without_times().node_cost
+        return self._cost
 
     def candidates(self) -> List[Tuple[Plan, int]]:
         """Every nested plan tried, with its replayed peak: each fine chain
@@ -376,7 +391,7 @@ class NestedSearch:
             return self._candidates
         out: List[Tuple[Plan, int]] = []
         screened = self.graph.n >= SCREEN_MIN_NODES
-        cost = self.graph.without_times().node_cost if screened else None
+        cost = self._time_free_cost() if screened else None
         modelled: List[Tuple[int, int, Plan, Tuple[int, ...]]] = []
         for plan in self.fine:
             sizes = _checkpoint_bytes(self.graph, plan)
@@ -414,6 +429,8 @@ class NestedSearch:
             refined = self._refined(found, rank)
             out += refined
             out += self._cut(found + refined, rank)
+        # (a chain both ranks reach gives its trees once)
+        out = list({id(p): (p, peak) for p, peak in out}.values())
         self._candidates = out
         return out
 
@@ -429,27 +446,33 @@ class NestedSearch:
         """The tree DP's plans of ``plan``'s chain (under :func:`_profile`'s
         figures, from its single-level replay) at its least memory and
         above: the :data:`TREE_LOW` distinct trees of least memory, then
-        :data:`TREE_HIGH` more spread up to the chain's single-level peak;
-        each replayed (``profile``: the chain's :func:`_profile`, when
-        known). None for a chain of more than
+        :data:`TREE_HIGH` more spread up to the chain's single-level peak
+        (fewer on a large graph, see :data:`TREE_REPLAY_NODES`: a replay
+        there takes about a second, and the refinements' rounds make a
+        chain each); each replayed once per search (``profile``: the
+        chain's :func:`_profile`, when known). None for a chain of more than
         :data:`~chainer_recompute.core.solvers.nested_tree.MAX_BLOCKS` blocks."""
         if plan.n_blocks > nested_tree.MAX_BLOCKS:
             return []
-        cost = self.graph.without_times().node_cost  # (the trees do not move with timings)
+        done = self._trees_of.get(plan.blocks)
+        if done is not None:
+            return done
+        cost = self._time_free_cost()  # (the trees do not move with timings)
         c, w, tau, peak = profile or _profile(self.graph, plan, cost)
         table = nested_tree.TreeTable(c, w, tau, budget=peak, base=min(w))
         least = table.least()
-        if least is None:
-            return []
-        trees = [t for t in dict.fromkeys(table.levels(m) for m in range(
-            least, table.grid + 1)) if any(t)]
-        picked = trees[:TREE_LOW] + trees[TREE_LOW::max(1, (len(trees) - TREE_LOW)
-                                                         // TREE_HIGH + 1)]
-        out = []
-        for levels in picked:
-            p, r = nested_plan(self.graph, plan, levels)
-            if p.nested:  # (a tree whose inner boundaries no checkpoint crosses is not)
-                out.append((p, int(r.peak_bytes)))
+        out: List[Tuple[Plan, int]] = []
+        if least is not None:
+            trees = [t for t in dict.fromkeys(table.levels(m) for m in range(
+                least, table.grid + 1)) if any(t)]
+            n = max(2, min(TREE_LOW + TREE_HIGH, TREE_REPLAY_NODES // self.graph.n))
+            low = max(1, n * TREE_LOW // (TREE_LOW + TREE_HIGH))
+            picked = trees[:low] + trees[low::max(1, (len(trees) - low) // (n - low) + 1)]
+            for levels in picked:
+                p, r = nested_plan(self.graph, plan, levels)
+                if p.nested:  # (a tree whose inner boundaries no checkpoint crosses is not)
+                    out.append((p, int(r.peak_bytes)))
+        self._trees_of[plan.blocks] = out
         return out
 
     def _refined(self, found: Sequence[Tuple[Plan, int]],
@@ -506,20 +529,27 @@ class NestedSearch:
         the tree DP's plans of the new chain (:meth:`_tree_plans`). A round
         goes on from the chain the last one made, whatever its plans gave
         (the model and the replay differ: a round that is no lower may lead
-        to one that is). A single-level DP's chain groups a recurrent
+        to one that is); on a graph of :data:`SCREEN_MIN_NODES` nodes or
+        more, until :data:`CUT_PATIENCE` rounds in a row gave no lower plan
+        (each round there takes seconds). A single-level DP's chain groups a recurrent
         net's steps two by two where its memory allows (the PTB LSTM at
         t = 30: the first 12 steps), and a tree over that chain holds two
         steps' values at those blocks' backward."""
         if not found:
             return []
         best = min(found, key=rank)[0]
-        cost = self.graph.without_times().node_cost
+        if best.blocks in self._cut_from:  # (both ranks' least: its rounds made once)
+            return []
+        self._cut_from.add(best.blocks)
+        cost = self._time_free_cost()
         position = backward_positions(self.graph)
         fine = make_plan(self.graph, list(best.lower_sets),
                          solver=best.solver.replace("nested-", ""), strategy=best.strategy,
                          budget_bytes=None)
         profile = _profile(self.graph, fine, cost)
         out: List[Tuple[Plan, int]] = []
+        least: Optional[int] = None
+        stale = 0  # rounds since the last lower plan
         for _ in range(CUT_ROUNDS):
             c, w = profile[:2]
             need = [w[t] + (c[t - 1] if t else 0) for t in range(len(w))]
@@ -532,7 +562,15 @@ class NestedSearch:
             fine = make_plan(self.graph, lower_sets, solver=fine.solver, strategy=fine.strategy,
                              budget_bytes=None)
             profile = _profile(self.graph, fine, cost)
-            out += self._tree_plans(fine, profile)
+            got = self._tree_plans(fine, profile)
+            out += got
+            lowest = min([c[1] for c in got], default=None)
+            if lowest is not None and (least is None or lowest < least):
+                least, stale = lowest, 0
+            else:
+                stale += 1
+                if stale >= CUT_PATIENCE and self.graph.n >= SCREEN_MIN_NODES:
+                    break
         return out
 
     def _exact(self) -> List[Tuple[Plan, int]]:

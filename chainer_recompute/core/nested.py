@@ -564,7 +564,7 @@ class NestedSearch:
             profile = _profile(self.graph, fine, cost)
             got = self._tree_plans(fine, profile)
             out += got
-            lowest = min([c[1] for c in got], default=None)
+            lowest = min([peak for _, peak in got], default=None)
             if lowest is not None and (least is None or lowest < least):
                 least, stale = lowest, 0
             else:

@@ -412,9 +412,8 @@ class IterationHook(chainer.FunctionHook):
         f = call.func()
         if f is None:
             return
-        if self.kept:
-            for a in self.program.graph.nodes[u].outputs:
-                self.kept.pop(a, None)
+        for a in self.program.graph.nodes[u].outputs:
+            self.kept.pop(a, None)
         outs = []
         # Arrays the forward returned keep their node's data: functions
         # outside the link (their consumers) may read it again in another
@@ -431,9 +430,8 @@ class IterationHook(chainer.FunctionHook):
         had_retained = f._retained_output_data is not None and bool(f._output_indexes_to_retain)
         if had_retained:
             f._retained_output_data = None
-        if u in self.program.derived:
-            for name in self._remade(u):
-                setattr(owner_of(f, name), name, None)
+        for name in self._remade(u):
+            setattr(owner_of(f, name), name, None)
         self.released[u] = (tuple(outs), had_retained)
         self.stats.n_released = len(self.released)
 
@@ -720,16 +718,12 @@ class IterationHook(chainer.FunctionHook):
                 in_data = tuple([values[a] if a in values else self._input_array(f, j, a, values)
                                  for j, a in enumerate(in_ids)])
                 inner = call.inner_ids
-                if inner:
-                    self._check_updates(u, in_ids + inner)
-                    if verify:
-                        self._check_sources(u, in_ids + inner, in_data + tuple(
-                            params[a].array if a in params else None for a in inner))
-                else:
-                    if not updated.isdisjoint(in_ids):
-                        self._check_updates(u, in_ids)
-                    if verify and not printed.isdisjoint(in_ids):
-                        self._check_sources(u, in_ids, in_data)
+                ids = in_ids + inner if inner else in_ids
+                if not updated.isdisjoint(ids):
+                    self._check_updates(u, ids)
+                if verify and not printed.isdisjoint(ids):
+                    self._check_sources(u, ids, in_data + tuple(
+                        params[a].array if a in params else None for a in inner))
                 outs = self._run_forward(f, u, in_data)
                 stats.recomputed_nodes += 1
                 for a, y in zip(out_ids, outs):
@@ -867,13 +861,11 @@ class IterationHook(chainer.FunctionHook):
                 numpy.random.set_state(state)
             # (under _regenerate's configuration; in the device context of
             # its arrays, as FunctionNode.apply runs it: NumPy's does nothing)
-            for x in in_data:
-                if type(x) is not numpy.ndarray:
-                    with chainer.using_device(backend.get_device_from_array(*in_data)):
-                        outs = tuple(type(f).forward(f, in_data))
-                    break
-            else:
+            if all(type(x) is numpy.ndarray for x in in_data):
                 outs = tuple(type(f).forward(f, in_data))
+            else:
+                with chainer.using_device(backend.get_device_from_array(*in_data)):
+                    outs = tuple(type(f).forward(f, in_data))
         finally:
             if current is not None:
                 numpy.random.set_state(current)

@@ -198,7 +198,7 @@ def _matches_before(p: Program, call: Call, in_data: Tuple[Any, ...]) -> bool:
     i = call.index
     if i >= p.n:
         return False
-    op, known, shapes, args, params = p._before.get(i) or p.before_key(i)
+    op, known, shapes, args, params = p.before_key(i)
     if op != call.op or len(shapes) != len(call.in_shapes):
         return False
     if known is not None:
@@ -252,8 +252,7 @@ def _matches_after(p: Program, call: Call, param_refs: Dict[int, Any]) -> bool:
     """The call's wiring (which recorded array each input is, the very
     parameters, those its inner functions read too), outputs and retention
     are the planned node's."""
-    inputs, n_out, inner, params, shapes, keep_in, keep_out = (p._after.get(call.index)
-                                                               or p.after_key(call.index))
+    inputs, n_out, inner, params, shapes, keep_in, keep_out = p.after_key(call.index)
     in_ids, out_ids = call.in_ids or (), call.out_ids or ()
     if in_ids != inputs or len(out_ids) != n_out or call.inner_ids != inner:
         return False

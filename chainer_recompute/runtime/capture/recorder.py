@@ -280,7 +280,9 @@ class Recorder(chainer.FunctionHook):
                      if call._before is not None else {})
         finally:
             self._depth -= 1
-        if call.measured or not self._describe_as_planned(call, function, out):
+        call.keep_in = tuple(function._input_indexes_to_retain or ())
+        call.keep_out = tuple(function._output_indexes_to_retain or ())
+        if call.measured or not self._describe_as_planned(call, out):
             self._describe(call, function, in_data, out, roles)
         # A local hook, to see its backward (FunctionNode.add_hook's work,
         # without its checks and its ``added`` call, which does nothing here:
@@ -431,11 +433,12 @@ class Recorder(chainer.FunctionHook):
                 call.reason = "its forward draws from the global random state"
         return roles
 
-    def _describe_as_planned(self, call: Call, function: Any, out: Tuple[Any, ...]) -> bool:
-        """Describe an unmeasured call (one a plan runs) as its planned
-        node, where its outputs have the node's shapes (the plan's dtypes,
-        bytes and views then, with its own retention: what the wiring check
-        compares): False where there is no such node."""
+    def _describe_as_planned(self, call: Call, out: Tuple[Any, ...]) -> bool:
+        """Describe an unmeasured call's outputs (one a plan runs) as its
+        planned node's, where they have the node's shapes and dtypes (the
+        plan's bytes and views then; its retention is its own, read from
+        the function: what the wiring check compares): False where there is
+        no such node."""
         planned = self._events().planned_outputs(call.index)
         if planned is None:
             return False
@@ -445,8 +448,6 @@ class Recorder(chainer.FunctionHook):
         for m, y in zip(meta, out):
             if m[0] != y.shape or m[1] != dtype_name(y.dtype):
                 return False
-        call.keep_in = tuple(function._input_indexes_to_retain or ())
-        call.keep_out = tuple(function._output_indexes_to_retain or ())
         call.out_meta, call.out_view = meta, views
         return True
 
@@ -457,10 +458,9 @@ class Recorder(chainer.FunctionHook):
 
     def _describe(self, call: Call, function: Any, in_data: Tuple[Any, ...],
                   out: Tuple[Any, ...], roles: Dict[str, str]) -> None:
-        """Retention, held attributes (their ``roles``) and views, from the
-        function after its forward (arrays are looked at, not kept)."""
-        call.keep_in = tuple(function._input_indexes_to_retain or ())
-        call.keep_out = tuple(function._output_indexes_to_retain or ())
+        """Held attributes (their ``roles``), views and bytes of the outputs,
+        from the function after its forward (arrays are looked at, not
+        kept; its retention is read before, in ``forward_postprocess``)."""
         # what each array takes from its allocator (CuPy's pool rounds up)
         nb_of = device_of(out or in_data).allocation_bytes
         # (a call a plan ran without measuring it has its planned node's:

@@ -391,6 +391,65 @@ def test_graph_change_is_detected_and_replanned(caplog):
     assert cr.runner_of(ours).last_stats.path == "planned"
 
 
+def _array_facts(graph):
+    return [(a.shape, a.dtype, a.nbytes, a.kind, a.producer, a.view_of, a.dies_at,
+             a.buffer_bytes) for a in graph.arrays]
+
+
+def test_followed_iterations_share_the_plans_records_and_a_change_records_its_own():
+    """The iterations that follow a plan share its output records (one
+    made per array, not per step); a later one that leaves the plan records
+    its own graph as a fresh recording of the new structure would, and
+    leaves the shared records as they were."""
+    class Switch(MLP):
+        deep = True
+
+        def forward(self, x, t):
+            h = x
+            for lin in self.layers if self.deep else self.layers[:2]:
+                h = F.relu(lin(h))
+            return F.softmax_cross_entropy(self.out(h), t)
+
+    x, t = mlp_inputs()
+    _, least = _least(Switch, (x, t))
+    ours = Switch()
+    fresh = copy.deepcopy(ours)
+    fresh.deep = False
+    cr.apply(ours, budget=least, budget_scope="activations")
+    hooks, losses = [], []  # (a graph kept keeps its iteration's hook)
+    for _ in range(3):
+        ours.cleargrads()
+        losses.append(ours(x, t))
+        losses[-1].backward()  # recorded, then planned twice
+        hooks.append(cr.runner_of(ours).steps.last_hook())
+    program = hooks[-1].program
+    assert hooks[-1].stats.path == hooks[-2].stats.path == "planned"
+    assert hooks[-2].program is program
+    outputs = [a for c in hooks[-1].recorder.calls for a in c.out_ids]
+    assert outputs and all(hooks[-1].recorder.arrays[a] is program.records[a]
+                           is hooks[-2].recorder.arrays[a] for a in outputs)
+    before = {a: (r.shape, r.nbytes, r.producer, r.view_of, r.dies_at)
+              for a, r in program.records.items()}
+    del hooks, losses
+    ours.deep = False
+    ours.cleargrads()
+    ours(x, t).backward()
+    assert cr.runner_of(ours).last_stats.path == "mismatch"
+    ours.cleargrads()
+    ours(x, t).backward()  # planned from the mismatched iteration's recording
+    assert {a: (r.shape, r.nbytes, r.producer, r.view_of, r.dies_at)
+            for a, r in program.records.items()} == before
+    cr.apply(fresh, budget=least, budget_scope="activations")
+    fresh.cleargrads()
+    fresh(x, t).backward()
+    fresh.cleargrads()
+    fresh(x, t).backward()
+    (mine,) = [s.graph for s in cr.runner_of(ours).signatures()[0].structures
+               if s.program is not program]
+    (theirs,) = [s.graph for s in cr.runner_of(fresh).signatures()[0].structures]
+    assert _array_facts(mine) == _array_facts(theirs)
+
+
 def test_budget_below_least_feasible_changes_nothing():
     make, inputs = CASES["resnet_bn"]
     x, t = inputs()

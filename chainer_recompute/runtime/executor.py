@@ -93,6 +93,10 @@ from .program import (PROBATION, IterationStats, Program, _after_mismatch,  # no
 
 logger = logging.getLogger(__name__)
 
+#: The distinct ``IterationHook.released`` entries (released outputs,
+#: retained outputs released), shared: every iteration makes the same few.
+_RELEASED: Dict[Tuple[Tuple[int, ...], bool], Tuple[Tuple[int, ...], bool]] = {}
+
 
 class IterationHook(chainer.FunctionHook):
     """Drives one forward/backward of a planned model (see module doc).
@@ -122,6 +126,8 @@ class IterationHook(chainer.FunctionHook):
         self.candidates: List[Program] = list(programs)
         self.program: Optional[Program] = self.candidates[0] if self.candidates else None
         self.recorder.recording = self.program is None
+        if self.program is not None:
+            self.recorder.shared_records = self.program.records
         self.verify = verify
         self.mismatch_at: Optional[int] = None
         self.kept: Dict[int, Any] = {}  # array id -> pinned array
@@ -230,6 +236,9 @@ class IterationHook(chainer.FunctionHook):
         if self.program not in alive:
             self._switch(alive[0])
         p = self.program
+        shapes = p.before_key(i)[1]
+        if shapes is not None:
+            call.in_shapes = shapes  # (equal: the plan's, shared by every iteration)
         for u in p.release_at.get(i, ()):
             if u in self._pinned_ok:  # its sources held under a verified wiring
                 self._release(u)
@@ -247,6 +256,7 @@ class IterationHook(chainer.FunctionHook):
 
     def _switch(self, program: Program) -> None:
         self.program = program
+        self.recorder.shared_records = program.records
         self.stats.n_dropped = len(program.dropped)
         self._needs, self._done = program.needs, program.done
 
@@ -305,6 +315,12 @@ class IterationHook(chainer.FunctionHook):
             # This call's pins were made under the other plan's wiring.
             self._unpin(call.index)
             self._switch(alive[0])
+        # (equal: the plan's tuples, shared by every iteration, in place of
+        # this call's own)
+        node = self.program.graph.nodes[call.index]
+        call.in_ids = node.inputs
+        if call.out_ids == node.outputs:
+            call.out_ids = node.outputs
 
     def _unpin(self, i: int) -> None:
         for a in self._pinned_at.pop(i, ()):
@@ -432,7 +448,8 @@ class IterationHook(chainer.FunctionHook):
             f._retained_output_data = None
         for name in self._remade(u):
             setattr(owner_of(f, name), name, None)
-        self.released[u] = (tuple(outs), had_retained)
+        key = (tuple(outs), had_retained)
+        self.released[u] = _RELEASED.setdefault(key, key)  # (a few distinct ones: shared)
         self.stats.n_released = len(self.released)
 
     def let_go(self) -> None:
@@ -521,20 +538,23 @@ class IterationHook(chainer.FunctionHook):
                 if self.on_backward_done is not None:
                     self.on_backward_done(self)
         p = self.program
-        if p is None:
+        done = self._done.get(i) if p is not None else None
+        if not done:
             return
-        done = self._done.get(i, ())
         remaining = self.remaining
-        for u in done:
-            if u in remaining:
-                remaining[u] -= 1
         mode = p.release_mode
-        if self.no_release or mode == "all":
-            return
+        # what may be released once no backward reads it any more
+        may = (None if self.no_release or mode == "all" else
+               p.releasable if mode == "none" else p.dropped)
         limit = p.n if self.mismatch_at is None else self.mismatch_at
         for u in done:
-            if (remaining.get(u, 0) <= 0 and u in p.releasable and u < limit
-                    and (mode == "none" or u in p.dropped) and self._regenerable(u)):
+            left = remaining.get(u)
+            if left is not None:
+                left -= 1
+                remaining[u] = left
+                if left > 0:
+                    continue
+            if may is not None and u in may and u < limit and self._regenerable(u):
                 self._release(u)
 
     def _regenerable(self, u: int) -> bool:
@@ -702,10 +722,13 @@ class IterationHook(chainer.FunctionHook):
         # a nested plan's regeneration lets each value go after its last reader
         last = (regeneration_frees(steps, lambda u: calls[u].in_ids or (),
                                    lambda u: calls[u].out_ids or ()) if p.inner else {})
-        verify, params = self.verify, self.params
-        # (the checks below look only at arrays that were watched or
-        # fingerprinted: a node that reads none of them has nothing to check)
-        updated, printed = self._param_t.keys(), self.fingerprints.keys()
+        params = self.params
+        # (the checks below look only at the parameters updated since the
+        # forward read them and at the arrays fingerprinted and not checked
+        # yet in this backward pass: a node that reads none of them has
+        # nothing to check)
+        updated = self._updated_since_forward()
+        printed = set(self.fingerprints).difference(self._checked) if self.verify else None
         stats = self.stats
         # (each forward runs as it does in Chainer's own recomputation: F.forget)
         with chainer.using_config("in_recomputing", True), \
@@ -719,11 +742,12 @@ class IterationHook(chainer.FunctionHook):
                                  for j, a in enumerate(in_ids)])
                 inner = call.inner_ids
                 ids = in_ids + inner if inner else in_ids
-                if not updated.isdisjoint(ids):
+                if updated and not updated.isdisjoint(ids):
                     self._check_updates(u, ids)
-                if verify and not printed.isdisjoint(ids):
+                if printed and not printed.isdisjoint(ids):
                     self._check_sources(u, ids, in_data + tuple(
-                        params[a].array if a in params else None for a in inner))
+                        [params[a].array if a in params else None for a in inner]))
+                    printed.difference_update([a for a in ids if a in self._checked])
                 outs = self._run_forward(f, u, in_data)
                 stats.recomputed_nodes += 1
                 for a, y in zip(out_ids, outs):
@@ -775,6 +799,20 @@ class IterationHook(chainer.FunctionHook):
                   for j in p.sources.get(u, ())}
         for a in [a for a in self.kept if a in p.source_arrays and a not in needed]:
             del self.kept[a]
+
+    def _updated_since_forward(self) -> Set[int]:
+        """The watched parameters that an optimizer updated since the
+        forward read them, whose values a regeneration cannot take from a
+        saved copy (none saved, or read live by inner functions): a node
+        that reads one raises (:meth:`_check_updates`)."""
+        stale = set()
+        for a, t in self._param_t.items():
+            if a in self.snapshots and a not in self._inner:
+                continue
+            param = self.params.get(a)
+            if param is not None and _update_count(param) != t:
+                stale.add(a)
+        return stale
 
     def _check_updates(self, u: int, in_ids: Tuple[int, ...]) -> None:
         """An optimizer updated a parameter that node ``u`` reads since the
@@ -861,7 +899,7 @@ class IterationHook(chainer.FunctionHook):
                 numpy.random.set_state(state)
             # (under _regenerate's configuration; in the device context of
             # its arrays, as FunctionNode.apply runs it: NumPy's does nothing)
-            if all(type(x) is numpy.ndarray for x in in_data):
+            if all([type(x) is numpy.ndarray for x in in_data]):
                 outs = tuple(type(f).forward(f, in_data))
             else:
                 with chainer.using_device(backend.get_device_from_array(*in_data)):

@@ -57,12 +57,15 @@ class Program(ExecutionPlan):
         self._before: Dict[int, Tuple[Any, ...]] = {}
         self._after: Dict[int, Tuple[Any, ...]] = {}
         self._outputs: Dict[int, Any] = {}
+        #: the recorder's records of the outputs of iterations that follow
+        #: this plan, by array id: the same in each (Recorder._map_pending)
+        self.records: Dict[int, Any] = {}
 
     def before_key(self, i: int) -> Tuple[Any, ...]:
         """What :func:`_matches_before` compares node ``i`` with, made once:
         its function class, its inputs' shapes (``None`` where one is not
         recorded), the inputs the caller passed (position, argument name)
-        and the parameters (position, array id)."""
+        and the parameters (position, array id, weak reference)."""
         key = self._before.get(i)
         if key is None:
             node, arrays = self.graph.nodes[i], self.graph.arrays
@@ -71,21 +74,25 @@ class Program(ExecutionPlan):
             key = self._before[i] = (
                 node.op, shapes if None not in shapes else None, shapes,
                 tuple((j, x.name or None) for j, x in enumerate(infos) if x.kind == "input"),
-                tuple((j, x.id) for j, x in enumerate(infos) if x.kind == "param"))
+                tuple((j, x.id, self.param_refs.get(x.id)) for j, x in enumerate(infos)
+                      if x.kind == "param"))
         return key
 
     def after_key(self, i: int) -> Tuple[Any, ...]:
         """What :func:`_matches_after` compares node ``i`` with, made once:
         its inputs, outputs' count, inner parameters, the parameters it
-        reads (array ids), its outputs' shapes and dtypes (position, shape,
-        dtype) where recorded, and the inputs and outputs it retains
+        reads that :func:`_matches_before` checked and those it did not
+        (array ids: those of its inner functions), its outputs' shapes and dtypes (position,
+        shape, dtype) where recorded, and the inputs and outputs it retains
         (sorted)."""
         key = self._after.get(i)
         if key is None:
             node, arrays = self.graph.nodes[i], self.graph.arrays
+            checked = {a for _, a, _ in self.before_key(i)[4]}
             key = self._after[i] = (
-                node.inputs, len(node.outputs), node.inner_params,
-                tuple(a for a in node.inputs + node.inner_params if a in self.param_refs),
+                node.inputs, len(node.outputs), node.inner_params, tuple(checked),
+                tuple(a for a in node.inputs + node.inner_params
+                      if a in self.param_refs and a not in checked),
                 tuple((k, tuple(arrays[a].shape), arrays[a].dtype)
                       for k, a in enumerate(node.outputs) if arrays[a].shape is not None),
                 sorted(node.retained_inputs), sorted(node.retained_outputs))
@@ -199,20 +206,20 @@ def _matches_before(p: Program, call: Call, in_data: Tuple[Any, ...]) -> bool:
     if i >= p.n:
         return False
     op, known, shapes, args, params = p.before_key(i)
-    if op != call.op or len(shapes) != len(call.in_shapes):
+    if op != call.op:
         return False
     if known is not None:
         if known != call.in_shapes:
             return False
-    elif any(s is not None and s != c for s, c in zip(shapes, call.in_shapes)):
+    elif len(shapes) != len(call.in_shapes) or any(
+            s is not None and s != c for s, c in zip(shapes, call.in_shapes)):
         return False
     for j, name in args:
         if name != call.in_args[j]:
             return False
-    for j, a in params:
-        ref = p.param_refs.get(a)
+    for j, _, ref in params:
         param = ref() if ref is not None else None
-        if param is None or param.array is not in_data[j]:
+        if param is None or param.raw_array is not in_data[j]:
             return False
     return True
 
@@ -251,18 +258,27 @@ def _after_mismatch(p: Program, call: Call, param_refs: Dict[int, Any]) -> str:
 def _matches_after(p: Program, call: Call, param_refs: Dict[int, Any]) -> bool:
     """The call's wiring (which recorded array each input is, the very
     parameters, those its inner functions read too), outputs and retention
-    are the planned node's."""
-    inputs, n_out, inner, params, shapes, keep_in, keep_out = p.after_key(call.index)
+    are the planned node's. (A parameter among its inputs is the planned
+    one: :func:`_matches_before` saw its array at the planned position,
+    and the same array ids follow. Outputs described as this plan's node's
+    have its shapes: ``Recorder._describe_as_planned`` compared them.)"""
+    inputs, n_out, inner, seen, params, shapes, keep_in, keep_out = p.after_key(call.index)
     in_ids, out_ids = call.in_ids or (), call.out_ids or ()
     if in_ids != inputs or len(out_ids) != n_out or call.inner_ids != inner:
         return False
+    for a in seen:  # (read as a Parameter, not a Variable of its array)
+        if a not in param_refs:
+            return False
     for a in params:
         ref = param_refs.get(a)
         if ref is None or ref() is not p.param_refs[a]():
             return False
     meta = call.out_meta
-    for k, shape, dtype in shapes:
-        if k >= len(meta) or meta[k][0] != shape or (dtype and meta[k][1] != dtype):
-            return False
-    return (sorted([in_ids[j] for j in call.keep_in]) == keep_in and
-            sorted([out_ids[k] for k in call.keep_out]) == keep_out)
+    planned = p._outputs.get(call.index)
+    if not (planned and meta is planned[0]):
+        for k, shape, dtype in shapes:
+            if k >= len(meta) or meta[k][0] != shape or (dtype and meta[k][1] != dtype):
+                return False
+    ki, ko = call.keep_in, call.keep_out
+    return ((sorted([in_ids[j] for j in ki]) == keep_in if ki else not keep_in) and
+            (sorted([out_ids[k] for k in ko]) == keep_out if ko else not keep_out))

@@ -47,6 +47,9 @@ from .unrecorded import Aside, Made, ParameterIndex, UnrecordedWork
 
 logger = logging.getLogger(__name__)
 
+#: ``Call.in_args`` of calls that read no argument of the caller, shared
+_NO_NAMES = {(None,) * k: (None,) * k for k in range(1, 9)}
+
 
 class _Before(NamedTuple):
     """A recorded call's state before its forward ran."""
@@ -57,14 +60,41 @@ class _Before(NamedTuple):
 
 
 class Call:
-    """What the recorder knows of one top-level function application."""
+    """What the recorder knows of one top-level function application.
 
-    __slots__ = (
-        "index", "func", "op", "label", "in_shapes", "in_args", "out_meta", "out_view",
-        "keep_in", "keep_out", "held", "in_ids", "out_ids", "has_backward", "measured",
-        "time_s", "fwd_transient", "recomputable", "reason", "bwd_time_s", "bwd_transient",
-        "bwd_alloc", "inner", "inner_ids", "in_made", "unrecorded_peak", "link", "_out",
-        "_before", "_func_strong", "rng_state")
+    The class attributes are the defaults: a call sets only what it has of
+    its own (one is made for every function of every step)."""
+
+    label = ""
+    out_meta: Tuple[Tuple[Any, ...], ...] = ()  # (shape, dtype, nbytes, buffer bytes)
+    out_view: Tuple[Optional[int], ...] = ()  # input index each output views
+    as_planned = False  # out_meta and out_view are its planned node's
+    keep_in: Tuple[int, ...] = ()
+    keep_out: Tuple[int, ...] = ()
+    held: Tuple[HeldArray, ...] = ()
+    in_ids: Optional[Tuple[int, ...]] = None
+    out_ids: Optional[Tuple[int, ...]] = None
+    has_backward = True
+    measured = False
+    time_s: Optional[float] = None
+    fwd_transient: Optional[int] = None
+    recomputable = True
+    reason = ""
+    bwd_time_s: Optional[float] = None
+    bwd_transient: Optional[int] = None
+    bwd_alloc: Optional[int] = None
+    # parameters nested functions read, by id (None: none, or not looked for)
+    inner: Optional[Dict[int, Any]] = None
+    inner_ids: Tuple[int, ...] = ()  # ... as array ids
+    in_made: Tuple[Optional[Made], ...] = ()  # inputs unrecorded functions made
+    unrecorded_peak: Optional[int] = None  # the unrecorded work's right before
+    _out: Optional[Tuple[Any, ...]] = None  # the outputs, until mapped
+    _func_strong: Any = None  # the function node, until mapped
+    _before: Optional[_Before] = None  # the state before its forward ran
+    #: NumPy's random state before a recorded forward that drew attributes
+    #: (role ``drawn``): a plan made later can release them and draw them
+    #: again from it
+    rng_state: Any = None
 
     def __init__(self, index: int, func: Any, in_data: Tuple[Any, ...],
                  in_args: Tuple[Optional[str], ...], link: str = "") -> None:
@@ -72,36 +102,8 @@ class Call:
         self.link = link  # the path of the Link that applied it (Node.link)
         self.func = weakref.ref(func)
         self.op = function_op(func)
-        self.label = ""
         self.in_shapes = tuple([tuple(x.shape) for x in in_data])
         self.in_args = in_args
-        self.out_meta: Tuple[Tuple[Any, ...], ...] = ()  # (shape, dtype, nbytes, buffer bytes)
-        self.out_view: Tuple[Optional[int], ...] = ()  # input index each output views
-        self.keep_in: Tuple[int, ...] = ()
-        self.keep_out: Tuple[int, ...] = ()
-        self.held: Tuple[HeldArray, ...] = ()
-        self.in_ids: Optional[Tuple[int, ...]] = None
-        self.out_ids: Optional[Tuple[int, ...]] = None
-        self.has_backward = True
-        self.measured = False
-        self.time_s: Optional[float] = None
-        self.fwd_transient: Optional[int] = None
-        self.recomputable = True
-        self.reason = ""
-        self.bwd_time_s: Optional[float] = None
-        self.bwd_transient: Optional[int] = None
-        self.bwd_alloc: Optional[int] = None
-        self.inner: Dict[int, Any] = {}  # parameters nested functions read, by id
-        self.inner_ids: Tuple[int, ...] = ()  # ... as array ids
-        self.in_made: Tuple[Optional[Made], ...] = ()  # inputs unrecorded functions made
-        self.unrecorded_peak: Optional[int] = None  # the unrecorded work's right before
-        self._out: Optional[Tuple[Any, ...]] = None  # the outputs, until mapped
-        self._func_strong: Any = None  # the function node, until mapped
-        self._before: Optional[_Before] = None  # the state before its forward ran
-        #: NumPy's random state before a recorded forward that drew
-        #: attributes (role ``drawn``): a plan made later can release them
-        #: and draw them again from it
-        self.rng_state: Any = None
 
 
 class _ArrayRecord:
@@ -188,6 +190,9 @@ class Recorder(chainer.FunctionHook):
         self._driver = weakref.ref(driver) if driver is not None else None
         self.measure, self.analyse = measure, analyse
         self.recording = True
+        #: the records of a followed plan's outputs, by array id (the
+        #: driver's, while it follows one; see _map_pending)
+        self.shared_records: Optional[Dict[int, _ArrayRecord]] = None
         self.on_cupy = False  # a recorded call ran on CuPy: the graph's allocator is its pool
         self.calls: List[Call] = []
         self.arrays: List[_ArrayRecord] = []
@@ -242,6 +247,8 @@ class Recorder(chainer.FunctionHook):
         if self._depth > 1 or self.forward_done:
             if self._depth > 1 and self._top and isinstance(self._top[0], Call):
                 top = self._top[0]
+                if top.inner is None:
+                    top.inner = {}
                 self._params.note(top.index, top.inner, in_data)
             self._top.append(None)
             return
@@ -250,8 +257,9 @@ class Recorder(chainer.FunctionHook):
             return
         self._map_pending()
         peak = self._unrecorded.end()
-        call = Call(len(self.calls), function, in_data,
-                    tuple([self._arg_names.get(id(x)) for x in in_data]), self._links.current)
+        names = tuple([self._arg_names.get(id(x)) for x in in_data])
+        call = Call(len(self.calls), function, in_data, _NO_NAMES.get(names, names),
+                    self._links.current)
         call.unrecorded_peak = 0 if peak is None and self.recording and self.measure else peak
         if self._unrecorded.any_made:
             call.in_made = tuple(self._unrecorded.made_of(x) for x in in_data)
@@ -449,6 +457,7 @@ class Recorder(chainer.FunctionHook):
             if m[0] != y.shape or m[1] != dtype_name(y.dtype):
                 return False
         call.out_meta, call.out_view = meta, views
+        call.as_planned = True
         return True
 
     def planned_outputs(self, i: int) -> Optional[Tuple[Tuple[Any, ...], Tuple[Any, ...]]]:
@@ -536,32 +545,40 @@ class Recorder(chainer.FunctionHook):
                 if a not in in_ids and a not in inner:
                     inner.append(a)
             call.inner_ids = tuple(inner)
-            call.inner = {}
+            call.inner = None
         out_ids = []
         arrays, out_view = self.arrays, call.out_view
         outputs = (f.outputs or ()) if f is not None else ()
         n_out = len(outputs)
+        # the records of a plan's outputs, shared by the iterations that
+        # follow it (never changed once made: no death is watched then)
+        shared = self.shared_records if call.as_planned and not self.recording else None
         for k, (shape, dtype, nbytes, buffer_bytes) in enumerate(call.out_meta):
             j = out_view[k]
             view_of = None
             if j is not None and j < len(in_ids):
                 base = arrays[in_ids[j]]
                 view_of = in_ids[j] if base.view_of is None else base.view_of
-            rec = _ArrayRecord(shape, dtype, nbytes, "intermediate", call.index, view_of=view_of)
-            rec.buffer_bytes = buffer_bytes
-            aid = len(arrays)
-            arrays.append(rec)
-            out_ids.append(aid)
             yref = outputs[k] if k < n_out else None
             ynode = yref() if yref is not None else None
+            var = ynode.get_variable_or_none() if ynode is not None else None
+            dies_at = call.index + 1 if var is None else None
+            aid = len(arrays)
+            rec = shared.get(aid) if shared is not None else None
+            if (rec is None or rec.producer != call.index or rec.shape is not shape
+                    or rec.view_of != view_of or rec.dies_at != dies_at):
+                rec = _ArrayRecord(shape, dtype, nbytes, "intermediate", call.index,
+                                   view_of=view_of)
+                rec.buffer_bytes = buffer_bytes
+                rec.dies_at = dies_at
+                if shared is not None:
+                    shared[aid] = rec
+            arrays.append(rec)
+            out_ids.append(aid)
             if ynode is None:
-                rec.dies_at = call.index + 1
                 continue
             ids[yref] = aid
-            var = ynode.get_variable_or_none()
-            if var is None:
-                rec.dies_at = call.index + 1
-            elif self.recording:
+            if var is not None and self.recording:
                 self._watch.append(weakref.ref(var, self._death_callback(aid)))
         call.out_ids = tuple(out_ids)
         call._out = None

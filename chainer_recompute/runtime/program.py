@@ -82,9 +82,9 @@ class Program(ExecutionPlan):
         """What :func:`_matches_after` compares node ``i`` with, made once:
         its inputs, outputs' count, inner parameters, the parameters it
         reads that :func:`_matches_before` checked and those it did not
-        (array ids: those of its inner functions), its outputs' shapes and dtypes (position,
-        shape, dtype) where recorded, and the inputs and outputs it retains
-        (sorted)."""
+        (array ids: those of its inner functions), its outputs' shapes and
+        dtypes (position, shape, dtype) where recorded, and the inputs and
+        outputs it retains (sorted)."""
         key = self._after.get(i)
         if key is None:
             node, arrays = self.graph.nodes[i], self.graph.arrays

@@ -347,16 +347,18 @@ def test_no_backward_leaks_nothing():
         gc.enable()
 
 
+class Switch(MLP):
+    """An MLP whose depth the caller switches: its graph changes."""
+    deep = True
+
+    def forward(self, x, t):
+        h = x
+        for lin in self.layers if self.deep else self.layers[:2]:
+            h = F.relu(lin(h))
+        return F.softmax_cross_entropy(self.out(h), t)
+
+
 def test_graph_change_is_detected_and_replanned(caplog):
-    class Switch(MLP):
-        deep = True
-
-        def forward(self, x, t):
-            h = x
-            for lin in self.layers if self.deep else self.layers[:2]:
-                h = F.relu(lin(h))
-            return F.softmax_cross_entropy(self.out(h), t)
-
     x, t = mlp_inputs()
     _, least = _least(Switch, (x, t))
     plain = Switch()
@@ -401,15 +403,6 @@ def test_followed_iterations_share_the_plans_records_and_a_change_records_its_ow
     made per array, not per step); a later one that leaves the plan records
     its own graph as a fresh recording of the new structure would, and
     leaves the shared records as they were."""
-    class Switch(MLP):
-        deep = True
-
-        def forward(self, x, t):
-            h = x
-            for lin in self.layers if self.deep else self.layers[:2]:
-                h = F.relu(lin(h))
-            return F.softmax_cross_entropy(self.out(h), t)
-
     x, t = mlp_inputs()
     _, least = _least(Switch, (x, t))
     ours = Switch()

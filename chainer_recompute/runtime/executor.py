@@ -743,7 +743,7 @@ class IterationHook(chainer.FunctionHook):
                 inner = call.inner_ids
                 ids = in_ids + inner if inner else in_ids
                 if updated and not updated.isdisjoint(ids):
-                    self._check_updates(u, ids)
+                    self._updated_before(u, next(a for a in ids if a in updated))
                 if printed and not printed.isdisjoint(ids):
                     self._check_sources(u, ids, in_data + tuple(
                         [params[a].array if a in params else None for a in inner]))
@@ -804,7 +804,7 @@ class IterationHook(chainer.FunctionHook):
         """The watched parameters that an optimizer updated since the
         forward read them, whose values a regeneration cannot take from a
         saved copy (none saved, or read live by inner functions): a node
-        that reads one raises (:meth:`_check_updates`)."""
+        that reads one raises (:meth:`_updated_before`)."""
         stale = set()
         for a, t in self._param_t.items():
             if a in self.snapshots and a not in self._inner:
@@ -814,30 +814,25 @@ class IterationHook(chainer.FunctionHook):
                 stale.add(a)
         return stale
 
-    def _check_updates(self, u: int, in_ids: Tuple[int, ...]) -> None:
-        """An optimizer updated a parameter that node ``u`` reads since the
-        forward read it, and its values were not saved (or are of no use: a
-        parameter its inner functions read, as ``F.forget``'s function
-        does, is read live): recomputing would give other arrays than the
-        forward's (checked with or without ``verify``)."""
+    def _updated_before(self, u: int, a: int) -> None:
+        """Parameter ``a``, which node ``u`` reads, was updated by an
+        optimizer since the forward read it, and its values were not saved
+        (or are of no use: a parameter its inner functions read, as
+        ``F.forget``'s function does, is read live): recomputing would give
+        other arrays than the forward's (checked with or without
+        ``verify``; see :meth:`_updated_since_forward`)."""
         calls, arrays = self.recorder.calls, self.recorder.arrays
-        for a in in_ids:
-            if (a in self.snapshots and a not in self._inner) or a not in self._param_t:
-                continue
-            param = self.params.get(a)
-            if param is None or _update_count(param) == self._param_t[a]:
-                continue
-            if self.program is not None:
-                self.program.multi_backward = True  # the next iterations save it
-            name = arrays[a].name or a
-            raise UnsafeRecomputeError(
-                f"parameter {name} was updated by an optimizer after the forward pass and "
-                f"before the backward that recomputes node {u} ({calls[u].op}) (the graph "
-                f"is backpropagated again after an update); its values were not saved, so "
-                f"recomputing would give a result different from plain Chainer's. From the "
-                f"next iteration on, the parameters are saved before such an update; to "
-                f"avoid this error, run one iteration of this pattern before apply(), or do "
-                f"not update between two backward passes through the same graph")
+        if self.program is not None:
+            self.program.multi_backward = True  # the next iterations save it
+        name = arrays[a].name or a
+        raise UnsafeRecomputeError(
+            f"parameter {name} was updated by an optimizer after the forward pass and "
+            f"before the backward that recomputes node {u} ({calls[u].op}) (the graph "
+            f"is backpropagated again after an update); its values were not saved, so "
+            f"recomputing would give a result different from plain Chainer's. From the "
+            f"next iteration on, the parameters are saved before such an update; to "
+            f"avoid this error, run one iteration of this pattern before apply(), or do "
+            f"not update between two backward passes through the same graph")
 
     def _check_sources(self, u: int, in_ids: Tuple[int, ...], in_data: Tuple[Any, ...]) -> None:
         calls, arrays = self.recorder.calls, self.recorder.arrays

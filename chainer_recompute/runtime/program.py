@@ -274,8 +274,8 @@ def _matches_after(p: Program, call: Call, param_refs: Dict[int, Any]) -> bool:
         if ref is None or ref() is not p.param_refs[a]():
             return False
     meta = call.out_meta
-    planned = p._outputs.get(call.index)
-    if not (planned and meta is planned[0]):
+    planned = p.planned_outputs(call.index)
+    if planned is None or meta is not planned[0]:
         for k, shape, dtype in shapes:
             if k >= len(meta) or meta[k][0] != shape or (dtype and meta[k][1] != dtype):
                 return False

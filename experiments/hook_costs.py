@@ -1,0 +1,218 @@
+#!/usr/bin/env python
+"""Where a planned step's time goes beyond plain Chainer's, by parts of the
+executor's per-function work switched off: an attribution, not a benchmark
+of correct runs.
+
+The 32-unit unroll of experiments/bptt.py (Chainer's PTB LSTM, vocabulary
+100, batch 8, t = 30, no dropout) under ``cr.apply()`` at ``--budget``
+(default 434,256 B, the 25-slot row of experiments/nested.md), or with
+``--nothing-dropped`` at a budget above plain's with the executor's hooks
+kept on (``plain_when_nothing_dropped = False``). One model; around every
+other step the variant's patches are set, and every step runs right after
+a plain step of the same model, whose time it is compared with. The
+variants' order is rotated from round to round. Printed: the median and
+the interquartile mean of each variant's extra milliseconds over plain,
+and beside them the chain policies' (``ChainRecompute``, MSM and ISM at
+the same budget) in the same process, with what ``apply()`` would need
+to be within 5% of the fastest. Steps are timed as experiments/bptt.py
+times them, inside its memory meter (tracemalloc, which on NumPy tracks
+every array the step allocates and frees), or with ``--untraced`` without
+it, as a training loop runs.
+
+Variants (all but ``as_is`` switch work off that a correct run needs where
+something is dropped: their gradients and memory are not checked; the two
+marked run only with ``--nothing-dropped``, where nothing is regenerated):
+
+- ``as_is``: the executor as it is;
+- ``no_checks``: a call is not checked against its planned node (before
+  it runs, nor after its inputs are mapped);
+- ``no_wrapper``: a call's forward is not wrapped; its outputs are
+  described as its planned node's;
+- ``lean_forward``: the forward's hooks only make each call's record
+  with the plan's array ids and hook the function for its backward (no
+  mapping of nodes to ids, no records of arrays, no checks, no wrapper,
+  no pins or releases): the least a forward hook per function costs
+  (``--nothing-dropped``);
+- ``no_backward_driver``: the executor's work before and after each
+  function's backward (regeneration, releases, the reach) is not done
+  (``--nothing-dropped``);
+- ``no_releases_after_backward``: only the releases after each
+  function's backward are not done.
+
+    OPENBLAS_NUM_THREADS=1 .venv/bin/python experiments/hook_costs.py --rounds 40
+    OPENBLAS_NUM_THREADS=1 .venv/bin/python experiments/hook_costs.py --nothing-dropped --rounds 40
+    OPENBLAS_NUM_THREADS=1 .venv/bin/python experiments/hook_costs.py --untraced --rounds 40
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+
+import chainer_recompute as cr  # noqa: E402
+import bptt as B  # noqa: E402
+from chainer_recompute.runtime import bptt as chain_runtime  # noqa: E402
+from chainer_recompute.runtime import executor as E  # noqa: E402
+from chainer_recompute.runtime.capture import recorder as R  # noqa: E402
+from chainer_recompute.runtime.runner.recompute import Recompute  # noqa: E402
+
+
+def _nothing(*args, **kwargs):
+    return None
+
+
+def _as_planned(self, call, out):
+    call.out_meta, call.out_view = self._events().planned_outputs(call.index)
+    call.as_planned = True
+    return True
+
+
+def _lean_pre(self, function, in_data):
+    self._depth += 1
+    if self._depth > 1 or self.forward_done:
+        self._top.append(None)
+        return
+    call = R.Call(len(self.calls), function, in_data, (), "")
+    self.calls.append(call)
+    self.index_of[id(function)] = call.index
+    self._top.append(call)
+
+
+def _lean_post(self, function, in_data):
+    self._depth -= 1
+    call = self._top.pop()
+    if call is None:
+        return
+    events = self._events()
+    function.local_function_hooks[events.name] = events
+    node = events.program.graph.nodes[call.index]
+    call.in_ids, call.out_ids = node.inputs, node.outputs
+
+
+def _lean_finish(self, result=None):
+    self.forward_done = True
+    self.returned = []
+    self.arrays = list(self._events().program.graph.arrays)
+
+
+VARIANTS = {
+    "as_is": [],
+    "no_checks": [(E, "_alive", lambda candidates, matches, *args: candidates)],
+    "no_wrapper": [(R.Recorder, "_wrap", _nothing), (R.Recorder, "_describe_as_planned", _as_planned)],
+    "lean_forward": [(R.Recorder, "forward_preprocess", _lean_pre),
+                     (R.Recorder, "forward_postprocess", _lean_post),
+                     (R.Recorder, "_map_pending", _nothing), (R.Recorder, "finish", _lean_finish)],
+    "no_backward_driver": [(E.IterationHook, "before_backward", _nothing),
+                           (E.IterationHook, "after_backward", _nothing)],
+    "no_releases_after_backward": [(E.IterationHook, "after_backward", _nothing)],
+}
+
+
+#: variants that leave out work a plan that drops something cannot run without
+NOTHING_DROPPED_ONLY = ("lean_forward", "no_backward_driver")
+
+
+def step(fn, model, opt, data, traced):
+    """One update, as experiments/bptt.py's ``iterate`` runs it: its time,
+    inside its memory meter (``traced``) or without one."""
+    if traced:
+        return B.iterate(fn, model, opt, data)["time_s"]
+    model.predictor.reset_state()
+    start = time.perf_counter()
+    loss = fn(data[:-1], data[1:])
+    model.cleargrads()
+    loss.backward()
+    loss.unchain_backward()
+    opt.update()
+    return time.perf_counter() - start
+
+
+def summary(extra):
+    d = sorted(extra)
+    q = len(d) // 4
+    return statistics.median(d), statistics.mean(d[q:len(d) - q] or d)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--budget", type=int, default=434256)
+    ap.add_argument("--nothing-dropped", action="store_true",
+                    help="plan at 3,000,000 B (nothing dropped), the hooks kept on")
+    ap.add_argument("--rounds", type=int, default=40)
+    ap.add_argument("--untraced", action="store_true",
+                    help="time the steps without experiments/bptt.py's memory meter")
+    ap.add_argument("--variants", nargs="+", choices=list(VARIANTS),
+                    help="default: every variant that runs at the budget")
+    args = ap.parse_args()
+    if args.variants is None:
+        args.variants = [v for v in VARIANTS
+                         if args.nothing_dropped or v not in NOTHING_DROPPED_ONLY]
+    wrong = [v for v in args.variants if v in NOTHING_DROPPED_ONLY and not args.nothing_dropped]
+    if wrong:
+        ap.error(f"{', '.join(wrong)} run only with --nothing-dropped (they leave out work "
+                 f"that regeneration needs)")
+    model_args = argparse.Namespace(vocab=100, units=32, dropout=0.0, batch=8)
+    data = np.random.RandomState(1).randint(0, 100, (31, 8)).astype(np.int32)
+    model, opt = B.make(model_args)
+    plain = B.plain_fn(model)
+    B.iterate(plain, model, opt, data)
+    budget = 3000000 if args.nothing_dropped else args.budget
+    if args.nothing_dropped:
+        Recompute.plain_when_nothing_dropped = False
+    unrolled = B.Unrolled(model)
+    cr.apply(unrolled, budget=budget, verbose=False)
+    for _ in range(4):  # recorded, planned, then followed
+        B.iterate(lambda xs, ts: unrolled(xs, ts), model, opt, data)
+    stats = cr.runner_of(unrolled).last_stats
+    methods = {v: VARIANTS[v] for v in args.variants}
+    chains = {}
+    if not args.nothing_dropped:
+        for policy in ("msm", "ism"):
+            runner = chain_runtime.ChainRecompute(model, policy=policy, budget=budget)
+            model.predictor.reset_state()
+            runner.predict(data[:-1], data[1:])
+            B.iterate(runner, model, opt, data)
+            chains[policy] = runner
+    names = list(methods) + list(chains)
+    extra = {n: [] for n in names}
+    plain_times = []
+    for r in range(args.rounds):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            if name in chains:
+                t = step(chains[name], model, opt, data, not args.untraced)
+            else:
+                saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in methods[name]]
+                for owner, attr, value in methods[name]:
+                    setattr(owner, attr, value)
+                try:
+                    t = step(lambda xs, ts: unrolled(xs, ts), model, opt, data, not args.untraced)
+                finally:
+                    for owner, attr, value in saved:
+                        setattr(owner, attr, value)
+            p = step(plain, model, opt, data, not args.untraced)
+            plain_times.append(p)
+            extra[name].append((t - p) * 1e3)
+    base = statistics.median(plain_times) * 1e3
+    print(f"budget {budget} B; the plan drops {stats.n_dropped} of {stats.n_nodes} functions; "
+          f"plain {base:.1f} ms a step (median, {'untraced' if args.untraced else 'traced'}); "
+          f"load {B.load()}")
+    print(f"{'':28s} {'extra ms: median':>17s} {'iq mean':>8s}")
+    for name in names:
+        med, iqm = summary(extra[name])
+        print(f"{name:28s} {med:17.2f} {iqm:8.2f}")
+    if chains:
+        fastest = min(summary(extra[c])[0] for c in chains)
+        need = (base + fastest) * 1.05 - base
+        steps = {n: base + summary(extra[n])[0] for n in names}
+        print(f"within 5% of the fastest chain policy: at most {need:.2f} ms over plain; "
+              + ", ".join(f"{n} {steps[n] / (base + fastest):.3f}x its time" for n in methods))
+
+
+if __name__ == "__main__":
+    main()

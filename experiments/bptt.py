@@ -30,7 +30,13 @@ Time: one warm-up call per method (the chain runners measure the cell
 and plan there, ``apply()`` records then plans in its first two), then
 ``--repeat`` rounds; each round runs plain BPTT and every method once, in
 an order rotated from round to round, and the table gives the median and
-the minimum. The load average is recorded before and after.
+the minimum. The load average is recorded before and after. Each
+iteration is timed inside its memory meter: on NumPy tracemalloc's
+tracking of every array slows NumPy's work (plain's step by about 20 ms
+at 32 units), not the executor's Python, so the ratios of ``apply()`` at
+small sizes come out lower than a training loop's
+(``experiments/hook_costs.py --untraced`` times without the meter;
+experiments/nested.md).
 """
 from __future__ import annotations
 

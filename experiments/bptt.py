@@ -30,13 +30,15 @@ Time: one warm-up call per method (the chain runners measure the cell
 and plan there, ``apply()`` records then plans in its first two), then
 ``--repeat`` rounds; each round runs plain BPTT and every method once, in
 an order rotated from round to round, and the table gives the median and
-the minimum. The load average is recorded before and after. Each
-iteration is timed inside its memory meter: on NumPy tracemalloc's
-tracking of every array slows NumPy's work (plain's step by about 20 ms
-at 32 units), not the executor's Python, so the ratios of ``apply()`` at
-small sizes come out lower than a training loop's
-(``experiments/hook_costs.py --untraced`` times without the meter;
-experiments/nested.md).
+the minimum. The load average is recorded before and after. Those
+rounds run inside each iteration's memory meter, and on NumPy
+tracemalloc's tracking of every array slows NumPy's work (plain's step
+by about 20 ms at 32 units) and not the executor's Python, so their
+times favour ``apply()`` at small sizes. Then, the memory measured, the
+tracing stops and ``--untraced-repeat`` more rounds (as many as
+``--repeat`` by default) time every method the same way without a meter,
+as a training loop runs: the rows' ``untraced_*`` fields and the table's
+last column (experiments/nested.md).
 """
 from __future__ import annotations
 
@@ -141,15 +143,30 @@ def live_at_call(model: chainer.Link, opt: chainer.Optimizer, data: np.ndarray) 
     return int(sb["params"] + sb["grads"] + sb["optimizer_state"] + data.nbytes + extra)
 
 
+#: Whether :func:`iterate` measures memory (see :func:`untraced`).
+_TRACED = True
+
+
 def iterate(fn: Callable[[Any, Any], Any], model: chainer.Link, opt: chainer.Optimizer,
             data: np.ndarray) -> Dict[str, float]:
     """One truncated-BPTT update as Chainer's PTB example runs it (the last
     gradients live through the forward, cleared before backward); the
-    state starts from zero every time (as ``Unrolled`` does)."""
+    state starts from zero every time (as ``Unrolled`` does). Its time and
+    peak; under :func:`untraced` its time only (``peak_bytes`` None)."""
     from chainer_recompute.runtime.device import device_of
     xs, ts = data[:-1], data[1:]
     dev = device_of([data])  # NumPy: tracemalloc; CuPy: the pool (gpu_run.py)
     model.predictor.reset_state()
+    if not _TRACED:
+        dev.synchronize()
+        start = time.perf_counter()
+        loss = fn(xs, ts)
+        model.cleargrads()
+        loss.backward()
+        loss.unchain_backward()
+        opt.update()
+        dev.synchronize()
+        return {"time_s": time.perf_counter() - start, "peak_bytes": None}
     live = live_at_call(model, opt, data)
     dev.synchronize()
     start = time.perf_counter()
@@ -178,6 +195,41 @@ def plain_fn(model: chainer.Link) -> Callable[[Any, Any], Any]:
     return run
 
 
+def untraced_rounds(methods: Dict[str, Callable[[], Dict[str, float]]], repeat: int
+                    ) -> Dict[str, List[Dict[str, float]]]:
+    """:func:`interleaved` with no memory meter: the worker's tracing
+    stopped (the memory is measured by then), each iteration timed as a
+    training loop runs it."""
+    global _TOP, _TRACED
+    import tracemalloc
+    if repeat <= 0:
+        return {name: [] for name in methods}
+    if _TOP is not None:
+        _TOP.stop()
+        _TOP = None
+    if tracemalloc.is_tracing():
+        tracemalloc.stop()
+    _TRACED = False
+    try:
+        runs = interleaved(methods, repeat)
+    finally:
+        _TRACED = True
+    if tracemalloc.is_tracing():  # (a runner's own meter started it: not untraced)
+        print("warning: tracemalloc was tracing during the untraced rounds", file=sys.stderr)
+    return runs
+
+
+def with_untraced(row: Dict[str, Any], runs: List[Dict[str, float]]) -> None:
+    """Add a method's untraced rounds to its row."""
+    if not runs:
+        return
+    times = [r["time_s"] for r in runs]
+    row["untraced_time_median_s"] = float(statistics.median(times))
+    row["untraced_times_s"] = times
+    if all("plain_time_s" in r for r in runs):
+        row["untraced_plain_times_s"] = [r["plain_time_s"] for r in runs]
+
+
 def load() -> List[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
@@ -194,7 +246,8 @@ def interleaved(methods: Dict[str, Callable[[], Dict[str, float]]], repeat: int
     def one(name: str, r: int) -> Dict[str, float]:
         res = methods[name]()
         runs[name].append(res)
-        print(f"  round {r} {name}: {res['time_s']:.2f} s, {res['peak_bytes'] / 2**20:.2f} MiB",
+        mem = "" if res["peak_bytes"] is None else f", {res['peak_bytes'] / 2**20:.2f} MiB"
+        print(f"  round {r} {name}: {res['time_s']:.2f} s{mem}",
               file=sys.stderr, flush=True)
         return res
 
@@ -273,10 +326,11 @@ def worker_chain(args: argparse.Namespace) -> List[Dict[str, Any]]:
                        table_time_s=st.table_time_s, plan_time_s=st.plan_time_s)
             if label == "least":
                 row["budget_bytes"] = st.predicted_peak_bytes
-            estimate = st.forward_steps * step_s * 1.3 * (args.repeat + 1)
+            calls = args.repeat + args.untraced_repeat + 1
+            estimate = st.forward_steps * step_s * 1.3 * calls
             if estimate > args.max_config_s:
                 row["skipped"] = (f"not run: {st.forward_steps} forward steps "
-                                  f"(~{estimate:.0f} s for {args.repeat + 1} calls)")
+                                  f"(~{estimate:.0f} s for {calls} calls)")
                 rows.append(row)
                 continue
             same = seen.get((policy, st.slots, st.forward_steps, st.predicted_peak_bytes))
@@ -298,9 +352,11 @@ def worker_chain(args: argparse.Namespace) -> List[Dict[str, Any]]:
         row["first_call"] = dict(res, self_measured_bytes=runner.last_stats.measured_peak_bytes,
                                  predicted_bytes=runner.last_stats.predicted_peak_bytes)
     runs = interleaved(methods, args.repeat)
+    quiet = untraced_rounds(methods, args.untraced_repeat)
     load1 = load()
     plain_row = dict(t=t, method="plain", budget=None, forward_steps=t, **summary(runs["plain"]),
                      load_before=load0, load_after=load1)
+    with_untraced(plain_row, quiet.get("plain", []))
     any_runner = next(iter(runners.values()))[0] if runners else None
     if any_runner is not None:
         st = any_runner.last_stats
@@ -315,6 +371,7 @@ def worker_chain(args: argparse.Namespace) -> List[Dict[str, Any]]:
     rows.insert(0, plain_row)
     for name, (runner, row) in runners.items():
         row.update(summary(runs[name]))
+        with_untraced(row, quiet.get(name, []))
         st = runner.last_stats
         row["predicted_bytes"] = st.predicted_peak_bytes
         row["self_measured_bytes"] = st.measured_peak_bytes
@@ -379,12 +436,15 @@ def worker_graph(args: argparse.Namespace) -> List[Dict[str, Any]]:
         applied.append((name, row))
         rows.append(row)
     runs = interleaved(methods, args.repeat)
+    quiet = untraced_rounds(methods, args.untraced_repeat)
     load1 = load()
     rows.insert(0, dict(t=t, method=f"plain (graph-{args.solver} process)", budget=None,
                         forward_steps=t, **summary(runs["plain"]), load_before=load0,
                         load_after=load1))
+    with_untraced(rows[0], quiet.get("plain", []))
     for name, row in applied:
         row.update(summary(runs[name]))
+        with_untraced(row, quiet.get(name, []))
         row["load_before"], row["load_after"] = load0, load1
     del unrolled
     return rows
@@ -428,11 +488,20 @@ def paired(r: Dict[str, Any], p: Dict[str, Any]) -> float:
     return float(statistics.median(a / b for a, b in zip(r["times_s"], base)))
 
 
+def paired_untraced(r: Dict[str, Any]) -> Optional[float]:
+    """:func:`paired` over the rounds timed without the memory meter
+    (None where the row has none)."""
+    times, base = r.get("untraced_times_s"), r.get("untraced_plain_times_s")
+    if not times or not base:
+        return None
+    return float(statistics.median(a / b for a, b in zip(times, base)))
+
+
 def table(rows: List[Dict[str, Any]]) -> str:
     out = ["| t | method | budget MiB (fraction) | slots | forward steps | predicted MiB | "
            "measured MiB | within budget | memory vs plain | time median (min) | "
-           "time vs plain: paired median (min / min) |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "time vs plain: paired median (min / min) | untraced: paired median |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     plain = {(r["t"], r.get("process")): r for r in rows if r["method"].startswith("plain")}
     for r in rows:
         if r.get("method") in ("sizes", "table") or "t" not in r:
@@ -448,7 +517,7 @@ def table(rows: List[Dict[str, Any]]) -> str:
             why = r.get("error") or r.get("skipped")
             out.append(f"| {r['t']} | {method} | {budget} | {r.get('slots', '')} | "
                        f"{r.get('forward_steps', '')} | {mib(r.get('predicted_bytes'))} | | | | | "
-                       f"{why} |")
+                       f"{why} | |")
             continue
         # memory against plain as the chain process measured it (the graph processes'
         # plain runs see some of the graph runner's leftovers)
@@ -456,13 +525,15 @@ def table(rows: List[Dict[str, Any]]) -> str:
         mem = pct(r["peak_bytes"] / pm["peak_bytes"] - 1) if pm else ""
         tim = (f"{pct(paired(r, p) - 1)} ({pct(r['time_min_s'] / p['time_min_s'] - 1)})"
                if p and not r["method"].startswith("plain") else "")
+        quiet = paired_untraced(r) if not r["method"].startswith("plain") else None
         held = "" if not r.get("budget_bytes") or r.get("budget") == "least" else (
             "yes" if r["peak_bytes"] <= r["budget_bytes"] else "**no**")
         out.append(
             f"| {r['t']} | {method} | {budget} | {r.get('slots') or ''} | "
             f"{r.get('forward_steps') or ''} | {mib(r.get('predicted_bytes'))} | "
             f"{mib(r['peak_bytes'])} | {held} | {mem} | "
-            f"{r['time_median_s']:.2f} s ({r['time_min_s']:.2f}) | {tim} |")
+            f"{r['time_median_s']:.2f} s ({r['time_min_s']:.2f}) | {tim} | "
+            f"{'' if quiet is None else pct(quiet - 1)} |")
     return "\n".join(out)
 
 
@@ -518,6 +589,8 @@ def run_worker(kind: str, t: int, args: argparse.Namespace, extra: List[str],
            "--vocab", str(args.vocab), "--units", str(args.units), "--batch", str(args.batch),
            "--dropout", str(args.dropout),
            "--repeat", str(args.repeat_at.get(t, args.repeat)),
+           "--untraced-repeat", str(args.repeat_at.get(t, args.repeat)
+                                    if args.untraced_repeat is None else args.untraced_repeat),
            "--max-config-s", str(args.max_config_s), "--out", out] + extra
     print(" ".join(cmd[1:]), file=sys.stderr, flush=True)
     start = time.perf_counter()
@@ -557,6 +630,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--repeat-at", action="append", default=[], help="T:n")
+    ap.add_argument("--untraced-repeat", type=int,
+                    help="rounds timed without the memory meter after the measured ones "
+                         "(default: as many as --repeat; 0: none)")
     ap.add_argument("--max-config-s", type=float, default=240.0,
                     help="skip a configuration whose calls would take longer (estimated "
                          "from its forward steps)")
@@ -585,6 +661,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     args.repeat_at = {int(k): int(v) for k, v in (s.split(":") for s in args.repeat_at)}
+    if args.worker and args.untraced_repeat is None:
+        args.untraced_repeat = args.repeat
     if args.worker:
         if args.worker == "chain":
             rows = worker_chain(args)

@@ -47,7 +47,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -117,21 +116,6 @@ VARIANTS = {
 NOTHING_DROPPED_ONLY = ("lean_forward", "no_backward_driver")
 
 
-def step(fn, model, opt, data, traced):
-    """One update, as experiments/bptt.py's ``iterate`` runs it: its time,
-    inside its memory meter (``traced``) or without one."""
-    if traced:
-        return B.iterate(fn, model, opt, data)["time_s"]
-    model.predictor.reset_state()
-    start = time.perf_counter()
-    loss = fn(data[:-1], data[1:])
-    model.cleargrads()
-    loss.backward()
-    loss.unchain_backward()
-    opt.update()
-    return time.perf_counter() - start
-
-
 def summary(extra):
     d = sorted(extra)
     q = len(d) // 4
@@ -179,23 +163,24 @@ def main():
             B.iterate(runner, model, opt, data)
             chains[policy] = runner
     names = list(methods) + list(chains)
+    B._TRACED = not args.untraced  # (bptt.py's untraced rounds: no meter)
     extra = {n: [] for n in names}
     plain_times = []
     for r in range(args.rounds):
         k = r % len(names)
         for name in names[k:] + names[:k]:
             if name in chains:
-                t = step(chains[name], model, opt, data, not args.untraced)
+                t = B.iterate(chains[name], model, opt, data)["time_s"]
             else:
                 saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in methods[name]]
                 for owner, attr, value in methods[name]:
                     setattr(owner, attr, value)
                 try:
-                    t = step(lambda xs, ts: unrolled(xs, ts), model, opt, data, not args.untraced)
+                    t = B.iterate(lambda xs, ts: unrolled(xs, ts), model, opt, data)["time_s"]
                 finally:
                     for owner, attr, value in saved:
                         setattr(owner, attr, value)
-            p = step(plain, model, opt, data, not args.untraced)
+            p = B.iterate(plain, model, opt, data)["time_s"]
             plain_times.append(p)
             extra[name].append((t - p) * 1e3)
     base = statistics.median(plain_times) * 1e3

@@ -93,6 +93,7 @@ SECTIONS: List[Tuple[str, str, int, int, Optional[int]]] = [
     ("pspnet", "least", 30, 240, 1),
     ("workspace", "workspace", 30, 240, None),
     ("lstm", "lstm", 60, 240, None),
+    ("lstm_graph", "lstm_graph", 40, 120, None),
     ("torch", "torch", 30, 30, 32),
 ]
 #: --tiny: the registry's small networks at this batch (3 or more: planned from captures)
@@ -389,6 +390,8 @@ def child(args: argparse.Namespace) -> int:
             section_workspace(ctx)
         elif k == "lstm":
             section_lstm(ctx)
+        elif k == "lstm_graph":
+            section_lstm_graph(ctx)
         elif k == "torch":
             section_torch(ctx, 2 if ctx.tiny else batch)
         ctx.close(ok="ok")
@@ -898,6 +901,89 @@ def section_lstm(ctx: Context) -> None:
         s = B.summary(runs[label])
         ratio = statistics.median(r["time_s"] / r["plain_time_s"] - 1 for r in runs[label])
         ctx.emit(case=label, time_s=s["time_median_s"], vs_base=ratio)
+
+
+def section_lstm_graph(ctx: Context) -> None:
+    """Issue 35's LSTM target on this device: the t = 30 unroll of Chainer's
+    PTB LSTM without dropout (experiments/nested.md's rows) through
+    ``apply()`` against MSM and ISM at the budgets 10% and 25% of the way
+    from the chain policies' least to plain's measured peak (10 and 25
+    slots on NumPy); gradients against plain's from the same parameters,
+    then time, paired with plain's, every method in each round."""
+    import bptt as B
+    import chainer_recompute as cr
+    from chainer_recompute.runtime import bptt as cr_bptt
+    import numpy
+    cdev, dev, xp, pool = ctx.setup()
+    T = 30
+    args = argparse.Namespace(vocab=100, units=32, batch=8, dropout=0.0)
+    model, opt = B.make(args)
+    model.to_device(cdev)
+    data = xp.asarray(numpy.random.RandomState(1).randint(
+        0, args.vocab, (T + 1, args.batch)).astype(numpy.int32))
+    xs, ts = data[:-1], data[1:]
+    plain = B.plain_fn(model)
+    B.iterate(plain, model, opt, data)  # warm-up (lazy initialisation)
+    start = {n: p.array.copy() for n, p in model.namedparams()}
+
+    def grads_of(fn: Callable[[Any, Any], Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+        for n, p in model.namedparams():
+            p.array[...] = start[n]
+        r = B.iterate(fn, model, opt, data)
+        return r, {n: p.grad.copy() for n, p in model.namedparams()}
+
+    ref, ref_grads = grads_of(plain)
+    plain_peak = ref["peak_bytes"]
+    least = min(cr_bptt.ChainRecompute(model, policy=policy, budget="least").predict(
+        xs, ts).predicted_peak_bytes for policy in ("hsm", "ism", "msm", "revolve"))
+    note = (f"t={T}, PTB LSTM (vocab {args.vocab}, units {args.units}, batch {args.batch}, "
+            f"no dropout)")
+    ctx.emit(case="plain BPTT", used_peak_bytes=plain_peak,
+             note=f"{note}; the chain policies' least {least} B")
+    methods: Dict[str, Callable[[], Dict[str, float]]] = {
+        "plain": lambda: B.iterate(plain, model, opt, data)}
+    labels = []
+    for frac in (0.10, 0.25):
+        budget = int(least + frac * (plain_peak - least))
+        for policy in ("msm", "ism", "apply"):
+            label = f"{policy} at {frac:.0%}"
+            model.predictor.reset_state()
+            try:
+                if policy == "apply":
+                    u = B.Unrolled(model)
+                    cr.apply(u, budget=budget, verbose=False)
+                    fn: Callable[[Any, Any], Any] = (lambda a, b, u=u: u(a, b))
+                    B.iterate(fn, model, opt, data)  # records
+                    B.iterate(fn, model, opt, data)  # plans
+                    # (on NumPy this step's meter sees the arrays of the graph
+                    # the runner predicts again at the call, not the free of
+                    # the earlier ones, made before it: experiments/nested.md,
+                    # "A step over its budget, traced")
+                    B.iterate(fn, model, opt, data)
+                else:
+                    fn = cr_bptt.ChainRecompute(model, policy=policy, budget=budget)
+                    fn.predict(xs, ts)
+                    B.iterate(fn, model, opt, data)  # measures the cell, plans
+                r, grads = grads_of(fn)
+            except cr.RecomputeError as e:  # infeasible: said, not run
+                ctx.emit(case=label, budget_bytes=budget,
+                         note=f"{type(e).__name__}: {str(e)[:200]}")
+                continue
+            st = cr.runner_of(u).last_stats if policy == "apply" else fn.last_stats
+            same = all(bool(xp.array_equal(ref_grads[n], g)) for n, g in grads.items())
+            extra = (f"{st.recomputed_nodes} functions recomputed ({st.path})"
+                     if policy == "apply" else
+                     f"{st.forward_steps} forward steps, {st.slots} slots")
+            ctx.emit(case=label, budget_bytes=budget, predicted_bytes=st.predicted_peak_bytes,
+                     used_peak_bytes=r["peak_bytes"], identical=same,
+                     note=f"{extra}; vs plain {pct(r['peak_bytes'] / plain_peak - 1)} memory")
+            methods[label] = (lambda f=fn: B.iterate(f, model, opt, data))
+            labels.append(label)
+    runs = B.interleaved(methods, 2 if ctx.tiny else 5)
+    ctx.emit(case="plain BPTT", time_s=statistics.median(r["time_s"] for r in runs["plain"]))
+    for label in labels:
+        ratio = statistics.median(r["time_s"] / r["plain_time_s"] - 1 for r in runs[label])
+        ctx.emit(case=label, time_s=B.summary(runs[label])["time_median_s"], vs_base=ratio)
 
 
 # -- torch ---------------------------------------------------------------------

@@ -98,3 +98,20 @@ def test_tiny_lstm_and_resnet50(tmp_path):
     for r in lstm:
         if "used_peak_bytes" in r:
             assert r["used_peak_bytes"] <= r["budget_bytes"], r
+
+
+def test_tiny_lstm_graph_rows_are_identical_and_within_their_budgets(tmp_path):
+    """Issue 35's LSTM rows (apply() against MSM and ISM at two budgets):
+    every method's gradients are plain's, its measured peak is at or under
+    its budget, and each has a time paired with plain's."""
+    report = run(tmp_path, "--sections", "lstm_graph", timeout=300)
+    s = sections(report)["lstm_graph"]
+    assert s["status"] == "ok", s
+    measured = [r for r in s["rows"] if "identical" in r]
+    assert sorted(r["case"] for r in measured) == sorted(
+        f"{m} at {f}" for m in ("msm", "ism", "apply") for f in ("10%", "25%"))
+    for r in measured:
+        assert r["identical"] is True, r
+        assert r["used_peak_bytes"] <= r["budget_bytes"], r
+    timed = {r["case"] for r in s["rows"] if "vs_base" in r}
+    assert timed == {r["case"] for r in measured}

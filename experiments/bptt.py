@@ -143,7 +143,7 @@ def live_at_call(model: chainer.Link, opt: chainer.Optimizer, data: np.ndarray) 
     return int(sb["params"] + sb["grads"] + sb["optimizer_state"] + data.nbytes + extra)
 
 
-#: Whether :func:`iterate` measures memory (see :func:`untraced`).
+#: Whether :func:`iterate` measures memory (off in :func:`untraced_rounds`).
 _TRACED = True
 
 
@@ -152,20 +152,24 @@ def iterate(fn: Callable[[Any, Any], Any], model: chainer.Link, opt: chainer.Opt
     """One truncated-BPTT update as Chainer's PTB example runs it (the last
     gradients live through the forward, cleared before backward); the
     state starts from zero every time (as ``Unrolled`` does). Its time and
-    peak; under :func:`untraced` its time only (``peak_bytes`` None)."""
+    peak; in :func:`untraced_rounds` its time only (``peak_bytes`` None)."""
     from chainer_recompute.runtime.device import device_of
     xs, ts = data[:-1], data[1:]
     dev = device_of([data])  # NumPy: tracemalloc; CuPy: the pool (gpu_run.py)
     model.predictor.reset_state()
-    if not _TRACED:
-        dev.synchronize()
-        start = time.perf_counter()
+
+    def update() -> None:
         loss = fn(xs, ts)
         model.cleargrads()
         loss.backward()
         loss.unchain_backward()
         opt.update()
         dev.synchronize()
+
+    if not _TRACED:
+        dev.synchronize()
+        start = time.perf_counter()
+        update()
         return {"time_s": time.perf_counter() - start, "peak_bytes": None}
     live = live_at_call(model, opt, data)
     dev.synchronize()
@@ -175,12 +179,7 @@ def iterate(fn: Callable[[Any, Any], Any], model: chainer.Link, opt: chainer.Opt
         # seen; on CuPy the pool sees them)
         live -= dev.adopt(meter, [p.grad for p in model.params() if p.grad is not None]
                           + _outputs_kept(model))
-        loss = fn(xs, ts)
-        model.cleargrads()
-        loss.backward()
-        loss.unchain_backward()
-        opt.update()
-        dev.synchronize()
+        update()
     elapsed = time.perf_counter() - start
     return {"time_s": elapsed, "peak_bytes": int(live + meter.result.peak_bytes),
             "live_at_call": live}

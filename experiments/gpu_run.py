@@ -828,20 +828,21 @@ def section_workspace(ctx: Context) -> None:
 
 # -- LSTM ----------------------------------------------------------------------
 
-def section_lstm(ctx: Context) -> None:
+def _lstm(ctx: Context, T: int, dropout: float) -> Tuple[Any, ...]:
+    """experiments/bptt.py's PTB LSTM on this device over ``T`` steps:
+    ``(args, model, optimizer, data, plain BPTT, xp, seeded)``, where
+    ``seeded(fn)`` runs one update by ``fn`` from the parameters the model
+    started with, the random generators seeded alike (dropout), and gives
+    its result and the gradients."""
     import bptt as B
-    import chainer_recompute as cr
-    from chainer_recompute.runtime import bptt as cr_bptt
     from chainer_recompute.runtime.device import seed_all
     import numpy
     cdev, dev, xp, pool = ctx.setup()
-    T = 300 if ctx.tiny else 1000
-    args = argparse.Namespace(vocab=100, units=32, batch=8, dropout=0.5)
+    args = argparse.Namespace(vocab=100, units=32, batch=8, dropout=dropout)
     model, opt = B.make(args)
     model.to_device(cdev)
     data = xp.asarray(numpy.random.RandomState(1).randint(
         0, args.vocab, (T + 1, args.batch)).astype(numpy.int32))
-    xs, ts = data[:-1], data[1:]
     plain = B.plain_fn(model)
     B.iterate(plain, model, opt, data)  # warm-up (lazy initialisation)
     start = {n: p.array.copy() for n, p in model.namedparams()}
@@ -853,6 +854,16 @@ def section_lstm(ctx: Context) -> None:
         r = B.iterate(fn, model, opt, data)
         return r, {n: p.grad.copy() for n, p in model.namedparams()}
 
+    return args, model, opt, data, plain, xp, seeded
+
+
+def section_lstm(ctx: Context) -> None:
+    import bptt as B
+    import chainer_recompute as cr
+    from chainer_recompute.runtime import bptt as cr_bptt
+    T = 300 if ctx.tiny else 1000
+    args, model, opt, data, plain, xp, seeded = _lstm(ctx, T, dropout=0.5)
+    xs, ts = data[:-1], data[1:]
     ref, ref_grads = seeded(plain)
     plain_peak = ref["peak_bytes"]
     note = (f"t={T}, PTB LSTM (vocab {args.vocab}, units {args.units}, batch {args.batch}, "
@@ -913,26 +924,10 @@ def section_lstm_graph(ctx: Context) -> None:
     import bptt as B
     import chainer_recompute as cr
     from chainer_recompute.runtime import bptt as cr_bptt
-    import numpy
-    cdev, dev, xp, pool = ctx.setup()
     T = 30
-    args = argparse.Namespace(vocab=100, units=32, batch=8, dropout=0.0)
-    model, opt = B.make(args)
-    model.to_device(cdev)
-    data = xp.asarray(numpy.random.RandomState(1).randint(
-        0, args.vocab, (T + 1, args.batch)).astype(numpy.int32))
+    args, model, opt, data, plain, xp, seeded = _lstm(ctx, T, dropout=0.0)
     xs, ts = data[:-1], data[1:]
-    plain = B.plain_fn(model)
-    B.iterate(plain, model, opt, data)  # warm-up (lazy initialisation)
-    start = {n: p.array.copy() for n, p in model.namedparams()}
-
-    def grads_of(fn: Callable[[Any, Any], Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-        for n, p in model.namedparams():
-            p.array[...] = start[n]
-        r = B.iterate(fn, model, opt, data)
-        return r, {n: p.grad.copy() for n, p in model.namedparams()}
-
-    ref, ref_grads = grads_of(plain)
+    ref, ref_grads = seeded(plain)
     plain_peak = ref["peak_bytes"]
     least = min(cr_bptt.ChainRecompute(model, policy=policy, budget="least").predict(
         xs, ts).predicted_peak_bytes for policy in ("hsm", "ism", "msm", "revolve"))
@@ -964,7 +959,7 @@ def section_lstm_graph(ctx: Context) -> None:
                     fn = cr_bptt.ChainRecompute(model, policy=policy, budget=budget)
                     fn.predict(xs, ts)
                     B.iterate(fn, model, opt, data)  # measures the cell, plans
-                r, grads = grads_of(fn)
+                r, grads = seeded(fn)
             except cr.RecomputeError as e:  # infeasible: said, not run
                 ctx.emit(case=label, budget_bytes=budget,
                          note=f"{type(e).__name__}: {str(e)[:200]}")

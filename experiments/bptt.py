@@ -43,6 +43,7 @@ last column (experiments/nested.md).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -50,7 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -143,7 +144,7 @@ def live_at_call(model: chainer.Link, opt: chainer.Optimizer, data: np.ndarray) 
     return int(sb["params"] + sb["grads"] + sb["optimizer_state"] + data.nbytes + extra)
 
 
-#: Whether :func:`iterate` measures memory (off in :func:`untraced_rounds`).
+#: Whether :func:`iterate` measures memory (off in :func:`untraced`).
 _TRACED = True
 
 
@@ -152,7 +153,7 @@ def iterate(fn: Callable[[Any, Any], Any], model: chainer.Link, opt: chainer.Opt
     """One truncated-BPTT update as Chainer's PTB example runs it (the last
     gradients live through the forward, cleared before backward); the
     state starts from zero every time (as ``Unrolled`` does). Its time and
-    peak; in :func:`untraced_rounds` its time only (``peak_bytes`` None)."""
+    peak; under :func:`untraced` its time only (``peak_bytes`` None)."""
     from chainer_recompute.runtime.device import device_of
     xs, ts = data[:-1], data[1:]
     dev = device_of([data])  # NumPy: tracemalloc; CuPy: the pool (gpu_run.py)
@@ -194,15 +195,13 @@ def plain_fn(model: chainer.Link) -> Callable[[Any, Any], Any]:
     return run
 
 
-def untraced_rounds(methods: Dict[str, Callable[[], Dict[str, float]]], repeat: int
-                    ) -> Dict[str, List[Dict[str, float]]]:
-    """:func:`interleaved` with no memory meter: the worker's tracing
-    stopped (the memory is measured by then), each iteration timed as a
-    training loop runs it."""
+@contextlib.contextmanager
+def untraced() -> Iterator[None]:
+    """:func:`iterate` times without a memory meter inside: the worker's
+    tracing stopped (the memory is measured by then), each iteration
+    timed as a training loop runs it."""
     global _TOP, _TRACED
     import tracemalloc
-    if repeat <= 0:
-        return {name: [] for name in methods}
     if _TOP is not None:
         _TOP.stop()
         _TOP = None
@@ -210,12 +209,20 @@ def untraced_rounds(methods: Dict[str, Callable[[], Dict[str, float]]], repeat: 
         tracemalloc.stop()
     _TRACED = False
     try:
-        runs = interleaved(methods, repeat)
+        yield
     finally:
         _TRACED = True
     if tracemalloc.is_tracing():  # (a runner's own meter started it: not untraced)
         print("warning: tracemalloc was tracing during the untraced rounds", file=sys.stderr)
-    return runs
+
+
+def untraced_rounds(methods: Dict[str, Callable[[], Dict[str, float]]], repeat: int
+                    ) -> Dict[str, List[Dict[str, float]]]:
+    """:func:`interleaved` under :func:`untraced` (none for ``repeat`` 0)."""
+    if repeat <= 0:
+        return {name: [] for name in methods}
+    with untraced():
+        return interleaved(methods, repeat)
 
 
 def with_untraced(row: Dict[str, Any], runs: List[Dict[str, float]]) -> None:
@@ -483,17 +490,18 @@ def paired(r: Dict[str, Any], p: Dict[str, Any]) -> float:
     """Median over the rounds of (this method's time / the plain run's next
     to it); rows measured before plain ran next to each method: plain's
     run of the same round."""
-    base = r.get("plain_times_s") or p["times_s"]
-    return float(statistics.median(a / b for a, b in zip(r["times_s"], base)))
+    return _paired(r["times_s"], r.get("plain_times_s") or p["times_s"])
+
+
+def _paired(times: List[float], base: List[float]) -> float:
+    return float(statistics.median(a / b for a, b in zip(times, base)))
 
 
 def paired_untraced(r: Dict[str, Any]) -> Optional[float]:
     """:func:`paired` over the rounds timed without the memory meter
     (None where the row has none)."""
     times, base = r.get("untraced_times_s"), r.get("untraced_plain_times_s")
-    if not times or not base:
-        return None
-    return float(statistics.median(a / b for a, b in zip(times, base)))
+    return _paired(times, base) if times and base else None
 
 
 def table(rows: List[Dict[str, Any]]) -> str:

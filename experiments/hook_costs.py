@@ -44,6 +44,7 @@ marked run only with ``--nothing-dropped``, where nothing is regenerated):
     OPENBLAS_NUM_THREADS=1 .venv/bin/python experiments/hook_costs.py --untraced --rounds 40
 """
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -163,26 +164,29 @@ def main():
             B.iterate(runner, model, opt, data)
             chains[policy] = runner
     names = list(methods) + list(chains)
-    B._TRACED = not args.untraced  # (bptt.py's untraced rounds: no meter)
+    timing = B.untraced() if args.untraced else contextlib.nullcontext()
     extra = {n: [] for n in names}
     plain_times = []
-    for r in range(args.rounds):
-        k = r % len(names)
-        for name in names[k:] + names[:k]:
-            if name in chains:
-                t = B.iterate(chains[name], model, opt, data)["time_s"]
-            else:
-                saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in methods[name]]
-                for owner, attr, value in methods[name]:
-                    setattr(owner, attr, value)
-                try:
-                    t = B.iterate(lambda xs, ts: unrolled(xs, ts), model, opt, data)["time_s"]
-                finally:
-                    for owner, attr, value in saved:
+    with timing:
+        for r in range(args.rounds):
+            k = r % len(names)
+            for name in names[k:] + names[:k]:
+                if name in chains:
+                    t = B.iterate(chains[name], model, opt, data)["time_s"]
+                else:
+                    saved = [(owner, attr, getattr(owner, attr))
+                             for owner, attr, _ in methods[name]]
+                    for owner, attr, value in methods[name]:
                         setattr(owner, attr, value)
-            p = B.iterate(plain, model, opt, data)["time_s"]
-            plain_times.append(p)
-            extra[name].append((t - p) * 1e3)
+                    try:
+                        t = B.iterate(lambda xs, ts: unrolled(xs, ts), model, opt,
+                                      data)["time_s"]
+                    finally:
+                        for owner, attr, value in saved:
+                            setattr(owner, attr, value)
+                p = B.iterate(plain, model, opt, data)["time_s"]
+                plain_times.append(p)
+                extra[name].append((t - p) * 1e3)
     base = statistics.median(plain_times) * 1e3
     print(f"budget {budget} B; the plan drops {stats.n_dropped} of {stats.n_nodes} functions; "
           f"plain {base:.1f} ms a step (median, {'untraced' if args.untraced else 'traced'}); "

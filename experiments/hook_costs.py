@@ -26,8 +26,6 @@ marked run only with ``--nothing-dropped``, where nothing is regenerated):
 - ``as_is``: the executor as it is;
 - ``no_checks``: a call is not checked against its planned node (before
   it runs, nor after its inputs are mapped);
-- ``no_wrapper``: a call's forward is not wrapped; its outputs are
-  described as its planned node's;
 - ``lean_forward``: the forward's hooks only make each call's record
   with the plan's array ids and hook the function for its backward (no
   mapping of nodes to ids, no records of arrays, no checks, no wrapper,
@@ -66,31 +64,31 @@ def _nothing(*args, **kwargs):
     return None
 
 
-def _as_planned(self, call, out):
-    call.out_meta, call.out_view = self._events().planned_outputs(call.index)
-    call.as_planned = True
+def _yes(*args, **kwargs):
     return True
 
 
+# (the executor's hook is what Chainer calls: ``self`` is an IterationHook)
 def _lean_pre(self, function, in_data):
-    self._depth += 1
-    if self._depth > 1 or self.forward_done:
-        self._top.append(None)
+    rec = self.recorder
+    rec._depth += 1
+    if rec._depth > 1 or rec.forward_done:
+        rec._top.append(None)
         return
-    call = R.Call(len(self.calls), function, in_data, (), "")
-    self.calls.append(call)
-    self.index_of[id(function)] = call.index
-    self._top.append(call)
+    call = R.Call(len(rec.calls), function, in_data, (), "")
+    rec.calls.append(call)
+    rec.index_of[id(function)] = call.index
+    rec._top.append(call)
 
 
 def _lean_post(self, function, in_data):
-    self._depth -= 1
-    call = self._top.pop()
+    rec = self.recorder
+    rec._depth -= 1
+    call = rec._top.pop()
     if call is None:
         return
-    events = self._events()
-    function.local_function_hooks[events.name] = events
-    node = events.program.graph.nodes[call.index]
+    function.local_function_hooks[self.name] = self
+    node = self.program.graph.nodes[call.index]
     call.in_ids, call.out_ids = node.inputs, node.outputs
 
 
@@ -102,13 +100,12 @@ def _lean_finish(self, result=None):
 
 VARIANTS = {
     "as_is": [],
-    "no_checks": [(E, "_alive", lambda candidates, matches, *args: candidates)],
-    "no_wrapper": [(R.Recorder, "_wrap", _nothing), (R.Recorder, "_describe_as_planned", _as_planned)],
-    "lean_forward": [(R.Recorder, "forward_preprocess", _lean_pre),
-                     (R.Recorder, "forward_postprocess", _lean_post),
+    "no_checks": [(E, "_matches_before", _yes), (E, "_matches_after", _yes)],
+    "lean_forward": [(E.IterationHook, "forward_preprocess", _lean_pre),
+                     (E.IterationHook, "forward_postprocess", _lean_post),
                      (R.Recorder, "_map_pending", _nothing), (R.Recorder, "finish", _lean_finish)],
-    "no_backward_driver": [(E.IterationHook, "before_backward", _nothing),
-                           (E.IterationHook, "after_backward", _nothing)],
+    "no_backward_driver": [(E.IterationHook, "backward_preprocess", _nothing),
+                           (E.IterationHook, "backward_postprocess", _nothing)],
     "no_releases_after_backward": [(E.IterationHook, "after_backward", _nothing)],
 }
 

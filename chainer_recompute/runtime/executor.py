@@ -86,6 +86,8 @@ from chainer import backend
 from ..core.errors import RecomputeError, UnsafeRecomputeError
 from ..core.execution import regeneration_frees
 from .capture import Call, Recorder, fingerprint, owner_of
+from .capture.recorder import _NO_NAMES
+from .device import dtype_name
 from .param_updates import (_LIVE, _add_live, _update_count, add_update_watcher,  # noqa: F401
                             remove_update_watcher)
 from .program import (PROBATION, IterationStats, Program, _after_mismatch,  # noqa: F401
@@ -122,7 +124,6 @@ class IterationHook(chainer.FunctionHook):
         self.name = f"chainer_recompute-run-{id(self):x}"  # (unique: see Recorder)
         self.recorder = Recorder(measure=measure, analyse=analyse, link=link, args=args,
                                  driver=self)
-        self._bind_recorder()
         self.candidates: List[Program] = list(programs)
         self.program: Optional[Program] = self.candidates[0] if self.candidates else None
         self.recorder.recording = self.program is None
@@ -179,16 +180,131 @@ class IterationHook(chainer.FunctionHook):
         self._param_t: Dict[int, int] = {}
 
     # ------------------------------------- Chainer's calls, to the recorder
-    def _bind_recorder(self) -> None:
-        """Chainer's calls before and after each function's forward and
-        backward go to the recorder's own methods (bound here, per
-        instance: no call of this hook's in between, for every function of
-        every step); it calls this hook back (``before_forward``, ...)."""
+    # Chainer's calls before and after each function's forward and backward
+    # (this hook is what Chainer calls: registered for the forward, and on
+    # each function for its backward). For a call of an iteration that
+    # follows its one candidate plan without recording, each does the
+    # recorder's work and this hook's callback (``before_forward``, ...)
+    # in one call, exactly as the recorder's method followed by the
+    # callback does (a mismatch hands over with nothing to redo); every
+    # other call (a recording, a nested or unrecorded function, a mismatch,
+    # several candidate plans) goes to the recorder's method, which calls
+    # this hook back. (Methods of the class: bound ones kept on the
+    # instance would make it a reference cycle, freed only by the
+    # collector with the arrays it pins.)
+    def forward_preprocess(self, function: Any, in_data: Tuple[Any, ...]) -> None:
         rec = self.recorder
-        self.forward_preprocess = rec.forward_preprocess
-        self.forward_postprocess = rec.forward_postprocess
-        self.backward_preprocess = rec.backward_preprocess
-        self.backward_postprocess = rec.backward_postprocess
+        work = rec._unrecorded
+        if (rec._depth or rec.forward_done or rec.recording or work._at is not None
+                or work._made or len(self.candidates) != 1
+                or self.candidates[0] is not self.program
+                or not chainer.config.enable_backprop):
+            return rec.forward_preprocess(function, in_data)
+        if rec._pending is not None:
+            rec._map_pending()
+            if rec.recording or len(self.candidates) != 1:  # (a mismatch, a switch)
+                return rec.forward_preprocess(function, in_data)
+        p = self.program
+        i = len(rec.calls)
+        names = rec._arg_names
+        names = tuple([names.get(id(x)) for x in in_data])
+        call = Call(i, function, in_data, _NO_NAMES.get(names, names), rec._links.current)
+        rec.calls.append(call)
+        rec.index_of[id(function)] = i
+        rec._depth = 1
+        rec._top.append(call)
+        if i == 0 or not _matches_before(p, call, in_data):
+            # (the first call: ``on_first_function`` runs before the check)
+            self.before_forward(call, function, in_data)
+            rec._wrap(call, function, in_data)
+            return
+        shapes = p._before[i][1]
+        if shapes is not None:
+            call.in_shapes = shapes  # (equal: the plan's, shared by every iteration)
+        release_at = p.release_at.get(i)
+        if release_at:
+            pinned = self._pinned_ok
+            for u in release_at:
+                if u in pinned:  # its sources held under a verified wiring
+                    self._release(u)
+        if i in p.dropped:
+            self._pin(i, p, in_data)
+            if i in p.drawn:
+                self._rng_states[i] = numpy.random.get_state()
+        original = type(function).forward
+
+        def wrapped(inputs: Tuple[Any, ...], _f: Any = function, _call: Call = call) -> Any:
+            out = original(_f, inputs)
+            _call._out = tuple(out)
+            return out
+
+        function.forward = wrapped
+
+    def forward_postprocess(self, function: Any, in_data: Tuple[Any, ...]) -> None:
+        rec = self.recorder
+        top = rec._top
+        call = top[-1] if top else None
+        if rec._depth != 1 or type(call) is not Call or call._before is not None:
+            return rec.forward_postprocess(function, in_data)
+        rec._depth = 0
+        top.pop()
+        out = call._out or ()
+        try:
+            del function.forward  # (the wrapper)
+        except AttributeError:
+            pass
+        keep = function._input_indexes_to_retain
+        call.keep_in = tuple(keep) if keep else ()
+        keep = function._output_indexes_to_retain
+        call.keep_out = tuple(keep) if keep else ()
+        # (Recorder._describe_as_planned)
+        planned = self.planned_outputs(call.index)
+        if planned is not None and len(planned[0]) == len(out):
+            for m, y in zip(planned[0], out):
+                if m[0] != y.shape or m[1] != dtype_name(y.dtype):
+                    planned = None
+                    break
+        else:
+            planned = None
+        if planned is not None:
+            call.out_meta, call.out_view = planned
+            call.as_planned = True
+        else:
+            rec._describe(call, function, in_data, out, {})
+        function.local_function_hooks[self.name] = self
+        call._func_strong = function
+        rec._pending = call
+
+    def backward_preprocess(self, function: Any, in_data: Any, out_grad: Any) -> None:
+        rec = self.recorder
+        i = rec.index_of.get(id(function))
+        if i is None:
+            return
+        if (rec.recording or rec._outside_watch is not None or not rec.forward_done
+                or self.let_go_done or self._update_state["updated"] or i in self._bw_seen
+                or self._reach is None or i not in self._reach or self.program is None):
+            if rec.recording or rec._outside_watch is not None or not rec.forward_done:
+                return rec.backward_preprocess(function, in_data, out_grad)
+            return self.before_backward(i, function)
+        # (before_backward, for a function of this backward pass seen first)
+        if chainer.config.enable_backprop:
+            self.no_release = True  # (double backprop: see before_backward)
+        self._bw_seen.add(i)
+        needs = self._needs.get(i)
+        if needs:
+            released = self.released
+            missing = [u for u in needs if u in released]
+            if missing:
+                self._regenerate(i, missing)
+
+    def backward_postprocess(self, function: Any, in_data: Any, out_grad: Any) -> None:
+        rec = self.recorder
+        i = rec.index_of.get(id(function))
+        if i is None:
+            return
+        if rec._bwd:  # (a backward begun while recording)
+            return rec.backward_postprocess(function, in_data, out_grad)
+        self.after_backward(i, function)
 
     def added(self, function: Any = None) -> None:
         self.recorder.added(function)
@@ -250,9 +366,13 @@ class IterationHook(chainer.FunctionHook):
     def planned_outputs(self, i: int) -> Optional[Tuple[Tuple[Any, ...], Tuple[Any, ...]]]:
         """Call ``i``'s outputs as its planned node has them
         (:meth:`Program.planned_outputs`), while the plan is followed."""
-        if not self.executing or i >= self.program.n:
+        p = self.program
+        if p is None or self.mismatch_at is not None:
             return None
-        return self.program.planned_outputs(i)
+        found = p._outputs.get(i, False)
+        if found is False:
+            return p.planned_outputs(i) if i < p.n else None
+        return found
 
     def _switch(self, program: Program) -> None:
         self.program = program
@@ -268,7 +388,7 @@ class IterationHook(chainer.FunctionHook):
             info = p.graph.arrays[a]
             if info.kind == "param":
                 # this call's inputs are mapped after it runs: the plan's parameter
-                if self._watch_param(a, p.param_refs.get(a)):
+                if a not in self.params and self._watch_param(a, p.param_refs.get(a)):
                     new.append(a)
                 continue
             if a in self.kept:
@@ -302,19 +422,23 @@ class IterationHook(chainer.FunctionHook):
         return True
 
     def after_mapping(self, call: Call) -> None:
-        if not self.executing:
+        p = self.program
+        if p is None or self.mismatch_at is not None:
             return
-        alive = _alive(self.candidates, _matches_after, call, self.recorder.param_refs)
-        if not alive:
-            i = call.index
-            self._set_mismatch(i, _after_mismatch(self.program, call, self.recorder.param_refs))
-            self._unpin(i)  # pinned under an unverified wiring
-            return
-        self.candidates = alive
-        if self.program not in alive:
-            # This call's pins were made under the other plan's wiring.
-            self._unpin(call.index)
-            self._switch(alive[0])
+        candidates = self.candidates
+        if not (len(candidates) == 1 and candidates[0] is p  # (the usual case, first)
+                and _matches_after(p, call, self.recorder.param_refs)):
+            alive = _alive(candidates, _matches_after, call, self.recorder.param_refs)
+            if not alive:
+                i = call.index
+                self._set_mismatch(i, _after_mismatch(p, call, self.recorder.param_refs))
+                self._unpin(i)  # pinned under an unverified wiring
+                return
+            self.candidates = alive
+            if p not in alive:
+                # This call's pins were made under the other plan's wiring.
+                self._unpin(call.index)
+                self._switch(alive[0])
         # (equal: the plan's tuples, shared by every iteration, in place of
         # this call's own)
         node = self.program.graph.nodes[call.index]
@@ -428,8 +552,11 @@ class IterationHook(chainer.FunctionHook):
         f = call.func()
         if f is None:
             return
-        for a in self.program.graph.nodes[u].outputs:
-            self.kept.pop(a, None)
+        p, kept = self.program, self.kept
+        if kept:
+            for a in p.graph.nodes[u].outputs:
+                kept.pop(a, None)
+        returned = self.recorder.returned
         outs = []
         # Arrays the forward returned keep their node's data: functions
         # outside the link (their consumers) may read it again in another
@@ -440,14 +567,15 @@ class IterationHook(chainer.FunctionHook):
         for k, ref in enumerate(f.outputs or ()):
             vnode = ref()
             if (vnode is not None and vnode._data is not None
-                    and not (k < len(out_ids) and out_ids[k] in self.recorder.returned)):
+                    and not (returned and k < len(out_ids) and out_ids[k] in returned)):
                 vnode._data = None  # keep shape and dtype (docs/chainer_internals.md §2)
                 outs.append(k)
         had_retained = f._retained_output_data is not None and bool(f._output_indexes_to_retain)
         if had_retained:
             f._retained_output_data = None
-        for name in self._remade(u):
-            setattr(owner_of(f, name), name, None)
+        if p.derived.get(u):
+            for name in self._remade(u):
+                setattr(owner_of(f, name), name, None)
         key = (tuple(outs), had_retained)
         self.released[u] = _RELEASED.setdefault(key, key)  # (a few distinct ones: shared)
         self.stats.n_released = len(self.released)
@@ -546,7 +674,8 @@ class IterationHook(chainer.FunctionHook):
         # what may be released once no backward reads it any more
         may = (None if self.no_release or mode == "all" else
                p.releasable if mode == "none" else p.dropped)
-        limit = p.n if self.mismatch_at is None else self.mismatch_at
+        limit = self.mismatch_at  # (None: every node of ``done`` is the plan's)
+        regen_ok = self._regen_ok
         for u in done:
             left = remaining.get(u)
             if left is not None:
@@ -554,7 +683,8 @@ class IterationHook(chainer.FunctionHook):
                 remaining[u] = left
                 if left > 0:
                     continue
-            if may is not None and u in may and u < limit and self._regenerable(u):
+            if may is not None and u in may and (limit is None or u < limit) and (
+                    regen_ok.get(u) or regen_ok.get(u) is None and self._regenerable(u)):
                 self._release(u)
 
     def _regenerable(self, u: int) -> bool:
@@ -563,38 +693,41 @@ class IterationHook(chainer.FunctionHook):
         still there (pinned now), an array still held, or made by a
         regenerable function. (Noise made inside the forward and not
         retained by anyone makes its consumers not regenerable.)"""
-        known = self._regen_ok.get(u)
+        regen_ok = self._regen_ok
+        known = regen_ok.get(u)
         if known is not None:
             return known
-        call = self.recorder.calls[u]
+        rec, kept, params = self.recorder, self.kept, self.params
+        call = rec.calls[u]
         f = call.func()
         ok = f is not None
-        self._regen_ok[u] = ok  # provisional, against cycles
+        regen_ok[u] = ok  # provisional, against cycles
         for a in call.inner_ids if ok else ():
             self._inner.add(a)
-            self._watch_param(a, self.recorder.param_refs.get(a))
+            self._watch_param(a, rec.param_refs.get(a))
         for j, a in enumerate(call.in_ids or ()) if ok else ():
-            info = self.recorder.arrays[a]
-            if info.kind == "param":
-                self._watch_param(a, self.recorder.param_refs.get(a))
+            if a in kept:
                 continue
-            if a in self.kept:
+            info = rec.arrays[a]
+            if info.kind == "param":
+                if a not in params:
+                    self._watch_param(a, rec.param_refs.get(a))
                 continue
             if info.producer is None:
                 x = self._input_array(f, j, a, {})
                 if x is None:
                     ok = False
                     break
-                self.kept[a] = x
+                kept[a] = x
                 if self.verify:
                     self.fingerprints[a] = fingerprint(x)
                 continue
             if info.producer not in self.released and f.inputs[j]._data is not None:
                 continue  # held (retained by some function); released later only if regenerable
-            if info.producer >= len(self.recorder.calls) or not self._regenerable(info.producer):
+            if info.producer >= len(rec.calls) or not self._regenerable(info.producer):
                 ok = False
                 break
-        self._regen_ok[u] = ok
+        regen_ok[u] = ok
         return ok
 
     def _extend_reach(self, function: Any) -> None:
@@ -689,7 +822,7 @@ class IterationHook(chainer.FunctionHook):
         remaining backward reads, for the backward of node ``i``, and put
         their arrays back."""
         calls, arrays = self.recorder.calls, self.recorder.arrays
-        p = self.program
+        p, kept = self.program, self.kept
         released, remaining = self.released, self.remaining
         block = p.block_of[i] if i < p.n else None
         blocks = {p.block_of[u] for u in targets if u < p.n}
@@ -699,6 +832,7 @@ class IterationHook(chainer.FunctionHook):
                 if u in released and remaining.get(u, 0) > 0:
                     wanted.add(u)
         values: Dict[int, Any] = {}
+        snapshots = self.snapshots
         order: Set[int] = set()
         stack = sorted(wanted)
         while stack:
@@ -711,7 +845,11 @@ class IterationHook(chainer.FunctionHook):
                                      f"function node no longer exists")
             order.add(u)
             for j, a in enumerate(calls[u].in_ids or ()):
-                if self._input_array(f, j, a, values) is None:
+                # (self._input_array(f, j, a, values) is None, inlined: values is empty)
+                if a in kept or a in snapshots or f.inputs[j]._data is not None:
+                    continue
+                var = f.inputs[j]._variable()  # (get_variable_or_none)
+                if var is None or var.raw_array is None:
                     prod = arrays[a].producer
                     if prod is None or prod not in p.releasable:
                         raise RecomputeError(
@@ -720,15 +858,21 @@ class IterationHook(chainer.FunctionHook):
                     stack.append(prod)
         steps = sorted(order)
         # a nested plan's regeneration lets each value go after its last reader
-        last = (regeneration_frees(steps, lambda u: calls[u].in_ids or (),
-                                   lambda u: calls[u].out_ids or ()) if p.inner else {})
+        # (the same for the same steps while the plan is followed: the calls'
+        # arrays are its nodes')
+        last = p.frees.get(tuple(steps)) if p.inner and self.mismatch_at is None else None
+        if last is None:
+            last = (regeneration_frees(steps, lambda u: calls[u].in_ids or (),
+                                       lambda u: calls[u].out_ids or ()) if p.inner else {})
+            if p.inner and self.mismatch_at is None:
+                p.frees[tuple(steps)] = last
         params = self.params
         # (the checks below look only at the parameters updated since the
         # forward read them and at the arrays fingerprinted and not checked
         # yet in this backward pass: a node that reads none of them has
         # nothing to check)
         updated = self._updated_since_forward()
-        printed = set(self.fingerprints).difference(self._checked) if self.verify else None
+        printed, checked = (self.fingerprints, self._checked) if self.verify else ({}, set())
         stats = self.stats
         # (each forward runs as it does in Chainer's own recomputation: F.forget)
         with chainer.using_config("in_recomputing", True), \
@@ -738,16 +882,16 @@ class IterationHook(chainer.FunctionHook):
                 f = call.func()
                 in_ids = call.in_ids or ()
                 out_ids = call.out_ids or ()
-                in_data = tuple([values[a] if a in values else self._input_array(f, j, a, values)
+                in_data = tuple([values[a] if a in values else kept[a] if a in kept
+                                 else self._input_array(f, j, a, values)
                                  for j, a in enumerate(in_ids)])
                 inner = call.inner_ids
                 ids = in_ids + inner if inner else in_ids
                 if updated and not updated.isdisjoint(ids):
                     self._updated_before(u, next(a for a in ids if a in updated))
-                if printed and not printed.isdisjoint(ids):
+                if printed and any([a in printed and a not in checked for a in ids]):
                     self._check_sources(u, ids, in_data + tuple(
                         [params[a].array if a in params else None for a in inner]))
-                    printed.difference_update([a for a in ids if a in self._checked])
                 outs = self._run_forward(f, u, in_data)
                 stats.recomputed_nodes += 1
                 for a, y in zip(out_ids, outs):

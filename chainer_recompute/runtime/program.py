@@ -60,6 +60,9 @@ class Program(ExecutionPlan):
         #: the recorder's records of the outputs of iterations that follow
         #: this plan, by array id: the same in each (Recorder._map_pending)
         self.records: Dict[int, Any] = {}
+        #: a nested plan's regenerations, by their nodes: after which node
+        #: each value is let go (``regeneration_frees``; the executor's)
+        self.frees: Dict[Tuple[int, ...], Dict[int, Any]] = {}
 
     def before_key(self, i: int) -> Tuple[Any, ...]:
         """What :func:`_matches_before` compares node ``i`` with, made once:
@@ -95,7 +98,9 @@ class Program(ExecutionPlan):
                       if a in self.param_refs and a not in checked),
                 tuple((k, tuple(arrays[a].shape), arrays[a].dtype)
                       for k, a in enumerate(node.outputs) if arrays[a].shape is not None),
-                sorted(node.retained_inputs), sorted(node.retained_outputs))
+                sorted(node.retained_inputs), sorted(node.retained_outputs),
+                (self.planned_outputs(i) or (None,))[0], node.outputs,
+                set())  # the retentions (input, output indexes) found to match
         return key
 
     def planned_outputs(self, i: int) -> Optional[Tuple[Tuple[Any, ...], Tuple[Any, ...]]]:
@@ -203,9 +208,12 @@ def _matches_before(p: Program, call: Call, in_data: Tuple[Any, ...]) -> bool:
     """The call's function class, input shapes, arguments and parameters
     (a parameter's input is its very array) are the planned node's."""
     i = call.index
-    if i >= p.n:
-        return False
-    op, known, shapes, args, params = p.before_key(i)
+    key = p._before.get(i)
+    if key is None:
+        if i >= p.n:
+            return False
+        key = p.before_key(i)
+    op, known, shapes, args, params = key
     if op != call.op:
         return False
     if known is not None:
@@ -262,7 +270,10 @@ def _matches_after(p: Program, call: Call, param_refs: Dict[int, Any]) -> bool:
     one: :func:`_matches_before` saw its array at the planned position,
     and the same array ids follow. Outputs described as this plan's node's
     have its shapes: ``Recorder._describe_as_planned`` compared them.)"""
-    inputs, n_out, inner, seen, params, shapes, keep_in, keep_out = p.after_key(call.index)
+    key = p._after.get(call.index)
+    if key is None:
+        key = p.after_key(call.index)
+    inputs, n_out, inner, seen, params, shapes, keep_in, keep_out, planned, outputs, known = key
     in_ids, out_ids = call.in_ids or (), call.out_ids or ()
     if in_ids != inputs or len(out_ids) != n_out or call.inner_ids != inner:
         return False
@@ -274,11 +285,24 @@ def _matches_after(p: Program, call: Call, param_refs: Dict[int, Any]) -> bool:
         if ref is None or ref() is not p.param_refs[a]():
             return False
     meta = call.out_meta
-    planned = p.planned_outputs(call.index)
-    if planned is None or meta is not planned[0]:
+    if planned is None or meta is not planned:
         for k, shape, dtype in shapes:
             if k >= len(meta) or meta[k][0] != shape or (dtype and meta[k][1] != dtype):
                 return False
     ki, ko = call.keep_in, call.keep_out
+    if out_ids != outputs:
+        return _retains(in_ids, out_ids, ki, ko, keep_in, keep_out)
+    if (ki, ko) in known:
+        return True
+    if not _retains(in_ids, out_ids, ki, ko, keep_in, keep_out):
+        return False
+    known.add((ki, ko))
+    return True
+
+
+def _retains(in_ids: Tuple[int, ...], out_ids: Tuple[int, ...], ki: Tuple[int, ...],
+             ko: Tuple[int, ...], keep_in: Any, keep_out: Any) -> bool:
+    """Whether a call that retains inputs ``ki`` and outputs ``ko``
+    (indexes) retains the arrays ``keep_in`` and ``keep_out`` (sorted)."""
     return ((sorted([in_ids[j] for j in ki]) == keep_in if ki else not keep_in) and
             (sorted([out_ids[k] for k in ko]) == keep_out if ko else not keep_out))

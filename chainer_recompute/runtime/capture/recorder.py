@@ -532,7 +532,7 @@ class Recorder(chainer.FunctionHook):
             if aid is None:
                 aid = ids[weak(xnode)] = self._new_input(call, j, xnode)
             in_ids.append(aid)
-            if not has_backward and xnode.requires_grad:
+            if not has_backward and xnode._requires_grad:  # (requires_grad)
                 has_backward = True
         call.in_ids = tuple(in_ids)
         call.has_backward = has_backward
@@ -561,7 +561,7 @@ class Recorder(chainer.FunctionHook):
                 view_of = in_ids[j] if base.view_of is None else base.view_of
             yref = outputs[k] if k < n_out else None
             ynode = yref() if yref is not None else None
-            var = ynode.get_variable_or_none() if ynode is not None else None
+            var = ynode._variable() if ynode is not None else None  # (get_variable_or_none)
             dies_at = call.index + 1 if var is None else None
             aid = len(arrays)
             rec = shared.get(aid) if shared is not None else None

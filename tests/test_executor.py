@@ -443,6 +443,95 @@ def test_followed_iterations_share_the_plans_records_and_a_change_records_its_ow
     assert _array_facts(mine) == _array_facts(theirs)
 
 
+def _hook_state(hook):
+    """What an iteration's hook and its recorder hold, as plain values."""
+    rec = hook.recorder
+    calls = [(c.index, c.op, c.in_shapes, c.in_args, c.link, c.in_ids, c.out_ids, c.keep_in,
+              c.keep_out, c.out_meta, c.out_view, c.as_planned, c.has_backward, c.inner_ids,
+              c.measured, c.unrecorded_peak, c.func() is not None) for c in rec.calls]
+    arrays = [(r.shape, r.dtype, r.nbytes, r.kind, r.producer, r.name, r.view_of, r.dies_at,
+               r.buffer_bytes, r.made_at) for r in rec.arrays]
+    stats = hook.stats
+    return dict(
+        calls=calls, arrays=arrays, mapped=sorted(rec.array_of.ids.values()),
+        params=sorted(rec.param_refs), returned=rec.returned, recording=rec.recording,
+        depth=rec._depth, pending=rec._pending is not None, index_of=sorted(rec.index_of.values()),
+        stats=(stats.path, stats.n_dropped, stats.n_released, stats.recomputed_nodes,
+               stats.mismatch, stats.reordered),
+        mismatch_at=hook.mismatch_at, released=sorted(hook.released.items()),
+        kept=sorted(hook.kept), pinned=sorted(hook._pinned_at.items()),
+        pinned_ok=sorted(hook._pinned_ok), watched=sorted(hook.params),
+        fingerprints=sorted(hook.fingerprints.items()), regenerated=sorted(hook.regenerated),
+        no_release=hook.no_release, backward_done=hook.backward_done)
+
+
+def _through_the_recorder(monkeypatch):
+    """Chainer's calls to the executor's hook go to its recorder's methods,
+    which call the hook back (the path that is not fused)."""
+    from chainer_recompute.runtime.executor import IterationHook
+    for name in ("forward_preprocess", "forward_postprocess", "backward_preprocess",
+                 "backward_postprocess"):
+        monkeypatch.setattr(IterationHook, name,
+                            lambda self, *a, _n=name: getattr(self.recorder, _n)(*a))
+
+
+@pytest.mark.parametrize("deep", [True, False], ids=["followed", "left-at-a-call"])
+def test_a_followed_calls_fused_work_leaves_what_the_recorders_leaves(monkeypatch, deep):
+    """A call of an iteration that follows its one plan runs the recorder's
+    and the executor's work in one hook call: the recorder and the hook end
+    in the state the recorder's own methods (calling the hook back) leave,
+    the gradients are the same, and an iteration that leaves the plan at a
+    call hands over with nothing different (its recording, the mismatch
+    and what was released and pinned until then)."""
+    from chainer_recompute.runtime.executor import IterationHook
+    x, t = mlp_inputs()
+    _, least = _least(Switch, (x, t))
+    model = Switch()
+    cr.apply(model, budget=least, budget_scope="activations")
+    for _ in range(2):
+        model.cleargrads()
+        model(x, t).backward()  # recorded, then planned
+    (entry,) = cr.runner_of(model).signatures()
+    (program,) = [s.program for s in entry.structures]
+    assert program.dropped
+    model.deep = deep
+
+    def run():
+        hook = IterationHook([program], link=model, args=[model, x, t])  # (as the runner)
+        model.cleargrads()
+        with hook:
+            loss = Switch.forward(model, x, t)
+        hook.finish(loss)
+        forward = _hook_state(hook)
+        loss.backward()
+        return forward, _hook_state(hook), {n: p.grad.copy() for n, p in model.namedparams()
+                                            if p.grad is not None}
+
+    from chainer_recompute.runtime.capture.recorder import Recorder
+    counted = []  # calls that went to the recorder's forward_preprocess
+    original = Recorder.forward_preprocess
+    monkeypatch.setattr(Recorder, "forward_preprocess",
+                        lambda self, *a: counted.append(1) or original(self, *a))
+    fused = run()
+    n_fused = len(counted)
+    _through_the_recorder(monkeypatch)
+    del counted[:]
+    reference = run()
+    assert fused[0] == reference[0]  # after the forward
+    assert fused[1] == reference[1]  # after the backward
+    assert fused[2].keys() == reference[2].keys()
+    for name, g in reference[2].items():
+        np.testing.assert_array_equal(fused[2][name], g, err_msg=name)
+    state = fused[1]
+    if deep:
+        assert state["stats"][0] == "planned" and state["regenerated"], state["stats"]
+        assert n_fused == 0  # every call fused
+    else:
+        assert state["stats"][0] == "mismatch" and state["recording"]
+        assert 0 < n_fused < len(counted)  # fused until the mismatch
+        assert fused[0]["calls"][-1][1] == "SoftmaxCrossEntropy"
+
+
 def test_budget_below_least_feasible_changes_nothing():
     make, inputs = CASES["resnet_bn"]
     x, t = inputs()

@@ -172,4 +172,4 @@ def node_nbytes(xnode: Any) -> int:
     shape, dtype = xnode.shape, xnode.dtype
     if shape is None or dtype is None:
         return 0
-    return math.prod(int(d) for d in shape) * numpy.dtype(dtype).itemsize
+    return int(math.prod(shape)) * numpy.dtype(dtype).itemsize

@@ -86,8 +86,7 @@ from chainer import backend
 from ..core.errors import RecomputeError, UnsafeRecomputeError
 from ..core.execution import regeneration_frees
 from .capture import Call, Recorder, fingerprint, owner_of
-from .capture.recorder import _NO_NAMES
-from .device import dtype_name
+from .capture.recorder import _NO_NAMES, _unwrap
 from .param_updates import (_LIVE, _add_live, _update_count, add_update_watcher,  # noqa: F401
                             remove_update_watcher)
 from .program import (PROBATION, IterationStats, Program, _after_mismatch,  # noqa: F401
@@ -216,29 +215,9 @@ class IterationHook(chainer.FunctionHook):
         if i == 0 or not _matches_before(p, call, in_data):
             # (the first call: ``on_first_function`` runs before the check)
             self.before_forward(call, function, in_data)
-            rec._wrap(call, function, in_data)
-            return
-        shapes = p._before[i][1]
-        if shapes is not None:
-            call.in_shapes = shapes  # (equal: the plan's, shared by every iteration)
-        release_at = p.release_at.get(i)
-        if release_at:
-            pinned = self._pinned_ok
-            for u in release_at:
-                if u in pinned:  # its sources held under a verified wiring
-                    self._release(u)
-        if i in p.dropped:
-            self._pin(i, p, in_data)
-            if i in p.drawn:
-                self._rng_states[i] = numpy.random.get_state()
-        original = type(function).forward
-
-        def wrapped(inputs: Tuple[Any, ...], _f: Any = function, _call: Call = call) -> Any:
-            out = original(_f, inputs)
-            _call._out = tuple(out)
-            return out
-
-        function.forward = wrapped
+        else:
+            self._follow(call, in_data)
+        rec._wrap(call, function, in_data)
 
     def forward_postprocess(self, function: Any, in_data: Tuple[Any, ...]) -> None:
         rec = self.recorder
@@ -249,27 +228,10 @@ class IterationHook(chainer.FunctionHook):
         rec._depth = 0
         top.pop()
         out = call._out or ()
-        try:
-            del function.forward  # (the wrapper)
-        except AttributeError:
-            pass
-        keep = function._input_indexes_to_retain
-        call.keep_in = tuple(keep) if keep else ()
-        keep = function._output_indexes_to_retain
-        call.keep_out = tuple(keep) if keep else ()
-        # (Recorder._describe_as_planned)
-        planned = self.planned_outputs(call.index)
-        if planned is not None and len(planned[0]) == len(out):
-            for m, y in zip(planned[0], out):
-                if m[0] != y.shape or m[1] != dtype_name(y.dtype):
-                    planned = None
-                    break
-        else:
-            planned = None
-        if planned is not None:
-            call.out_meta, call.out_view = planned
-            call.as_planned = True
-        else:
+        _unwrap(function)
+        call.keep_in = tuple(function._input_indexes_to_retain or ())
+        call.keep_out = tuple(function._output_indexes_to_retain or ())
+        if not rec._describe_as_planned(call, out):
             rec._describe(call, function, in_data, out, {})
         function.local_function_hooks[self.name] = self
         call._func_strong = function
@@ -280,11 +242,10 @@ class IterationHook(chainer.FunctionHook):
         i = rec.index_of.get(id(function))
         if i is None:
             return
-        if (rec.recording or rec._outside_watch is not None or not rec.forward_done
-                or self.let_go_done or self._update_state["updated"] or i in self._bw_seen
+        if rec.recording or rec._outside_watch is not None or not rec.forward_done:
+            return rec.backward_preprocess(function, in_data, out_grad)
+        if (self.let_go_done or self._update_state["updated"] or i in self._bw_seen
                 or self._reach is None or i not in self._reach or self.program is None):
-            if rec.recording or rec._outside_watch is not None or not rec.forward_done:
-                return rec.backward_preprocess(function, in_data, out_grad)
             return self.before_backward(i, function)
         # (before_backward, for a function of this backward pass seen first)
         if chainer.config.enable_backprop:
@@ -351,13 +312,22 @@ class IterationHook(chainer.FunctionHook):
         self.candidates = alive
         if self.program not in alive:
             self._switch(alive[0])
-        p = self.program
+        self._follow(call, in_data)
+
+    def _follow(self, call: Call, in_data: Tuple[Any, ...]) -> None:
+        """Call ``call`` matches the followed plan's node (before it runs):
+        release what the plan releases before it, pin its sources if the
+        plan drops it."""
+        p, i = self.program, call.index
         shapes = p.before_key(i)[1]
         if shapes is not None:
             call.in_shapes = shapes  # (equal: the plan's, shared by every iteration)
-        for u in p.release_at.get(i, ()):
-            if u in self._pinned_ok:  # its sources held under a verified wiring
-                self._release(u)
+        release_at = p.release_at.get(i)
+        if release_at:
+            pinned = self._pinned_ok
+            for u in release_at:
+                if u in pinned:  # its sources held under a verified wiring
+                    self._release(u)
         if i in p.dropped:
             self._pin(i, p, in_data)
             if i in p.drawn:

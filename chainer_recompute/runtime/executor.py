@@ -201,7 +201,7 @@ class IterationHook(chainer.FunctionHook):
             return rec.forward_preprocess(function, in_data)
         if rec._pending is not None:
             rec._map_pending()
-            if rec.recording or len(self.candidates) != 1:  # (a mismatch, a switch)
+            if rec.recording:  # (it left the plan)
                 return rec.forward_preprocess(function, in_data)
         p = self.program
         i = len(rec.calls)
@@ -245,7 +245,7 @@ class IterationHook(chainer.FunctionHook):
         if rec.recording or rec._outside_watch is not None or not rec.forward_done:
             return rec.backward_preprocess(function, in_data, out_grad)
         if (self.let_go_done or self._update_state["updated"] or i in self._bw_seen
-                or self._reach is None or i not in self._reach or self.program is None):
+                or self._reach is None or i not in self._reach):
             return self.before_backward(i, function)
         # (before_backward, for a function of this backward pass seen first)
         if chainer.config.enable_backprop:
@@ -336,13 +336,9 @@ class IterationHook(chainer.FunctionHook):
     def planned_outputs(self, i: int) -> Optional[Tuple[Tuple[Any, ...], Tuple[Any, ...]]]:
         """Call ``i``'s outputs as its planned node has them
         (:meth:`Program.planned_outputs`), while the plan is followed."""
-        p = self.program
-        if p is None or self.mismatch_at is not None:
+        if self.program is None or self.mismatch_at is not None:
             return None
-        found = p._outputs.get(i, False)
-        if found is False:
-            return p.planned_outputs(i) if i < p.n else None
-        return found
+        return self.program.planned_outputs(i)
 
     def _switch(self, program: Program) -> None:
         self.program = program
@@ -645,7 +641,6 @@ class IterationHook(chainer.FunctionHook):
         may = (None if self.no_release or mode == "all" else
                p.releasable if mode == "none" else p.dropped)
         limit = self.mismatch_at  # (None: every node of ``done`` is the plan's)
-        regen_ok = self._regen_ok
         for u in done:
             left = remaining.get(u)
             if left is not None:
@@ -653,8 +648,8 @@ class IterationHook(chainer.FunctionHook):
                 remaining[u] = left
                 if left > 0:
                     continue
-            if may is not None and u in may and (limit is None or u < limit) and (
-                    regen_ok.get(u) or regen_ok.get(u) is None and self._regenerable(u)):
+            if may is not None and u in may and (limit is None or u < limit) and \
+                    self._regenerable(u):
                 self._release(u)
 
     def _regenerable(self, u: int) -> bool:
@@ -802,7 +797,6 @@ class IterationHook(chainer.FunctionHook):
                 if u in released and remaining.get(u, 0) > 0:
                     wanted.add(u)
         values: Dict[int, Any] = {}
-        snapshots = self.snapshots
         order: Set[int] = set()
         stack = sorted(wanted)
         while stack:
@@ -815,11 +809,7 @@ class IterationHook(chainer.FunctionHook):
                                      f"function node no longer exists")
             order.add(u)
             for j, a in enumerate(calls[u].in_ids or ()):
-                # (self._input_array(f, j, a, values) is None, inlined: values is empty)
-                if a in kept or a in snapshots or f.inputs[j]._data is not None:
-                    continue
-                var = f.inputs[j]._variable()  # (get_variable_or_none)
-                if var is None or var.raw_array is None:
+                if a not in kept and self._input_array(f, j, a, values) is None:
                     prod = arrays[a].producer
                     if prod is None or prod not in p.releasable:
                         raise RecomputeError(
@@ -830,12 +820,15 @@ class IterationHook(chainer.FunctionHook):
         # a nested plan's regeneration lets each value go after its last reader
         # (the same for the same steps while the plan is followed: the calls'
         # arrays are its nodes')
-        last = p.frees.get(tuple(steps)) if p.inner and self.mismatch_at is None else None
-        if last is None:
-            last = (regeneration_frees(steps, lambda u: calls[u].in_ids or (),
-                                       lambda u: calls[u].out_ids or ()) if p.inner else {})
-            if p.inner and self.mismatch_at is None:
-                p.frees[tuple(steps)] = last
+        last: Dict[int, Any] = {}
+        if p.inner:
+            followed = self.mismatch_at is None
+            last = p.frees.get(tuple(steps)) if followed else None
+            if last is None:
+                last = regeneration_frees(steps, lambda u: calls[u].in_ids or (),
+                                          lambda u: calls[u].out_ids or ())
+                if followed:
+                    p.frees[tuple(steps)] = last
         params = self.params
         # (the checks below look only at the parameters updated since the
         # forward read them and at the arrays fingerprinted and not checked

@@ -107,9 +107,11 @@ class Program(ExecutionPlan):
         """Node ``i``'s outputs as the recorder describes a call's
         (``Call.out_meta``: shape, dtype, bytes, buffer bytes;
         ``Call.out_view``: the input each output views), made once; None
-        where an output's shape is not recorded."""
+        where an output's shape is not recorded or there is no node ``i``."""
         found = self._outputs.get(i, False)
         if found is False:
+            if i >= self.n:  # (a call past the plan's end)
+                return None
             node, arrays = self.graph.nodes[i], self.graph.arrays
             roots = [arrays[a].view_of if arrays[a].view_of is not None else a
                      for a in node.inputs]

@@ -7,8 +7,9 @@
   gradients, parameters, optimizer state, persistents, NumPy's random
   state), over five optimizer steps, at a budget below the single-level
   least: a residual CNN with BatchNorm and dropout, a small Transformer, a
-  graph network whose graphs change size between steps; and the CNN with
-  the search held to three levels or more. Each step's whole peak (tracemalloc,
+  graph network whose graphs change size between steps; the CNN with
+  the search held to three levels or more; and (slow) Chainer's seq2seq
+  example, two NStepLSTMs trained with Adam. Each step's whole peak (tracemalloc,
   from before the model was built, the update included) is at or under the
   budget once its input size has been planned (a size's first call plans
   inside it, the planner's memory in no plan: docs/defaults.md), and each
@@ -556,3 +557,39 @@ def test_command_line_plans_nested_below_the_single_level_least(capsys, tmp_path
                  "total"]) == 2
     err = capsys.readouterr().err
     assert "with nested recomputation (single-level:" in err, err
+
+
+@pytest.mark.slow
+def test_chainer_seq2seq_example_bit_identical_below_the_single_level_least():
+    """Chainer's examples/seq2seq model (two NStepLSTMs, the decoder
+    started from the encoder's final states), as tests/
+    test_chainer_example_models.py trains it (Adam, six steps, the
+    example's reporter), at a budget halfway between the nested and the
+    single-level least of the graph a run at ``'least'`` planned last
+    (Adam's state included): every step from the second follows a nested
+    plan, bit for bit as plain Chainer."""
+    import test_chainer_example_models as ex
+    s2s = ex.load("seq2seq", "seq2seq", stubs=("nltk", "nltk.translate",
+                                               "nltk.translate.bleu_score", "progressbar"))
+
+    def make():
+        return s2s.Seq2seq(2, 200, 200, 16)
+
+    def batch(rs):
+        return ([rs.randint(2, 200, size=6).astype(np.int32) for _ in range(5)],
+                [rs.randint(2, 200, size=5).astype(np.int32) for _ in range(5)])
+
+    def batches():
+        return ex.cached(batch, 4)
+
+    _, runner = ex.train(make, batches(), 6, True, loss_of=ex.reported)
+    search = BudgetSearch(runner.planned_graphs()[-1], "auto")
+    single, nested = search.least_budget(), least_for(search.nested_least()[1])
+    assert nested < single
+    budget = (nested + single) // 2
+    plain, _ = ex.train(make, batches(), 6, False, loss_of=ex.reported)
+    ours, runner = ex.train(make, batches(), 6, True, loss_of=ex.reported, budget=budget)
+    ex.assert_identical(plain, ours)
+    assert runner.test_paths[1:] == ["planned"] * 5, runner.test_paths
+    assert runner.last_stats.budget_bytes == budget and runner.last_stats.recomputed_nodes > 0
+    assert max(p.depth for p in runner.plans.values()) >= 2

@@ -37,15 +37,25 @@ marked run only with ``--nothing-dropped``, where nothing is regenerated):
 - ``no_releases_after_backward``: only the releases after each
   function's backward are not done.
 
+With ``--parts`` it times the executor as it is instead, untraced: each
+step's wall time inside the executor's methods (inclusive: a method's
+figure contains the methods it calls), among them ``_run_forward``, the
+function forwards that regeneration runs, which is all the plan's
+recomputation costs; the rest of the extra time over plain is the
+executor's own work. The timers add about a microsecond per call.
+
     OPENBLAS_NUM_THREADS=1 .venv/bin/python experiments/hook_costs.py --rounds 40
     OPENBLAS_NUM_THREADS=1 .venv/bin/python experiments/hook_costs.py --nothing-dropped --rounds 40
     OPENBLAS_NUM_THREADS=1 .venv/bin/python experiments/hook_costs.py --untraced --rounds 40
+    OPENBLAS_NUM_THREADS=1 .venv/bin/python experiments/hook_costs.py --parts --rounds 20
 """
 import argparse
+import collections
 import contextlib
 import os
 import statistics
 import sys
+import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -114,6 +124,50 @@ VARIANTS = {
 NOTHING_DROPPED_ONLY = ("lean_forward", "no_backward_driver")
 
 
+#: the methods ``--parts`` times (the hook's, then the recorder's)
+PARTS = (
+    (E.IterationHook, ("forward_preprocess", "forward_postprocess", "backward_preprocess",
+                       "backward_postprocess", "finish", "_follow", "_pin", "after_mapping",
+                       "_regenerate", "_run_forward", "_check_sources", "after_backward",
+                       "_regenerable", "_release", "_extend_reach")),
+    (R.Recorder, ("_map_pending", "_describe_as_planned", "_wrap")),
+)
+
+
+def timed_parts(step, plain_step, rounds):
+    """``step()``'s extra seconds over ``plain_step()`` and the seconds
+    inside each of :data:`PARTS`, per round (untraced)."""
+    spent, calls = collections.Counter(), collections.Counter()
+    saved = []
+    for owner, names in PARTS:
+        for name in names:
+            method = getattr(owner, name)
+            saved.append((owner, name, method))
+
+            def timed(*args, _m=method, _n=name, **kwargs):
+                t0 = time.perf_counter()
+                try:
+                    return _m(*args, **kwargs)
+                finally:
+                    spent[_n] += time.perf_counter() - t0
+                    calls[_n] += 1
+            setattr(owner, name, timed)
+    extra, per = [], collections.defaultdict(list)
+    try:
+        with B.untraced():
+            for _ in range(rounds):
+                p = plain_step()
+                spent.clear()
+                calls.clear()
+                extra.append(step() - p)
+                for name, s in spent.items():
+                    per[name].append(s)
+    finally:
+        for owner, name, method in saved:
+            setattr(owner, name, method)
+    return extra, per, dict(calls)
+
+
 def summary(extra):
     d = sorted(extra)
     q = len(d) // 4
@@ -128,6 +182,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--untraced", action="store_true",
                     help="time the steps without experiments/bptt.py's memory meter")
+    ap.add_argument("--parts", action="store_true",
+                    help="time the executor's methods inside each step instead (untraced)")
     ap.add_argument("--variants", nargs="+", choices=list(VARIANTS),
                     help="default: every variant that runs at the budget")
     args = ap.parse_args()
@@ -151,6 +207,17 @@ def main():
     for _ in range(4):  # recorded, planned, then followed
         B.iterate(lambda xs, ts: unrolled(xs, ts), model, opt, data)
     stats = cr.runner_of(unrolled).last_stats
+    if args.parts:
+        extra, per, calls = timed_parts(
+            lambda: B.iterate(lambda xs, ts: unrolled(xs, ts), model, opt, data)["time_s"],
+            lambda: B.iterate(plain, model, opt, data)["time_s"], args.rounds)
+        print(f"budget {budget} B; the plan drops {stats.n_dropped} of {stats.n_nodes} functions; "
+              f"extra over plain {1e3 * statistics.median(extra):.2f} ms a step (median, untraced, "
+              f"timers on); load {B.load()}")
+        print(f"{'inside (inclusive)':28s} {'ms a step':>10s} {'calls':>6s}")
+        for name in sorted(per, key=lambda n: -statistics.median(per[n])):
+            print(f"{name:28s} {1e3 * statistics.median(per[name]):10.2f} {calls[name]:6d}")
+        return
     methods = {v: VARIANTS[v] for v in args.variants}
     chains = {}
     if not args.nothing_dropped:

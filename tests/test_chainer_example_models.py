@@ -240,9 +240,10 @@ def test_text_classification(encoder, lengths):
 
 
 # ------------------------------------------------------------- seq2seq
-def test_seq2seq():
-    """examples/seq2seq: two NStepLSTMs with the decoder started from the
-    encoder's final states, softmax cross entropy summed over the words."""
+def seq2seq_case() -> tuple:
+    """The example's Seq2seq (2 layers, vocabularies of 200, 16 units) and
+    its seeded batches (five sentence pairs, the same in every run):
+    ``(make, batch)`` for :func:`train`."""
     s2s = load("seq2seq", "seq2seq", stubs=("nltk", "nltk.translate", "nltk.translate.bleu_score", "progressbar"))
     n_vocab = 200
 
@@ -250,8 +251,14 @@ def test_seq2seq():
         return ([rs.randint(2, n_vocab, size=6).astype(np.int32) for _ in range(5)],
                 [rs.randint(2, n_vocab, size=5).astype(np.int32) for _ in range(5)])
 
-    compare(lambda: s2s.Seq2seq(2, n_vocab, n_vocab, 16), cached(batch, 4), steps=6,
-            loss_of=reported, budget_scope="activations")
+    return lambda: s2s.Seq2seq(2, n_vocab, n_vocab, 16), cached(batch, 4)
+
+
+def test_seq2seq():
+    """examples/seq2seq: two NStepLSTMs with the decoder started from the
+    encoder's final states, softmax cross entropy summed over the words."""
+    make, batch = seq2seq_case()
+    compare(make, batch, steps=6, loss_of=reported, budget_scope="activations")
 
 
 # --------------------------------------------------------------- memnn

@@ -569,26 +569,13 @@ def test_chainer_seq2seq_example_bit_identical_below_the_single_level_least():
     (Adam's state included): every step from the second follows a nested
     plan, bit for bit as plain Chainer."""
     import test_chainer_example_models as ex
-    s2s = ex.load("seq2seq", "seq2seq", stubs=("nltk", "nltk.translate",
-                                               "nltk.translate.bleu_score", "progressbar"))
-
-    def make():
-        return s2s.Seq2seq(2, 200, 200, 16)
-
-    def batch(rs):
-        return ([rs.randint(2, 200, size=6).astype(np.int32) for _ in range(5)],
-                [rs.randint(2, 200, size=5).astype(np.int32) for _ in range(5)])
-
-    def batches():
-        return ex.cached(batch, 4)
-
-    _, runner = ex.train(make, batches(), 6, True, loss_of=ex.reported)
+    _, runner = ex.train(*ex.seq2seq_case(), 6, True, loss_of=ex.reported)
     search = BudgetSearch(runner.planned_graphs()[-1], "auto")
     single, nested = search.least_budget(), least_for(search.nested_least()[1])
     assert nested < single
     budget = (nested + single) // 2
-    plain, _ = ex.train(make, batches(), 6, False, loss_of=ex.reported)
-    ours, runner = ex.train(make, batches(), 6, True, loss_of=ex.reported, budget=budget)
+    plain, _ = ex.train(*ex.seq2seq_case(), 6, False, loss_of=ex.reported)
+    ours, runner = ex.train(*ex.seq2seq_case(), 6, True, loss_of=ex.reported, budget=budget)
     ex.assert_identical(plain, ours)
     assert runner.test_paths[1:] == ["planned"] * 5, runner.test_paths
     assert runner.last_stats.budget_bytes == budget and runner.last_stats.recomputed_nodes > 0

@@ -8,8 +8,10 @@
   state), over five optimizer steps, at a budget below the single-level
   least: a residual CNN with BatchNorm and dropout, a small Transformer, a
   graph network whose graphs change size between steps; the CNN with
-  the search held to three levels or more; and (slow) Chainer's seq2seq
-  example, two NStepLSTMs trained with Adam. Each step's whole peak (tracemalloc,
+  the search held to three levels or more; and (slow) the CNN with its
+  loss backpropagated twice a step, the CNN with a block under
+  ``F.forget``, and Chainer's seq2seq example, two NStepLSTMs trained
+  with Adam. Each step's whole peak (tracemalloc,
   from before the model was built, the update included) is at or under the
   budget once its input size has been planned (a size's first call plans
   inside it, the planner's memory in no plan: docs/defaults.md), and each
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Callable, List, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
 import pytest
@@ -457,16 +459,20 @@ def least_figures(make: Callable[[], chainer.Link], batch: Tuple[Any, ...],
 
 def check_nested(make: Callable[[], chainer.Link], batches: List[Tuple[Any, ...]],
                  budget: Any, depth: int = 2, planned_by: int = 1,
-                 optimizer: Callable[[], chainer.Optimizer] = momentum) -> Any:
+                 optimizer: Callable[[], chainer.Optimizer] = momentum,
+                 step: Optional[Callable[..., Any]] = None) -> Any:
     """Plain Chainer and ``apply(budget=budget)`` trained on ``batches``
-    with ``optimizer()``: identical records; every step from the second
-    planned, and from step ``planned_by`` on (the steps before plan inside
-    their call, the planner's memory in no plan) at or under its budget;
-    the applied run's plans nested, ``depth`` levels or more, each
-    recomputing as many functions as its replay."""
-    plain = train(make, batches, False, optimizer=optimizer)
+    with ``optimizer()`` (by ``step(model, opt, *batch)``, default
+    ``opt.update(model, *batch)``): identical records; every step from the
+    second planned, and from step ``planned_by`` on (the steps before plan
+    inside their call, the planner's memory in no plan) at or under its
+    budget; the applied run's plans nested, ``depth`` levels or more, each
+    recomputing as many functions as its replay (with the default step:
+    one backward pass, as the replay has)."""
+    plain = train(make, batches, False, optimizer=optimizer, step=step)
     ours = train(make, batches, True, options=dict(budget=budget, cost="flops",
-                                                    verbose=False), optimizer=optimizer)
+                                                    verbose=False), optimizer=optimizer,
+                 step=step)
     assert_same_records(plain, ours)
     table = "\n".join(
         f"step {k}: plain {p}, applied {a}, budget {s['budget']}, predicted {s['predicted']}, "
@@ -476,7 +482,8 @@ def check_nested(make: Callable[[], chainer.Link], batches: List[Tuple[Any, ...]
         assert ours.stats[k]["path"] == "planned" and ours.stats[k]["depth"] >= depth, table
         assert k < planned_by or ours.peaks[k] <= ours.stats[k]["budget"], \
             f"step {k} over its budget:\n{table}"
-        if len(ours.stats[k]["replayed"]) == 1:  # one plan: recomputes as the replay does
+        if len(ours.stats[k]["replayed"]) == 1 and step is None:
+            # one plan and one backward: recomputes as the replay does
             assert ours.stats[k]["recomputed"] == ours.stats[k]["replayed"][0], table
     return ours
 
@@ -505,6 +512,51 @@ def test_bit_identical_with_adam_under_a_budget_below_the_single_level_least():
     assert nested < single < plain
     assert single > least_figures(DropRes, bs[0])[0]  # (more state than MomentumSGD's)
     check_nested(DropRes, bs, (nested + single) // 2, optimizer=adam)
+
+
+class ForgetRes(DropRes):
+    """DropRes with its third residual block applied through ``F.forget``
+    (whose backward runs the block again, reading the block's parameters
+    inside its forward)."""
+
+    def forward(self, x, t):
+        h = F.relu(self.stem(x))
+        for i in range(0, len(self.convs), 2):
+            def block(h, i=i):
+                r = F.dropout(F.relu(self.bns[i](self.convs[i](h))), 0.2)
+                return F.relu(h + self.bns[i + 1](self.convs[i + 1](r)))
+            h = F.forget(block, h) if i == 4 else block(h)
+        self.loss = F.softmax_cross_entropy(self.fc(F.average(h, axis=(2, 3))), t)
+        return self.loss
+
+
+def backward_twice(model: chainer.Link, opt: chainer.Optimizer, *batch: Any) -> Any:
+    """One step whose loss is backpropagated twice (the gradients add up)."""
+    loss = model(*batch)
+    model.cleargrads()
+    loss.backward()
+    loss.backward()
+    opt.update()
+    return loss
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("make, step", [(DropRes, backward_twice), (ForgetRes, None)],
+                         ids=["backward-twice", "forget"])
+def test_bit_identical_below_the_single_level_least_with_two_backwards_or_forget(make, step):
+    """Under a budget halfway between the nested and the single-level
+    least: the residual CNN whose loss each step backpropagates twice (the
+    second pass regenerates what the first released), and the CNN with a
+    block under ``F.forget`` (a function whose forward applies functions
+    to parameters it does not take as inputs, run again in its backward):
+    identical records, nested plans, each step from the second under the
+    budget."""
+    bs = image_batches(STEPS, batch=4, size=16)
+    single, nested, plain = least_figures(make, bs[0])
+    assert nested < single < plain
+    ours = check_nested(make, bs, (nested + single) // 2, step=step)
+    if step is backward_twice:  # (the second pass regenerated too)
+        assert all(s["recomputed"] > s["replayed"][0] for s in ours.stats[1:]), ours.stats
 
 
 def test_three_levels_bit_identical(monkeypatch):

@@ -41,13 +41,15 @@ OPTIONS = {"budget": "least", "cost": "flops", "verbose": False}
 
 # ------------------------------------------------------------- harness
 def train(make: Callable[[], chainer.Link], batches: List[Tuple[Any, ...]], applied: bool,
-          keep_loss: bool = False, lossfun: Callable[..., Any] = None,
+          keep_loss: bool = False, step: Optional[Callable[..., Any]] = None,
           convert: bool = False, options: Optional[Dict[str, Any]] = None,
           optimizer: Callable[[], chainer.Optimizer] = lambda: chainer.optimizers.MomentumSGD(0.01)
           ) -> Run:
     """``keep_loss``: the loop keeps the previous step's loss (as
     ``loss = model(x, t); loss.backward()`` does), so the previous graph is
-    alive during the next forward. ``convert``: each step makes its batch
+    alive during the next forward. ``step(model, opt, *batch)``: one
+    training step, returning its loss (default ``opt.update(model,
+    *batch)``, the loss the model keeps). ``convert``: each step makes its batch
     (copies of the arrays) inside the measured step, as a converter does,
     while the previous step's graph is still alive. ``options``: those of
     ``apply()`` (default :data:`OPTIONS`). ``optimizer`` makes the
@@ -61,7 +63,7 @@ def train(make: Callable[[], chainer.Link], batches: List[Tuple[Any, ...]], appl
         opt = optimizer()
         opt.setup(model)
         loss = None
-        for step, batch in enumerate(batches):
+        for batch in batches:
             with MemoryMeter() as m:
                 if convert:
                     batch = tuple(a.copy() for a in batch)
@@ -70,6 +72,8 @@ def train(make: Callable[[], chainer.Link], batches: List[Tuple[Any, ...]], appl
                     model.cleargrads()
                     loss.backward()
                     opt.update()
+                elif step is not None:
+                    loss = step(model, opt, *batch)
                 else:
                     opt.update(model, *batch)
                     loss = model.loss

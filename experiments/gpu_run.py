@@ -920,11 +920,12 @@ def section_lstm_graph(ctx: Context) -> None:
     ``apply()`` against MSM and ISM at the budgets 10% and 25% of the way
     from the chain policies' least to plain's measured peak (10 and 25
     slots on NumPy); gradients against plain's from the same parameters,
-    then time, paired with plain's, every method in each round."""
+    then time, paired with plain's, every method in each round (``--tiny``:
+    over 10 steps)."""
     import bptt as B
     import chainer_recompute as cr
     from chainer_recompute.runtime import bptt as cr_bptt
-    T = 30
+    T = 10 if ctx.tiny else 30
     args, model, opt, data, plain, xp, seeded = _lstm(ctx, T, dropout=0.0)
     xs, ts = data[:-1], data[1:]
     ref, ref_grads = seeded(plain)

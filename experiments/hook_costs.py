@@ -134,37 +134,46 @@ PARTS = (
 )
 
 
+@contextlib.contextmanager
+def patched(patches):
+    """``(owner, attribute, value)`` set for the block, the originals put
+    back after."""
+    saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in patches]
+    for owner, attr, value in patches:
+        setattr(owner, attr, value)
+    try:
+        yield
+    finally:
+        for owner, attr, value in saved:
+            setattr(owner, attr, value)
+
+
 def timed_parts(step, plain_step, rounds):
     """``step()``'s extra seconds over ``plain_step()`` and the seconds
     inside each of :data:`PARTS`, per round (untraced)."""
     spent, calls = collections.Counter(), collections.Counter()
-    saved = []
-    for owner, names in PARTS:
-        for name in names:
-            method = getattr(owner, name)
-            saved.append((owner, name, method))
 
-            def timed(*args, _m=method, _n=name, **kwargs):
-                t0 = time.perf_counter()
-                try:
-                    return _m(*args, **kwargs)
-                finally:
-                    spent[_n] += time.perf_counter() - t0
-                    calls[_n] += 1
-            setattr(owner, name, timed)
+    def timed(method, name):
+        def run(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - t0
+                calls[name] += 1
+        return run
+
+    timers = [(owner, name, timed(getattr(owner, name), name))
+              for owner, names in PARTS for name in names]
     extra, per = [], collections.defaultdict(list)
-    try:
-        with B.untraced():
-            for _ in range(rounds):
-                p = plain_step()
-                spent.clear()
-                calls.clear()
-                extra.append(step() - p)
-                for name, s in spent.items():
-                    per[name].append(s)
-    finally:
-        for owner, name, method in saved:
-            setattr(owner, name, method)
+    with patched(timers), B.untraced():
+        for _ in range(rounds):
+            p = plain_step()
+            spent.clear()
+            calls.clear()
+            extra.append(step() - p)
+            for name, s in spent.items():
+                per[name].append(s)
     return extra, per, dict(calls)
 
 
@@ -238,16 +247,9 @@ def main():
                 if name in chains:
                     t = B.iterate(chains[name], model, opt, data)["time_s"]
                 else:
-                    saved = [(owner, attr, getattr(owner, attr))
-                             for owner, attr, _ in methods[name]]
-                    for owner, attr, value in methods[name]:
-                        setattr(owner, attr, value)
-                    try:
+                    with patched(methods[name]):
                         t = B.iterate(lambda xs, ts: unrolled(xs, ts), model, opt,
                                       data)["time_s"]
-                    finally:
-                        for owner, attr, value in saved:
-                            setattr(owner, attr, value)
                 p = B.iterate(plain, model, opt, data)["time_s"]
                 plain_times.append(p)
                 extra[name].append((t - p) * 1e3)

@@ -413,8 +413,10 @@ def worker_graph(args: argparse.Namespace) -> List[Dict[str, Any]]:
         u = Unrolled(model)
         start = time.perf_counter()
         try:
+            solver_options = ({"max_lower_sets": args.max_lower_sets} if args.solver == "exact"
+                              else {})
             cr.apply(u, budget=budget, solver=args.solver, verbose=False,
-                     **({"max_lower_sets": args.max_lower_sets} if args.solver == "exact" else {}))
+                     tuning=cr.Tuning(solver_options=solver_options))
             iterate(lambda a, b, u=u: u(a, b), model, opt, data)  # records
             res = iterate(lambda a, b, u=u: u(a, b), model, opt, data)  # plans, runs
         except Exception as e:  # reported as it is

@@ -47,10 +47,10 @@ from chainer_recompute.models import get_model  # noqa: E402
 
 
 CONFIGS = {
-    "keep": dict(budget="64G"),
+    "keep": dict(budget="64G", verify=True),
     "keep/no-verify": dict(budget="64G", verify=False),
     "keep/hooked": dict(budget="64G", verify=False),
-    "least": dict(budget="least"),
+    "least": dict(budget="least", verify=True),
     "least/no-verify": dict(budget="least", verify=False),
 }
 
@@ -76,7 +76,9 @@ def main(argv=None):
     runs = {"plain": copy.deepcopy(base)}
     names = [c.strip() for c in args.configs.split(",") if c.strip()]
     for name in names:
-        model = cr.apply(copy.deepcopy(base), cost=args.cost, verbose=False, **CONFIGS[name])
+        budget, verify = CONFIGS[name]["budget"], CONFIGS[name]["verify"]
+        model = cr.apply(copy.deepcopy(base), budget=budget, verbose=False,
+                         tuning=cr.Tuning(cost=args.cost, verify=verify))
         if name == "keep/hooked":
             cr.runner_of(model).plain_when_nothing_dropped = False
         runs[name] = model

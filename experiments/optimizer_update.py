@@ -44,7 +44,7 @@ def run(make_opt, x, t, applied, steps=6):
     np.random.seed(0)
     model = L.Classifier(MLP())
     if applied:
-        cr.apply(model, budget="least", cost="flops")
+        cr.apply(model, budget="least", tuning=cr.Tuning(cost="flops"))
     opt = make_opt()
     opt.setup(model)
     rows = []

@@ -202,9 +202,10 @@ def worker(net: str, method: str, batch: int, *, measured: int, optimizer: str, 
     link = spec.link
     x, t = spec.make_inputs(batch, seed=0)
     if method != "vanilla":
-        opts = APPLY[method]
+        opts = dict(APPLY[method])
+        knobs = {k: opts.pop(k) for k in list(opts) if k in cr.Tuning.fields()}
         b = "least" if method == "chen" or budget == "least" else int(budget)
-        cr.apply(link, budget=b, cost=cost, verbose=False, **opts)
+        cr.apply(link, budget=b, verbose=False, tuning=cr.Tuning(cost=cost, **knobs), **opts)
     opt = getattr(chainer.optimizers, optimizer)()
     opt.setup(link)
     # one warm-up call: vanilla's first iteration; with recomputation the

@@ -42,7 +42,7 @@ def run(applied):
     outer = MemoryMeter(); outer.start()
     model = make()
     if applied:
-        cr.apply(model, budget=budget, cost="flops")
+        cr.apply(model, budget=budget, tuning=cr.Tuning(cost="flops"))
     opt = chainer.optimizers.MomentumSGD(lr=0.01); opt.setup(model)
     peaks = []
     for s in range(steps):

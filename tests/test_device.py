@@ -122,7 +122,7 @@ def test_planned_calls_on_the_cupy_side_identical_and_measured():
         plain = Net()
         plain(x, t)
         ours = copy.deepcopy(plain)
-        cr.apply(ours, budget="least", verify=True, verbose=False)
+        cr.apply(ours, budget="least", tuning=cr.Tuning(verify=True), verbose=False)
         l_plain = _train(plain, x, t, 5)
         syncs = fake.syncs
         l_ours = _train(ours, x, t, 5)
@@ -182,7 +182,7 @@ def test_the_loops_work_before_the_backward_is_measured_by_the_pool():
         target = QNet(width=512, depth=2)
         np.random.seed(0)
         model = QNet()
-        cr.apply(model, budget="least", cost="flops", verbose=False,
+        cr.apply(model, budget="least", tuning=cr.Tuning(cost="flops"), verbose=False,
                  capture_batch=None)  # the recorded step measures the loop's work
         opt = chainer.optimizers.MomentumSGD(0.01)
         opt.setup(model)

@@ -297,7 +297,7 @@ def test_plan_cache_per_signature_and_bound():
     make, inputs = CASES["mlp"]
     x, t = inputs()
     model = make()
-    cr.apply(model, budget="1G", max_plans=2)
+    cr.apply(model, budget="1G", tuning=cr.Tuning(max_plans=2))
     runner = cr.runner_of(model)
     model(x, t).backward()  # recorded, planned at the end of its backward
     assert len(runner.plans) == 1
@@ -728,7 +728,8 @@ def test_two_live_graphs_share_one_saved_copy_of_a_parameter():
     # and the plan corrected to one that keeps what the second pass reads
     # (no copies then); the plan drops nothing but releases arrays after
     # their last backward reader: kept on the executor's path
-    cr.apply(ours, budget="least", cost="flops", verbose=False, check_iterations=0)
+    cr.apply(ours, budget="least", verbose=False,
+             tuning=cr.Tuning(cost="flops", check_iterations=0))
     cr.runner_of(ours).plain_when_nothing_dropped = False
     grads, saved = {}, []
     for model in (plain, ours):

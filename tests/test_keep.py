@@ -218,13 +218,13 @@ class Deep(chainer.Chain):
         return self.out(x)
 
 
-def _train(keep, applied: bool, steps: int = 4, **options):
+def _train(keep, applied: bool, steps: int = 4):
     """Train ``steps`` optimizer steps; the parameters after each, and the
     links of the functions the executor released and regenerated."""
     np.random.seed(0)
     model = L.Classifier(Deep())
     if applied:
-        cr.apply(model, budget="least", cost="flops", verbose=False, keep=keep, **options)
+        cr.apply(model, budget="least", tuning=cr.Tuning(cost="flops"), verbose=False, keep=keep)
     opt = chainer.optimizers.MomentumSGD(0.01)
     opt.setup(model)
     rng = np.random.RandomState(1)

@@ -374,7 +374,7 @@ def test_dropout_residual_net_that_keeps_its_loss_is_predicted_to_the_byte(keep_
     # previous graph let go at the next call (with the default, kept alive as
     # in plain Chainer, it is planned for by its replayed hold, above what
     # this net's graph really holds by about 370 KB: conservative)
-    cr.apply(link, budget="least", cost="flops", verbose=False, capture_batch=None,
+    cr.apply(link, budget="least", tuning=cr.Tuning(cost="flops"), verbose=False, capture_batch=None,
              free_previous_graph=True)
     opt = chainer.optimizers.MomentumSGD(0.01)
     opt.setup(link)

@@ -449,7 +449,7 @@ def least_figures(make: Callable[[], chainer.Link], batch: Tuple[Any, ...],
     nested least of its candidates)."""
     np.random.seed(0)
     model = make()
-    cr.apply(model, budget="least", cost="flops", verbose=False)
+    cr.apply(model, budget="least", tuning=cr.Tuning(cost="flops"), verbose=False)
     opt = optimizer()
     opt.setup(model)
     opt.update(model, *batch)

@@ -610,7 +610,7 @@ def test_change_to_a_parameter_between_two_backward_passes_is_seen_by_the_second
     batches = mlp_data(n=5)
     np.random.seed(0)
     model = MLP(width=128, depth=6)
-    cr.apply(model, budget="least", cost="flops", verbose=False)
+    cr.apply(model, budget="least", tuning=cr.Tuning(cost="flops"), verbose=False)
     opt = chainer.optimizers.MomentumSGD(0.01)
     opt.setup(model)
     for args in batches[:3]:
@@ -742,7 +742,8 @@ def test_what_the_loop_holds_into_the_backward_is_measured_once():
     x = rng.rand(64, 32).astype(np.float32)
     w = rng.rand(6, 4096).astype(np.float32)
     model = QNet()
-    cr.apply(model, budget="least", cost="flops", verbose=False, capture_batch=None)
+    cr.apply(model, budget="least", tuning=cr.Tuning(cost="flops"), verbose=False,
+             capture_batch=None)
     grads = sum(p.grad.nbytes for p in model.params())
     assert grads > 100_000  # Chainer made them with the parameters
     q = model(x)
@@ -762,7 +763,7 @@ def test_what_the_loop_holds_into_the_backward_is_measured_once():
     assert 3 * mib - grads <= step.outside_peak_bytes < 3 * mib - grads + 4096, step
 
     model = QNet()
-    cr.apply(model, budget="least", cost="flops", verbose=False)
+    cr.apply(model, budget="least", tuning=cr.Tuning(cost="flops"), verbose=False)
     model(x)  # recorded, no backward
     kept = [np.ones(mib, np.uint8)]  # the loop's own, before the next call
     model(x)  # planned from the recording
@@ -795,7 +796,7 @@ def test_capture_batch_with_a_reshape_of_the_batch_axis():
     assert ours.stats[0]["path"] == "planned", ours.stats  # the first step included
     assert not [s for s in ours.stats if s["mismatch"]], ours.stats
     assert not [m for m in said.messages if "capture_batch" in m], said.messages
-    probe = cr.apply(TinyTransformer(), budget=budget, cost="flops", capture_batch=2,
+    probe = cr.apply(TinyTransformer(), budget=budget, tuning=cr.Tuning(cost="flops"), capture_batch=2,
                      verbose=False)
     cr.runner_of(probe).plan_for(probe, *batches[0])
     (entry,) = cr.runner_of(probe).signatures()

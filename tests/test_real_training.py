@@ -1877,7 +1877,7 @@ def test_ever_changing_structure_falls_back_to_plain(size, plan_at):
     np.random.seed(0)
     plain = EverChanging(w=width)
     ours = copy.deepcopy(plain)
-    cr.apply(ours, budget="least", plan_at=plan_at)
+    cr.apply(ours, budget="least", tuning=cr.Tuning(plan_at=plan_at))
     runner = cr.runner_of(ours)
     paths, peaks = [], []
     catcher = _LogCatcher()

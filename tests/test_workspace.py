@@ -201,8 +201,8 @@ def _train(workspace, steps=3, exact=True, plain=False):
     t = rng.randint(0, 10, 8).astype(np.int32)
     model(x, t)  # lazy initialisation, as a training loop's first call
     if not plain:
-        cr.apply(model, budget="least", workspace=workspace, workspace_exact=exact,
-                 verbose=False, check_iterations=10)
+        cr.apply(model, budget="least", workspace=workspace, verbose=False,
+                 tuning=cr.Tuning(workspace_exact=exact, check_iterations=10))
     opt = chainer.optimizers.SGD(0.1)
     opt.setup(model)
     stats = []

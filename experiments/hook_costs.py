@@ -5,7 +5,9 @@ of correct runs.
 
 The 32-unit unroll of experiments/bptt.py (Chainer's PTB LSTM, vocabulary
 100, batch 8, t = 30, no dropout) under ``cr.apply()`` at ``--budget``
-(default 434,256 B, the 25-slot row of experiments/nested.md), or with
+(default 434,256 B, the 25-slot row of experiments/nested.md; with
+``--large`` the 256-unit one, vocabulary 1000, batch 32, default
+18,395,126 B, a nested plan), or with
 ``--nothing-dropped`` at a budget above plain's with the executor's hooks
 kept on (``plain_when_nothing_dropped = False``). One model; around every
 other step the variant's patches are set, and every step runs right after
@@ -48,6 +50,7 @@ executor's own work. The timers add about a microsecond per call.
     OPENBLAS_NUM_THREADS=1 .venv/bin/python experiments/hook_costs.py --nothing-dropped --rounds 40
     OPENBLAS_NUM_THREADS=1 .venv/bin/python experiments/hook_costs.py --untraced --rounds 40
     OPENBLAS_NUM_THREADS=1 .venv/bin/python experiments/hook_costs.py --parts --rounds 20
+    OPENBLAS_NUM_THREADS=1 .venv/bin/python experiments/hook_costs.py --large --untraced --variants as_is --rounds 30
 """
 import argparse
 import collections
@@ -185,9 +188,13 @@ def summary(extra):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--budget", type=int, default=434256)
+    ap.add_argument("--budget", type=int,
+                    help="bytes (default 434,256; with --large 18,395,126)")
+    ap.add_argument("--large", action="store_true",
+                    help="the 256-unit unroll (vocabulary 1000, batch 32)")
     ap.add_argument("--nothing-dropped", action="store_true",
-                    help="plan at 3,000,000 B (nothing dropped), the hooks kept on")
+                    help="plan above plain's step (3,000,000 B; with --large 64,000,000 B): "
+                         "nothing dropped, the hooks kept on")
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--untraced", action="store_true",
                     help="time the steps without experiments/bptt.py's memory meter")
@@ -203,12 +210,17 @@ def main():
     if wrong:
         ap.error(f"{', '.join(wrong)} run only with --nothing-dropped (they leave out work "
                  f"that regeneration needs)")
-    model_args = argparse.Namespace(vocab=100, units=32, dropout=0.0, batch=8)
-    data = np.random.RandomState(1).randint(0, 100, (31, 8)).astype(np.int32)
+    model_args = (argparse.Namespace(vocab=1000, units=256, dropout=0.0, batch=32) if args.large
+                  else argparse.Namespace(vocab=100, units=32, dropout=0.0, batch=8))
+    if args.budget is None:
+        args.budget = 18395126 if args.large else 434256
+    data = np.random.RandomState(1).randint(0, model_args.vocab,
+                                            (31, model_args.batch)).astype(np.int32)
     model, opt = B.make(model_args)
     plain = B.plain_fn(model)
     B.iterate(plain, model, opt, data)
-    budget = 3000000 if args.nothing_dropped else args.budget
+    # (above plain's whole step: 0.9 MB at the small size, 38 MB at the large)
+    budget = (64000000 if args.large else 3000000) if args.nothing_dropped else args.budget
     if args.nothing_dropped:
         Recompute.plain_when_nothing_dropped = False
     unrolled = B.Unrolled(model)

@@ -6,7 +6,9 @@
   ``Regressor`` (a loss link that keeps ``self.loss``), batches made by its
   own ``concat_mols`` converter, which pads each batch to its own largest
   molecule: the input shapes change between batches. Trained by Chainer's
-  ``StandardUpdater``.
+  ``StandardUpdater``, its first call recorded (``capture_batch=None``: at
+  this size the planner's memory inside a first call planned from
+  captures would set that step's peak).
 - chainerrl 0.8.0: a DQN agent's own loop (``act_and_train``: replay
   buffer, target network, epsilon-greedy explorer, its own ``update()``
   with its loss outside the Q-function's forward).
@@ -169,7 +171,13 @@ def chemistry_build(kind: str, data: List[Tuple[np.ndarray, ...]], applied: bool
         model = Regressor(GraphConvPredictor(conv, MLP(out_dim=1, hidden_dim=16)),
                           lossfun=F.mean_squared_error)
         if applied:
-            cr.apply(model, **OPTIONS)
+            # The first call recorded, as for the tiny models of
+            # test_real_code_patterns.py: a model of about 100 KiB under a
+            # budget of about 820 KiB, whose first step's peak the planner's
+            # arrays would set (2.3 MiB for GGNN, the NumPy engine's table;
+            # measured and said, docs/defaults.md, and tested in
+            # test_first_step.py and test_real_code_patterns.py)
+            cr.apply(model, **OPTIONS, capture_batch=None)
         opt = chainer.optimizers.Adam()
         opt.setup(model)
         it = chainer.iterators.SerialIterator(data, 8, shuffle=True)

@@ -554,7 +554,12 @@ class Planner:
                 keeps = link is not None and _keeps_graph(link, hook)
                 peak = meter.stop().peak_bytes
                 # (here, while lazily initialised parameters exist: they are put
-                # back; after the meter: the optimizer's update is measured apart)
+                # back; after the meter: the optimizer's update is measured apart,
+                # on throw-away copies, with the capture's gradients let go: a
+                # set of gradients beside the caller's, which leave_no_trace
+                # holds to put back, would add to this step's peak)
+                if link is not None:
+                    link.cleargrads()
                 sb = state_bytes(link) if link is not None else None
         finally:
             _abandon(meter)  # (a capture that raised: tracing stopped all the same)

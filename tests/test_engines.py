@@ -155,3 +155,25 @@ def test_column_copy_engines_agree():
         ws._compiled_fill = fill
     assert ws._compiled_columns() is not None
     assert np.array_equal(want, numpys)
+
+
+def test_a_tiny_graphs_table_stays_small_with_integral_costs():
+    """Integral costs (flop counts) of a six-function graph, 61,617 in all,
+    are scaled to the small-graph units like measured ones: the NumPy
+    engine's dense table was one column per flop (about 7 MB for this
+    graph, planned inside a tiny model's first call: more than the model)
+    and is now about 100 columns. The plan is the same here."""
+    from chainer_recompute.core.solvers._dp.pairs import UNITS_PER_NODE, dp_costs
+    from chainer_recompute.runtime.memory import MemoryMeter
+    flops = [16384, 1024, 32768, 1024, 10240, 177]
+    units = int(dp_costs(np.array(flops, dtype=np.float64)).sum())
+    assert units <= (UNITS_PER_NODE + 1) * len(flops), units  # (each rounded)
+    assert dp_costs(np.array([10.0, 1.0, 10.0])).tolist() == [10, 1, 10]  # the paper's model
+    g = Graph.from_edges([4096, 4096, 4096, 4096, 4096, 4], [(v, v + 1) for v in range(5)],
+                         costs=flops)
+    # (the overheads the exact costs give: the same plans)
+    for budget, overhead in ((24384, 16561.0), (28480, 177.0)):
+        with MemoryMeter() as m:
+            plan = solve_exact(g, budget, strategy="tc", engine="numpy")
+        assert plan.feasible and plan.overhead == overhead, (budget, plan.overhead)
+        assert m.result.peak_bytes < 200_000, m.result.peak_bytes  # (was 7,334,347)

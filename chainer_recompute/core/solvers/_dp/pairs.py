@@ -24,7 +24,9 @@ logger = logging.getLogger(__name__)
 #: per forward and rounded, which bounds every frontier at that many + 1
 #: states; for large families the units shrink so that the table keeps
 #: about STATE_LIMIT entries (never below MIN_COST_UNITS). The Plan's
-#: overhead is recomputed from the real costs.
+#: overhead is recomputed from the real costs. A graph of fewer than
+#: COST_UNITS / UNITS_PER_NODE nodes has at most its small-graph units
+#: (below), integral costs too.
 EXACT_COST_LIMIT = 65536
 COST_UNITS = 4096
 MIN_COST_UNITS = 256
@@ -42,16 +44,20 @@ def dp_costs(node_cost: np.ndarray, n_lower_sets: int = 0) -> np.ndarray:
     """
     c = np.asarray(node_cost, dtype=np.float64)
     total = float(c.sum())
-    if np.all(c == np.round(c)) and total <= EXACT_COST_LIMIT:
+    # Small graphs need no finer grain than this, and their table stays
+    # small (planning a tiny model should not cost more than the model):
+    # a six-function MLP's flop counts, 61,617 in all, made a table of
+    # 7 MB where 96 units make one of 11 KB.
+    small = max(UNITS_FLOOR, UNITS_PER_NODE * len(c))
+    exact_limit = EXACT_COST_LIMIT if small >= COST_UNITS else small
+    if np.all(c == np.round(c)) and total <= exact_limit:
         return c.astype(np.int64)
     if total <= 0:
         return np.zeros(len(c), dtype=np.int64)
     units = COST_UNITS
     if n_lower_sets > 0:
         units = int(min(COST_UNITS, max(MIN_COST_UNITS, STATE_LIMIT // n_lower_sets)))
-    # Small graphs need no finer grain than this, and their table stays
-    # small (planning a tiny model should not cost more than the model).
-    units = min(units, max(UNITS_FLOOR, UNITS_PER_NODE * len(c)))
+    units = min(units, small)
     return np.round(c * (units / total)).astype(np.int64)
 
 

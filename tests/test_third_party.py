@@ -171,12 +171,8 @@ def chemistry_build(kind: str, data: List[Tuple[np.ndarray, ...]], applied: bool
         model = Regressor(GraphConvPredictor(conv, MLP(out_dim=1, hidden_dim=16)),
                           lossfun=F.mean_squared_error)
         if applied:
-            # The first call recorded, as for the tiny models of
-            # test_real_code_patterns.py: a model of about 100 KiB under a
-            # budget of about 820 KiB, whose first step's peak the planner's
-            # arrays would set (2.3 MiB for GGNN, the NumPy engine's table;
-            # measured and said, docs/defaults.md, and tested in
-            # test_first_step.py and test_real_code_patterns.py)
+            # (the first call recorded: see the module docstring; GGNN's
+            # planner takes 2.3 MiB against a budget of about 820 KiB)
             cr.apply(model, **OPTIONS, capture_batch=None)
         opt = chainer.optimizers.Adam()
         opt.setup(model)

@@ -151,6 +151,79 @@ def test_update_rule_hooks(hook):
     Updates(OPTIMIZERS["MomentumSGD"], rule_hook=HOOKS[hook]).check()
 
 
+class _Big:
+    """A 2048x2048 weight (16 MiB: measured on three slices of its rows,
+    of 1, 2 and 4 MiB) and its bias, with a gradient each, and the
+    optimizer's figures for them."""
+
+    def __init__(self, make_opt: Callable[[], chainer.Optimizer], hook: Any = None,
+                 rule_hook: Optional[Callable[[], Any]] = None) -> None:
+        np.random.seed(0)
+        self.model = L.Linear(2048, 2048)
+        opt = make_opt()
+        opt.setup(self.model)
+        if hook is not None:
+            opt.add_hook(hook)
+        for p in self.model.params():
+            if rule_hook is not None:
+                p.update_rule.add_hook(rule_hook())
+            p.grad = np.random.rand(*p.shape).astype(p.dtype)
+        self.opt = opt
+
+    def figures(self) -> Tuple[Any, int]:
+        """The figures and the peak of their measurement."""
+        gc.collect()
+        with MemoryMeter() as m:
+            got = update_bytes(self.model.params(), owner=object())
+        return got, m.result.peak_bytes
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("case", sorted(OPTIMIZERS) + [f"MomentumSGD+{h}" for h in HOOKS]
+                         + ["MomentumSGD+rule WeightDecay"])
+def test_a_large_parameter_measured_on_slices_as_whole(case, monkeypatch):
+    """A parameter of more than eight slices (optimizer_update.SLICE_BYTES)
+    is measured on three copies of its first rows and the figures
+    extrapolated: on NumPy they are the figures of the whole parameter's
+    measurement, exactly, for every optimizer and hook (the whole-optimizer
+    GradientClipping's too), at under half the memory."""
+    name, _, hook = case.partition("+")
+    rule_hook = HOOKS[hook[5:]] if hook.startswith("rule ") else None
+    opt_hook = HOOKS[hook]() if hook and rule_hook is None else None
+    big = _Big(OPTIMIZERS[name], opt_hook, rule_hook)
+    assert optimizer_update._slices(big.model.W) == (128, 256, 512)
+    sliced, sliced_peak = big.figures()
+    monkeypatch.setattr(optimizer_update, "_slices", lambda param: None)
+    whole, whole_peak = big.figures()
+    assert sliced == whole
+    assert sliced_peak < whole_peak / 2, (sliced_peak, whole_peak)
+
+
+class _OuterProduct(chainer.UpdateRule):
+    """SGD, plus a rows x rows temporary (``grad @ grad.T``): its peak
+    grows with the square of the rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hyperparam.lr = 1e-3
+
+    def update_core_cpu(self, param: Any) -> None:
+        g = param.grad
+        param.array -= self.hyperparam.lr * (g @ g.T)[:, :1]
+
+
+def test_a_temporary_not_linear_in_the_rows_is_measured_whole():
+    """Figures that do not grow linearly with the rows (three slices off
+    the line by more than the slack) are measured on the whole parameter."""
+    model = L.Linear(2048, 2048)
+    model.W.grad = np.ones_like(model.W.array)
+    model.W.update_rule = _OuterProduct()
+    model.b.update_rule = _OuterProduct()
+    got = update_bytes([model.W], owner=object())
+    rows = model.W.shape[0]
+    assert got.update_transient_bytes >= rows * rows * 4, got
+
+
 def test_hooks_add_their_temporaries():
     """Lasso's ``sign(p)`` and ``rate * sign`` come before MomentumSGD's
     one temporary: the figure is Lasso's, above the plain update's."""

@@ -26,6 +26,15 @@ temporaries of an expression in place). So nothing is guessed:
   rule's own hooks and ``update_core``, and the finiteness check of
   dynamic loss scaling. The peak above the level at its start (the copies
   and the state, which persist) is the parameter's update transient.
+- **Large parameters.** A parameter of at least eight slices of
+  :data:`SLICE_BYTES` (1 MiB) of whole rows is measured on copies of its
+  first rows, at three sizes, and the figures (each state array, the
+  transient) extrapolated to all its rows where they are linear in them
+  (measured whole otherwise): a whole copy would hold up to several times
+  the parameter at the first call, more than plain Chainer's first step
+  where one parameter dominates. On NumPy the extrapolated figures are the
+  whole measurement's, byte for byte, for every optimizer and hook of
+  Chainer.
 - **Whole-optimizer hooks** (called once per update as ``hook(optimizer)``):
   ``GradientClipping`` runs on a stand-in optimizer whose ``target`` holds
   a copy of the model's largest parameter: its work on each parameter is a
@@ -250,15 +259,19 @@ def _rule_copy(rule: Any) -> Any:
     return r
 
 
-def _throwaway(param: chainer.Parameter, share_grad: bool) -> chainer.Parameter:
+def _throwaway(param: chainer.Parameter, share_grad: bool,
+               rows: Optional[int] = None) -> chainer.Parameter:
     """A new Parameter with a copy of ``param``'s array, its gradient (its
-    array where it has no gradient yet) and its loss scale. With
-    ``share_grad``, a NumPy gradient is not copied but given as a read-only
-    view (the rules read it; writing it raises, and the caller then
-    measures again with a copy): one parameter's bytes less at the
-    measurement's peak."""
-    sp = chainer.Parameter(param.array.copy(), name=param.name)
+    array where it has no gradient yet) and its loss scale, or of their
+    first ``rows`` rows. With ``share_grad``, a NumPy gradient is not
+    copied but given as a read-only view (the rules read it; writing it
+    raises, and the caller then measures again with a copy): one
+    parameter's bytes less at the measurement's peak."""
+    array = param.array if rows is None else param.array[:rows]
+    sp = chainer.Parameter(array.copy(), name=param.name)
     grad = param.grad if param.grad is not None else param.array
+    if rows is not None:
+        grad = grad[:rows]
     if share_grad and isinstance(grad, numpy.ndarray):
         grad = grad.view()
         grad.flags.writeable = False
@@ -296,21 +309,70 @@ def _share_then_copy(run: Callable[[bool], _T]) -> _T:
     return run(False)
 
 
+#: The least bytes of a large parameter's slice (whole rows): above NumPy's
+#: 256 KiB threshold for eliding temporaries, so that an update makes the
+#: temporaries it makes at full size (see the module docstring).
+SLICE_BYTES = 1 << 20
+#: what a figure of the largest slice may differ from the line through the
+#: other two (a CuPy pool rounds each allocation up to 512 bytes)
+_LINEAR_SLACK = 8192
+
+
+def _slices(param: chainer.Parameter) -> Optional[Tuple[int, int, int]]:
+    """The rows of the three copies :func:`_measured` runs, or None where
+    ``param`` is measured whole."""
+    a = param.array
+    if a.ndim == 0 or a.shape[0] == 0:
+        return None
+    rows = -(-SLICE_BYTES // max(1, a.nbytes // a.shape[0]))
+    return (rows, 2 * rows, 4 * rows) if 8 * rows <= a.shape[0] else None
+
+
+def _measured(param: chainer.Parameter,
+              measure: Callable[[Optional[int]], Tuple[int, ...]]) -> Tuple[int, ...]:
+    """``measure(rows)``, the figures of an update of a copy of ``param``'s
+    first ``rows`` rows (of all of it for None), for all of ``param``:
+    extrapolated from three slices (:data:`SLICE_BYTES`) where each figure
+    is linear in the rows, measured whole otherwise."""
+    sizes = _slices(param)
+    if sizes is not None:
+        try:
+            got = [measure(r) for r in sizes]
+        except Exception:  # noqa: BLE001 - a rule that needs all the rows: measured whole
+            got = []
+        if got and len({len(g) for g in got}) == 1:
+            (r1, r2, r4), n, full = sizes, param.shape[0], []
+            for v1, v2, v4 in zip(*got):
+                slope = (v4 - v1) / (r4 - r1)
+                if abs(v2 - (v1 + slope * (r2 - r1))) > _LINEAR_SLACK:
+                    break
+                full.append(max(0, int(round(v4 + slope * (n - r4)))))
+            else:
+                return tuple(full)
+    return measure(None)
+
+
 def _sandbox(rule: Any, param: chainer.Parameter, pre: Sequence[Any], post: Sequence[Any],
              check_finite: bool) -> _Sandboxed:
     """Make a fresh state for a copy of ``rule`` and run one update with it
-    of a throw-away copy of ``param``, between the optimizer's per-parameter
-    hooks ``pre`` and ``post``; the state's array sizes and the update's
-    peak above its start. Leaves no trace (see the module docstring)."""
-    return _share_then_copy(lambda share: _sandbox_once(rule, param, pre, post, check_finite,
-                                                        share))
+    of a throw-away copy of ``param`` (of slices of it: :func:`_measured`),
+    between the optimizer's per-parameter hooks ``pre`` and ``post``; the
+    state's array sizes and the update's peak above its start. Leaves no
+    trace (see the module docstring)."""
+    def measure(rows: Optional[int]) -> Tuple[int, ...]:
+        run = _share_then_copy(lambda share: _sandbox_once(rule, param, pre, post, check_finite,
+                                                           share, rows))
+        return run.state_nbytes + (run.transient_bytes,)
+    got = _measured(param, measure)
+    return _Sandboxed(got[:-1], got[-1])
 
 
 def _sandbox_once(rule: Any, param: chainer.Parameter, pre: Sequence[Any],
-                  post: Sequence[Any], check_finite: bool, share_grad: bool) -> _Sandboxed:
+                  post: Sequence[Any], check_finite: bool, share_grad: bool,
+                  rows: Optional[int] = None) -> _Sandboxed:
     dev = device_of([param.array])
     with _quiet():
-        sp = _throwaway(param, share_grad)
+        sp = _throwaway(param, share_grad, rows)
         r = _rule_copy(rule)
         target = sp
         fp32: Tuple[int, ...] = ()
@@ -356,11 +418,12 @@ class _StandInOptimizer:
 
 def _whole_hook_bytes(optimizer: Any, hook: Any, param: chainer.Parameter) -> int:
     """The peak of a whole-optimizer hook run on a stand-in optimizer
-    holding a throw-away copy of ``param`` (the model's largest)."""
-    def once(share_grad: bool) -> int:
+    holding a throw-away copy of ``param`` (the model's largest; of slices
+    of it: :func:`_measured`)."""
+    def once(share_grad: bool, rows: Optional[int]) -> int:
         dev = device_of([param.array])
         with _quiet():
-            stand_in = _StandInOptimizer(optimizer, [_throwaway(param, share_grad)])
+            stand_in = _StandInOptimizer(optimizer, [_throwaway(param, share_grad, rows)])
             meter = dev.meter()
             meter.start()
             try:
@@ -368,7 +431,7 @@ def _whole_hook_bytes(optimizer: Any, hook: Any, param: chainer.Parameter) -> in
             finally:
                 measured = meter.stop()
         return max(0, int(measured.peak_bytes))
-    return _share_then_copy(once)
+    return _measured(param, lambda rows: (_share_then_copy(lambda share: once(share, rows)),))[0]
 
 
 #: Whole-optimizer hooks whose work on each parameter is done one parameter

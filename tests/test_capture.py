@@ -253,8 +253,44 @@ def test_returns_no_variable():
     # Any result is fine for the forward; a backward needs a Variable.
     g = capture(lambda x: F.relu(x).array, np.ones((2, 2), np.float32))
     assert [n.op for n in g.nodes] == ["ReLU"]
-    with pytest.raises(CaptureError, match="not a chainer.Variable"):
+    with pytest.raises(CaptureError, match="no chainer.Variable that requires a gradient"):
         capture(lambda x: F.relu(x).array, np.ones((2, 2), np.float32), backward=True)
+
+
+class _Distribution:
+    """What chainerrl's policies return: an object holding its Variable."""
+
+    def __init__(self, logits):
+        self.logits = logits
+
+
+class _TwoHeads(chainer.Chain):
+    """A policy and a value head, returned as (distribution, value), as
+    chainerrl's ``Branched`` models are; a loss uses both."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.pi = L.Linear(4, 3)
+            self.v = L.Linear(4, 1)
+
+    def forward(self, x):
+        return _Distribution(self.pi(x)), self.v(x)
+
+
+@pytest.mark.parametrize("wrap", [lambda d, v: (d, v), lambda d, v: {"v": v, "pi": d.logits},
+                                  lambda d, v: [v, d]], ids=["object-first", "dict", "list"])
+def test_backward_from_every_output(wrap):
+    """A backward runs from every Variable of the result, in tuples, lists,
+    dicts and objects' attributes: each head's function is backpropagated
+    (only the first Variable was, so the policy head's backward was in no
+    capture)."""
+    model = _TwoHeads()
+    g = capture(lambda x: wrap(*model(x)), np.ones((2, 4), np.float32), link=model,
+                backward=True)
+    assert sorted(n.op for n in g.nodes) == ["LinearFunction", "LinearFunction"]
+    assert all(n.backward_time_s is not None for n in g.nodes), \
+        [(n.op, n.backward_time_s) for n in g.nodes]
 
 
 def test_no_function_applied():

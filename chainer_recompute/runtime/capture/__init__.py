@@ -16,13 +16,14 @@ module:
 """
 from .accounting import batch_size_of, state_bytes
 from .api import capture
-from .arrays import (attribute_arrays, buffer_print, fingerprint, first_variable, function_op,
-                     is_array, owner_of, persistent_array_ids, root_of, same_array)  # noqa: F401
+from .arrays import (attribute_arrays, backward_from, buffer_print, fingerprint, function_op,
+                     is_array, output_variables, owner_of, persistent_array_ids, root_of,
+                     same_array)  # noqa: F401
 from .recorder import Call, Recorder
 from .safety import _ANALYSIS_CACHE, Analysis, analyse_function  # noqa: F401
 from .trace import leave_no_trace
 
 __all__ = ["Analysis", "Call", "Recorder", "analyse_function", "attribute_arrays",
-           "batch_size_of", "capture", "fingerprint", "first_variable", "function_op",
-           "leave_no_trace", "owner_of", "persistent_array_ids", "root_of",
+           "backward_from", "batch_size_of", "capture", "fingerprint", "function_op",
+           "leave_no_trace", "output_variables", "owner_of", "persistent_array_ids", "root_of",
            "same_array", "state_bytes"]

@@ -11,7 +11,7 @@ import chainer
 from ...core.errors import CaptureError
 from ...core.graph import Graph
 from .accounting import batch_size_of, state_bytes
-from .arrays import first_variable
+from .arrays import backward_from
 from .recorder import Recorder
 from .trace import leave_no_trace
 
@@ -77,15 +77,12 @@ def capture(model: Callable[..., Any], *args: Any, backward: bool = False,
             raise
         rec.finish(result)
         if backward:
-            out = first_variable(result)
-            if out is None:
-                raise CaptureError(f"the model returned {type(result).__name__}, not a "
-                                   f"chainer.Variable: nothing to backpropagate")
-            loss = out if out.size == 1 else chainer.functions.sum(out)
-            loss.grad_var = None
             if link is not None:
                 link.cleargrads()  # as a training loop does (restored after)
-            loss.backward()
+            if not backward_from(result):
+                raise CaptureError(f"the model returned {type(result).__name__} with no "
+                                   f"chainer.Variable that requires a gradient: nothing to "
+                                   f"backpropagate")
         graph = rec.graph(cost_model=cost_model, batch_size=batch_size,
                           name=name or type(model).__name__,
                           facts={"state_bytes": state_bytes(link)} if link is not None else None)

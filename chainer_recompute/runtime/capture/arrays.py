@@ -135,19 +135,53 @@ def _variables_in(result: Any) -> Iterator[chainer.Variable]:
             yield from _variables_in(v)
 
 
-def first_variable(result: Any) -> Optional[chainer.Variable]:
-    """The first ``chainer.Variable`` in a forward's result (a Variable, a
-    tuple, list or dict of them)."""
-    if isinstance(result, chainer.Variable):
-        return result
-    if isinstance(result, dict):
-        result = list(result.values())
-    if isinstance(result, (tuple, list)):
-        for r in result:
-            v = first_variable(r)
-            if v is not None:
-                return v
-    return None
+def output_variables(result: Any) -> List[chainer.Variable]:
+    """The Variables of a forward's result that require a gradient, each
+    once, in order: the result itself, the items of tuples, lists and
+    dicts, and the attributes of other objects (chainerrl's distributions
+    and action values hold theirs: ``SoftmaxDistribution.logits``,
+    ``DiscreteActionValue.q_values``), four levels deep. Links, optimizers,
+    functions and classes are not looked into."""
+    found: List[chainer.Variable] = []
+    seen: set = set()
+
+    def walk(x: Any, depth: int) -> None:
+        if id(x) in seen or depth > 4:
+            return
+        seen.add(id(x))
+        if isinstance(x, chainer.Variable):
+            if x.requires_grad:
+                found.append(x)
+            return
+        if isinstance(x, dict):
+            items = list(x.values())
+        elif isinstance(x, (tuple, list)):
+            items = list(x)
+        elif isinstance(x, (chainer.Link, chainer.Optimizer, type)) or callable(x):
+            return
+        else:
+            items = list(getattr(x, "__dict__", {}).values())
+        for item in items:
+            walk(item, depth + 1)
+    walk(result, 0)
+    return found
+
+
+def backward_from(result: Any) -> bool:
+    """Run a backward pass from every Variable of a forward's result
+    (:func:`output_variables`), as from the sum of all their elements:
+    whatever loss a training loop makes of them, its backward reaches
+    every output. False where the result has none."""
+    outs = output_variables(result)
+    if not outs:
+        return False
+    loss = None
+    for v in outs:
+        term = v if v.size == 1 else chainer.functions.sum(v)
+        loss = term if loss is None else loss + term
+    loss.grad_var = None
+    loss.backward()
+    return True
 
 
 def gone_watch(param: Any, grad: Any) -> Callable[[], bool]:

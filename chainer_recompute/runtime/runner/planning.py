@@ -541,16 +541,12 @@ class Planner:
                 with _Active(), hook:
                     out = self.fn(*cut_args, **cut_kwargs)
                 hook.finish(out)
-                from ..capture import first_variable
-                loss = first_variable(out)
-                if loss is not None and loss.requires_grad:
-                    if loss.size != 1:
-                        loss = chainer.functions.sum(loss)
-                    loss.grad_var = None
+                from ..capture import backward_from, output_variables
+                if output_variables(out):
                     if link is not None:
                         link.cleargrads()  # as a training loop does (restored after)
-                    loss.backward()
-                del out, loss
+                    backward_from(out)
+                del out
                 keeps = link is not None and _keeps_graph(link, hook)
                 peak = meter.stop().peak_bytes
                 # (here, while lazily initialised parameters exist: they are put

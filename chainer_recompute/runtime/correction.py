@@ -18,6 +18,8 @@ and the warning are the same.
 35
 >>> c.overshoot(measured=101, budget=100, predicted=120), c.warned  # at least one byte
 (1, True)
+>>> c.overshoot(measured=130, budget=100, predicted=95, transient=40)  # over by one step's own
+0
 """
 from __future__ import annotations
 
@@ -46,21 +48,25 @@ class Correction:
         self.warned = False  # the warning has been given
 
     def overshoot(self, measured: int, budget: Optional[int],
-                  predicted: Optional[int]) -> int:
+                  predicted: Optional[int], transient: int = 0) -> int:
         """The bytes to add to the predictions after a step that measured
         ``measured`` bytes under a plan that predicted ``predicted`` for
         ``budget``: 0 when the step held the budget (or there is no byte
         budget), else what the prediction missed, at least 1 (a correction
-        always plans again). The first overshoot warns; later ones do not."""
-        if budget is None or measured <= budget:
+        always plans again). ``transient``: bytes of the measurement that
+        no later step holds (left out of both). The first overshoot warns;
+        later ones do not."""
+        if budget is None or measured - transient <= budget:
             return 0
-        correction = max(int(measured - (predicted or 0)), 1)
+        correction = max(int(measured - transient - (predicted or 0)), 1)
         if not self.warned:
             self.warned = True
-            self.log.warning("%sthe measured peak %s is over the budget %s (predicted %s); "
+            self.log.warning("%sthe measured peak %s is over the budget %s (predicted %s%s); "
                              "correcting %s by %s and planning again", self.prefix,
                              format_bytes(measured), format_bytes(budget),
-                             format_bytes(predicted or 0), self.corrected,
+                             format_bytes(predicted or 0),
+                             f"; {format_bytes(transient)} of the peak held by this step "
+                             f"only" if transient else "", self.corrected,
                              format_bytes(correction))
         return correction
 

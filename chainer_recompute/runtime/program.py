@@ -16,6 +16,19 @@ from .capture import Call
 PROBATION = 1
 
 
+class Probation:
+    """The clean updates seen of a structure's graphs (see
+    :attr:`Program.saves_parameters`): one record for the plans of the
+    structure, so that a plan made again (a correction's, at the next call,
+    while the last call's graph is still alive) does not start its
+    probation over and save the parameters at one more update."""
+
+    __slots__ = ("clean_updates",)
+
+    def __init__(self) -> None:
+        self.clean_updates = 0
+
+
 class Program(ExecutionPlan):
     """An :class:`~chainer_recompute.core.execution.ExecutionPlan` with the
     very parameters it was planned for (wiring checks) and what the runtime
@@ -42,8 +55,9 @@ class Program(ExecutionPlan):
         self.release_mode_decided = False
         # Updates of parameters while a graph of this plan was alive, after
         # which it died without another backward pass: after PROBATION of
-        # them, parameters are no longer saved before updates.
-        self.clean_updates = 0
+        # them, parameters are no longer saved before updates. Shared with
+        # the plans made again for the same structure (a correction's).
+        self.probation = Probation()
         # The plan was made from an iteration whose backward pass(es) had all
         # run (multi_backward is then what that iteration did): its graphs
         # are not expected to be backpropagated after an optimizer update,
@@ -129,6 +143,19 @@ class Program(ExecutionPlan):
         return found
 
     @property
+    def clean_updates(self) -> int:
+        return self.probation.clean_updates
+
+    @property
+    def on_probation(self) -> bool:
+        """Whether parameters are saved before updates only because the
+        loop's behaviour is not known yet (:attr:`saves_parameters`, not
+        for a graph known to be backpropagated twice): a cost of the first
+        ``PROBATION`` updates, in no plan."""
+        return not self.multi_backward and not self.backward_known and \
+            self.clean_updates < PROBATION
+
+    @property
     def saves_parameters(self) -> bool:
         """Whether an optimizer update of a parameter that a released block
         was computed from first saves the parameter's values: a graph known
@@ -203,7 +230,7 @@ def _after_update(program_ref: Any, state: Dict[str, bool]) -> None:
     clean when no backward pass came after it."""
     program = program_ref()
     if program is not None and not state["again"]:
-        program.clean_updates += 1
+        program.probation.clean_updates += 1
 
 
 def _matches_before(p: Program, call: Call, in_data: Tuple[Any, ...]) -> bool:

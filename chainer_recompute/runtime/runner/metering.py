@@ -15,6 +15,7 @@ import chainer
 from ..executor import IterationHook, IterationStats
 from .describe import describe_step, plain_peak
 from ..correction import CallMeter, Correction
+from ...core.units import format_bytes
 from .log import logger, report
 from .state import _Entry, _Structure
 
@@ -49,6 +50,9 @@ class _OpenMeter(CallMeter):
     # ids of the buffers of the inputs counted in ``own`` (a step's later
     # calls add theirs: see StepMeter._continue)
     input_ids: set = dataclasses.field(default_factory=set)
+    # bytes of parameter values the previous graph saved on probation
+    # (Program.on_probation), counted in ``own``
+    probation: int = 0
 
     def measured(self, absolute_peak_bytes: int) -> int:
         """The model's bytes when the meter read ``absolute_peak_bytes``."""
@@ -119,6 +123,17 @@ def _graph_arrays(hook: Any) -> List[Any]:
         found.extend(f._retained_output_data or ())
         found.extend(a for _, _, a in attribute_arrays(f))
     return found
+
+
+def _probation_bytes(hook: Any) -> int:
+    """Bytes of the parameter values ``hook``'s iteration saved on probation
+    (:attr:`Program.on_probation`); 0 for ``hook`` None."""
+    program = getattr(hook, "program", None)
+    if program is None or not program.on_probation or not hook.snapshots:
+        return 0
+    from ..device import device_of
+    saved = list(hook.snapshots.values())
+    return _distinct_bytes(device_of(saved), saved)
 
 
 def _distinct_bytes(dev: Any, arrays: List[Any], as_shown: bool = False) -> int:
@@ -230,6 +245,7 @@ class StepMeter:
         # call: id(structure) -> (entry, structure, correction bytes)
         self.corrections: Optional[Dict[int, Tuple[_Entry, _Structure, int]]] = None
         self._correction = Correction(report)  # a measured overshoot: warned once
+        self._said_probation = False  # a step over its budget with probation's saved values
         self._said_measured: set = set()  # corrections whose plan's first measured step was said
         self.last_hook: Any = None  # a weak reference to the previous call's IterationHook
         # weak references to the hooks of calls whose graphs may be alive
@@ -285,6 +301,7 @@ class StepMeter:
         previous = self.last_hook() if self.last_hook is not None else None
         held: List[Any] = []
         user_held: List[Tuple[Any, int]] = []
+        probation = 0
         if previous is not None and previous is not hook and (
                 previous.backward_done or previous.program is None):
             # (a call whose backward is still to come, a discriminator's
@@ -293,6 +310,7 @@ class StepMeter:
             held = _graph_arrays(previous)
             user_held = _previous_inputs(dev, previous, held)
             own += held
+            probation = _probation_bytes(previous)
         for other in filter(None, (r() for r in self._step_others)):
             if other is not previous:  # (the step's earlier calls, none measured)
                 own += _graph_arrays(other)
@@ -300,7 +318,8 @@ class StepMeter:
             dev, own + inputs,
             own=_distinct_bytes(dev, own) + _distinct_bytes(dev, inputs, as_shown=True),
             entry=entry, stats=hook.stats, hook=weakref.ref(hook), new_meter=dev.meter,
-            link_ref=weakref.ref(link) if link is not None else None, user_held=user_held)
+            link_ref=weakref.ref(link) if link is not None else None, user_held=user_held,
+            probation=probation)
         from ..capture import root_of
         self._meter.input_ids = {id(root_of(a)) for a in inputs}
         self._meter.after_recording = bool(held) and previous.recorder.recording
@@ -379,7 +398,8 @@ class StepMeter:
                 stats.measured_pool_total_bytes = int(max(
                     total, measured, stats.measured_pool_total_bytes or 0))
             if not open_.after_recording:
-                self._check(open_.entry, s, stats, max(measured, total or 0))
+                self._check(open_.entry, s, stats, max(measured, total or 0),
+                            open_.probation + _probation_bytes(open_.hook()))
                 self._say_measured(s, stats)
             return
         hook = open_.hook()
@@ -416,14 +436,15 @@ class StepMeter:
                                      waiting=waiting, level_total=m.start_total_bytes,
                                      link_ref=open_.link_ref,
                                      after_recording=open_.after_recording,
-                                     user_held=open_.user_held)
+                                     user_held=open_.user_held, probation=open_.probation)
             self._meter.finalizer = weakref.finalize(self, _abandon, tail)
             if waiting is not None:
                 _watch_updates(self, self._meter)
             else:  # a callable's parameters are not known: to the next call
                 weakref.finalize(hook, _graph_died, weakref.ref(self), self._meter)
         if not open_.after_recording:
-            self._check(open_.entry, s, stats, measured)
+            self._check(open_.entry, s, stats, measured,
+                        open_.probation + _probation_bytes(hook))
             if tail is None:
                 self._say_measured(s, stats)
 
@@ -447,17 +468,30 @@ class StepMeter:
                                               corrected=bool(correction)))
 
     def _check(self, entry: _Entry, s: _Structure, stats: IterationStats,
-               measured: int) -> None:
+               measured: int, probation: int = 0) -> None:
         """A peak over the budget (total scope): the memory model is to be
         corrected by what the plan missed, and the structure planned again
         at the model's next call (:meth:`apply_pending`): the check
         runs inside the step (at the end of its backward, or of the
         optimizer's update), and planning there would add the planner's
-        memory to the step the budget bounds."""
+        memory to the step the budget bounds. ``probation``: bytes of
+        parameter values saved on probation that the step counted
+        (:attr:`Program.on_probation`): said, and no part of the
+        correction (no later step holds them)."""
         if self.spec.budget_scope != "total":
             return
-        correction = self._correction.overshoot(measured, s.plan.budget_bytes,
-                                                s.plan.predicted_peak_bytes)
+        budget = s.plan.budget_bytes
+        if probation and budget is not None and measured > budget and not self._said_probation:
+            self._said_probation = True
+            report.warning(
+                "the measured peak %s is over the budget %s with %s of parameter values saved "
+                "before the optimizer's update (in no plan): a plan made before the training "
+                "loop was seen keeps them until a graph that was alive at an update dies "
+                "without another backward pass, so that one after the update could still "
+                "regenerate; later steps do not hold them", format_bytes(measured),
+                format_bytes(budget), format_bytes(probation))
+        correction = self._correction.overshoot(measured, budget, s.plan.predicted_peak_bytes,
+                                                transient=probation)
         if not correction:
             return
         if self.corrections is None:

@@ -317,8 +317,9 @@ class Planner:
         t0 = time.perf_counter()
         entry.structures.remove(s)
         try:
-            self.add(entry, graph, s.program.param_refs, s.program.multi_backward, t0,
-                     backward_known=s.program.backward_known)
+            again = self.add(entry, graph, s.program.param_refs, s.program.multi_backward, t0,
+                             backward_known=s.program.backward_known)
+            again.program.probation = s.program.probation
         except InfeasibleBudgetError as e:
             entry.error = e
 

@@ -17,7 +17,7 @@ module:
 from .accounting import batch_size_of, state_bytes
 from .api import capture
 from .arrays import (attribute_arrays, backward_from, buffer_print, fingerprint, function_op,
-                     is_array, output_variables, owner_of, persistent_array_ids, root_of,
+                     is_array, owner_of, persistent_array_ids, result_variables, root_of,
                      same_array)  # noqa: F401
 from .recorder import Call, Recorder
 from .safety import _ANALYSIS_CACHE, Analysis, analyse_function  # noqa: F401
@@ -25,5 +25,5 @@ from .trace import leave_no_trace
 
 __all__ = ["Analysis", "Call", "Recorder", "analyse_function", "attribute_arrays",
            "backward_from", "batch_size_of", "capture", "fingerprint", "function_op",
-           "leave_no_trace", "output_variables", "owner_of", "persistent_array_ids", "root_of",
+           "leave_no_trace", "owner_of", "persistent_array_ids", "result_variables", "root_of",
            "same_array", "state_bytes"]

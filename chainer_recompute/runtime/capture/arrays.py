@@ -135,44 +135,45 @@ def _variables_in(result: Any) -> Iterator[chainer.Variable]:
             yield from _variables_in(v)
 
 
-def output_variables(result: Any) -> List[chainer.Variable]:
-    """The Variables of a forward's result that require a gradient, each
-    once, in order: the result itself, the items of tuples, lists and
-    dicts, and the attributes of other objects (chainerrl's distributions
-    and action values hold theirs: ``SoftmaxDistribution.logits``,
-    ``DiscreteActionValue.q_values``), four levels deep. Links, optimizers,
-    functions and classes are not looked into."""
+def result_variables(result: Any) -> List[chainer.Variable]:
+    """The Variables of a forward's result, each once, in order: the result
+    itself, the items of tuples, lists and dicts, and the attributes of
+    other objects (chainerrl's distributions and action values hold theirs:
+    ``SoftmaxDistribution.logits``, ``DiscreteActionValue.q_values``), four
+    levels deep. Links, optimizers, functions and classes are not looked
+    into."""
     found: List[chainer.Variable] = []
     seen: set = set()
-
-    def walk(x: Any, depth: int) -> None:
+    # (a loop over a stack, not a recursive closure: that would be a
+    # reference cycle holding ``found``, the model's outputs and their
+    # graph, until the garbage collector runs)
+    stack = [(result, 0)]
+    while stack:
+        x, depth = stack.pop()
         if id(x) in seen or depth > 4:
-            return
+            continue
         seen.add(id(x))
         if isinstance(x, chainer.Variable):
-            if x.requires_grad:
-                found.append(x)
-            return
+            found.append(x)
+            continue
         if isinstance(x, dict):
             items = list(x.values())
         elif isinstance(x, (tuple, list)):
             items = list(x)
         elif isinstance(x, (chainer.Link, chainer.Optimizer, type)) or callable(x):
-            return
+            continue
         else:
             items = list(getattr(x, "__dict__", {}).values())
-        for item in items:
-            walk(item, depth + 1)
-    walk(result, 0)
+        stack.extend((item, depth + 1) for item in reversed(items))
     return found
 
 
 def backward_from(result: Any) -> bool:
-    """Run a backward pass from every Variable of a forward's result
-    (:func:`output_variables`), as from the sum of all their elements:
-    whatever loss a training loop makes of them, its backward reaches
-    every output. False where the result has none."""
-    outs = output_variables(result)
+    """Run a backward pass from every Variable of a forward's result that
+    requires a gradient (:func:`result_variables`), as from the sum of all
+    their elements: whatever loss a training loop makes of them, its
+    backward reaches every output. False where the result has none."""
+    outs = [v for v in result_variables(result) if v.requires_grad]
     if not outs:
         return False
     loss = None

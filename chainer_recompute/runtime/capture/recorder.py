@@ -40,7 +40,7 @@ from ...core.graph import ArrayInfo, Graph, HeldArray, Node, StepFacts
 from ..device import Device, RandomStates, device_of, dtype_name
 from .arrays import (_arrays_in, _variables_in, attribute_arrays, buffer_print, fingerprint,
                      function_op, gone_watch, is_array, node_nbytes, persistent_array_ids,
-                     root_of)
+                     result_variables, root_of)
 from .links import LinkPaths
 from .safety import _WRITES_INPUTS, _config_key, analyse_function, static_graph_reason
 from .unrecorded import Aside, Made, ParameterIndex, UnrecordedWork
@@ -344,7 +344,7 @@ class Recorder(chainer.FunctionHook):
         self._unrecorded.end_tail()
         self.forward_done = True
         self._watch.clear()
-        self.returned = sorted({self.array_of[v.node] for v in _variables_in(result)
+        self.returned = sorted({self.array_of[v.node] for v in result_variables(result)
                                 if v.node in self.array_of})
 
     # ------------------------------------------------ unrecorded work

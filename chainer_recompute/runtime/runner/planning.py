@@ -542,11 +542,10 @@ class Planner:
                 with _Active(), hook:
                     out = self.fn(*cut_args, **cut_kwargs)
                 hook.finish(out)
-                from ..capture import backward_from, output_variables
-                if output_variables(out):
-                    if link is not None:
-                        link.cleargrads()  # as a training loop does (restored after)
-                    backward_from(out)
+                from ..capture import backward_from
+                if link is not None:
+                    link.cleargrads()  # as a training loop does (restored after)
+                backward_from(out)
                 del out
                 keeps = link is not None and _keeps_graph(link, hook)
                 peak = meter.stop().peak_bytes

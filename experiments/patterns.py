@@ -751,7 +751,10 @@ around the runner's planning calls (`Recompute._plan_pending`, `_add`):
    With `capture_batch=4` (lazy + dropout row) the copies are made at three
    consecutive updates (steps 0-2), not one: the plan is made again after the
    runner's "measured peak over the budget" correction, and a new plan starts
-   its probation afresh.
+   its probation afresh. (Since 2026-12-05, night: a plan made again for a
+   correction continues its structure's probation (`Program.probation`), and
+   the copies a step counts are no part of the correction; see
+   `tests/test_first_step.py::test_parameters_saved_on_probation_are_no_correction`.)
 2. **Chainer's DCGAN example, `dis` applied** (steps 1 and 2 above 1.0x):
    the same copies of the discriminator's parameters (22.4 MiB) while a plan
    is on probation. Before 437eddc the hook of each of the two live `dis`

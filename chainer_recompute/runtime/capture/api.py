@@ -80,9 +80,8 @@ def capture(model: Callable[..., Any], *args: Any, backward: bool = False,
             if link is not None:
                 link.cleargrads()  # as a training loop does (restored after)
             if not backward_from(result):
-                raise CaptureError(f"the model returned {type(result).__name__} with no "
-                                   f"chainer.Variable that requires a gradient: nothing to "
-                                   f"backpropagate")
+                raise CaptureError(f"the model returned {type(result).__name__} holding no "
+                                   f"chainer.Variable: nothing to backpropagate")
         graph = rec.graph(cost_model=cost_model, batch_size=batch_size,
                           name=name or type(model).__name__,
                           facts={"state_bytes": state_bytes(link)} if link is not None else None)

@@ -170,10 +170,13 @@ def result_variables(result: Any) -> List[chainer.Variable]:
 
 def backward_from(result: Any) -> bool:
     """Run a backward pass from every Variable of a forward's result that
-    requires a gradient (:func:`result_variables`), as from the sum of all
+    requires a gradient (:func:`result_variables`; from all of them where
+    none does, which runs no function's backward), as from the sum of all
     their elements: whatever loss a training loop makes of them, its
-    backward reaches every output. False where the result has none."""
-    outs = [v for v in result_variables(result) if v.requires_grad]
+    backward reaches every output. False where the result holds no
+    Variable."""
+    found = result_variables(result)
+    outs = [v for v in found if v.requires_grad] or found
     if not outs:
         return False
     loss = None

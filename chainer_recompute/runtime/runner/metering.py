@@ -488,7 +488,8 @@ class StepMeter:
                 "before the optimizer's update (in no plan): a plan made before the training "
                 "loop was seen keeps them until a graph that was alive at an update dies "
                 "without another backward pass, so that one after the update could still "
-                "regenerate; later steps do not hold them", format_bytes(measured),
+                "regenerate; later steps do not hold them (capture_batch=None records the first "
+                "call instead, plainly, and saves none)", format_bytes(measured),
                 format_bytes(budget), format_bytes(probation))
         correction = self._correction.overshoot(measured, budget, s.plan.predicted_peak_bytes,
                                                 transient=probation)

@@ -77,9 +77,7 @@ def capture(model: Callable[..., Any], *args: Any, backward: bool = False,
             raise
         rec.finish(result)
         if backward:
-            if link is not None:
-                link.cleargrads()  # as a training loop does (restored after)
-            if not backward_from(result):
+            if not backward_from(result, link):
                 raise CaptureError(f"the model returned {type(result).__name__} holding no "
                                    f"chainer.Variable: nothing to backpropagate")
         graph = rec.graph(cost_model=cost_model, batch_size=batch_size,

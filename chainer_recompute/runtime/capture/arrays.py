@@ -168,17 +168,20 @@ def result_variables(result: Any) -> List[chainer.Variable]:
     return found
 
 
-def backward_from(result: Any) -> bool:
+def backward_from(result: Any, link: Optional[chainer.Link] = None) -> bool:
     """Run a backward pass from every Variable of a forward's result that
     requires a gradient (:func:`result_variables`; from all of them where
     none does, which runs no function's backward), as from the sum of all
     their elements: whatever loss a training loop makes of them, its
-    backward reaches every output. False where the result holds no
-    Variable."""
+    backward reaches every output. ``link``'s gradients are cleared first,
+    as a training loop clears them (the caller puts them back). False
+    where the result holds no Variable."""
     found = result_variables(result)
     outs = [v for v in found if v.requires_grad] or found
     if not outs:
         return False
+    if link is not None:
+        link.cleargrads()
     loss = None
     for v in outs:
         term = v if v.size == 1 else chainer.functions.sum(v)

@@ -24,6 +24,7 @@ from ...core.replay import replay_peak
 from ...core.units import format_bytes
 from ..capture import batch_size_of, leave_no_trace, state_bytes
 from ..executor import IterationHook, Program
+from ..program import Probation
 from .describe import describe_plan
 from .log import logger, report
 from .spec import RunnerSpec
@@ -255,15 +256,18 @@ class Planner:
                     continue
                 entry.structures.remove(s)
                 self.add(entry, graph, s.program.param_refs, s.program.multi_backward,
-                          time.perf_counter(), plan=plan, adopted=True)
+                          time.perf_counter(), plan=plan, adopted=True,
+                          probation=s.program.probation)
 
     # ------------------------------------------------------------ plans
     def add(self, entry: _Entry, graph: Graph, param_refs: Dict[int, Any],
              multi_backward: bool, t0: float, plan: Any = None,
-             backward_known: bool = False, adopted: bool = False) -> _Structure:
+             backward_known: bool = False, adopted: bool = False,
+             probation: Optional[Probation] = None) -> _Structure:
         """A new structure of ``entry`` (first), for ``graph`` and ``plan``
         (None: planned now; ``adopted``: a plan made elsewhere for ``graph``
-        before its workspace bound)."""
+        before its workspace bound). ``probation``: the record of the
+        structure this one replaces (a plan made again continues it)."""
         self.plans_made += 1
         graph = self._with_keep(graph)  # (keep=: the functions every plan keeps)
         if self.step_calls > 1 and self.coordinator is None and \
@@ -283,6 +287,8 @@ class Planner:
                               backward_order=plan.backward_order)
             program.multi_backward = multi_backward
             program.backward_known = backward_known
+            if probation is not None:
+                program.probation = probation
             s = _Structure(graph, plan, program, time.perf_counter() - t0, limit)
             if plan.recompute:
                 self.decide_release(s)
@@ -317,9 +323,8 @@ class Planner:
         t0 = time.perf_counter()
         entry.structures.remove(s)
         try:
-            again = self.add(entry, graph, s.program.param_refs, s.program.multi_backward, t0,
-                             backward_known=s.program.backward_known)
-            again.program.probation = s.program.probation
+            self.add(entry, graph, s.program.param_refs, s.program.multi_backward, t0,
+                     backward_known=s.program.backward_known, probation=s.program.probation)
         except InfeasibleBudgetError as e:
             entry.error = e
 
@@ -543,9 +548,7 @@ class Planner:
                     out = self.fn(*cut_args, **cut_kwargs)
                 hook.finish(out)
                 from ..capture import backward_from
-                if link is not None:
-                    link.cleargrads()  # as a training loop does (restored after)
-                backward_from(out)
+                backward_from(out, link)
                 del out
                 keeps = link is not None and _keeps_graph(link, hook)
                 peak = meter.stop().peak_bytes

@@ -529,6 +529,62 @@ def test_padded_graph_network_infeasible_shape_warns_once_and_runs_plainly():
                                        on_infeasible="raise"))
 
 
+class ImageListHeads(MLP):
+    """An object detector's loss on a list of images of their own sizes (no
+    batch dimension): the rows it keeps depend on the data, so neither its
+    family's recorded shapes nor captures can plan a new signature."""
+
+    def forward(self, xs: Any, ts: Any) -> Any:
+        x = np.concatenate(xs)
+        keep = np.flatnonzero(x[:, 0] > -0.5)
+        h = self.features(F.concat(xs, axis=0))
+        return F.softmax_cross_entropy(self.out(F.get_item(h, keep)), np.concatenate(ts)[keep])
+
+
+def image_lists(sizes: Sequence[Tuple[int, int]], seed: int = 0) -> List[Any]:
+    rs = np.random.RandomState(seed)
+    return [([rs.uniform(-1, 1, (n, 32)).astype(np.float32) for n in pair],
+             [rs.randint(0, 10, n).astype(np.int32) for n in pair]) for pair in sizes]
+
+
+def test_signatures_that_never_repeat_stop_being_recorded():
+    """A training call whose signature is new every time (a detector's
+    images of their own sizes) is recorded at each first call, and none of
+    those plans is ever used (nor those derived from two of them): after
+    ``RECORD_NEW_AFTER`` such calls in a row (said once), a new signature's first call runs as plain Chainer,
+    not recorded, and a signature seen again is recorded at its second call
+    and planned at its third. Identical to plain Chainer throughout."""
+    n = cr.Recompute.RECORD_NEW_AFTER
+    batches = image_lists([(20 + k, 30 + 2 * k) for k in range(n + 3)])
+    # the last batch twice more (its kept rows, and so its graph, the same)
+    batches += [batches[-1], batches[-1]] + image_lists([(5, 7)])
+    plain = train(ImageListHeads, batches)
+    with Said() as said:
+        ours = train(ImageListHeads, batches, dict(budget="least", cost="flops", verbose=False))
+    assert_identical(plain, ours)
+    paths = [s["path"] for s in ours.stats]
+    # (from the third on, a plan derived from two recorded shapes: it does not fit)
+    assert paths == (["recorded"] * 2 + ["mismatch"] * (n - 2) + ["plain"] * 3
+                     + ["recorded", "planned", "plain"]), paths
+    said_once = [m for m in said.messages if "had a new input signature at each" in m]
+    assert len(said_once) == 1 and f"last {n} training calls" in said_once[0], said.messages
+    assert ours.stats[-2]["n_dropped"] > 0
+
+
+def test_a_signature_used_again_keeps_first_calls_recorded():
+    """New signatures whose plans are used (each batch twice in a row)
+    never stop first calls from being recorded."""
+    n = cr.Recompute.RECORD_NEW_AFTER
+    batches = [b for b in image_lists([(20 + k, 30 + 2 * k) for k in range(n + 2)])
+               for _ in range(2)]
+    with Said() as said:
+        ours = train(ImageListHeads, batches, dict(budget="least", cost="flops", verbose=False))
+    paths = [s["path"] for s in ours.stats]
+    # (from the third on, first planned from two recorded shapes: it does not fit)
+    assert paths == ["recorded", "planned"] * 2 + ["mismatch", "planned"] * n, paths
+    assert not [m for m in said.messages if "had a new input signature" in m]
+
+
 def test_where_with_an_all_false_condition():
     """F.where's condition is an attribute set in __init__; the plan drops
     the Where nodes and the backward reads the condition: it is kept (never

@@ -76,7 +76,9 @@ class Recompute:
             whole). ``None``: the first call runs as plain Chainer and is
             recorded (not bounded by the budget). Input shapes after the
             first are planned from the recorded shapes of their family where
-            they can be (below), else captured the same way.
+            they can be (below), else captured the same way (a model whose
+            signature is new at nearly every call, none planned: see
+            :data:`RECORD_NEW_AFTER`).
         verify: checksum the parameters and inputs that regeneration reads,
             so that an in-place change between forward and backward is
             reported instead of giving a different gradient.
@@ -204,6 +206,13 @@ class Recompute:
     #: than half of its calls, runs plain Chainer from then on.
     PLAIN_AFTER = 6
 
+    #: After this many training calls in a row of signatures never seen
+    #: before, none planned before it ran (each recorded, its plan never
+    #: used: an object detector's images of their own sizes and boxes), a
+    #: new signature's first call runs as plain Chainer, not recorded, and
+    #: its second call is recorded.
+    RECORD_NEW_AFTER = 8
+
     def __init__(self, fn: Callable[..., Any], budget: Any, *, solver: str = "auto",
                  strategy: str = "tc", cost: str = "measured", max_plans: int = 8,
                  max_structures: int = 4, capture_batch: Any = "auto",
@@ -246,6 +255,8 @@ class Recompute:
         #: the model's @static_graph chains (None: not looked for yet)
         self._static_chains: Optional[Tuple[str, ...]] = None
         self._said_static = False
+        self._new_recorded = 0  # training calls in a row that recorded a new signature
+        self._record_first_calls = True  # (False: see RECORD_NEW_AFTER)
 
     # ---------------------------------------------------------- options
     @property
@@ -473,7 +484,9 @@ class Recompute:
         """Plan what is to be planned before the forward (a recorded
         iteration, a first call from its family's shapes or from captures)
         and decide the release mode of plans backpropagated twice. False:
-        the budget cannot be met and this signature runs plainly (said)."""
+        this call runs plainly: the budget cannot be met (said), or it is
+        the first call of a signature, which nothing planned, once first
+        calls are not recorded (:data:`RECORD_NEW_AFTER`)."""
         planner = self.planner
         try:
             if entry.pending is not None:
@@ -481,6 +494,10 @@ class Recompute:
             elif not entry.structures and entry.calls == 1:
                 # a new shape of a recorded family first (no capture), then
                 # a separate capture
+                if not self._record_first_calls:
+                    logger.info("the first call of a new signature of %s runs as plain "
+                                "Chainer, not recorded", name_of(self.fn, args))
+                    return False
                 planner.plan_in_call(entry, args, kwargs)
         except InfeasibleBudgetError as e:
             planner.infeasible(entry, e)
@@ -489,6 +506,30 @@ class Recompute:
             if s.program.multi_backward and not s.program.release_mode_decided:
                 planner.decide_release(s)
         return True
+
+    def _count_new(self, entry: Any, hook: IterationHook, args: Tuple[Any, ...]) -> None:
+        """Count a new signature's first call that recorded its graph
+        (nothing planned it, or its plan did not fit it); a call that ran
+        its plan through ends the count. At :data:`RECORD_NEW_AFTER` in a
+        row, first calls are no longer recorded (said once; not with a
+        coordinator: its processes record together)."""
+        if hook.stats.path == "planned":
+            self._new_recorded = 0
+            return
+        if entry.calls != 1 or not hook.recorder.recording:
+            return
+        self._new_recorded += 1
+        if (self._new_recorded < self.RECORD_NEW_AFTER or not self._record_first_calls
+                or self.coordinator is not None):
+            return
+        self._record_first_calls = False
+        why = (f"a plan made from its earlier shapes did not fit it: {hook.stats.mismatch}"
+               if hook.stats.mismatch else self.planner.refusal or "nothing could plan it")
+        report.warning(
+            "%s had a new input signature at each of its last %d training calls, each "
+            "recorded and its plan never used (%s). From now on the first call of a new "
+            "signature runs as plain Chainer, not recorded, and its graph is recorded at its "
+            "second call", name_of(self.fn, args), self._new_recorded, why)
 
     def _checked_plain(self, entry: Any) -> bool:
         """A plan that drops nothing, checked against the allocator, runs as
@@ -538,6 +579,7 @@ class Recompute:
         planner = self.planner
         self.steps.check_held_graph(entry, hook)
         self.last_stats = hook.stats
+        self._count_new(entry, hook, args)
         if hook.stats.path == "planned":
             planner.ran_planned = True
         for s in entry.structures:

@@ -549,26 +549,47 @@ def image_lists(sizes: Sequence[Tuple[int, int]], seed: int = 0) -> List[Any]:
 
 def test_signatures_that_never_repeat_stop_being_recorded():
     """A training call whose signature is new every time (a detector's
-    images of their own sizes) is recorded at each first call, and none of
-    those plans is ever used (nor those derived from two of them): after
-    ``RECORD_NEW_AFTER`` such calls in a row (said once), a new signature's first call runs as plain Chainer,
-    not recorded, and a signature seen again is recorded at its second call
-    and planned at its third. Identical to plain Chainer throughout."""
+    images of their own sizes) is recorded and planned at each first call,
+    and none of those plans is ever used (nor those derived from two of
+    them): after ``RECORD_NEW_AFTER`` such calls in a row (said once), a new
+    signature's first call is not recorded: one of a new family (three
+    images) runs as plain Chainer, without the hook; one planned from its
+    family runs that plan, which does not fit it, and its recording is not
+    planned from. A signature seen again is recorded at its second call and
+    planned at its third. Identical to plain Chainer throughout."""
     n = cr.Recompute.RECORD_NEW_AFTER
-    batches = image_lists([(20 + k, 30 + 2 * k) for k in range(n + 3)])
-    # the last batch twice more (its kept rows, and so its graph, the same)
-    batches += [batches[-1], batches[-1]] + image_lists([(5, 7)])
+    batches = image_lists([(20 + k, 30 + 2 * k) for k in range(n + 2)])
+    # a new family, then the last batch twice more (its kept rows, and so
+    # its graph, the same)
+    batches += image_lists([(5, 7, 9)], seed=1) + [batches[-1], batches[-1]]
     plain = train(ImageListHeads, batches)
     with Said() as said:
         ours = train(ImageListHeads, batches, dict(budget="least", cost="flops", verbose=False))
     assert_identical(plain, ours)
     paths = [s["path"] for s in ours.stats]
     # (from the third on, a plan derived from two recorded shapes: it does not fit)
-    assert paths == (["recorded"] * 2 + ["mismatch"] * (n - 2) + ["plain"] * 3
-                     + ["recorded", "planned", "plain"]), paths
+    assert paths == (["recorded"] * 2 + ["mismatch"] * n + ["plain", "mismatch", "planned"]), \
+        paths
     said_once = [m for m in said.messages if "had a new input signature at each" in m]
     assert len(said_once) == 1 and f"last {n} training calls" in said_once[0], said.messages
-    assert ours.stats[-2]["n_dropped"] > 0
+    assert ours.stats[-1]["n_dropped"] > 0
+
+
+def test_the_call_that_stops_recording_first_calls_is_not_planned_from():
+    """Signatures of new families (lists of 1, 2, ... images), each
+    recorded: the call that counts to ``RECORD_NEW_AFTER`` is not planned
+    from either (nor said to have left a plan), so that its signature, seen
+    again, is recorded then and planned at its third call."""
+    n = cr.Recompute.RECORD_NEW_AFTER
+    batches = [image_lists([tuple(range(6, 6 + k))], seed=k)[0] for k in range(1, n + 2)]
+    batches += [batches[n - 1], batches[n - 1]]
+    plain = train(ImageListHeads, batches)
+    with Said() as said:
+        ours = train(ImageListHeads, batches, dict(budget="least", cost="flops", verbose=False))
+    assert_identical(plain, ours)
+    paths = [s["path"] for s in ours.stats]
+    assert paths == ["recorded"] * n + ["plain", "recorded", "planned"], paths
+    assert not [m for m in said.messages if "changed" in m], said.messages
 
 
 def test_a_signature_used_again_keeps_first_calls_recorded():

@@ -15,7 +15,9 @@
   (the agent's work outside the model is measured there); a PPO agent's (a
   ``Branched`` policy and value function returning a distribution object
   and the values, minibatch epochs whose outputs live through the update),
-  its first call planned from captures and recorded, both.
+  its first call planned from captures and recorded, both; a soft
+  actor-critic's policy and two Q-functions, each applied (the policy's
+  loss backpropagated through both Q-functions).
 
 Install them with ``pip install -e '.[test,fast,thirdparty]'`` (the pins are
 in setup.py); each test skips, naming the package, without them. All tests
@@ -365,3 +367,93 @@ def test_chainerrl_ppo_own_update_loop():
     assert len(probation) == 1 and len(corrections) <= 1, said.messages
     print(f"chainerrl PPO: plain {plain.peaks}, applied {ours.peaks}, budget {budget} "
           f"(recorded first call: {least})")
+
+
+SAC_UNITS, SAC_BATCH, SAC_INTERVAL, SAC_STEPS = 128, 256, 150, 5
+
+
+def sac_build(applied: bool, obs: List[np.ndarray], rewards: List[float]) -> Callable[[], Built]:
+    import chainer.links as L
+    from chainerrl import agents, distribution, replay_buffer
+
+    def squashed_gaussian(x: Any) -> Any:  # (chainerrl's SAC example's policy head)
+        mean, log_scale = F.split_axis(x, 2, axis=1)
+        return distribution.SquashedGaussianDistribution(
+            mean, var=F.exp(F.clip(log_scale, -20.0, 2.0) * 2))
+
+    def mlp(n_in: int, n_out: int, *head: Any) -> chainer.Sequential:
+        return chainer.Sequential(L.Linear(n_in, SAC_UNITS), F.relu,
+                                  L.Linear(SAC_UNITS, SAC_UNITS), F.relu,
+                                  L.Linear(SAC_UNITS, SAC_UNITS), F.relu,
+                                  L.Linear(SAC_UNITS, n_out), *head)
+
+    def concat_obs_and_action(x: Any, a: Any) -> Any:  # (a named function: deep-copied)
+        return F.concat((x, a), axis=-1)
+
+    def q_function() -> chainer.Sequential:
+        q = mlp(ND + NA, 1)
+        q.insert(0, concat_obs_and_action)
+        return q
+
+    def build() -> Built:
+        policy, q1, q2 = mlp(ND, 2 * NA, squashed_gaussian), q_function(), q_function()
+        models = {"policy": policy, "q1": q1, "q2": q2}
+        if applied:
+            for m in models.values():
+                cr.apply(m, **OPTIONS)
+        opts = [chainer.optimizers.Adam(3e-4) for _ in models]
+        for opt, m in zip(opts, models.values()):
+            opt.setup(m)
+        agent = agents.SoftActorCritic(
+            policy, q1, q2, *opts, replay_buffer.ReplayBuffer(10 ** 5), 0.99,
+            replay_start_size=SAC_BATCH, minibatch_size=SAC_BATCH,
+            burnin_action_func=lambda: np.random.uniform(-1, 1, NA).astype(np.float32),
+            entropy_target=-NA, temperature_optimizer=chainer.optimizers.Adam(3e-4))
+        counter = iter(range(10 ** 6))
+
+        def step() -> None:  # an interval of steps, each an update once the buffer is full
+            for _ in range(SAC_INTERVAL):
+                k = next(counter)
+                if k % 100 == 99:
+                    agent.stop_episode_and_train(obs[k], rewards[k], done=True)
+                else:
+                    agent.act_and_train(obs[k], rewards[k])
+
+        def record() -> Dict[str, Any]:
+            rec: Dict[str, Any] = {}
+            for name, m in list(models.items()) + [("temperature", agent.temperature_holder)]:
+                rec.update({f"{name}:{k}": v for k, v in records(m, None).items()})
+            rec["statistics"] = repr(agent.get_statistics())
+            return rec
+        build.models = models  # type: ignore[attr-defined]
+        return q1, step, record, lambda: 0
+    return build
+
+
+def test_chainerrl_soft_actor_critic_three_applied_models():
+    """chainerrl's SAC updates a policy and two Q-functions, each applied,
+    in its own loop: both Q-functions' forwards before either backward
+    (their losses share a target made without backprop by the policy and
+    two target networks), then the policy's loss backpropagated through
+    both Q-functions into the policy (their parameters get gradients the
+    policy's optimizer does not use), then the temperature's. Identical to
+    plain Chainer over five intervals of 150 updates, each model's plan
+    dropping, the steady peak under plain's."""
+    pytest.importorskip("chainerrl", reason="chainerrl is not installed: "
+                        "pip install -e '.[thirdparty]'")
+    rs = np.random.RandomState(7)
+    n = SAC_INTERVAL * SAC_STEPS
+    obs = [rs.rand(ND).astype(np.float32) for _ in range(n)]
+    rewards = rs.rand(n).tolist()
+    plain = train(sac_build(False, obs, rewards), SAC_STEPS)
+    applied = sac_build(True, obs, rewards)
+    with Said() as said:
+        ours = train(applied, SAC_STEPS)
+    assert_same_records(plain, ours, "chainerrl SAC", same_keys=True)
+    for name, m in applied.models.items():  # type: ignore[attr-defined]
+        st = cr.runner_of(m).last_stats
+        assert st.path == "planned" and st.n_dropped > 0, (name, st)
+    assert max(ours.peaks[2:]) < min(plain.peaks[2:]), (plain.peaks, ours.peaks)
+    corrections = [m for m in said.messages if "correcting the memory model" in m]
+    assert len(corrections) <= 2 * 3, said.messages
+    print(f"chainerrl SAC: plain {plain.peaks}, applied {ours.peaks}")

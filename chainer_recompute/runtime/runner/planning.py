@@ -85,6 +85,9 @@ class Planner:
         # the calls holding their whole graph (see StepMeter.count_step_calls)
         self.step_calls, self.whole_calls = spec.calls_per_step or 1, 0
         self.refusal = ""  # why captures could not plan a first call
+        #: the first call of a signature that nothing plans before it runs is
+        #: recorded (False: not, see ``Recompute.RECORD_NEW_AFTER``)
+        self.record_first_calls = True
         self._reported_infeasible = False
         self._said_unsafe: set = set()  # unsafe-function warnings given (one each)
         self._said_capture = False  # capture_batch refused a model (warned once)
@@ -444,10 +447,11 @@ class Planner:
         (a warning), before it runs."""
         level = logging.INFO if self._said_capture else logging.WARNING
         self._said_capture = True
-        report.log(level, "the first call of %s%s runs as plain Chainer while its graph is "
-                   "recorded, not bounded by the budget: %s; the next calls run under a "
-                   "plan made from it", self._name(args),
-                   "" if batch is None else f" at batch {batch}", why)
+        report.log(level, "the first call of %s%s runs as plain Chainer%s, not bounded by the "
+                   "budget: %s; the next calls run under a plan made from it", self._name(args),
+                   "" if batch is None else f" at batch {batch}",
+                   " while its graph is recorded" if self.record_first_calls
+                   else " (its graph is recorded at its second call)", why)
 
     def plan_separately(self, entry: _Entry, args: Tuple[Any, ...],
                          kwargs: Dict[str, Any]) -> bool:

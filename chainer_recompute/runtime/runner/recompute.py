@@ -207,10 +207,12 @@ class Recompute:
     PLAIN_AFTER = 6
 
     #: After this many training calls in a row of signatures never seen
-    #: before, none planned before it ran (each recorded, its plan never
-    #: used: an object detector's images of their own sizes and boxes), a
-    #: new signature's first call runs as plain Chainer, not recorded, and
-    #: its second call is recorded.
+    #: before, each recorded and planned, none of those plans used (an
+    #: object detector's images of their own sizes and boxes), a new
+    #: signature's first call is no longer recorded: one that nothing plans
+    #: before it runs runs as plain Chainer without the hook, one whose plan
+    #: from its family does not fit it is not planned from; its second call
+    #: is recorded.
     RECORD_NEW_AFTER = 8
 
     def __init__(self, fn: Callable[..., Any], budget: Any, *, solver: str = "auto",
@@ -256,7 +258,6 @@ class Recompute:
         self._static_chains: Optional[Tuple[str, ...]] = None
         self._said_static = False
         self._new_recorded = 0  # training calls in a row that recorded a new signature
-        self._record_first_calls = True  # (False: see RECORD_NEW_AFTER)
 
     # ---------------------------------------------------------- options
     @property
@@ -494,11 +495,9 @@ class Recompute:
             elif not entry.structures and entry.calls == 1:
                 # a new shape of a recorded family first (no capture), then
                 # a separate capture
-                if not self._record_first_calls:
-                    logger.info("the first call of a new signature of %s runs as plain "
-                                "Chainer, not recorded", name_of(self.fn, args))
+                if not planner.plan_in_call(entry, args, kwargs) and \
+                        not planner.record_first_calls:
                     return False
-                planner.plan_in_call(entry, args, kwargs)
         except InfeasibleBudgetError as e:
             planner.infeasible(entry, e)
             return False
@@ -511,25 +510,28 @@ class Recompute:
         """Count a new signature's first call that recorded its graph
         (nothing planned it, or its plan did not fit it); a call that ran
         its plan through ends the count. At :data:`RECORD_NEW_AFTER` in a
-        row, first calls are no longer recorded (said once; not with a
-        coordinator: its processes record together)."""
+        row, first calls are no longer recorded or planned from (said once;
+        not with a coordinator: its processes record together)."""
         if hook.stats.path == "planned":
             self._new_recorded = 0
             return
         if entry.calls != 1 or not hook.recorder.recording:
             return
         self._new_recorded += 1
-        if (self._new_recorded < self.RECORD_NEW_AFTER or not self._record_first_calls
+        planner = self.planner
+        if (self._new_recorded < self.RECORD_NEW_AFTER or not planner.record_first_calls
                 or self.coordinator is not None):
             return
-        self._record_first_calls = False
+        planner.record_first_calls = False
         why = (f"a plan made from its earlier shapes did not fit it: {hook.stats.mismatch}"
-               if hook.stats.mismatch else self.planner.refusal or "nothing could plan it")
+               if hook.stats.mismatch else planner.refusal or "nothing could plan it")
         report.warning(
             "%s had a new input signature at each of its last %d training calls, each "
-            "recorded and its plan never used (%s). From now on the first call of a new "
-            "signature runs as plain Chainer, not recorded, and its graph is recorded at its "
-            "second call", name_of(self.fn, args), self._new_recorded, why)
+            "recorded and planned, its plan never used (%s). From now on the first call of a "
+            "new signature that nothing plans before it runs is not recorded (it runs as plain "
+            "Chainer, as a recorded call does), one run under a plan made from its family that "
+            "does not fit it is not planned from, and its graph is recorded at its second call",
+            name_of(self.fn, args), self._new_recorded, why)
 
     def _checked_plain(self, entry: Any) -> bool:
         """A plan that drops nothing, checked against the allocator, runs as
@@ -589,6 +591,13 @@ class Recompute:
         if not hook.recorder.recording:
             used = hook.program
             entry.structures.sort(key=lambda s: s.program is not used)
+            return
+        if entry.calls == 1 and not planner.record_first_calls:
+            # a new signature's first call, recorded (the call that counted
+            # to RECORD_NEW_AFTER) or off the plan made from its family: not
+            # planned from
+            if entry.structures:
+                self._mismatched(hook, args)
             return
         entry.pending = hook
         if self.coordinator is None:

@@ -572,6 +572,9 @@ def test_signatures_that_never_repeat_stop_being_recorded():
         paths
     said_once = [m for m in said.messages if "had a new input signature at each" in m]
     assert len(said_once) == 1 and f"last {n} training calls" in said_once[0], said.messages
+    # (the new family's first call, said as it runs)
+    assert [m for m in said.messages if "runs as plain Chainer, not recorded" in m and
+            "its second call is recorded" in m], said.messages
     assert ours.stats[-1]["n_dropped"] > 0
 
 

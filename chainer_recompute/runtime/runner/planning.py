@@ -448,10 +448,11 @@ class Planner:
         level = logging.INFO if self._said_capture else logging.WARNING
         self._said_capture = True
         report.log(level, "the first call of %s%s runs as plain Chainer%s, not bounded by the "
-                   "budget: %s; the next calls run under a plan made from it", self._name(args),
+                   "budget: %s; %s", self._name(args),
                    "" if batch is None else f" at batch {batch}",
-                   " while its graph is recorded" if self.record_first_calls
-                   else " (its graph is recorded at its second call)", why)
+                   " while its graph is recorded" if self.record_first_calls else ", not recorded",
+                   why, "the next calls run under a plan made from it" if self.record_first_calls
+                   else "its second call is recorded, and the next ones run under its plan")
 
     def plan_separately(self, entry: _Entry, args: Tuple[Any, ...],
                          kwargs: Dict[str, Any]) -> bool:

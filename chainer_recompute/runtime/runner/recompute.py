@@ -418,6 +418,7 @@ class Recompute:
             self.last_stats = IterationStats(path="plain")
             return self.fn(*args, **kwargs)
         if self._checked_plain(entry):
+            self._new_recorded = 0  # (a plan used: see _count_new)
             return self.fn(*args, **kwargs)
         hook, out = self._run(entry, link, mark, args, kwargs)
         self._after_forward(entry, hook, link, args, kwargs)

@@ -244,14 +244,9 @@ def numpy_aliases():
     import types
     np.float, np.bool = float, bool
     for name in ("hstack", "vstack"):
-        stack = getattr(np, name)
-        if getattr(stack, "takes_generators", False):
-            continue
-
-        def stacked(tup, *args, _stack=stack, **kwargs):
+        def stacked(tup, *args, _stack=getattr(np, name), **kwargs):
             return _stack(list(tup) if isinstance(tup, types.GeneratorType) else tup,
                           *args, **kwargs)
-        stacked.takes_generators = True
         setattr(np, name, stacked)
 
 

@@ -294,6 +294,23 @@ def test_chainerrl_dqn_own_update_loop():
     check("chainerrl DQN", plain, ours, said)
 
 
+def acting(agent: Any, obs: List[np.ndarray], rewards: List[float],
+           interval: int) -> Callable[[], None]:
+    """One interval of a chainerrl agent's own loop: ``interval`` steps of
+    ``act_and_train`` on the next observations (an episode ends every 100),
+    each updating when the agent's schedule says so."""
+    counter = iter(range(len(obs)))
+
+    def step() -> None:
+        for _ in range(interval):
+            k = next(counter)
+            if k % 100 == 99:
+                agent.stop_episode_and_train(obs[k], rewards[k], done=True)
+            else:
+                agent.act_and_train(obs[k], rewards[k])
+    return step
+
+
 PPO_INTERVAL, PPO_STEPS = 256, 5
 
 
@@ -311,15 +328,8 @@ def ppo_build(applied: bool, obs: List[np.ndarray], rewards: List[float],
         opt.setup(model)
         agent = agents.PPO(model, opt, update_interval=PPO_INTERVAL, minibatch_size=64,
                            epochs=2, standardize_advantages=True)
-        counter = iter(range(PPO_INTERVAL * PPO_STEPS))
-
-        def step() -> None:  # one update interval: its steps, then 2 epochs of 4 minibatches
-            for _ in range(PPO_INTERVAL):
-                k = next(counter)
-                if k % 100 == 99:
-                    agent.stop_episode_and_train(obs[k], rewards[k], done=True)
-                else:
-                    agent.act_and_train(obs[k], rewards[k])
+        # (one update interval: its steps, then 2 epochs of 4 minibatches)
+        step = acting(agent, obs, rewards, PPO_INTERVAL)
 
         def record() -> Dict[str, Any]:
             rec = records(model, None)
@@ -409,15 +419,8 @@ def sac_build(applied: bool, obs: List[np.ndarray], rewards: List[float]) -> Cal
             replay_start_size=SAC_BATCH, minibatch_size=SAC_BATCH,
             burnin_action_func=lambda: np.random.uniform(-1, 1, NA).astype(np.float32),
             entropy_target=-NA, temperature_optimizer=chainer.optimizers.Adam(3e-4))
-        counter = iter(range(10 ** 6))
-
-        def step() -> None:  # an interval of steps, each an update once the buffer is full
-            for _ in range(SAC_INTERVAL):
-                k = next(counter)
-                if k % 100 == 99:
-                    agent.stop_episode_and_train(obs[k], rewards[k], done=True)
-                else:
-                    agent.act_and_train(obs[k], rewards[k])
+        # (an interval of steps, each an update once the buffer is full)
+        step = acting(agent, obs, rewards, SAC_INTERVAL)
 
         def record() -> Dict[str, Any]:
             rec: Dict[str, Any] = {}

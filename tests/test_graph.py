@@ -1,5 +1,6 @@
 """The pure graph model: construction, cost models, export, io."""
 import dataclasses
+from fractions import Fraction
 import json
 import subprocess
 import sys
@@ -312,6 +313,39 @@ def test_the_callers_work_scales_with_the_graph():
     assert (g.step.outside_peak_bytes, g.step.outside_held_bytes) == (3400, 200)
     assert Graph.from_edges([8], []).replace(
         batch_size=2).scale_batch(4).step.outside_peak_bytes == 0
+
+
+def test_a_temporary_that_batch_one_understates_scales_from_batch_two():
+    """NumPy spares a copy at batch 1 that it makes at every larger batch
+    (a convolution's im2col buffer through ``tensordot``), so the line
+    through captures at batch 1 and 2 overstates each larger batch: a
+    measured temporary that is lower per sample at batch 1 than at batch 2
+    (by more than 1%) is scaled from batch 2 in proportion. One on or
+    above the line, within 1% of it, between the captures, or scaled from
+    captures at batch 2 and 4, follows the line."""
+    def at(batch, fwd, bwd):
+        g = Graph.from_edges([8 * batch, 8 * batch], [(0, 1)]).replace(batch_size=batch)
+        nodes = [dataclasses.replace(n, forward_transient_bytes=f, backward_transient_bytes=b)
+                 for n, f, b in zip(g.nodes, fwd, bwd)]
+        return g.replace(nodes=nodes)
+
+    def transients(g):
+        return [(n.forward_transient_bytes, n.backward_transient_bytes) for n in g.nodes]
+
+    # node 0: 100 at batch 1 against 300 at 2 (150 a sample): 150 a sample
+    # from batch 2 (the line: 700 at 4); 1000 / 2000 (1,000 a sample both
+    # ways) on the line; node 1: 200 / 300 (a constant 100 and 100 a sample)
+    # and 995 / 2000 (0.5% under 1,000 a sample) on the line
+    g1, g2 = at(1, [100, 200], [1000, 995]), at(2, [300, 300], [2000, 2000])
+    assert transients(g1.scale_between(g2, 4)) == [(600, 4000), (500, 4010)]
+    assert transients(g1.scale_between(g2, 3)) == [(450, 3000), (400, 3005)]
+    assert transients(g2.scale_between(g1, 4)) == [(600, 4000), (500, 4010)]  # (either order)
+    # between captures at 1 and 2 or from captures at 2 and 4: the line
+    assert transients(Graph.fit([g1, g2], [1, 2], Fraction(3, 2), origin=0)) == [
+        (200, 1500), (250, 1498)]
+    g4 = at(4, [600, 600], [4000, 4000])
+    assert transients(at(2, [200, 300], [2000, 2000]).scale_between(g4, 8)) == [
+        (1400, 8000), (1200, 8000)]
 
 
 # ------------------------------------------------ a model at several shapes

@@ -699,9 +699,8 @@ class Graph:
                              f"model at two batch sizes")
         if batch_size <= 0:
             raise GraphError(f"batch size must be positive, got {batch_size}")
-        g = self.interpolate(other, batch_size - b1, b2 - b1,
-                             where=f"at batch {b1} and at batch {b2}",
-                             target=f"batch {batch_size}")
+        g = Graph.fit([self, other], [b1, b2], batch_size, origin=0,
+                      where=f"at batch {b1} and at batch {b2}", target=f"batch {batch_size}")
         meta = dict(g.meta)
         meta.setdefault("scaled_from", b1)
         meta["scaled_with"] = b2
@@ -724,7 +723,7 @@ class Graph:
 
     @staticmethod
     def fit(graphs: Sequence["Graph"], at: Sequence[Any], point: Any, *, where: str = "",
-            target: str = "the new shape") -> "Graph":
+            target: str = "the new shape", origin: Any = None) -> "Graph":
         """The same structure as ``graphs`` (one model recorded at several
         input shapes on one line, ``graphs[i]`` at position ``at[i]`` on
         it), every size at position ``point``: the polynomial of least
@@ -737,6 +736,18 @@ class Graph:
         (rounded, transients at least 0), times scale with the node's
         output bytes from the graph where they are largest. The rest
         (lifetimes, metadata) is ``graphs[0]``'s: put the nearest first.
+
+        ``origin``: the position where the input's size is 0, where the
+        positions are sizes (:meth:`scale_between`: batch sizes, origin 0).
+        Then a measured temporary (a function's forward or backward
+        transient, the unrecorded work before it) extrapolated beyond two
+        graphs, the smaller at size 1, that measured less per unit of size
+        there than at the larger one is scaled in proportion from the
+        larger one (by more than 1%, more than rounding): at size 1 NumPy
+        makes views where it copies at larger sizes (a convolution's
+        ``tensordot`` on its im2col buffer holds about half of its batch-2
+        temporary per sample at batch 1), so the line through both would
+        overstate every larger size.
 
         Raises:
             GraphError: fewer than two graphs or positions that repeat; the
@@ -756,6 +767,13 @@ class Graph:
             raise GraphError(f"fit needs graphs at distinct positions, got {list(at)}")
         x = Fraction(point)
         first = graphs[0]
+        # (measured temporaries in proportion from the larger of two graphs
+        # where the smaller is at size 1: see above)
+        zero = None if origin is None else Fraction(origin)
+        lo, hi = (0, 1) if ts[0] < ts[-1] else (1, 0)
+        proportional = (zero is not None and len(ts) == 2 and ts[lo] - zero == 1
+                        and x > ts[hi])
+        unit_hi = ts[hi] - zero if proportional else 1
 
         def differ(what: str) -> GraphError:
             return GraphError(f"the model's graphs {where} differ ({what}): its structure "
@@ -843,6 +861,9 @@ class Graph:
                     [h.nbytes for h in hs], [h.shape for h in hs], shape, hw)))
 
             def nonneg(vals: Sequence[Optional[int]]) -> Optional[int]:
+                if (proportional and None not in vals
+                        and 100 * vals[lo] * unit_hi < 99 * vals[hi]):  # (size 1 at ``lo``)
+                    return int(round(Fraction(vals[hi]) * (x - zero) / unit_hi))
                 v = value(vals, what)
                 return None if v is None else max(0, v)
 

@@ -455,11 +455,16 @@ class StepMeter:
         if stats.measured_peak_bytes is None:
             return
         from ...core.replay import step_calls
-        # (plain Chainer's step of several calls: a bound, no saving said)
+        # (plain Chainer's step of several calls: a bound, no saving said;
+        # a plan whose replay counts the previous graph, which the model
+        # turned out to let go (check_held_graph): said once replayed
+        # without it, at the next call)
+        let_go = any(t is s for _, t in self._let_go or ())
         stats.plain_peak_bytes = plain_peak(s.graph, s.plan)[0] \
-            if step_calls(s.graph) == 1 else None
+            if step_calls(s.graph) == 1 and not let_go else None
         correction = int(s.graph.step.correction_bytes)
-        if correction in self._said_measured or s.checked < min(2, self.spec.check_iterations):
+        if (correction in self._said_measured or let_go
+                or s.checked < min(2, self.spec.check_iterations)):
             return  # (said from the second step: the first has no state, no gradients yet)
         self._said_measured.add(correction)
         level = logging.INFO if self.spec.verbose else logging.DEBUG

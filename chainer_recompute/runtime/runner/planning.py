@@ -482,12 +482,15 @@ class Planner:
                     g2, _ = self._capture_at(args, kwargs, batch, 2 * small)
                 graph = g1.scale_between(g2, batch)
                 p1, p2 = g1.step.plain_measured_bytes, g2.step.plain_measured_bytes
-                if p1 is not None and p2 is not None and p2 > p1:
+                if p1 is not None and p2 is not None and p2 > p1 and small > 1:
                     # plain Chainer's peak as the captures measured it, on
                     # the line through them (the capture's graph is freed
                     # by then: what it holds is in the measure); not said
                     # where the smaller batch measured more (a one-time
-                    # allocation in the first capture: the line means nothing)
+                    # allocation in the first capture: the line means
+                    # nothing), nor through batch 1, where NumPy's views of
+                    # size-1 dimensions spare copies that larger batches
+                    # make (the line overstates it: Graph.fit's ``origin``)
                     graph = graph.with_step(
                         plain_measured_bytes=int(p1 + (p2 - p1) * (batch - small) / small),
                         plain_measured_at=(small, 2 * small))

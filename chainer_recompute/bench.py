@@ -170,11 +170,13 @@ def _record(link: chainer.Link, x: Any, t: Any, *, cost_model: str, name: str,
 
 
 def dry_run_graph(name: str, batch_size: int, *, small: bool = False, device: Any = "@numpy",
-                  cost_model: str = "measured", seed: int = 0, capture_batch: int = 1,
+                  cost_model: str = "measured", seed: int = 0, capture_batch: int = 2,
                   input_size: str = "auto", progress: Optional[Progress] = None
                   ) -> Tuple[Graph, Dict[str, Any]]:
     """The graph of a registry network at ``batch_size`` without running it
-    at that size: recorded at ``capture_batch`` and scaled; for the
+    at that size: recorded at ``capture_batch`` and scaled (not 1 where the
+    batch is larger: at batch 1 NumPy's convolutions make one column buffer
+    fewer, so the scaled graph under-counts; the CLI refuses it); for the
     networks of :data:`INPUT_SIZES` (full size, ``input_size='auto'``)
     also recorded at three smaller input sizes and extrapolated.
 

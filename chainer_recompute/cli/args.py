@@ -133,8 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capture-batch", type=_count, default=2, metavar="N",
                    help="record the graph at this batch size (at most --batch-size) and "
                         "scale it linearly to --batch-size; 0: record at the full batch. "
-                        "At batch 1 Chainer's convolutions make one column buffer fewer "
-                        "than at larger batches, so a batch-1 recording under-counts")
+                        "1 is refused below --batch-size: at batch 1 Chainer's convolutions "
+                        "make one column buffer fewer than at larger batches, so a batch-1 "
+                        "recording under-counts")
     p.add_argument("--capture-input", choices=("auto", "full"), default="auto",
                    help="auto: the segmentation networks (unet, pspnet) are recorded at three "
                         "smaller input sizes and extrapolated to theirs; full: at their size")

@@ -40,9 +40,10 @@ setup(
         # Third-party Chainer libraries trained by their own training code in
         # tests/test_third_party.py (slow tests, skipped without them):
         # chainer-chemistry imports pandas (<2.3 works with NumPy 1.26);
-        # chainerrl 0.8.0 imports gym.wrappers.Monitor, gone after gym 0.22.
+        # chainerrl 0.8.0 imports gym.wrappers.Monitor, gone after gym 0.22;
+        # chainercv2 (imgclsmob's model zoo) for experiments/chainercv2_sweep.py too.
         "thirdparty": ["chainer-chemistry==0.7.1", "pandas>=1.5,<2.3",
-                       "chainerrl==0.8.0", "gym==0.22.0"],
+                       "chainerrl==0.8.0", "gym==0.22.0", "chainercv2==0.0.62"],
     },
     entry_points={"console_scripts": [
         "chainer-recompute=chainer_recompute.cli:main",

@@ -132,11 +132,11 @@ def run_one(name, steps, batch, timeout):
 
 def table(rows):
     print("| network | functions | identical | plain, steady | applied, steady | "
-          "predicted / measured | dropped | time / plain's |")
-    print("|---|---|---|---|---|---|---|---|")
+          "predicted / measured | dropped | time / plain's | first step / budget |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['name']} | | {r['error']} | | | | | |")
+            print(f"| {r['name']} | | {r['error']} | | | | | | |")
             continue
         plain, ours = max(r["plain_peaks"][1:]), max(r["peaks"][1:])
         path, dropped, n, predicted, budget = r["stats"][-1]
@@ -146,7 +146,7 @@ def table(rows):
         firsts = {s[0] for s in r["stats"]}
         print(f"| {r['name']} | {n} | {same}{'' if firsts == {'planned'} else ' ' + str(sorted(firsts))} "
               f"| {plain:,} B | {ours:,} B ({ours / plain:.3f}x) | {predicted / ours:.4f} "
-              f"| {dropped} | {time_ratio:.2f}x |")
+              f"| {dropped} | {time_ratio:.2f}x | {r['peaks'][0] / r['stats'][0][4]:.2f} |")
 
 
 def main():

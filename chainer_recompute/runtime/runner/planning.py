@@ -93,6 +93,8 @@ class Planner:
         self._said_capture = False  # capture_batch refused a model (warned once)
         self._said_new_shape = False  # a new input shape recorded plainly (warned once)
         self._said_planning: set = set()  # steps over the budget by planning in them (once each)
+        #: the captures run while planning in a call: (batch, peak with the model's own bytes)
+        self._captures_run: List[Tuple[int, int]] = []
         self.plans_made = 0  # structures added (planned or adopted), to see planning in a call
 
     # ------------------------------------------------------------- keep
@@ -560,6 +562,7 @@ class Planner:
                 del out
                 keeps = link is not None and _keeps_graph(link, hook)
                 peak = meter.stop().peak_bytes
+                self._captures_run.append((small, own + peak))
                 # (here, while lazily initialised parameters exist: they are put
                 # back; after the meter: the optimizer's update is measured apart,
                 # on throw-away copies, with the capture's gradients let go: a
@@ -726,18 +729,36 @@ class Planner:
             yield
             return
         made = self.plans_made
+        self._captures_run = []
         meter = dev.meter()
         meter.start()
         try:
             yield
         finally:
             planner = meter.stop().peak_bytes
+        captures, self._captures_run = self._captures_run, []
         if self.plans_made == made or not entry.structures:
             return  # nothing planned (a call recorded instead is said there)
         budget = self.budget_bytes or entry.structures[0].plan.budget_bytes
         own = own_bytes(dev, self._link(args), arrays)
-        if budget is not None and own + planner > budget:
-            self._said_planning.add(where)
+        if budget is None or own + planner <= budget:
+            return
+        self._said_planning.add(where)
+        over = [(b, peak) for b, peak in captures if peak > budget]
+        if over:
+            # (the captures run plain Chainer at their batch: a budget under
+            # that peak cannot hold them, whatever the planner takes)
+            b, peak = max(over)
+            report.warning(
+                "planning %s (input dimensions %s) %s ran it as plain Chainer at batch %s "
+                "(captures, in no plan; the larger peaked at %s with the model's own arrays), "
+                "then the planner: this step peaks at %s or more, over the budget %s, which is "
+                "under plain Chainer's step at batch %d (the next steps run under the plan; at a "
+                "larger batch the captures are a smaller part of it)",
+                self._name(args), entry.dims, where,
+                " and ".join(str(c) for c, _ in captures), format_bytes(peak),
+                format_bytes(own + planner), format_bytes(budget), b)
+        else:
             report.warning(
                 "planning %s (input dimensions %s) %s took %s (the planner's memory, in no "
                 "plan) on top of the model's own %s (parameters, gradients, optimizer state, "

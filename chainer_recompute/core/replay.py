@@ -619,7 +619,12 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
     released: Set[int] = set()
 
     def held_attrs(u: int) -> List[Tuple[str, int, bool]]:
-        return [(h.name, h.nbytes, h.remade) for h in nodes[u].held if h.role != "written"]
+        # (remade: released with the node and made again; a drawn one only
+        # where the plan drops the node, which keeps its random state: the
+        # executor keeps the draw of a kept node released after its last
+        # backward reader, runtime/executor.py's _remade)
+        return [(h.name, h.nbytes, h.remade and (u in dropped or not h.redrawn))
+                for h in nodes[u].held if h.role != "written"]
 
     def release(u: int) -> None:
         for a in nodes[u].outputs:

@@ -101,6 +101,8 @@ class ReplayContext:
         held: List[List[int]] = []
         nb: List[int] = []
         der: List[bool] = []
+        red: List[bool] = []
+        owner_node: List[int] = []
         for node in nodes:
             row = []
             for h in node.held:
@@ -109,10 +111,15 @@ class ReplayContext:
                 row.append(keys.setdefault((node.id, h.name), len(keys)))
                 nb.append(int(h.nbytes))
                 der.append(h.remade)
+                red.append(h.redrawn)
+                owner_node.append(node.id)
             held.append(row)
         self.held_p, self.held_key = _csr(held)
         self.held_nb = np.array(nb, dtype=i64)
         self.held_der = np.array(der, dtype=np.bool_)
+        #: per held entry: drawn from the random state (its node's) and the node
+        self.held_red = np.array(red, dtype=np.bool_)
+        self.held_node = np.array(owner_node, dtype=i64)
         self.n_keys = len(keys)
         self.ftr = np.array([n_.forward_transient_bytes or 0 for n_ in nodes], dtype=i64)
         # what ExecutionPlan finds for every plan of this graph
@@ -208,11 +215,17 @@ def run_kernel(ctx: ReplayContext, dropped: Optional[np.ndarray], block_of: Opti
         dropped = np.zeros(n, dtype=np.bool_)
         block_of = np.zeros(n, dtype=np.int64)
     c = ctx
+    # the attributes a release lets go: the remade ones, but a drawn one
+    # of a node the plan keeps (the executor keeps no random state for it:
+    # released with its node after its last backward reader, it keeps the
+    # draw; runtime/executor.py's _remade)
+    held_rel = (c.held_der & ~(c.held_red & ~np.asarray(dropped, dtype=np.bool_)[c.held_node])
+                if has_plan else c.held_der)
     trace, kinds, us, ws, recomputed, held_end = _kernel()(
         n, c.owner, c.owned, c.nbytes, c.pc, c.constown, c.producer, c.dies_at, c.retby,
         c.in_p, c.in_i, c.out_p, c.out_i, c.rout_p, c.rout_i, c.rin_p, c.rin_i,
         c.dies_p, c.dies_i, c.made_p, c.made_i, c.unrec, c.tmp_p, c.tmp_i, c.held_p,
-        c.held_key, c.held_nb, c.held_der,
+        c.held_key, c.held_nb, held_rel,
         c.n_keys, c.ftr, c.order, c.g_rec, c.g_extra, c.g_after, c.releasable,
         c.needs_p, c.needs_i, c.done_p, c.done_i, c.last, c.constant, c.old_grads,
         c.free_all, c.update_transient, c.outside_peak, c.outside_held, has_plan,

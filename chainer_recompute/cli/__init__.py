@@ -136,17 +136,6 @@ def _run(args: argparse.Namespace) -> int:
     if args.vanilla and not args.iterations:
         raise UsageError("--vanilla runs plain Chainer beside the plan during --iterations; "
                          "add --iterations N")
-    if args.capture_batch == 1 and args.model:
-        from ..models import MODELS
-        batch = args.batch_size or MODELS[args.model][1]
-        if batch > 1:
-            raise UsageError(
-                f"--capture-batch 1 under-counts batch {batch}: at batch 1 NumPy spares "
-                f"copies that every larger batch makes (a convolution's column buffer), so a "
-                f"batch-1 recording scaled up predicts less than the step needs (the small "
-                f"VGG19 at batch 8: plain Chainer's peak 20% under and the least budget 23% "
-                f"under a recording at 8, and plans over their budgets); use --capture-batch "
-                f"2 (the default) or more, or 0 to record the full batch")
     out_dir = _prepare_out(args.out) if args.out else None
     progress = Progress(enabled=not args.quiet)
     if args.graph:

@@ -93,8 +93,9 @@ class Planner:
         self._said_capture = False  # capture_batch refused a model (warned once)
         self._said_new_shape = False  # a new input shape recorded plainly (warned once)
         self._said_planning: set = set()  # steps over the budget by planning in them (once each)
-        #: the captures run while planning in a call: (batch, peak with the model's own bytes)
-        self._captures_run: List[Tuple[int, int]] = []
+        #: while :meth:`watch_planning` measures a call: its captures, (batch,
+        #: peak with the model's own bytes)
+        self._captures_run: Optional[List[Tuple[int, int]]] = None
         self.plans_made = 0  # structures added (planned or adopted), to see planning in a call
 
     # ------------------------------------------------------------- keep
@@ -562,7 +563,8 @@ class Planner:
                 del out
                 keeps = link is not None and _keeps_graph(link, hook)
                 peak = meter.stop().peak_bytes
-                self._captures_run.append((small, own + peak))
+                if self._captures_run is not None:
+                    self._captures_run.append((small, own + peak))
                 # (here, while lazily initialised parameters exist: they are put
                 # back; after the meter: the optimizer's update is measured apart,
                 # on throw-away copies, with the capture's gradients let go: a
@@ -729,14 +731,14 @@ class Planner:
             yield
             return
         made = self.plans_made
-        self._captures_run = []
+        captures = self._captures_run = []
         meter = dev.meter()
         meter.start()
         try:
             yield
         finally:
             planner = meter.stop().peak_bytes
-        captures, self._captures_run = self._captures_run, []
+            self._captures_run = None
         if self.plans_made == made or not entry.structures:
             return  # nothing planned (a call recorded instead is said there)
         budget = self.budget_bytes or entry.structures[0].plan.budget_bytes

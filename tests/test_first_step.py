@@ -355,6 +355,86 @@ def test_convolutions_at_batch_4_planned_from_captures_at_batch_1_and_2():
         assert s[0] == "planned" and peak <= s[1], (k, above.peaks, above.stats)
 
 
+class DeepConv(chainer.Chain):
+    """A deep chain of small convolutions: its activations, many times its
+    parameters, grow with the batch; its least budget is a third of plain
+    Chainer's step. ``squeeze``: its pooled features squeezed (a common
+    way to drop the 1 x 1 axes), which squeezes the batch axis at batch 1,
+    where the classifier then refuses them."""
+
+    def __init__(self, depth: int = 24, c: int = 16, squeeze: bool = False) -> None:
+        super().__init__()
+        self.squeeze = squeeze
+        with self.init_scope():
+            self.c0 = L.Convolution2D(3, c, 3, pad=1)
+            self.convs = chainer.ChainList(*[L.Convolution2D(c, c, 3, pad=1)
+                                             for _ in range(depth)])
+            self.bns = chainer.ChainList(*[L.BatchNormalization(c) for _ in range(depth)])
+            self.fc = L.Linear(c, 10)
+
+    def forward(self, x, t):
+        h = self.c0(x)
+        for conv, bn in zip(self.convs, self.bns):
+            h = F.relu(bn(conv(h)))
+        if self.squeeze:
+            h = F.squeeze(F.average_pooling_2d(h, h.shape[2:]))
+        else:
+            h = F.average(h, axis=(2, 3))
+        self.loss = F.softmax_cross_entropy(self.fc(h), t)
+        return self.loss
+
+
+def test_a_batch_of_6_is_planned_from_captures_at_batch_1_and_2():
+    """Below batch 16 the captures run at batch 1 and 2: their own peak,
+    plain Chainer's at batch 2, is under a least budget that plain
+    Chainer's step at batch 4 is over (captures at 2 and 4, the default
+    above batch 4 before, put this first step at 1.44x it). Every step,
+    the first included, is planned and at or under the budget, identical
+    to plain Chainer."""
+    setup = optimizer(lambda: chainer.optimizers.MomentumSGD(0.01), H.WeightDecay(1e-4))
+    batches = images(n=3, batch=6, size=32)
+    plain = train(DeepConv, setup, batches)
+    ours = train(DeepConv, setup, batches, "least")
+    old = train(DeepConv, setup, batches[:1], "least", capture_batch=2)
+    assert_same_records(plain, ours)
+    for k, (peak, s) in enumerate(zip(ours.peaks, ours.stats)):
+        assert s[0] == "planned" and peak <= s[1], (k, ours.peaks, ours.stats)
+    assert old.peaks[0] > old.stats[0][1], (old.peaks, old.stats)  # (the test can fail)
+    probe = cr.apply(DeepConv(), budget="least", verbose=False)
+    cr.runner_of(probe).plan_for(probe, *batches[0])
+    (entry,) = cr.runner_of(probe).signatures()
+    graph = entry.structures[0].graph
+    assert (graph.meta["scaled_from"], graph.meta["scaled_with"]) == (1, 2)
+
+
+def test_a_model_that_fails_at_batch_1_is_planned_from_captures_at_batch_2_and_4():
+    """A model whose graph at batch 1 is another (here one that fails
+    there: its squeezed features lose the batch axis, which Linear's type
+    check does not expect) is captured at
+    batch 2 and 4 instead, above batch 4; nothing is said, every step is
+    planned and identical to plain Chainer. At batch 4 the first call is
+    recorded instead, as said before it runs, naming the failure."""
+    setup = optimizer(lambda: chainer.optimizers.MomentumSGD(0.01))
+    make = lambda: DeepConv(depth=4, squeeze=True)  # noqa: E731
+    batches = images(n=3, batch=6, size=16)
+    plain = train(make, setup, batches)
+    with Said() as said:
+        ours = train(make, setup, batches, "least")
+    assert_same_records(plain, ours)
+    assert [s[0] for s in ours.stats] == ["planned"] * 3, ours.stats
+    assert not [m for m in said.messages if "plain Chainer" in m], said.messages
+    probe = cr.apply(make(), budget="least", verbose=False)
+    cr.runner_of(probe).plan_for(probe, *batches[0])
+    (entry,) = cr.runner_of(probe).signatures()
+    graph = entry.structures[0].graph
+    assert (graph.meta["scaled_from"], graph.meta["scaled_with"]) == (2, 4)
+    with Said() as said:
+        four = train(make, setup, images(n=2, batch=4, size=16), "least")
+    assert [s[0] for s in four.stats] == ["recorded", "planned"], four.stats
+    (line,) = [m for m in said.messages if "plain Chainer" in m]
+    assert "captures at batch 1 and 2 cannot plan it (IndexError" in line, line  # (Linear's check)
+
+
 def test_lstm_adagrad_hard_clipping():
     check(LSTMNet, optimizer(lambda: chainer.optimizers.AdaGrad(),
                              H.GradientHardClipping(-0.1, 0.1)), sequences())

@@ -30,6 +30,12 @@ from .log import logger, report
 from .spec import RunnerSpec
 from .state import _Active, _Entry, _Recording, _Structure
 
+#: ``capture_batch='auto'`` captures a first call below this batch at 1
+#: and 2 (then 2 and 4 above batch 4 where those cannot plan it), from it
+#: on at 2 and 4: the captures' own peak, plain Chainer's at their batch,
+#: is then a quarter of plain's activations or less
+AUTO_SMALL_BELOW = 16
+
 
 def link_of(args: Tuple[Any, ...]) -> Optional[chainer.Link]:
     """The Link a call applies (its first argument, for a Link's call)."""
@@ -461,7 +467,8 @@ class Planner:
                          kwargs: Dict[str, Any]) -> bool:
         """Plan from a separate capture that leaves no trace. With
         ``capture_batch`` below the real batch: two small captures (at
-        ``capture_batch`` and twice it), every size that differs between
+        ``capture_batch`` and twice it; under ``'auto'`` each pair of
+        :meth:`_auto_smalls` in turn), every size that differs between
         them scaled linearly to the real batch (a reshape that folds the
         batch into another axis included). A model those two captures do
         not describe (its structure depends on the batch size, a size not
@@ -477,13 +484,22 @@ class Planner:
                                  "a batch under 3 cannot be planned from smaller captures")
                 self._say_recorded(args, batch, self.refusal)
                 return False
-            small = 1 if batch <= 4 else 2
-            try:
-                with warnings.catch_warnings():  # (BatchNorm's on one sample: the capture's)
-                    warnings.simplefilter("ignore")
-                    g1, hook = self._capture_at(args, kwargs, batch, small)
-                    g2, _ = self._capture_at(args, kwargs, batch, 2 * small)
-                graph = g1.scale_between(g2, batch)
+            captured: Dict[int, Tuple[Graph, IterationHook]] = {}
+            failed = []
+            for small in self._auto_smalls(batch):
+                try:
+                    with warnings.catch_warnings():  # (BatchNorm's on one sample: the capture's)
+                        warnings.simplefilter("ignore")
+                        for b in (small, 2 * small):
+                            if b not in captured:
+                                captured[b] = self._capture_at(args, kwargs, batch, b)
+                    (g1, hook), (g2, _) = captured[small], captured[2 * small]
+                    graph = g1.scale_between(g2, batch)
+                except Exception as e:  # noqa: BLE001 - said, and the next pair is tried
+                    failed.append(f"captures at batch {small} and {2 * small} cannot plan it "
+                                  f"({type(e).__name__}: {e})")
+                    captured.pop(small, None)  # (the larger is the next pair's smaller)
+                    continue
                 p1, p2 = g1.step.plain_measured_bytes, g2.step.plain_measured_bytes
                 if p1 is not None and p2 is not None and p2 > p1 and small > 1:
                     # plain Chainer's peak as the captures measured it, on
@@ -497,9 +513,9 @@ class Planner:
                     graph = graph.with_step(
                         plain_measured_bytes=int(p1 + (p2 - p1) * (batch - small) / small),
                         plain_measured_at=(small, 2 * small))
-            except Exception as e:  # noqa: BLE001 - said, and the call is recorded instead
-                self.refusal = (f"captures at batch {small} and {2 * small} cannot plan "
-                                 f"it ({type(e).__name__}: {e})")
+                break
+            else:
+                self.refusal = "; ".join(failed)
                 self._say_recorded(args, batch, self.refusal)
                 return False
             self.add(entry, graph, hook.recorder.param_refs, hook.multi_backward, t0)
@@ -527,6 +543,18 @@ class Planner:
             return False
         self.add(entry, graph, hook.recorder.param_refs, hook.multi_backward, t0)
         return True
+
+    @staticmethod
+    def _auto_smalls(batch: int) -> Tuple[int, ...]:
+        """The smaller batch of each pair of captures ``capture_batch='auto'``
+        tries for a first call at ``batch``, in turn: 1 and 2 below
+        ``AUTO_SMALL_BELOW`` (their own peak, plain Chainer's, the least
+        there is), then 2 and 4 above batch 4 for a model those do not
+        describe (its graph at batch 1 is another: a squeezed batch axis);
+        2 and 4 from ``AUTO_SMALL_BELOW`` on."""
+        if batch < AUTO_SMALL_BELOW:
+            return (1,) if batch <= 4 else (1, 2)
+        return (2,)
 
     def _capture_at(self, args: Tuple[Any, ...], kwargs: Dict[str, Any], batch: Optional[int],
                     small: Optional[int]) -> Tuple[Graph, IterationHook]:

@@ -65,13 +65,15 @@ class Recompute:
             plans for.
         capture_batch: how the first call of an input signature is planned.
             ``'auto'`` (default): before it runs, from two separate captures
-            at a small batch (1 and 2 for a batch of 3 or 4, 2 and 4 above)
-            that leave no trace, every size that differs between them scaled
-            linearly to the real batch; the budget then holds from the first
-            step. A batch under 3, arguments without a batch dimension, or a
-            model the captures do not describe (its structure or a size not
-            linear in the batch) is said once, and that first call runs as
-            plain Chainer while its graph is recorded. An int: captures at
+            at a small batch (1 and 2 below a batch of 16, 2 and 4 from 16
+            on, and above batch 4 for a model those at 1 and 2 do not
+            describe) that leave no trace, every size that differs between
+            them scaled linearly to the real batch; the budget then holds
+            from the first step. A batch under 3, arguments without a batch
+            dimension, or a model the captures do not describe (its
+            structure or a size not linear in the batch) is said once, and
+            that first call runs as plain Chainer while its graph is
+            recorded. An int: captures at
             that batch and twice it (a batch no larger than it is captured
             whole). ``None``: the first call runs as plain Chainer and is
             recorded (not bounded by the budget). Input shapes after the

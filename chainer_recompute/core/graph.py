@@ -147,7 +147,12 @@ class ArrayInfo:
         kind: one of ``input``, ``param``, ``intermediate``, ``output``.
         producer: id of the node that created it (``None`` for inputs and
             parameters).
-        name: parameter path (``/predictor/conv1/W``), input index, or ``''``.
+        name: parameter path (``/predictor/conv1/W``); for an input, the
+            caller's argument (its index: ``0``, ``1.x`` in a tuple or
+            dict), the path of a persistent array of the model that a
+            function reads (``/predictor/conv1/mask``: counted in
+            ``state_bytes``' ``persistents``), or ``''`` (an array the
+            forward made).
         view_of: the array whose memory this one shares (a ``reshape``,
             ``transpose``, ``split_axis`` or basic-slice output); ``None``
             when it owns its memory. A view costs no bytes of its own.

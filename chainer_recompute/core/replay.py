@@ -132,7 +132,7 @@ def state_constant_bytes(graph: Graph) -> int:
     sb = graph.state_bytes
     params = sb.get("params", graph.param_bytes)
     inputs = sum(a.nbytes for a in graph.arrays
-                 if a.kind == "input" and a.name and a.view_of is None)
+                 if _caller_input(a) and a.view_of is None and not model_state_input(a))
     return int(params + sb.get("optimizer_state", 0) + sb.get("persistents", 0) + inputs
                + int(graph.step.correction_bytes))
 
@@ -493,8 +493,17 @@ def graph_gone_at_update(graph: Graph) -> bool:
 
 
 def _caller_input(info: Any) -> bool:
-    """An array the caller passed in (counted in the constant)."""
+    """An array the caller passed in, or a persistent array of the model
+    read as an input (counted in the constant)."""
     return info.kind == "input" and bool(info.name)
+
+
+def model_state_input(info: Any) -> bool:
+    """A persistent array of the model that a function read as an input
+    (named by its path, ``/predictor/conv1/mask``, as a parameter is):
+    the same array at every call and counted in ``state_bytes``'
+    ``persistents``, not among the caller's inputs."""
+    return info.kind == "input" and info.name.startswith("/")
 
 
 def held_caller_input_bytes(graph: Graph) -> int:
@@ -503,13 +512,14 @@ def held_caller_input_bytes(graph: Graph) -> int:
     forward: those a function retains for its backward (a ``Linear``'s
     ``x``). The next call's inputs are new arrays, counted in its constant;
     the previous ones live on in the kept graph, whether or not the loop
-    still holds them."""
+    still holds them. (The model's persistent arrays are the same arrays
+    in the next call.)"""
     arrays = graph.arrays
     bufs = set()
     for node in graph.nodes:
         for a in node.retained_inputs:
             b = a if arrays[a].view_of is None else arrays[a].view_of
-            if _caller_input(arrays[b]):
+            if _caller_input(arrays[b]) and not model_state_input(arrays[b]):
                 bufs.add(b)
     return sum(arrays[b].nbytes for b in bufs)
 

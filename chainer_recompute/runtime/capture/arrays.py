@@ -112,16 +112,26 @@ def _arrays_in(x: Any, path: str) -> Iterator[Tuple[str, Any]]:
             yield from _arrays_in(y, f"{path}.{k}")
 
 
+def persistent_arrays(link: chainer.Link) -> List[Tuple[str, Any]]:
+    """``(path, array)`` of each persistent array of ``link`` and the Links
+    in it (BatchNorm's statistics, a fixed mask registered with
+    ``register_persistent``), each once; the path as a parameter's
+    (``/predictor/conv1/mask``)."""
+    found, seen = [], set()
+    for prefix, sub in link.namedlinks():
+        for name in getattr(sub, "_persistent", ()):
+            v = getattr(sub, name, None)
+            if is_array(v) and id(v) not in seen:
+                seen.add(id(v))
+                found.append((f"{prefix.rstrip('/')}/{name}", v))
+    return found
+
+
 def persistent_array_ids(link: chainer.Link) -> set:
     """ids of the parameter arrays and persistent arrays of ``link``."""
     ids = {id(p.array) for p in link.params() if p.array is not None}
-    for sub in link.links():
-        for name in getattr(sub, "_persistent", ()):
-            v = getattr(sub, name, None)
-            if is_array(v):
-                ids.add(id(v))
+    ids.update(id(v) for _, v in persistent_arrays(link))
     return ids
-
 
 
 def _variables_in(result: Any) -> Iterator[chainer.Variable]:

@@ -40,7 +40,7 @@ from ...core.graph import ArrayInfo, Graph, HeldArray, Node, StepFacts
 from ..device import Device, RandomStates, device_of, dtype_name
 from .arrays import (_arrays_in, _variables_in, attribute_arrays, buffer_print, fingerprint,
                      function_op, gone_watch, is_array, node_nbytes, persistent_array_ids,
-                     result_variables, root_of)
+                     persistent_arrays, result_variables, root_of)
 from .links import LinkPaths
 from .safety import _WRITES_INPUTS, _config_key, analyse_function, static_graph_reason
 from .unrecorded import Aside, Made, ParameterIndex, UnrecordedWork
@@ -239,6 +239,14 @@ class Recorder(chainer.FunctionHook):
             v.node for v in _variables_in(list(args)))
         for k, a in enumerate(args):
             for path, arr in _arrays_in(a, str(k)):
+                self._arg_names.setdefault(id(arr), path)
+        # The model's persistent arrays that a function reads as an input
+        # (a fixed mask multiplied into a weight) are named as arguments
+        # are, by their path: one array wherever it is read, there before
+        # the step and after it (``state_bytes``' persistents), not a
+        # temporary of the step (``core.replay.model_state_input``).
+        if link is not None:
+            for path, arr in persistent_arrays(link):
                 self._arg_names.setdefault(id(arr), path)
 
     # ------------------------------------------------------------ forward

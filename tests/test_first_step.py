@@ -435,6 +435,31 @@ def test_a_model_that_fails_at_batch_1_is_planned_from_captures_at_batch_2_and_4
     assert "captures at batch 1 and 2 cannot plan it (IndexError" in line, line  # (Linear's check)
 
 
+def test_a_meter_of_the_users_own_around_each_step_changes_no_measurement():
+    """A loop that measures each step with a ``MemoryMeter`` of its own,
+    started after the model's arrays were made: tracemalloc then does not
+    see those arrays freed (the gradients that ``opt.update`` clears after
+    the forward), and the runner's meter, inside the loop's, cannot adopt
+    them. They are watched instead: each step measures what it measures
+    under a meter started before the model, and nothing is said (the
+    runner called the second step over its budget and corrected its
+    memory model by 76 KiB)."""
+    batches = images(n=4, batch=8, size=16)
+    setup = optimizer(lambda: chainer.optimizers.MomentumSGD(0.01))
+    reference = train(lambda: DeepConv(depth=8), setup, batches, "least")
+    np.random.seed(0)
+    model = cr.apply(DeepConv(depth=8), budget="least", verbose=False)
+    opt = setup(model)
+    measured = []
+    with Said() as said:
+        for x, t in batches:
+            with MemoryMeter():
+                opt.update(model, x, t)
+            measured.append(cr.runner_of(model).last_stats.measured_peak_bytes)
+    assert measured == [s[3] for s in reference.stats], (measured, reference.stats)
+    assert not said.messages, said.messages
+
+
 def test_lstm_adagrad_hard_clipping():
     check(LSTMNet, optimizer(lambda: chainer.optimizers.AdaGrad(),
                              H.GradientHardClipping(-0.1, 0.1)), sequences())

@@ -97,6 +97,29 @@ def test_nested_meters_keep_the_outer_peak() -> None:
     del a, c
 
 
+def test_a_nested_meter_tells_the_arrays_made_before_the_tracing() -> None:
+    """Inside a meter started after an array was made, ``untraced`` lists
+    it (its frees are seen by no meter) and not one made since, nor a
+    view; telling them apart changes neither meter's figures.
+    ``checkpoint`` gives the peak so far and starts it again, the outer
+    meter keeping its own."""
+    before = np.ones(MB, np.uint8)
+    with MemoryMeter() as outer:
+        after = np.ones(MB // 10, np.uint8)
+        with MemoryMeter() as inner:
+            assert inner.untraced([before, after, before[:10], before]) == [before]
+            assert inner.current_bytes() == outer.current_bytes() == pytest.approx(MB // 10, abs=KB)
+            big = np.ones(3 * MB // 10, np.uint8)
+            del big
+            assert inner.checkpoint() == pytest.approx(4 * MB // 10, abs=KB)
+            small = np.ones(MB // 100, np.uint8)
+        assert inner.result.absolute_peak_bytes == pytest.approx(11 * MB // 100, abs=KB)
+        assert inner.untraced([before]) == []  # (stopped)
+        del small
+    assert outer.result.peak_bytes == pytest.approx(4 * MB // 10, abs=KB)
+    assert outer.result.end_bytes == pytest.approx(MB // 10, abs=KB)
+
+
 def test_raising_block_stops_tracing_and_keeps_result() -> None:
     with pytest.raises(ZeroDivisionError):
         with measure_memory() as m:

@@ -24,8 +24,10 @@ and the warning are the same.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
-from typing import Any, List, Optional
+import weakref
+from typing import Any, Callable, List, Optional
 
 from ..core.units import format_bytes
 
@@ -89,6 +91,11 @@ class CallMeter:
     meter: Any
     own: int
     level: int
+    #: the step's bytes at its peak before the last free of an array of
+    #: ``own`` that the meter cannot see (:meth:`watch_untraced`)
+    folded: int = 0
+    #: weak references that watch those arrays
+    untraced_refs: List[Any] = dataclasses.field(default_factory=list)
 
     @classmethod
     def start(cls, dev: Any, arrays: List[Any], **fields: Any) -> "CallMeter":
@@ -110,5 +117,24 @@ class CallMeter:
         return int(absolute_peak_bytes) - self.level
 
     def total(self, absolute_peak_bytes: int) -> int:
-        """``own`` and :meth:`above`: the step's bytes at that reading."""
-        return self.own + self.above(absolute_peak_bytes)
+        """``own`` and :meth:`above`: the step's bytes at that reading (or
+        at the peak before an unseen free of ``own``, if more)."""
+        return max(self.folded, self.own + self.above(absolute_peak_bytes))
+
+    def watch_untraced(self, arrays: List[Any], nbytes: Callable[[int], int]) -> None:
+        """On NumPy, where an outer meter started after ``arrays`` (counted
+        in ``own``, ``nbytes`` as they are counted there) were made, so
+        that neither it nor this meter sees them freed (a previous graph
+        let go at the forward): when one is freed during the step, the
+        peak so far is kept in ``folded`` and ``own`` drops by it."""
+        this = weakref.ref(self)
+
+        def freed(_ref: Any, size: int) -> None:
+            cm = this()
+            if cm is None or not cm.meter._running:
+                return  # (after the meter: a tail's own meter runs on with ``own``)
+            cm.folded = max(cm.folded, cm.own + cm.above(cm.meter.checkpoint()))
+            cm.own -= size
+
+        self.untraced_refs = [weakref.ref(a, functools.partial(freed, size=nbytes(a.nbytes)))
+                              for a in self.meter.untraced(arrays)]

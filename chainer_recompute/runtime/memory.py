@@ -152,6 +152,18 @@ def _track_function() -> Any:
 _TRACK = _track_function()
 
 
+def _untrack_function() -> Any:
+    if _TRACK is None:
+        return None
+    f = ctypes.pythonapi.PyTraceMalloc_Untrack
+    f.argtypes = [ctypes.c_uint, ctypes.c_size_t]
+    f.restype = ctypes.c_int
+    return f
+
+
+_UNTRACK = _untrack_function()
+
+
 def _np() -> Any:
     import numpy
     return numpy
@@ -217,6 +229,42 @@ class MemoryMeter:
         if self.device == "gpu":
             return int(self._hook.level)
         return tracemalloc.get_traced_memory()[0] - _Tracing.baseline
+
+    def untraced(self, arrays: Any) -> List[Any]:
+        """On CPU, while this meter runs in NumPy's scope (only arrays
+        traced) and does not own the tracing: the arrays of ``arrays`` that
+        own their data and were made before the tracing began (an outer
+        meter started after them), whose frees no meter sees; each told
+        by taking its trace away and putting it back, which changes no
+        meter's figures. Empty otherwise (where Python objects are traced
+        too, the objects that telling makes would blur it)."""
+        if (self.device != "cpu" or not self._running or self.owns_tracing
+                or self.scope != SCOPE_NUMPY or _UNTRACK is None):
+            return []
+        found, seen = [], set()
+        for a in arrays:
+            if not isinstance(a, _np().ndarray) or a.base is not None or id(a) in seen:
+                continue
+            seen.add(id(a))
+            before = tracemalloc.get_traced_memory()[0]
+            _UNTRACK(NUMPY_TRACEMALLOC_DOMAIN, a.ctypes.data)
+            gone = before - tracemalloc.get_traced_memory()[0]
+            if gone > 0:
+                _TRACK(NUMPY_TRACEMALLOC_DOMAIN, a.ctypes.data, gone)
+            else:
+                found.append(a)
+        return found
+
+    def checkpoint(self) -> int:
+        """On CPU while running: the absolute peak so far (as
+        ``result.absolute_peak_bytes`` would give it); from now on this
+        meter's peak starts again from the bytes live now (the meters
+        around it and inside it keep theirs)."""
+        current = _propagate_peak()
+        peak = self._max_seen - _Tracing.baseline
+        tracemalloc.reset_peak()
+        self._max_seen = current
+        return peak
 
     def adopt(self, arrays: Any) -> int:
         """On CPU, trace NumPy arrays made before tracing began, as if they

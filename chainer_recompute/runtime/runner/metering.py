@@ -320,7 +320,9 @@ class StepMeter:
             entry=entry, stats=hook.stats, hook=weakref.ref(hook), new_meter=dev.meter,
             link_ref=weakref.ref(link) if link is not None else None, user_held=user_held,
             probation=probation)
-        from ..capture import root_of
+        from ..capture import is_array, root_of
+        self._meter.watch_untraced([root_of(a) for a in own if is_array(a)],
+                                   dev.allocation_bytes)
         self._meter.input_ids = {id(root_of(a)) for a in inputs}
         self._meter.after_recording = bool(held) and previous.recorder.recording
         self._meter.finalizer = weakref.finalize(self, _abandon, self._meter.meter)

@@ -124,9 +124,10 @@ class CallMeter:
     def watch_untraced(self, arrays: List[Any], nbytes: Callable[[int], int]) -> None:
         """On NumPy, where an outer meter started after ``arrays`` (counted
         in ``own``, ``nbytes`` as they are counted there) were made, so
-        that neither it nor this meter sees them freed (a previous graph
-        let go at the forward): when one is freed during the step, the
-        peak so far is kept in ``folded`` and ``own`` drops by it."""
+        that neither it nor this meter sees them freed (the gradients
+        ``opt.update`` clears after the forward, a previous graph let go
+        at it): when one is freed during the step, the peak so far is kept
+        in ``folded`` and ``own`` drops by it."""
         this = weakref.ref(self)
 
         def freed(_ref: Any, size: int) -> None:

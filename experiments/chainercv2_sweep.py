@@ -20,6 +20,10 @@ fails or runs out of time is a row of the table. chainercv2 is in the
 
     OPENBLAS_NUM_THREADS=1 .venv/bin/python experiments/chainercv2_sweep.py --jobs 2
     OPENBLAS_NUM_THREADS=1 .venv/bin/python experiments/chainercv2_sweep.py resnet20_cifar10 ghostnet
+    OPENBLAS_NUM_THREADS=1 .venv/bin/python experiments/chainercv2_sweep.py --batch 8 --optimizer adam --budget 60% resnet20_cifar10
+
+(``--batch``, ``--optimizer adam`` and ``--budget`` change the defaults
+above.)
 """
 import argparse
 import concurrent.futures
@@ -54,7 +58,7 @@ IMAGENET = ("mobilenetv2_w1 mobilenetv3_large_w1 efficientnet_b0 ghostnet shuffl
             "sknet50 regnetx002 airnet50_1x64d_r2").split()
 
 
-def train(name, applied, steps, batch):
+def train(name, applied, steps, batch, budget="least", optimizer="momentum"):
     """One run: per step its records, peak, time and (applied) the runner's
     path, functions dropped and predicted peak."""
     import numpy as np
@@ -71,11 +75,12 @@ def train(name, applied, steps, batch):
     with outer_meter():
         kwargs = {} if "cifar" in name else {"classes": 10, "in_size": (size, size)}
         model = L.Classifier(get_model(name, pretrained=False, **kwargs))
-        opt = chainer.optimizers.MomentumSGD(0.01)
+        opt = (chainer.optimizers.Adam() if optimizer == "adam"
+               else chainer.optimizers.MomentumSGD(0.01))
         opt.setup(model)
         opt.add_hook(chainer.optimizer_hooks.WeightDecay(1e-4))
         if applied:
-            cr.apply(model, budget="least", verbose=False)
+            cr.apply(model, budget=budget, verbose=False)
         rs = np.random.RandomState(1)
         for _ in range(steps):
             x = rs.randn(batch, 3, size, size).astype(np.float32)
@@ -94,13 +99,13 @@ def train(name, applied, steps, batch):
     return out
 
 
-def one(name, steps, batch):
+def one(name, steps, batch, budget="least", optimizer="momentum"):
     """The row of one network (a JSON line)."""
     row = {"name": name}
     runs = []
     for applied in (False, True):
         try:
-            runs.append(train(name, applied, steps, batch))
+            runs.append(train(name, applied, steps, batch, budget, optimizer))
         except Exception as e:  # noqa: BLE001 - a row of the table
             first = str(e).splitlines()[0] if str(e) else ""
             row["error"] = (f"{'apply()' if applied else 'plain Chainer'} fails: "
@@ -116,9 +121,10 @@ def one(name, steps, batch):
     return row
 
 
-def run_one(name, steps, batch, timeout):
+def run_one(name, steps, batch, timeout, budget="least", optimizer="momentum"):
     cmd = [sys.executable, "-W", "ignore", os.path.abspath(__file__), "--one", name,
-           "--steps", str(steps), "--batch", str(batch)]
+           "--steps", str(steps), "--batch", str(batch), "--budget", budget,
+           "--optimizer", optimizer]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -156,15 +162,20 @@ def main():
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--timeout", type=int, default=900, help="seconds per network")
+    ap.add_argument("--budget", default="least", help="apply()'s budget (default 'least')")
+    ap.add_argument("--optimizer", choices=("momentum", "adam"), default="momentum",
+                    help="MomentumSGD(0.01) with WeightDecay(1e-4) (default), or Adam() with it")
     ap.add_argument("--jsonl", help="also write the rows here")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
-        print("ROW " + json.dumps(one(args.one, args.steps, args.batch)), flush=True)
+        print("ROW " + json.dumps(one(args.one, args.steps, args.batch, args.budget,
+                                      args.optimizer)), flush=True)
         return
     names = args.names or CIFAR + IMAGENET
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        rows = list(pool.map(lambda n: run_one(n, args.steps, args.batch, args.timeout), names))
+        rows = list(pool.map(lambda n: run_one(n, args.steps, args.batch, args.timeout,
+                                               args.budget, args.optimizer), names))
     if args.jsonl:
         with open(args.jsonl, "w") as f:
             for r in rows:

@@ -512,12 +512,12 @@ def test_the_first_line_says_the_saving_as_measured(caplog):
 
 def test_the_line_of_a_classifier_that_lets_go_of_its_graph_is_said_without_it(caplog):
     """``L.Classifier`` drops its previous loss when called again, before
-    its first function. A plan made from captures counts the previous graph
-    alive through the forward (a model that keeps an output in an
-    attribute); the second step shows it is not, and the plan is replayed
-    without it at the third call. The one line is said from then: plain
-    Chainer's peak and the plan's as measured (within 1%), where said at
-    the second step they were 26% and 6% above."""
+    its first function. A plan made from captures counted the previous
+    graph alive through the forward (a model that keeps an output in an
+    attribute) until the second step showed it was not; the captures see
+    it now. The one line gives plain Chainer's peak and the plan's as
+    measured (within 1%), where said at the second step with the graph
+    counted they were 26% and 6% above."""
     setup = optimizer(lambda: chainer.optimizers.MomentumSGD(0.01))
     batches = vectors(n=4, batch=512)
     plain = train(lambda: L.Classifier(LogitsMLP()), setup, batches)
@@ -530,6 +530,62 @@ def test_the_line_of_a_classifier_that_lets_go_of_its_graph_is_said_without_it(c
         r"([0-9.]+) MiB predicted.* than plain Chainer's ([0-9.]+) MiB", lines[0]).groups())
     assert predicted == pytest.approx(ours.peaks[2], rel=0.01), lines[0]
     assert plain_said == pytest.approx(plain.peaks[2], rel=0.01), lines[0]
+
+
+class KeepsLoss(LogitsMLP):
+    """Keeps its loss in ``self.loss`` from the end of one call to the end
+    of the next (no reset at the start, as ``L.Classifier`` does): plain
+    Chainer holds the previous graph through the forward."""
+
+    def forward(self, x, t):
+        loss = F.softmax_cross_entropy(self.head(x), t)
+        self.loss = loss
+        return loss
+
+
+def _structure_graph(model):
+    (entry,) = cr.runner_of(model).signatures()
+    return entry.structures[0].graph
+
+
+@pytest.mark.parametrize("capture_batch", ["auto", None], ids=["captured", "recorded"])
+def test_a_share_is_of_plain_chainers_need_without_a_graph_the_model_lets_go(capture_batch):
+    """``'90%'`` is 90% of what plain Chainer needs, and ``L.Classifier``
+    lets go of its previous graph before its first function: plain Chainer
+    does not hold it through the forward, and the share is resolved without
+    it: the captures see it let go of the graph the first capture kept (a
+    stand-in in those attributes at the second capture's first function),
+    and a step recorded first finds it at the second step, the signature
+    then planned again. Before, the share was of a need 1.18x plain
+    Chainer's measured peak on resnet20 at batch 8 (up to 1.58x on
+    chainercv2's networks), so '60%' planned for 71-95% of plain Chainer's
+    step. The need the share is of is plain Chainer's measured steady peak
+    within 2%; every step under the budget, identical to plain Chainer. A
+    model that keeps its loss into the next call is planned with it."""
+    from chainer_recompute.core.budget import plain_need_bytes
+    setup = optimizer(lambda: chainer.optimizers.MomentumSGD(0.01))
+    batches = vectors(n=4, batch=512)
+    make = lambda: L.Classifier(LogitsMLP())  # noqa: E731
+    plain = train(make, setup, batches)
+    ours = train(make, setup, batches, "90%", capture_batch=capture_batch)
+    assert_same_records(plain, ours)
+    assert [s[0] for s in ours.stats][1:] == ["planned"] * 3, ours.stats
+    for k, (peak, s) in enumerate(zip(ours.peaks, ours.stats)):
+        assert s[0] != "planned" or peak <= s[1], (k, ours.peaks, ours.stats)
+    probe = cr.apply(make(), budget="90%", capture_batch=capture_batch, verbose=False)
+    opt = setup(probe)
+    for x, t in batches[:3]:
+        opt.update(probe, x, t)
+    graph = _structure_graph(probe)
+    assert graph.step.held_into_next_forward is False
+    need = plain_need_bytes(graph)
+    assert need == pytest.approx(max(plain.peaks[1:]), rel=0.02), (need, plain.peaks)
+    assert ours.stats[-1][1] == int(0.9 * need), (ours.stats, need)
+    keeps = cr.apply(KeepsLoss(), budget="90%", verbose=False)
+    opt = setup(keeps)
+    for x, t in batches[:3]:
+        opt.update(keeps, x, t)
+    assert _structure_graph(keeps).step.held_into_next_forward is True
 
 
 def test_planners_memory_over_a_small_models_budget_is_said(caplog, monkeypatch):

@@ -15,6 +15,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from .. import _chainer  # noqa: F401
 import chainer
+import numpy
 
 from ...core.budget import release_caches
 from ...core.budget_spec import Budget
@@ -49,16 +50,29 @@ def name_of(fn: Any, args: Tuple[Any, ...]) -> str:
         getattr(fn, "__qualname__", "the model")
 
 
+def _kept_attributes(link: chainer.Link, hook: Any) -> List[Tuple[chainer.Link, str]]:
+    """The attributes of ``link`` (and of the Links in it) that keep a
+    Variable of the graph ``hook`` recorded (``L.Classifier``'s ``loss``,
+    ``y``), as ``(link, name)``."""
+    return [(sub, name) for sub in link.links() for name, v in vars(sub).items()
+            if isinstance(v, chainer.Variable) and not isinstance(v, chainer.Parameter)
+            and v.node in hook.recorder.array_of]
+
+
 def _keeps_graph(link: chainer.Link, hook: Any) -> bool:
     """Whether ``link`` (or a Link in it) keeps a Variable of the graph
-    ``hook`` recorded in an attribute (``L.Classifier``'s ``loss``, ``y``)."""
-    for sub in link.links():
-        for v in vars(sub).values():
-            if isinstance(v, chainer.Variable) and not isinstance(v, chainer.Parameter) \
-                    and v.node in hook.recorder.array_of:
-                return True
-    return False
+    ``hook`` recorded in an attribute."""
+    return bool(_kept_attributes(link, hook))
 
+
+
+def _let_go(graph: Graph, hook: IterationHook) -> Graph:
+    """``graph`` (scaled from captures, the last of them ``hook``'s) not
+    held into the next call's forward where that capture saw the model let
+    go of the graph the previous one kept before its first function."""
+    if graph.step.held_into_next_forward and getattr(hook, "lets_go", False):
+        return graph.with_step(held_into_next_forward=False)
+    return graph
 
 
 class Planner:
@@ -492,9 +506,11 @@ class Planner:
                         warnings.simplefilter("ignore")
                         for b in (small, 2 * small):
                             if b not in captured:
-                                captured[b] = self._capture_at(args, kwargs, batch, b)
-                    (g1, hook), (g2, _) = captured[small], captured[2 * small]
-                    graph = g1.scale_between(g2, batch)
+                                captured[b] = self._capture_at(
+                                    args, kwargs, batch, b,
+                                    after=captured[small][1] if b > small else None)
+                    (g1, hook), (g2, hook2) = captured[small], captured[2 * small]
+                    graph = _let_go(g1.scale_between(g2, batch), hook2)
                 except Exception as e:  # noqa: BLE001 - said, and the next pair is tried
                     failed.append(f"captures at batch {small} and {2 * small} cannot plan it "
                                   f"({type(e).__name__}: {e})")
@@ -530,9 +546,9 @@ class Planner:
             self.add(entry, graph, hook.recorder.param_refs, hook.multi_backward, t0)
             return True
         g1, hook = self._capture_at(args, kwargs, batch, small)
-        g2, _ = self._capture_at(args, kwargs, batch, other)
+        g2, hook2 = self._capture_at(args, kwargs, batch, other, after=hook)
         try:
-            graph = g1.scale_between(g2, batch)
+            graph = _let_go(g1.scale_between(g2, batch), hook2)
         except GraphError as e:
             self.refusal = f"capture_batch={small} cannot plan {self._name(args)}: {e}"
             level = logging.INFO if self._said_capture else logging.WARNING
@@ -557,10 +573,17 @@ class Planner:
         return (2,)
 
     def _capture_at(self, args: Tuple[Any, ...], kwargs: Dict[str, Any], batch: Optional[int],
-                    small: Optional[int]) -> Tuple[Graph, IterationHook]:
+                    small: Optional[int], after: Optional[IterationHook] = None
+                    ) -> Tuple[Graph, IterationHook]:
         """One recorded iteration on the first ``small`` rows of the batch
         arguments (all of them when ``small`` is the batch), leaving no
-        trace, and its graph."""
+        trace, and its graph. ``after``: the hook of a capture run before
+        it, whose graph the model kept in attributes (``kept_attrs``, weak
+        references to the Links and the names):
+        those attributes hold a stand-in when this one starts, and the
+        hook's ``lets_go`` says whether the model let go of them before
+        its first function (``L.Classifier`` does: plain Chainer then
+        does not hold the previous step's graph through the forward)."""
         link = self._link(args)
         cut_args, cut_kwargs = args, kwargs
         if small is not None and batch is not None and small < batch:
@@ -583,13 +606,29 @@ class Planner:
             with leave_no_trace(link if link is not None else self.fn):
                 hook = IterationHook(link=link,
                                      args=list(cut_args) + list(cut_kwargs.values()))
+                probe = [(ref, name) for ref, name in getattr(after, "kept_attrs", ())
+                         if ref() is not None]
+                if probe:  # (put back by leave_no_trace)
+                    stand_in = chainer.Variable(numpy.zeros((), numpy.float32))
+                    for ref, name in probe:
+                        setattr(ref(), name, stand_in)
+                    this = weakref.ref(hook)  # (no cycle: the hook holds the check)
+
+                    def first() -> None:
+                        h = this()
+                        if h is not None:
+                            h.lets_go = all(getattr(ref(), name, None) is not stand_in
+                                            for ref, name in probe)
+                    hook.on_first_function = first
                 with _Active(), hook:
                     out = self.fn(*cut_args, **cut_kwargs)
                 hook.finish(out)
                 from ..capture import backward_from
                 backward_from(out, link)
                 del out
-                keeps = link is not None and _keeps_graph(link, hook)
+                hook.kept_attrs = [(weakref.ref(sub), name) for sub, name in
+                                   (_kept_attributes(link, hook) if link is not None else [])]
+                keeps = bool(hook.kept_attrs)
                 peak = meter.stop().peak_bytes
                 if self._captures_run is not None:
                     self._captures_run.append((small, own + peak))

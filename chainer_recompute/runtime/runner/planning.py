@@ -15,7 +15,6 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from .. import _chainer  # noqa: F401
 import chainer
-import numpy
 
 from ...core.budget import release_caches
 from ...core.budget_spec import Budget
@@ -64,6 +63,50 @@ def _keeps_graph(link: chainer.Link, hook: Any) -> bool:
     ``hook`` recorded in an attribute."""
     return bool(_kept_attributes(link, hook))
 
+
+
+@contextlib.contextmanager
+def _writes_before_first_function(hook: IterationHook,
+                                  attrs: List[Tuple[chainer.Link, str]]) -> Iterator[None]:
+    """While the block runs, the classes of the Links of ``attrs``
+    (``(link, name)``) note those attributes being set; at ``hook``'s first
+    function, ``hook.lets_go`` says whether every one was (the values are
+    left alone: a stateful Link that reads its state before its first
+    function reads its own)."""
+    if not attrs:
+        yield
+        return
+    watched = {(id(sub), name) for sub, name in attrs}
+    written: set = set()
+    before_first = [True]
+    patched = []
+
+    def tracking(original: Any) -> Any:
+        def __setattr__(self: Any, name: str, value: Any) -> None:
+            if before_first[0] and (id(self), name) in watched:
+                written.add((id(self), name))
+            original(self, name, value)
+        return __setattr__
+
+    for cls in dict.fromkeys(type(sub) for sub, _ in attrs):
+        patched.append((cls, cls.__dict__.get("__setattr__")))
+        cls.__setattr__ = tracking(cls.__setattr__)
+    this = weakref.ref(hook)  # (no cycle: the hook holds the check)
+
+    def first() -> None:
+        before_first[0] = False
+        h = this()
+        if h is not None:
+            h.lets_go = written == watched
+    hook.on_first_function = first
+    try:
+        yield
+    finally:
+        for cls, own in reversed(patched):
+            if own is None:
+                del cls.__setattr__
+            else:
+                cls.__setattr__ = own
 
 
 def _let_go(graph: Graph, hook: IterationHook) -> Graph:
@@ -579,11 +622,10 @@ class Planner:
         arguments (all of them when ``small`` is the batch), leaving no
         trace, and its graph. ``after``: the hook of a capture run before
         it, whose graph the model kept in attributes (``kept_attrs``, weak
-        references to the Links and the names):
-        those attributes hold a stand-in when this one starts, and the
-        hook's ``lets_go`` says whether the model let go of them before
-        its first function (``L.Classifier`` does: plain Chainer then
-        does not hold the previous step's graph through the forward)."""
+        references to the Links and the names): the hook's ``lets_go``
+        says whether this capture's forward set every one of them before
+        its first function (``L.Classifier`` does: plain Chainer then does
+        not hold the previous step's graph through the forward)."""
         link = self._link(args)
         cut_args, cut_kwargs = args, kwargs
         if small is not None and batch is not None and small < batch:
@@ -606,21 +648,10 @@ class Planner:
             with leave_no_trace(link if link is not None else self.fn):
                 hook = IterationHook(link=link,
                                      args=list(cut_args) + list(cut_kwargs.values()))
-                probe = [(ref, name) for ref, name in getattr(after, "kept_attrs", ())
-                         if ref() is not None]
-                if probe:  # (put back by leave_no_trace)
-                    stand_in = chainer.Variable(numpy.zeros((), numpy.float32))
-                    for ref, name in probe:
-                        setattr(ref(), name, stand_in)
-                    this = weakref.ref(hook)  # (no cycle: the hook holds the check)
-
-                    def first() -> None:
-                        h = this()
-                        if h is not None:
-                            h.lets_go = all(getattr(ref(), name, None) is not stand_in
-                                            for ref, name in probe)
-                    hook.on_first_function = first
-                with _Active(), hook:
+                probe = [(sub, name) for sub, name in
+                         ((ref(), name) for ref, name in getattr(after, "kept_attrs", ()))
+                         if sub is not None]
+                with _writes_before_first_function(hook, probe), _Active(), hook:
                     out = self.fn(*cut_args, **cut_kwargs)
                 hook.finish(out)
                 from ..capture import backward_from

@@ -519,9 +519,9 @@ class StepMeter:
         :meth:`check_held_graph` found let go of the previous call's graph,
         replayed without it (the same plan, its prediction and plain
         Chainer's as they are), or under ``'least'`` and a share, figures of
-        the graph, planned again without it; then the structures that overshot their
-        budget planned again with the memory model corrected by what they
-        missed. A budget the corrected model cannot meet is raised (or
+        the graph, planned again without it; then the structures that
+        overshot their budget planned again with the memory model corrected
+        by what they missed. A budget the corrected model cannot meet is raised (or
         warned about) by the call of that signature."""
         let_go, self._let_go = self._let_go, None
         if let_go:

@@ -64,7 +64,6 @@ def _keeps_graph(link: chainer.Link, hook: Any) -> bool:
     return bool(_kept_attributes(link, hook))
 
 
-
 @contextlib.contextmanager
 def _writes_before_first_function(hook: IterationHook,
                                   attrs: List[Tuple[chainer.Link, str]]) -> Iterator[None]:

@@ -518,24 +518,17 @@ class StepMeter:
         """At a training call, before its meter starts: the plans that
         :meth:`check_held_graph` found let go of the previous call's graph,
         replayed without it (the same plan, its prediction and plain
-        Chainer's as they are), or under ``'least'`` and a share, figures of
-        the graph, planned again without it; then the structures that
-        overshot their budget planned again with the memory model corrected
-        by what they missed. A budget the corrected model cannot meet is raised (or
+        Chainer's as they are); then the structures that overshot their
+        budget planned again with the memory model corrected by what they
+        missed. A budget the corrected model cannot meet is raised (or
         warned about) by the call of that signature."""
         let_go, self._let_go = self._let_go, None
         if let_go:
             from ...core.budget import release_caches
             from ...core.replay import replay
-            # ``'least'`` and a share are the graph's own figures, which the
-            # graph held through the forward overstated: planned again
-            resolved = self.planner.budget.kind in ("least", "share")
             try:
                 for entry, s in let_go:
                     if s not in entry.structures or not s.graph.step.held_into_next_forward:
-                        continue
-                    if resolved:
-                        self.planner.replan(entry, s, held_into_next_forward=False)
                         continue
                     graph = s.graph.with_step(held_into_next_forward=False)
                     peak = replay(graph, s.program if s.plan.recompute else None,

@@ -127,10 +127,13 @@ def persistent_arrays(link: chainer.Link) -> List[Tuple[str, Any]]:
     return found
 
 
-def persistent_array_ids(link: chainer.Link) -> set:
-    """ids of the parameter arrays and persistent arrays of ``link``."""
+def persistent_array_ids(link: chainer.Link,
+                         persistents: Optional[List[Tuple[str, Any]]] = None) -> set:
+    """ids of the parameter arrays and persistent arrays of ``link``
+    (``persistents``: :func:`persistent_arrays` of it, where made already)."""
     ids = {id(p.array) for p in link.params() if p.array is not None}
-    ids.update(id(v) for _, v in persistent_arrays(link))
+    ids.update(id(v) for _, v in (persistent_arrays(link) if persistents is None
+                                  else persistents))
     return ids
 
 

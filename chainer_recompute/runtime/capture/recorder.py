@@ -213,9 +213,10 @@ class Recorder(chainer.FunctionHook):
         self._bwd: Dict[int, Tuple[float, Any, Device]] = {}
         self._param_names: Dict[int, str] = {}
         self._external_ids: set = set()
+        persistents = persistent_arrays(link) if link is not None else []
         if link is not None:
             self._param_names = {id(p): path for path, p in link.namedparams()}
-            self._external_ids = persistent_array_ids(link)
+            self._external_ids = persistent_array_ids(link, persistents)
         self._link_ref = weakref.ref(link) if link is not None else None
         self._links = LinkPaths(link)  # which Link applies each call (while registered)
         # The recorded backward's tracing session (see _begin_session).
@@ -245,9 +246,8 @@ class Recorder(chainer.FunctionHook):
         # are, by their path: one array wherever it is read, there before
         # the step and after it (``state_bytes``' persistents), not a
         # temporary of the step (``core.replay.model_state_input``).
-        if link is not None:
-            for path, arr in persistent_arrays(link):
-                self._arg_names.setdefault(id(arr), path)
+        for path, arr in persistents:
+            self._arg_names.setdefault(id(arr), path)
 
     # ------------------------------------------------------------ forward
     def forward_preprocess(self, function: Any, in_data: Tuple[Any, ...]) -> None:

@@ -53,6 +53,11 @@ GRAPHS = {
     # network's forward, a loss): a transient at the forward's end, and
     # what it holds from the backward on
     "vae_outside": lambda: _outside(_captured("vae")),
+    # the gradients alive into the backward (zerograds, accumulation): each
+    # let go at its parameter's first reader, the sum a transient there
+    "lstm_lm_grads_alive": lambda: _captured("lstm_lm").with_step(grads_in_backward=True),
+    "resnet152_grads_alive": lambda: load_graph(
+        ROOT / "experiments" / "graphs" / "resnet152.json").with_step(grads_in_backward=True),
 }
 
 

@@ -47,6 +47,11 @@ class StepFacts:
             the backward (an attribute): the graph is not gone at the update.
         grads_in_forward: the parameters' gradients of the previous step
             are alive through the forward (a loop that clears them after).
+        grads_in_backward: ... and into the backward (a loop that zeroes
+            them with ``zerograds``, or accumulates several calls'
+            gradients before one update): each parameter's is let go at
+            its first backward reader, replaced by the sum of it and the
+            new gradient.
         held_into_next_forward: the graph is held into the model's next
             call: what it holds after its backward is alive through the
             next forward.
@@ -89,6 +94,7 @@ class StepFacts:
     returned: Tuple[int, ...] = ()
     kept_after_backward: bool = False
     grads_in_forward: bool = True
+    grads_in_backward: bool = False
     held_into_next_forward: bool = False
     outside_peak_bytes: int = 0
     outside_held_bytes: int = 0

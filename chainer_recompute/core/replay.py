@@ -30,6 +30,11 @@ array, from the recorded graph:
   backward; ``step.grads_in_forward`` records what the recorded
   iteration did), each parameter's new gradient from the first backward
   that reads it, and the optimizer update's largest temporary at the end;
+  a loop whose gradients are alive into the backward
+  (``step.grads_in_backward``: ``zerograds``, or several calls' gradients
+  accumulated before one update) keeps each parameter's old gradient until
+  its first backward reader, where Chainer adds the new one to it (the sum
+  a temporary of that call) and lets both parts go;
 - the caller's own work between the forward and the backward (its loss, a
   target network's forward: ``step.outside_peak_bytes``, a transient at
   the end of the forward, and ``step.outside_held_bytes``, held from the
@@ -309,9 +314,11 @@ class _Memory:
         if self.pool is not None:
             self._handles[key] = self.pool.alloc(nbytes)
 
-    def free(self, key: Any, nbytes: int) -> None:
+    def free(self, key: Any, nbytes: int, whole: bool = True) -> None:
+        """``nbytes`` of ``key``'s let go; its pool block only when
+        ``whole`` (a part of it: the block stays, as the pool caches it)."""
         self.level -= nbytes
-        if self.pool is not None:
+        if self.pool is not None and whole:
             self.pool.free(self._handles.pop(key, -1))
 
     def record(self, label: str, extra: int = 0) -> None:
@@ -431,11 +438,14 @@ class _Gradients:
 
 
 def backward_gradients(node: Any, arrays: Any, nodes: Any, grads: "_Gradients",
-                       made: set) -> Tuple[int, int]:
+                       made: set, grads_alive: bool = False) -> Tuple[int, int]:
     """The gradients one backward call makes, entered into ``grads``: the
     new parameter gradients' bytes (``made``: the parameters that already
-    have one, updated) and the call's transient bytes beyond them. Used by
-    the replay and, once per graph, by the compiled replay's context."""
+    have one, updated) and the call's transient bytes beyond them. With
+    ``grads_alive`` (``step.grads_in_backward``) each new parameter
+    gradient is added to the old one, whose bytes the caller lets go after
+    the call: the sum is a transient. Used by the replay and, once per
+    graph, by the compiled replay's context."""
     # Inputs that get a gradient: arrays made by a function with a
     # backward (an array computed only from inputs that need no
     # gradient, such as a reshape of the data, gets none).
@@ -446,11 +456,19 @@ def backward_gradients(node: Any, arrays: Any, nodes: Any, grads: "_Gradients",
     first = [a for a in params if a not in made]
     made.update(first)
     param_new = sum(arrays[a].nbytes for a in first)
+    if grads_alive and first:
+        # the old gradient, the new one and their sum, before both parts go
+        # (Chainer's ``_reduce`` after the backward call, one parameter at
+        # a time): the largest parameter's sum on top of the call's gradients
+        extra_sum = max(arrays[a].nbytes for a in first)
+    else:
+        extra_sum = 0
     fresh = [a for a in targets if not grads.has(a)]
     accumulated = [a for a in targets if grads.has(a)]
     extra = node.backward_transient_bytes
     if extra is None:  # a sum is made before its parts go
         extra = sum(arrays[a].nbytes for a in accumulated)
+    extra = max(extra, extra_sum)  # (the sums come after the call's own transient)
     # An accumulated gradient becomes a new array, the sum; its parts
     # are let go (freeing what nothing else shares).
     acc_net = sum(grads.replace(a, arrays[a].nbytes) for a in accumulated)
@@ -697,7 +715,9 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
     # the caller's work between the forward and the backward, with the
     # previous gradients still there as when it was measured
     mem.record("end of forward", outside_peak)
-    mem.free("old grads", old_grads)  # cleared before the backward
+    alive = graph.step.grads_in_backward  # (each let go at its parameter's first reader)
+    if not alive:
+        mem.free("old grads", old_grads)  # cleared before the backward
     mem.alloc("outside", outside_held)  # held by the caller's graph to the end
     grads_made: Set[int] = set()
     grads = _Gradients(mem)
@@ -816,9 +836,13 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
             missing = [u for u in plan.needs.get(w, ()) if u in released]
             if missing:
                 regenerate(w, missing)
-        param_new, extra = backward_gradients(node, arrays, nodes, grads, grads_made)
+        param_new, extra = backward_gradients(node, arrays, nodes, grads, grads_made, alive)
         mem.alloc(("param grads", w), param_new)
         mem.record(f"backward {w} {node.op}", extra)
+        if alive and param_new and old_grads:
+            part = min(param_new, old_grads)
+            old_grads -= part
+            mem.free("old grads", part, whole=not old_grads)
         grads.drop(node.outputs)
         if plan is not None:
             for u in plan.done.get(w, ()):
@@ -974,15 +998,21 @@ def physical_floor(graph: Graph) -> Floor:
     grads = _Gradients(mem)
     made: Set[int] = set()
     held = 0
+    alive = graph.step.grads_in_backward  # (the old ones, each to its first reader)
+    old = param_grad_bytes(graph) if alive else 0
+    mem.alloc("old grads", old)
     for v in backward_steps(graph):
         node = nodes[v]
-        param_new, extra = backward_gradients(node, arrays, nodes, grads, made)
+        param_new, extra = backward_gradients(node, arrays, nodes, grads, made, alive)
         mem.alloc(("param grads", v), param_new)
         reads = distinct(node.retained_inputs + node.retained_outputs) + sum(
             h.nbytes for h in node.held if h.role != "written")
         work = reads + int(extra)
         if mem.level + work > best[0]:
             best, held = (mem.level + work, f"backward {v} {node.op}", work), mem.level
+        part = min(param_new, old)
+        old -= part
+        mem.free("old grads", part, whole=not old)
         grads.drop(node.outputs)
     all_grads = param_grad_bytes(graph)
     update = all_grads + int(graph.state_bytes.get("update_transient", 0))

@@ -162,6 +162,10 @@ class IterationHook(chainer.FunctionHook):
         self.let_go_done = False  # released by let_go(): no backward through it any more
         #: called before the forward's first function runs
         self.on_first_function: Optional[Callable[[], None]] = None
+        #: called with this hook, after the forward, where a backward pass
+        #: reaches functions it had not (its first one, first), until it
+        #: returns True
+        self.on_backward_start: Optional[Callable[[Any], bool]] = None
         #: the plan made from this recorded iteration (it learns a second
         #: backward pass through this graph)
         self.planned: Optional[Program] = None
@@ -595,6 +599,10 @@ class IterationHook(chainer.FunctionHook):
                 f"budget)")
         if self._update_state["updated"]:
             self._update_state["again"] = True
+        if (self.on_backward_start is not None and self.recorder.forward_done
+                and (self._reach is None or i not in self._reach)
+                and self.on_backward_start(self)):
+            self.on_backward_start = None
         if i in self._bw_seen:
             # Another backward pass through this graph (a GAN's generator
             # graph, or loss.backward() twice): count its readers afresh,

@@ -138,6 +138,10 @@ class ReplayContext:
         self.constant = state_constant_bytes(graph)
         self.old_grads = param_grad_bytes(graph) if graph.step.grads_in_forward \
             else 0
+        # let go before the backward, or (step.grads_in_backward) at each
+        # parameter's first backward reader, in the gradients' levels below
+        alive = graph.step.grads_in_backward
+        self.old_grads_at_backward = 0 if alive else self.old_grads
         self.free_all = helpers.graph_gone_at_update(graph)
         self.update_transient = int(graph.state_bytes.get("update_transient", 0))
         self.held_into_next = bool(graph.step.held_into_next_forward)
@@ -150,12 +154,17 @@ class ReplayContext:
         grads = _Gradients(lv)  # type: ignore[arg-type]
         made: set = set()
         g_rec, g_extra, g_after = [], [], []
+        old = self.old_grads if alive else 0
         for w in order:
             node = nodes[w]
-            param_new, extra = helpers.backward_gradients(node, arrays, nodes, grads, made)
+            param_new, extra = helpers.backward_gradients(node, arrays, nodes, grads, made,
+                                                          alive)
             lv.alloc(None, param_new)
             g_rec.append(lv.level)
             g_extra.append(int(extra))
+            part = min(param_new, old)
+            old -= part
+            lv.level -= part
             grads.drop(node.outputs)
             g_after.append(lv.level)
         self.g_rec = np.array(g_rec, dtype=i64)
@@ -228,6 +237,7 @@ def run_kernel(ctx: ReplayContext, dropped: Optional[np.ndarray], block_of: Opti
         c.held_key, c.held_nb, held_rel,
         c.n_keys, c.ftr, c.order, c.g_rec, c.g_extra, c.g_after, c.releasable,
         c.needs_p, c.needs_i, c.done_p, c.done_i, c.last, c.constant, c.old_grads,
+        c.old_grads_at_backward,
         c.free_all, c.update_transient, c.outside_peak, c.outside_held, has_plan,
         np.asarray(dropped, dtype=np.bool_),
         np.asarray(block_of, dtype=np.int64), MODES[release_mode])
@@ -243,6 +253,7 @@ def _replay_loop(n, owner, owned, nbytes, pc, constown, producer, dies_at, retby
                  held_nb, held_der,
                  n_keys, ftr, order, g_rec, g_extra, g_after, releasable,
                  needs_p, needs_i, done_p, done_i, last, constant, old_grads,
+                 old_grads_at_backward,
                  free_all, update_transient, outside_peak, outside_held, has_plan, dropped,
                  block_of, mode):
     VAR, RET, PIN, VAL = 1, 2, 4, 8
@@ -351,7 +362,7 @@ def _replay_loop(n, owner, owned, nbytes, pc, constown, producer, dies_at, retby
                               count, cur, owned2, attr_on, attr_nb, released)
     trace, kinds, ev_u, ev_w, cap, ne = _event(
         trace, kinds, ev_u, ev_w, cap, ne, level + outside_peak, 1, -1, -1)
-    level -= old_grads
+    level -= old_grads_at_backward
     level += outside_held
 
     # ----------------------------------------------------------- backward

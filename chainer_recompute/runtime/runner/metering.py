@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -218,6 +219,21 @@ def _watch_updates(steps: "StepMeter", open_: _OpenMeter) -> None:
     add_update_watcher(updated)
 
 
+def _into_parameters() -> bool:
+    """Whether the backward pass running now accumulates into the
+    parameters' gradients: ``Variable.backward`` and ``chainer.backward``
+    (Chainer's ``_backprop_to_all``, which loads each leaf's gradient at
+    its first reader), not ``chainer.grad``, which leaves them as they are."""
+    from chainer import _backprop
+    code = _backprop._backprop_to_all.__code__
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code is code:
+            return True
+        f = f.f_back
+    return False
+
+
 def _graph_died(steps_ref: Any, open_: _OpenMeter) -> None:
     steps = steps_ref()
     if steps is not None and steps._meter is open_:
@@ -262,6 +278,7 @@ class StepMeter:
         # this call's earlier ones in its step (weak references: a hook holds arrays)
         self._step_others: List[Any] = []
         self._said_step_calls = False
+        self._said_grads_alive = False
 
     def in_step(self) -> bool:
         """Whether this training call is a later one of a step whose
@@ -647,6 +664,53 @@ class StepMeter:
             self.planner.replan(entry, s)  # (for the calls per step seen: _add)
         if self._meter is not None:  # measured, not checked: its earlier calls ran another plan
             self._meter.after_recording = True
+
+    def watch_gradients(self, hook: IterationHook, link: Optional[chainer.Link]) -> None:
+        """Whether the loop leaves the parameters' gradients alive when this
+        call's backward begins (``model.zerograds()``, or several calls'
+        gradients accumulated before one update; Chainer's updaters and a
+        loop that calls ``cleargrads()`` leave none): Chainer keeps each
+        until its parameter's first backward reader, then adds the new
+        one to it. Seen once, every plan is made for it
+        (``step.grads_in_backward``; :meth:`count_grads_alive`, at the
+        next call): this step, under a plan without them, is measured, not
+        checked."""
+        if link is None or self.planner.grads_alive:
+            return
+        steps, link_ref = weakref.ref(self), weakref.ref(link)
+
+        def start(h: IterationHook) -> bool:
+            """At a backward pass's first function; True when done."""
+            if not _into_parameters():
+                return False  # (chainer.grad: the gradients are not touched)
+            r, lk = steps(), link_ref()
+            if r is None or lk is None or r.planner.grads_alive:
+                return True
+            if any(p.grad_var is not None for p in lk.params()):
+                r.planner.grads_alive = True
+                if r._meter is not None:
+                    r._meter.after_recording = True
+            return True
+        hook.on_backward_start = start
+
+    def count_grads_alive(self, entry: _Entry, args: Tuple[Any, ...]) -> None:
+        """The plans of ``entry`` made without the gradients the loop
+        leaves alive into the backward (:meth:`watch_gradients`), made
+        again for them before this call runs."""
+        if not self.planner.grads_alive:
+            return
+        if not self._said_grads_alive:
+            self._said_grads_alive = True
+            b = self.planner.budget_bytes
+            report.warning(
+                "the gradients of %s's parameters are alive when its backward begins (the loop "
+                "zeroes them with zerograds(), or accumulates several calls' gradients before "
+                "an update): Chainer adds each new gradient to the old one, so both are alive "
+                "for a while; planned again for them%s", self.planner._name(args),
+                f" (the step that showed it ran under a plan without them and may exceed the "
+                f"budget {format_bytes(b)})" if b is not None else "")
+        for s in [s for s in entry.structures if not s.graph.step.grads_in_backward]:
+            self.planner.replan(entry, s)
 
     def count_held_graph(self, entry: _Entry) -> None:
         """The graph of the model's previous call, its backward run, is

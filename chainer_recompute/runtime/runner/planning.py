@@ -146,6 +146,9 @@ class Planner:
         # the most calls of the model one step has held at once, and of those
         # the calls holding their whole graph (see StepMeter.count_step_calls)
         self.step_calls, self.whole_calls = spec.calls_per_step or 1, 0
+        # the loop's gradients alive when a backward begins (see
+        # StepMeter.watch_gradients): every plan made for them from then on
+        self.grads_alive = False
         self.refusal = ""  # why captures could not plan a first call
         #: the first call of a signature that nothing plans before it runs is
         #: recorded (False: not, see ``Recompute.RECORD_NEW_AFTER``)
@@ -338,6 +341,8 @@ class Planner:
         structure this one replaces (a plan made again continues it)."""
         self.plans_made += 1
         graph = self._with_keep(graph)  # (keep=: the functions every plan keeps)
+        if self.grads_alive and not graph.step.grads_in_backward:
+            graph = graph.with_step(grads_in_backward=True)
         if self.step_calls > 1 and self.coordinator is None and \
                 self.spec.budget_scope == "total":  # (see StepMeter.count_step_calls)
             graph = self._for_step_calls(graph)

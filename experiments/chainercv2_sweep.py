@@ -23,7 +23,10 @@ fails or runs out of time is a row of the table. chainercv2 is in the
     OPENBLAS_NUM_THREADS=1 .venv/bin/python experiments/chainercv2_sweep.py --batch 8 --optimizer adam --budget 60% resnet20_cifar10
 
 (``--batch``, ``--optimizer adam`` and ``--budget`` change the defaults
-above.)
+above; ``--accumulate k`` makes each step a loop's gradient accumulation:
+``cleargrads()``, then ``k`` slices of ``batch / k`` images, each made when
+its turn comes as a loader would, forward and ``backward()``, then
+``opt.update()``.)
 """
 import argparse
 import concurrent.futures
@@ -58,7 +61,7 @@ IMAGENET = ("mobilenetv2_w1 mobilenetv3_large_w1 efficientnet_b0 ghostnet shuffl
             "sknet50 regnetx002 airnet50_1x64d_r2").split()
 
 
-def train(name, applied, steps, batch, budget="least", optimizer="momentum"):
+def train(name, applied, steps, batch, budget="least", optimizer="momentum", accumulate=1):
     """One run: per step its records, peak, time and (applied) the runner's
     path, functions dropped and predicted peak."""
     import numpy as np
@@ -83,12 +86,22 @@ def train(name, applied, steps, batch, budget="least", optimizer="momentum"):
             cr.apply(model, budget=budget, verbose=False)
         rs = np.random.RandomState(1)
         for _ in range(steps):
-            x = rs.randn(batch, 3, size, size).astype(np.float32)
-            t = rs.randint(0, 10, batch).astype(np.int32)
+            if accumulate == 1:
+                x = rs.randn(batch, 3, size, size).astype(np.float32)
+                t = rs.randint(0, 10, batch).astype(np.int32)
             gc.collect()
             t0 = time.perf_counter()
             with MemoryMeter() as m:
-                opt.update(model, x, t)
+                if accumulate == 1:
+                    opt.update(model, x, t)
+                else:  # each slice made when its turn comes, as a loader would
+                    model.cleargrads()
+                    for _ in range(accumulate):
+                        xs = rs.randn(batch // accumulate, 3, size, size).astype(np.float32)
+                        ts = rs.randint(0, 10, batch // accumulate).astype(np.int32)
+                        model(xs, ts).backward()
+                        del xs, ts
+                    opt.update()
             out["times"].append(time.perf_counter() - t0)
             out["peaks"].append(m.result.absolute_peak_bytes)
             out["records"].append(records(model, model.loss))
@@ -99,13 +112,13 @@ def train(name, applied, steps, batch, budget="least", optimizer="momentum"):
     return out
 
 
-def one(name, steps, batch, budget="least", optimizer="momentum"):
+def one(name, steps, batch, budget="least", optimizer="momentum", accumulate=1):
     """The row of one network (a JSON line)."""
     row = {"name": name}
     runs = []
     for applied in (False, True):
         try:
-            runs.append(train(name, applied, steps, batch, budget, optimizer))
+            runs.append(train(name, applied, steps, batch, budget, optimizer, accumulate))
         except Exception as e:  # noqa: BLE001 - a row of the table
             first = str(e).splitlines()[0] if str(e) else ""
             row["error"] = (f"{'apply()' if applied else 'plain Chainer'} fails: "
@@ -121,10 +134,10 @@ def one(name, steps, batch, budget="least", optimizer="momentum"):
     return row
 
 
-def run_one(name, steps, batch, timeout, budget="least", optimizer="momentum"):
+def run_one(name, steps, batch, timeout, budget="least", optimizer="momentum", accumulate=1):
     cmd = [sys.executable, "-W", "ignore", os.path.abspath(__file__), "--one", name,
            "--steps", str(steps), "--batch", str(batch), "--budget", budget,
-           "--optimizer", optimizer]
+           "--optimizer", optimizer, "--accumulate", str(accumulate)]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -138,11 +151,12 @@ def run_one(name, steps, batch, timeout, budget="least", optimizer="momentum"):
 
 def table(rows):
     print("| network | functions | identical | plain, steady | applied, steady | "
-          "predicted / measured | dropped | time / plain's | first step / budget |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "predicted / measured | dropped | time / plain's | first step / budget | "
+          "steps 2+ / budget |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['name']} | | {r['error']} | | | | | | |")
+            print(f"| {r['name']} | | {r['error']} | | | | | | | |")
             continue
         plain, ours = max(r["plain_peaks"][1:]), max(r["peaks"][1:])
         path, dropped, n, predicted, budget = r["stats"][-1]
@@ -152,7 +166,8 @@ def table(rows):
         firsts = {s[0] for s in r["stats"]}
         print(f"| {r['name']} | {n} | {same}{'' if firsts == {'planned'} else ' ' + str(sorted(firsts))} "
               f"| {plain:,} B | {ours:,} B ({ours / plain:.3f}x) | {predicted / ours:.4f} "
-              f"| {dropped} | {time_ratio:.2f}x | {r['peaks'][0] / r['stats'][0][4]:.2f} |")
+              f"| {dropped} | {time_ratio:.2f}x | {r['peaks'][0] / r['stats'][0][4]:.2f} "
+              f"| {max(r['peaks'][2:] or [0]) / budget:.3f} |")
 
 
 def main():
@@ -165,17 +180,20 @@ def main():
     ap.add_argument("--budget", default="least", help="apply()'s budget (default 'least')")
     ap.add_argument("--optimizer", choices=("momentum", "adam"), default="momentum",
                     help="MomentumSGD(0.01) with WeightDecay(1e-4) (default), or Adam() with it")
+    ap.add_argument("--accumulate", type=int, default=1,
+                    help="k: each step backpropagates k slices of the batch, then one update")
     ap.add_argument("--jsonl", help="also write the rows here")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
         print("ROW " + json.dumps(one(args.one, args.steps, args.batch, args.budget,
-                                      args.optimizer)), flush=True)
+                                      args.optimizer, args.accumulate)), flush=True)
         return
     names = args.names or CIFAR + IMAGENET
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
         rows = list(pool.map(lambda n: run_one(n, args.steps, args.batch, args.timeout,
-                                               args.budget, args.optimizer), names))
+                                               args.budget, args.optimizer, args.accumulate),
+                               names))
     if args.jsonl:
         with open(args.jsonl, "w") as f:
             for r in rows:

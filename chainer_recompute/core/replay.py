@@ -1000,7 +1000,8 @@ def physical_floor(graph: Graph) -> Floor:
     held = 0
     alive = graph.step.grads_in_backward  # (the old ones, each to its first reader)
     old = param_grad_bytes(graph) if alive else 0
-    mem.alloc("old grads", old)
+    if old:
+        mem.alloc("old grads", old)
     for v in backward_steps(graph):
         node = nodes[v]
         param_new, extra = backward_gradients(node, arrays, nodes, grads, made, alive)
@@ -1010,9 +1011,10 @@ def physical_floor(graph: Graph) -> Floor:
         work = reads + int(extra)
         if mem.level + work > best[0]:
             best, held = (mem.level + work, f"backward {v} {node.op}", work), mem.level
-        part = min(param_new, old)
-        old -= part
-        mem.free("old grads", part, whole=not old)
+        if param_new and old:
+            part = min(param_new, old)
+            old -= part
+            mem.free("old grads", part, whole=not old)
         grads.drop(node.outputs)
     all_grads = param_grad_bytes(graph)
     update = all_grads + int(graph.state_bytes.get("update_transient", 0))

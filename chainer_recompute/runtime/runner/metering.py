@@ -665,16 +665,18 @@ class StepMeter:
         if self._meter is not None:  # measured, not checked: its earlier calls ran another plan
             self._meter.after_recording = True
 
-    def watch_gradients(self, hook: IterationHook, link: Optional[chainer.Link]) -> None:
+    def watch_gradients(self, hook: IterationHook, entry: _Entry, link: Optional[chainer.Link],
+                        name: str) -> None:
         """Whether the loop leaves the parameters' gradients alive when this
         call's backward begins (``model.zerograds()``, or several calls'
         gradients accumulated before one update; Chainer's updaters and a
         loop that calls ``cleargrads()`` leave none): Chainer keeps each
         until its parameter's first backward reader, then adds the new
         one to it. Seen once, every plan is made for it
-        (``step.grads_in_backward``; :meth:`count_grads_alive`, at the
-        next call): this step, under a plan without them, is measured, not
-        checked."""
+        (``step.grads_in_backward``): ``entry``'s at the end of that
+        backward (this step, under a plan without them, is measured, not
+        checked, and takes the planner's memory too), other signatures' at
+        their next call (:meth:`count_grads_alive`)."""
         if link is None or self.planner.grads_alive:
             return
         steps, link_ref = weakref.ref(self), weakref.ref(link)
@@ -690,13 +692,23 @@ class StepMeter:
                 r.planner.grads_alive = True
                 if r._meter is not None:
                     r._meter.after_recording = True
+                before = h.on_backward_done
+
+                def done(hh: IterationHook) -> None:
+                    if before is not None:
+                        before(hh)  # (the meter, first: its plan is still the entry's)
+                    r2 = steps()
+                    if r2 is not None:
+                        r2.count_grads_alive(entry, name)
+                h.on_backward_done = done
             return True
         hook.on_backward_start = start
 
-    def count_grads_alive(self, entry: _Entry, args: Tuple[Any, ...]) -> None:
+    def count_grads_alive(self, entry: _Entry, name: str) -> None:
         """The plans of ``entry`` made without the gradients the loop
         leaves alive into the backward (:meth:`watch_gradients`), made
-        again for them before this call runs."""
+        again for them (said once). A budget they cannot meet is kept on
+        the entry, raised at its next call."""
         if not self.planner.grads_alive:
             return
         if not self._said_grads_alive:
@@ -706,11 +718,14 @@ class StepMeter:
                 "the gradients of %s's parameters are alive when its backward begins (the loop "
                 "zeroes them with zerograds(), or accumulates several calls' gradients before "
                 "an update): Chainer adds each new gradient to the old one, so both are alive "
-                "for a while; planned again for them%s", self.planner._name(args),
+                "for a while; planned again for them%s", name,
                 f" (the step that showed it ran under a plan without them and may exceed the "
                 f"budget {format_bytes(b)})" if b is not None else "")
-        for s in [s for s in entry.structures if not s.graph.step.grads_in_backward]:
-            self.planner.replan(entry, s)
+        try:
+            for s in [s for s in entry.structures if not s.graph.step.grads_in_backward]:
+                self.planner.replan(entry, s)
+        except Exception as e:  # noqa: BLE001 - maybe inside the user's backward: at the next call
+            entry.error = e
 
     def count_held_graph(self, entry: _Entry) -> None:
         """The graph of the model's previous call, its backward run, is

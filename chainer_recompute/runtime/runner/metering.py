@@ -679,7 +679,9 @@ class StepMeter:
         their next call (:meth:`count_grads_alive`)."""
         if link is None or self.planner.grads_alive:
             return
-        steps, link_ref = weakref.ref(self), weakref.ref(link)
+        # (weak references: the hook that keeps these callbacks may be the
+        # entry's pending recording)
+        steps, link_ref, entry_ref = weakref.ref(self), weakref.ref(link), weakref.ref(entry)
 
         def start(h: IterationHook) -> bool:
             """At a backward pass's first function; True when done."""
@@ -697,9 +699,9 @@ class StepMeter:
                 def done(hh: IterationHook) -> None:
                     if before is not None:
                         before(hh)  # (the meter, first: its plan is still the entry's)
-                    r2 = steps()
-                    if r2 is not None:
-                        r2.count_grads_alive(entry, name)
+                    r2, e = steps(), entry_ref()
+                    if r2 is not None and e is not None:
+                        r2.count_grads_alive(e, name)
                 h.on_backward_done = done
             return True
         hook.on_backward_start = start

@@ -49,7 +49,7 @@ class _Entry:
     recorded iteration waiting to be planned, and counters."""
 
     __slots__ = ("structures", "pending", "calls", "recorded", "plain", "error", "family",
-                 "dims", "batch")
+                 "dims", "batch", "__weakref__")
 
     def __init__(self, family: Hashable = None, dims: Tuple[int, ...] = ()) -> None:
         self.family, self.dims = family, dims  # see _family

@@ -65,10 +65,15 @@ def note_step(run: Run, model: chainer.Link, loss: Any, peak: int) -> None:
 
 def train(make: Callable[[], chainer.Link], batches: Sequence[Sequence[Any]],
           apply_kw: Optional[Dict[str, Any]] = None, lr: float = 0.01,
-          between: Optional[Callable[[chainer.Link, int], None]] = None) -> Run:
+          between: Optional[Callable[[chainer.Link, int], None]] = None,
+          optimizer: Optional[Callable[[], Any]] = None,
+          step: Optional[Callable[[chainer.Link, Any, Sequence[Any]], Any]] = None) -> Run:
     """Train ``make()`` on ``batches`` (one optimizer step each); with
     ``apply_kw`` under ``apply()``. ``between(model, step)`` runs between
-    the forward and the backward."""
+    the forward and the backward. ``optimizer()`` in place of
+    ``MomentumSGD(lr)``; ``step(model, opt, batch)`` in place of the loop's
+    own step (``cleargrads()`` before it, forward, backward, update),
+    returning the loss."""
     outer = MemoryMeter()  # NumPy's allocations from before the model exists
     outer.start()
     try:
@@ -76,18 +81,22 @@ def train(make: Callable[[], chainer.Link], batches: Sequence[Sequence[Any]],
         model = make()
         if apply_kw is not None:
             cr.apply(model, **apply_kw)
-        opt = chainer.optimizers.MomentumSGD(lr)
+        opt = optimizer() if optimizer is not None else chainer.optimizers.MomentumSGD(lr)
         opt.setup(model)
         run = Run()
         for k, args in enumerate(batches):
-            model.cleargrads()
+            if step is None:
+                model.cleargrads()
             gc.collect()
             with MemoryMeter() as m:
-                loss = model(*args)
-                if between is not None:
-                    between(model, k)
-                loss.backward()
-                opt.update()
+                if step is not None:
+                    loss = step(model, opt, args)
+                else:
+                    loss = model(*args)
+                    if between is not None:
+                        between(model, k)
+                    loss.backward()
+                    opt.update()
             note_step(run, model, loss, m.result.absolute_peak_bytes)
             del loss
         run.model = model  # type: ignore[attr-defined]
@@ -1008,45 +1017,29 @@ class TiedLM(chainer.Chain):
         return F.softmax_cross_entropy(F.linear(h, self.emb.W), t)
 
 
-def train_loop(loop: str, batches: Sequence[Any], apply_kw: Optional[Dict[str, Any]] = None
-               ) -> Run:
-    """Adam on :class:`TiedLM`, each step measured whole (update included):
-    ``'zerograds'`` zeroes the gradients before each step (they stay
-    allocated); ``'accumulate'`` clears them, then backpropagates each half
-    of the batch before one update (the second half's backward adds to the
+def zeroing_step(model: chainer.Link, opt: Any, batch: Sequence[Any]) -> Any:
+    """A step that zeroes the gradients (they stay allocated) instead of
+    clearing them."""
+    model.zerograds()
+    loss = model(*batch)
+    loss.backward()
+    opt.update()
+    return loss
+
+
+def accumulating_step(model: chainer.Link, opt: Any, batch: Sequence[Any]) -> Any:
+    """A step that clears the gradients, then backpropagates each half of
+    the batch before one update (the second half's backward adds to the
     first's gradients)."""
-    outer = MemoryMeter()
-    outer.start()
-    try:
-        np.random.seed(0)
-        model = TiedLM()
-        if apply_kw is not None:
-            cr.apply(model, **apply_kw)
-        opt = chainer.optimizers.Adam()
-        opt.setup(model)
-        run = Run()
-        for x, t in batches:
-            gc.collect()
-            with MemoryMeter() as m:
-                if loop == "zerograds":
-                    model.zerograds()
-                    loss = model(x, t)
-                    loss.backward()
-                else:
-                    model.cleargrads()
-                    half = len(x) // 2
-                    first = model(x[:half], t[:half])
-                    first.backward()
-                    del first
-                    loss = model(x[half:], t[half:])
-                    loss.backward()
-                opt.update()
-            note_step(run, model, loss, m.result.absolute_peak_bytes)
-            del loss
-        run.model = model  # type: ignore[attr-defined]
-    finally:
-        outer.stop()
-    return run
+    model.cleargrads()
+    half = len(batch[0]) // 2
+    first = model(*[a[:half] for a in batch])
+    first.backward()
+    del first
+    loss = model(*[a[half:] for a in batch])
+    loss.backward()
+    opt.update()
+    return loss
 
 
 @pytest.mark.parametrize("loop", ["zerograds", "accumulate"])
@@ -1060,14 +1053,16 @@ def test_gradients_the_loop_leaves_into_the_backward_are_planned_for(loop):
     at the end of that backward: from the next step on each whole step is
     under the budget.
     Before, every accumulating step ran over its budget (168,744 B against
-    143,693 B at ``'least'``), and a zeroing loop's third step too."""
+    143,693 B at ``'least'``), and a zeroing loop's second and third steps."""
     rng = np.random.RandomState(4)
     batches = [(rng.randint(0, 50, 64).astype(np.int32), rng.randint(0, 50, 64).astype(np.int32))
                for _ in range(6)]
-    plain = train_loop(loop, batches)
+    step = zeroing_step if loop == "zerograds" else accumulating_step
+    plain = train(TiedLM, batches, optimizer=chainer.optimizers.Adam, step=step)
     for budget in ("least", int(max(plain.peaks) * 0.85)):
         with Said() as said:
-            ours = train_loop(loop, batches, dict(budget=budget, verbose=False))
+            ours = train(TiedLM, batches, dict(budget=budget, verbose=False),
+                         optimizer=chainer.optimizers.Adam, step=step)
         assert_identical(plain, ours)
         (entry,) = cr.runner_of(ours.model).signatures()
         assert all(s.graph.step.grads_in_backward for s in entry.structures)

@@ -437,6 +437,17 @@ class _Gradients:
                     del self.refs[b]
 
 
+def old_grads_left(mem: Any, param_new: int, old: int) -> int:
+    """``step.grads_in_backward``: the old gradients' bytes left after a
+    backward call that made ``param_new`` bytes of first parameter
+    gradients, each replacing its parameter's old one (let go from ``mem``;
+    the pool's block with the last of them)."""
+    part = min(param_new, old)
+    if part:
+        mem.free("old grads", part, whole=part == old)
+    return old - part
+
+
 def backward_gradients(node: Any, arrays: Any, nodes: Any, grads: "_Gradients",
                        made: set, grads_alive: bool = False) -> Tuple[int, int]:
     """The gradients one backward call makes, entered into ``grads``: the
@@ -839,10 +850,8 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
         param_new, extra = backward_gradients(node, arrays, nodes, grads, grads_made, alive)
         mem.alloc(("param grads", w), param_new)
         mem.record(f"backward {w} {node.op}", extra)
-        if alive and param_new and old_grads:
-            part = min(param_new, old_grads)
-            old_grads -= part
-            mem.free("old grads", part, whole=not old_grads)
+        if alive:
+            old_grads = old_grads_left(mem, param_new, old_grads)
         grads.drop(node.outputs)
         if plan is not None:
             for u in plan.done.get(w, ()):
@@ -1011,10 +1020,7 @@ def physical_floor(graph: Graph) -> Floor:
         work = reads + int(extra)
         if mem.level + work > best[0]:
             best, held = (mem.level + work, f"backward {v} {node.op}", work), mem.level
-        if param_new and old:
-            part = min(param_new, old)
-            old -= part
-            mem.free("old grads", part, whole=not old)
+        old = old_grads_left(mem, param_new, old)
         grads.drop(node.outputs)
     all_grads = param_grad_bytes(graph)
     update = all_grads + int(graph.state_bytes.get("update_transient", 0))

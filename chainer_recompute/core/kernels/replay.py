@@ -50,7 +50,7 @@ class _Level:
     def alloc(self, key: Any, nbytes: int) -> None:
         self.level += nbytes
 
-    def free(self, key: Any, nbytes: int) -> None:
+    def free(self, key: Any, nbytes: int, whole: bool = True) -> None:
         self.level -= nbytes
 
 
@@ -162,9 +162,7 @@ class ReplayContext:
             lv.alloc(None, param_new)
             g_rec.append(lv.level)
             g_extra.append(int(extra))
-            part = min(param_new, old)
-            old -= part
-            lv.level -= part
+            old = helpers.old_grads_left(lv, param_new, old)
             grads.drop(node.outputs)
             g_after.append(lv.level)
         self.g_rec = np.array(g_rec, dtype=i64)

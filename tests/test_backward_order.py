@@ -114,6 +114,7 @@ def ptb_train(steps: int, dropout: float, budget=None) -> Run:
 
 @pytest.mark.parametrize("dropout", [pytest.param(0.0, marks=pytest.mark.slow), 0.5],
                          ids=["no-dropout", "dropout"])
+@pytest.mark.slow  # 14 s
 def test_lstm_trains_bit_identically_below_what_chainers_order_reaches(dropout):
     steps = 5
     graph = ptb_train(2, dropout, budget="least").graph
@@ -172,6 +173,7 @@ def test_the_backward_is_closed_only_when_it_runs_from_the_graphs_loss_to_its_ow
     assert cr.runner_of(model).planned_graphs()[-1].step.closed_backward is closed
 
 
+@pytest.mark.slow  # 14 s
 def test_at_the_nested_least_every_step_is_planned_and_under_the_budget():
     """Chainer's PTB LSTM unrolled as one Link (experiments/bptt.py;
     ``L.Classifier`` per step lets go of the previous call's graph): the

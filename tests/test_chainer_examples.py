@@ -37,9 +37,11 @@ BUDGET = os.environ.get("CR_EXAMPLES_BUDGET", "least")
 
 # mnist, cifar-vgg, ptb, dcgan-gen, dcgan-dis, dcgan-both, vae, imagenet-<arch>
 VARIANTS = list(harness.VARIANTS)
-#: 15-20 s each at the light size: in the slow run only (NIN and GoogLeNet,
-#: with its three losses, stay in the default run)
-HEAVY = {"imagenet-alex", "imagenet-googlenetbn", "imagenet-resnet50", "imagenet-resnext50"}
+#: 8-22 s each at the light size: in the slow run only (NIN stays in the
+#: default run; GoogLeNet, with its three losses, and VGG are in the slow
+#: run's full list)
+HEAVY = {"imagenet-alex", "imagenet-googlenetbn", "imagenet-resnet50", "imagenet-resnext50",
+         "imagenet-googlenet", "cifar-vgg"}
 LIGHT = [pytest.param(v, marks=pytest.mark.slow) if v in HEAVY else v for v in VARIANTS]
 
 
@@ -80,6 +82,7 @@ def test_example_bit_identical_full(variant, tmp_path):
 
 
 # ------------------------------------------------------ the harness itself
+@pytest.mark.slow  # 6 s
 def test_harness_plain_runs_are_identical_and_leave_no_patch(tmp_path):
     """Two plain runs of the DCGAN example (randomness in the forward,
     BatchNorm, two optimizers) are identical, so any difference in the

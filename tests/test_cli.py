@@ -61,9 +61,13 @@ def test_dry_run_table(capsys):
     assert not DECIMAL_UNIT.search(out), out
 
 
-@pytest.mark.parametrize("name", ["mlp", "resnet50", "resnet101", "resnet152",
+@pytest.mark.parametrize("name", ["mlp", "resnet50",
+                                  pytest.param("resnet101", marks=pytest.mark.slow),  # 3 s
+                                  pytest.param("resnet152", marks=pytest.mark.slow),  # 5 s
                                   pytest.param("vgg19", marks=pytest.mark.slow),  # 27 s
-                                  "googlenet", "densenet161", "pspnet", "unet"])
+                                  "googlenet", "densenet161",
+                                  pytest.param("pspnet", marks=pytest.mark.slow),  # 5 s
+                                  "unet"])
 def test_dry_run_every_network(name, capsys, tmp_path):
     """The CLI's dry run on each registry network at its reduced size."""
     rc = main(["--model", name, "--small", "--batch-size", "2", "--dry-run", "-q",

@@ -43,6 +43,7 @@ def searched(recorded):
             for m in ("vanilla", "chen", "approx-tc", "approx-mc", "exact-tc", "nested-tc")}
 
 
+@pytest.mark.slow  # 14 s
 def test_largest_batch_is_the_boundary_of_what_fits(recorded, searched):
     path, b0, budget = recorded
     g0 = load_graph(path)

@@ -14,7 +14,9 @@ from chainer_recompute.models.small import SMALL_MODELS
 from chainer_recompute.runtime.capture import capture
 
 
-@pytest.mark.parametrize("name", sorted(SMALL_MODELS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow)  # 5-8 s each
+                                  if n in ("gru_lm", "lstm_lm", "nstep_lstm") else n
+                                  for n in sorted(SMALL_MODELS)])
 def test_no_plan_replays_below_the_floor(name):
     link, args = SMALL_MODELS[name](0)
     g = capture(link, *args, backward=True)

@@ -100,6 +100,7 @@ def test_tiny_lstm_and_resnet50(tmp_path):
             assert r["used_peak_bytes"] <= r["budget_bytes"], r
 
 
+@pytest.mark.slow  # 7 s
 def test_tiny_lstm_graph_rows_are_identical_and_within_their_budgets(tmp_path):
     """Issue 35's LSTM rows (apply() against MSM and ISM at two budgets):
     every method's gradients are plain's, its measured peak is at or under

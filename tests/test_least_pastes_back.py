@@ -170,6 +170,7 @@ def _processes(*argvs):
     return outs
 
 
+@pytest.mark.slow  # 6 s
 @pytest.mark.parametrize("kind", ["conv", pytest.param("lstm", marks=pytest.mark.slow)])
 def test_least_figure_from_two_processes_is_the_same_and_pastes_back(kind):
     first, second = _processes((kind, "least"), (kind, "least"))

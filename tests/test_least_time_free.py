@@ -52,6 +52,7 @@ CASES = [("approx", "tc"), ("approx", "mc"), ("exact", "tc"), ("exact", "mc"), (
          ("hier", "mc"), ("auto", "tc"), ("chen", "tc"), ("chen-greedy", "mc")]
 
 
+@pytest.mark.slow  # 10 s
 @pytest.mark.parametrize("solver,strategy", CASES)
 def test_least_total_budget_is_the_same_with_other_times(solver, strategy):
     g = resnet50_small()

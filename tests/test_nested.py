@@ -505,6 +505,7 @@ def test_bit_identical_under_a_budget_below_the_single_level_least(make, batches
     assert all(s["budget"] == budget for s in ours.stats)
 
 
+@pytest.mark.slow  # 8 s
 def test_bit_identical_with_adam_under_a_budget_below_the_single_level_least():
     """The residual CNN trained with Adam (two state arrays per parameter,
     made at the first update): the least figures of the graph the runner

@@ -181,6 +181,7 @@ class _Big:
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize("case", sorted(OPTIMIZERS) + [f"MomentumSGD+{h}" for h in HOOKS]
                          + ["MomentumSGD+rule WeightDecay"])
+@pytest.mark.slow  # 12 s over its cases
 def test_a_large_parameter_measured_on_slices_as_whole(case, monkeypatch):
     """A parameter of more than eight slices (optimizer_update.SLICE_BYTES)
     is measured on three copies of its first rows and the figures

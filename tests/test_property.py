@@ -257,6 +257,7 @@ def _check_seeds(seeds) -> None:
         f"recomputed something: {done}")
 
 
+@pytest.mark.slow  # 7 s
 def test_random_models_match_plain_chainer():
     _check_seeds(range(30))
 

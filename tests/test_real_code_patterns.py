@@ -444,6 +444,7 @@ def test_a_first_call_that_plans_nothing_says_nothing_of_planning():
     assert not [m for m in said.messages if "planner's memory" in m], said.messages
 
 
+@pytest.mark.slow  # 10 s
 def test_planning_a_new_shape_inside_its_call_is_said_when_over_the_budget(monkeypatch):
     """A model of a few hundred KiB whose new shapes need a solve inside
     their call (no recorded shape's plan fits them): the planner's memory,
@@ -556,6 +557,7 @@ def image_lists(sizes: Sequence[Tuple[int, int]], seed: int = 0) -> List[Any]:
              [rs.randint(0, 10, n).astype(np.int32) for n in pair]) for pair in sizes]
 
 
+@pytest.mark.slow  # 6 s
 def test_signatures_that_never_repeat_stop_being_recorded():
     """A training call whose signature is new every time (a detector's
     images of their own sizes) is recorded and planned at each first call,

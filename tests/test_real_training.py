@@ -1857,6 +1857,7 @@ def _peak(model, x, t):
     return meter.result.peak_bytes
 
 
+@pytest.mark.slow  # 20 s over its four cases
 @pytest.mark.parametrize("plan_at", ["backward", "call"])
 @pytest.mark.parametrize("size", ["wide", "tiny"])
 def test_ever_changing_structure_falls_back_to_plain(size, plan_at):

@@ -133,6 +133,7 @@ def _real_cell(method, tmp_path):
     return cell
 
 
+@pytest.mark.slow  # 6 s
 def test_the_cheapest_cell_leaves_git_status_unchanged(tmp_path):
     """The cheapest real cell (plain ResNet50 at batch 1: about 8 s on a
     shared 2-core machine) into --out."""

@@ -236,6 +236,7 @@ def test_vgg_block_bit_identical_with_less_memory():
     assert graph.step.workspace_bytes is not None
 
 
+@pytest.mark.slow  # 6 s
 def test_vgg_block_chunked_under_half():
     """exact=False: the chunks reach under half of the least peak without
     a workspace (equal to rounding, not bit for bit)."""

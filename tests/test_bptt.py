@@ -114,7 +114,6 @@ def plain50():
     return _train(50)[0]
 
 
-@pytest.mark.slow  # 9 s
 @pytest.mark.parametrize("policy", ["hsm", "msm"])
 def test_lstm_lm_tight_budget_identical_and_predicted(plain50, policy):
     # the budget: a quarter of the way from the least feasible to plain's prediction
@@ -153,7 +152,6 @@ def _small_lm():
     return model, opt
 
 
-@pytest.mark.slow  # 11 s
 @pytest.mark.parametrize("scope", ["total", "activations"])
 def test_measured_peak_within_budget_for_every_policy(scope):
     """The failure of experiments/bptt.md before the fix: ISM and MSM over

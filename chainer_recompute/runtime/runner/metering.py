@@ -665,8 +665,8 @@ class StepMeter:
         if self._meter is not None:  # measured, not checked: its earlier calls ran another plan
             self._meter.after_recording = True
 
-    def watch_gradients(self, hook: IterationHook, entry: _Entry, link: Optional[chainer.Link],
-                        name: str) -> None:
+    def watch_gradients(self, hook: IterationHook, entry: _Entry,
+                        link: Optional[chainer.Link]) -> None:
         """Whether the loop leaves the parameters' gradients alive when this
         call's backward begins (``model.zerograds()``, or several calls'
         gradients accumulated before one update; Chainer's updaters and a
@@ -699,18 +699,18 @@ class StepMeter:
                 def done(hh: IterationHook) -> None:
                     if before is not None:
                         before(hh)  # (the meter, first: its plan is still the entry's)
-                    r2, e = steps(), entry_ref()
+                    r2, e, lk2 = steps(), entry_ref(), link_ref()
                     if r2 is not None and e is not None:
-                        r2.count_grads_alive(e, name)
+                        r2.count_grads_alive(e, lk2)
                 h.on_backward_done = done
             return True
         hook.on_backward_start = start
 
-    def count_grads_alive(self, entry: _Entry, name: str) -> None:
+    def count_grads_alive(self, entry: _Entry, link: Optional[chainer.Link]) -> None:
         """The plans of ``entry`` made without the gradients the loop
         leaves alive into the backward (:meth:`watch_gradients`), made
-        again for them (said once). A budget they cannot meet is kept on
-        the entry, raised at its next call."""
+        again for them (said once, naming ``link``). A budget they cannot
+        meet is kept on the entry, raised at its next call."""
         if not self.planner.grads_alive:
             return
         if not self._said_grads_alive:
@@ -720,7 +720,7 @@ class StepMeter:
                 "the gradients of %s's parameters are alive when its backward begins (the loop "
                 "zeroes them with zerograds(), or accumulates several calls' gradients before "
                 "an update): Chainer adds each new gradient to the old one, so both are alive "
-                "for a while; planned again for them%s", name,
+                "for a while; planned again for them%s", self.planner._name((link,)),
                 f" (the step that showed it ran under a plan without them and may exceed the "
                 f"budget {format_bytes(b)})" if b is not None else "")
         try:

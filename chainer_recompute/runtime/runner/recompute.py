@@ -475,7 +475,7 @@ class Recompute:
                 steps.apply_pending()
             steps.count_held_graph(entry)
             steps.count_step_calls(entry, args)
-            steps.count_grads_alive(entry, planner._name(args))
+            steps.count_grads_alive(entry, link)
         if entry.error is not None:
             planner.infeasible(entry, entry.error)  # raises, or runs this signature plainly
         entry.calls += 1
@@ -570,7 +570,7 @@ class Recompute:
             steps.start(entry, hook, link, args, kwargs)
         hook.step_mark = mark
         steps.track(hook)
-        steps.watch_gradients(hook, entry, link, self.planner._name(args))
+        steps.watch_gradients(hook, entry, link)
         limit = entry.structures[0].workspace_bytes if entry.structures else None
         with _Active(), hook, bounded(limit, self.spec.workspace_exact):
             out = self.fn(*args, **kwargs)

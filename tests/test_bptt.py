@@ -183,6 +183,52 @@ def test_measured_peak_within_budget_for_every_policy(scope):
                     assert abs(own / r["stats"].predicted_peak_bytes - 1) < 0.01
 
 
+@pytest.mark.parametrize("outer_meter", [False, True])
+def test_a_planning_table_grown_in_a_call_is_left_out_of_its_measured_peak(outer_meter):
+    """A call whose plan grows a cached planning table (host memory,
+    outside budgets) replaces the table made by an earlier call: the check
+    took off the cache's net growth, but the meter never saw the old table
+    freed where it was made before the tracing began (the runner's own
+    meter starts tracing at each checked call; an outer meter may too), so
+    the first call measured the old table's bytes over its prediction (43 KB
+    on this model, MSM from a smaller budget to a larger one), corrected
+    itself and planned again with fewer slots. Found because
+    test_measured_peak_within_budget_for_every_policy failed when run
+    alone (earlier tests had grown the tables)."""
+    from chainer_recompute.core.solvers import chain as chain_solver
+    t = 30
+    data = np.random.RandomState(2).randint(0, V, (3 * t + 1, B)).astype(np.int32)
+    chain_solver.clear_table_cache()
+    probe = _train(t, dict(policy="hsm", budget="least"), iterations=2, data=data)[0][-1]["stats"]
+    least, plain = probe.predicted_peak_bytes, probe.plain_peak_bytes
+    for fraction in (0.1, 0.5):  # the second grows the MSM tables the first made
+        budget = int(least + fraction * (plain - least))
+        # (an outer meter from before the model, as _train's: one started
+        # later sees no free of the arrays made before it)
+        meter = MemoryMeter().start() if outer_meter else None
+        model, opt = _lm()
+        runner = bptt.ChainRecompute(model, policy="msm", budget=budget)
+        try:
+            for it in range(2):
+                xs, ts = data[it * t:(it + 1) * t], data[it * t + 1:(it + 1) * t + 1]
+                grown = chain_solver.table_cache_bytes()
+                loss = runner(xs, ts)
+                model.cleargrads()
+                loss.backward()
+                loss.unchain_backward()
+                opt.update()
+                stats = runner.last_stats
+                assert stats.correction_bytes == 0, (fraction, it, stats)
+                assert stats.measured_peak_bytes <= budget, (fraction, it, stats)
+                assert abs(stats.measured_peak_bytes / stats.predicted_peak_bytes - 1) < 0.001, \
+                    (fraction, it, stats)
+                if it == 0 and fraction == 0.5:
+                    assert chain_solver.table_cache_bytes() > grown  # (the case in question)
+        finally:
+            if meter is not None:
+                meter.stop()
+
+
 # ------------------------------------------------------------ NStepLSTM
 class Seq(chainer.Chain):
     def __init__(self):

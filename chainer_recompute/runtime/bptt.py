@@ -73,6 +73,7 @@ import dataclasses
 import logging
 import time
 import warnings
+import weakref
 from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 from . import _chainer  # noqa: F401
@@ -162,7 +163,9 @@ class _Check(CallMeter):
     part in the total scope (parameters, optimizer state, inputs, state, the
     previous gradients and outputs), else 0."""
 
-    tables: int = 0  # the planning tables' host bytes at the call (NumPy)
+    #: the planning tables cached at the call (NumPy): (weak reference,
+    #: bytes, whether this meter sees their arrays freed)
+    tables: Tuple[Tuple[Any, int, bool], ...] = ()
     host_tables: bool = True
     plan_key: Hashable = None
     stats: Optional["BPTTStats"] = None
@@ -664,10 +667,33 @@ class ChainRecompute:
                       if not cell.explicit else _iter_arrays(state))
         # planning tables: host memory, in tracemalloc's count on NumPy only
         host = not dev.is_gpu
-        check = _Check.start(dev, found, host_tables=host,
-                             tables=chain_solver.table_cache_bytes() if host else 0)
+        tables = chain_solver.cached_tables() if host else []
+        arrays = [a for tab in tables for a in (tab.cost, tab.split, tab.kind)]
+        check = _Check.start(dev, found + arrays, host_tables=host)
+        # A table grown in this call replaces the cached one: the meter sees
+        # the old one freed if it traces its arrays (adopted where the meter
+        # owns the tracing, or made while an outer meter traced), not if they
+        # were made before any tracing began.
+        unseen = {id(a) for a in check.meter.untraced(arrays)}
+        check.tables = tuple(
+            (weakref.ref(tab), tab.nbytes,
+             check.adopted > 0 if check.meter.owns_tracing
+             else not {id(tab.cost), id(tab.split), id(tab.kind)} & unseen)
+            for tab in tables)
         self._open_meter = check.meter
         return check
+
+    @staticmethod
+    def _tables_built(check: "_Check") -> int:
+        """What the planning tables built since ``check`` began add to its
+        meter's figures (host memory, outside budgets): the tables cached
+        now and not then, less those cached then and freed since whose
+        free the meter saw."""
+        if not check.host_tables:
+            return 0
+        before = {id(ref()) for ref, _, _ in check.tables if ref() is not None}
+        added = sum(tab.nbytes for tab in chain_solver.cached_tables() if id(tab) not in before)
+        return added - sum(nbytes for ref, nbytes, seen in check.tables if seen and ref() is None)
 
     def finish_check(self, run: "_Run", backward: Optional[MemoryMeasurement]) -> None:
         check, run.meter = run.meter, None
@@ -680,8 +706,7 @@ class ChainRecompute:
         if backward is None:
             return
         # less the planning tables built in this call (host memory, outside budgets)
-        tables = max(chain_solver.table_cache_bytes() - check.tables, 0) \
-            if check.host_tables else 0
+        tables = self._tables_built(check)
         stats = check.stats
         check.own = stats.constant_bytes if stats.budget_scope == "total" else 0
         measured = max(run.forward_peak or 0, check.above(backward.absolute_peak_bytes)) \

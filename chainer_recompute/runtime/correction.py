@@ -96,6 +96,8 @@ class CallMeter:
     folded: int = 0
     #: weak references that watch those arrays
     untraced_refs: List[Any] = dataclasses.field(default_factory=list)
+    #: the bytes of the arrays found at the call that :meth:`start` adopted
+    adopted: int = 0
 
     @classmethod
     def start(cls, dev: Any, arrays: List[Any], **fields: Any) -> "CallMeter":
@@ -107,9 +109,9 @@ class CallMeter:
         subclass's)."""
         meter = dev.meter()
         meter.start()
-        dev.adopt(meter, arrays)
+        adopted = dev.adopt(meter, arrays)
         fields.setdefault("own", 0)
-        return cls(meter=meter, level=meter.current_bytes(), **fields)
+        return cls(meter=meter, level=meter.current_bytes(), adopted=adopted, **fields)
 
     def above(self, absolute_peak_bytes: int) -> int:
         """What the allocator held above its level at the call, when its

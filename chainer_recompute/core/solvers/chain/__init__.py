@@ -19,11 +19,12 @@ from .plain_bptt import StepFunction, StepGraph, plain_peak_bytes, replay_plain
 from .schedules import (hsm_policy, plain_schedule, policy_cost, revolve_beta,
                         revolve_min_forward_steps, revolve_split, schedule, simulate_slots)
 from .tables import (POLICIES, ChainTable, bptt_hsm_table, bptt_ism_table,
-                     bptt_msm_table, chain_table, check_chain,
+                     bptt_msm_table, cached_tables, chain_table, check_chain,
                      clear_table_cache, max_useful_slots, table_cache_bytes)
 
 __all__ = ["POLICIES", "ChainTable", "ByteSizes", "bptt_hsm_table", "bptt_ism_table",
-           "bptt_msm_table", "chain_table", "clear_table_cache", "table_cache_bytes", "hsm_policy",
+           "bptt_msm_table", "cached_tables", "chain_table", "clear_table_cache",
+           "table_cache_bytes", "hsm_policy",
            "max_useful_slots", "plain_schedule", "policy_cost", "revolve_beta",
            "revolve_min_forward_steps", "revolve_split", "schedule", "simulate_bytes",
            "simulate_slots", "check_chain", "CallBytes", "StepFunction", "StepGraph",

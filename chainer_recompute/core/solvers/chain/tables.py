@@ -43,7 +43,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Dict, Tuple
+from typing import Dict, List, Tuple
 
 import numpy as np
 
@@ -321,6 +321,12 @@ def table_cache_bytes() -> int:
     """Bytes of the cached tables' arrays (host memory for planning,
     outside any budget)."""
     return sum(tab.nbytes for tab in _CACHE.values())
+
+
+def cached_tables() -> List[ChainTable]:
+    """The cached tables (a table grown on demand is a new object in its
+    stead)."""
+    return list(_CACHE.values())
 
 
 def chain_table(policy: str, t: int, m: int, alpha: int = 1) -> ChainTable:

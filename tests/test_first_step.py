@@ -627,6 +627,62 @@ def test_the_captures_leave_a_stateful_links_state_as_it_is():
     assert _structure_graph(model).step.held_into_next_forward is True
 
 
+@pytest.mark.parametrize("pattern", ["input_gradient", "generator_input"])
+def test_the_captures_backward_reaches_no_variable_of_the_callers(pattern):
+    """The captures ran the model on the first rows of the caller's
+    Variable (``x[:1]``, a function of it), so their backward reached it:
+    an adversarial example's input gradient (FGSM: ``x.grad`` after
+    ``loss.backward()``) had the captures' gradients added in its first two
+    rows, and a generator that made the input (a GAN's ``D(G(z))``, the
+    generator's gradients cleared before the forward) the captures'
+    gradients in its parameters' (both found by comparing whole runs with
+    plain Chainer). The captures read Variables of their own now. Five
+    steps, bit-identical to plain Chainer, the input gradient and the
+    generator's parameters included; every step planned."""
+    rs = np.random.RandomState(5)
+    batches = [(rs.randn(8, 3, 8, 8).astype(np.float32), rs.randint(0, 10, 8).astype(np.int32))
+               for _ in range(STEPS)]
+
+    def run(apply):
+        np.random.seed(0)
+        model = ConvBN(8)
+        gen = L.Convolution2D(3, 3, 3, pad=1)
+        if apply:
+            cr.apply(model, budget="least", verbose=False)
+        opt, gen_opt = chainer.optimizers.Adam(), chainer.optimizers.Adam()
+        opt.setup(model)
+        gen_opt.setup(gen)
+        out = []
+        for x, t in batches:
+            model.cleargrads()
+            gen.cleargrads()
+            if pattern == "input_gradient":
+                xv = chainer.Variable(x)
+                model(xv, t).backward()
+                x_adv = x + 0.03 * np.sign(xv.grad)
+                extra = {"x.grad": xv.grad.tobytes()}
+                model.cleargrads()
+                loss = model(x_adv, t)
+                loss.backward()
+            else:
+                loss = model(F.tanh(gen(x)), t)
+                loss.backward()
+                extra = {"gen" + path: (p.array.tobytes(), p.grad.tobytes())
+                         for path, p in gen.namedparams()}
+                gen_opt.update()
+            opt.update()
+            rec = records(model, loss)
+            rec.update(extra)
+            out.append(rec)
+            if apply:
+                assert cr.runner_of(model).last_stats.path == "planned"
+        return out
+
+    plain, ours = Run(), Run()
+    plain.records, ours.records = run(False), run(True)
+    assert_same_records(plain, ours, same_keys=True)
+
+
 def test_planners_memory_over_a_small_models_budget_is_said(caplog, monkeypatch):
     """On a narrow network of about a hundred KiB the first call's captures
     and planning take more than the budget leaves beside its arrays: that

@@ -21,9 +21,9 @@ from .arrays import (attribute_arrays, backward_from, buffer_print, fingerprint,
                      same_array)  # noqa: F401
 from .recorder import Call, Recorder
 from .safety import _ANALYSIS_CACHE, Analysis, analyse_function  # noqa: F401
-from .trace import leave_no_trace
+from .trace import detached_arguments, leave_no_trace
 
 __all__ = ["Analysis", "Call", "Recorder", "analyse_function", "attribute_arrays",
-           "backward_from", "batch_size_of", "capture", "fingerprint", "function_op",
-           "leave_no_trace", "owner_of", "persistent_array_ids", "result_variables", "root_of",
+           "backward_from", "batch_size_of", "capture", "detached_arguments", "fingerprint",
+           "function_op", "leave_no_trace", "owner_of", "persistent_array_ids", "result_variables", "root_of",
            "same_array", "state_bytes"]

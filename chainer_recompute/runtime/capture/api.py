@@ -13,7 +13,7 @@ from ...core.graph import Graph
 from .accounting import batch_size_of, state_bytes
 from .arrays import backward_from
 from .recorder import Recorder
-from .trace import leave_no_trace
+from .trace import detached_arguments, leave_no_trace
 
 def capture(model: Callable[..., Any], *args: Any, backward: bool = False,
             analyse: bool = True, cost_model: str = "measured",
@@ -65,6 +65,7 @@ def capture(model: Callable[..., Any], *args: Any, backward: bool = False,
     if batch_size is None:
         batch_size = batch_size_of(args, kwargs)
     with leave_no_trace(model if link is None else link):
+        args, kwargs = detached_arguments(args, kwargs)
         rec = Recorder(analyse=analyse, link=link, args=list(args) + list(kwargs.values()))
         try:
             with rec:

@@ -3,18 +3,64 @@ everything plain Chainer would not have changed.
 
 The global random states, the persistent values and attributes of every
 Link reached (not only the model), lazily created parameters and gradients
-are restored.
+are restored; the extra forward reads the caller's arguments through
+Variables of its own (:func:`detached_arguments`), so its backward
+reaches no Variable of the caller's.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Iterator
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 from .. import _chainer  # noqa: F401  (NumPy 2 compatibility before chainer)
 import chainer
 
 from ..device import RandomStates
 from .arrays import is_array
+
+def detached_arguments(args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                       rows: Optional[int] = None, batch: Optional[int] = None
+                       ) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+    """The arguments of an extra forward: each ``chainer.Variable`` among
+    them (in tuples, lists and dicts too; not a Parameter) a new one of its
+    array, the same Variable the same new one. One of the caller's that a
+    function made gets a new one a function makes too (an identity applied
+    to a new leaf), so that the extra graph's backward goes on outside the
+    model as the real one does, and ends there: the caller's Variable (its
+    ``grad``: an adversarial example's input gradient) and the graph that
+    made it (a generator's parameters) get nothing from it. With ``rows``,
+    every top-level argument whose first axis has ``batch`` rows is cut to
+    its first ``rows``.
+
+    >>> import numpy as np
+    >>> x = chainer.Variable(np.ones((4, 2), np.float32))
+    >>> (y,), _ = detached_arguments((x,), {}, rows=1, batch=4)
+    >>> y is not x, y.shape, y.creator is None, y.requires_grad
+    (True, (1, 2), True, True)
+    """
+    made: Dict[int, Any] = {}
+
+    def new(x: Any, cut: bool) -> Any:
+        if isinstance(x, (tuple, list)):
+            return type(x)(new(v, False) for v in x) if type(x) in (tuple, list) else x
+        if isinstance(x, dict):
+            return {k: new(v, False) for k, v in x.items()}
+        if isinstance(x, chainer.Parameter):
+            return x
+        arr = x.raw_array if isinstance(x, chainer.Variable) else x
+        if cut and is_array(arr) and arr.ndim and arr.shape[0] == batch:
+            arr = arr[:rows]
+        if not isinstance(x, chainer.Variable):
+            return arr
+        if id(x) not in made:
+            leaf = chainer.Variable(arr, requires_grad=x.requires_grad)
+            made[id(x)] = (chainer.functions.identity(leaf) if x.creator_node is not None
+                           else leaf)
+        return made[id(x)]
+
+    cut = rows is not None and batch is not None and rows < batch
+    return (tuple(new(a, cut) for a in args), {k: new(v, cut) for k, v in kwargs.items()})
+
 
 def _uninitialize(param: chainer.Parameter) -> None:
     """Put a lazily initialised parameter back to its uninitialised state."""

@@ -22,7 +22,7 @@ from ...core.errors import InfeasibleBudgetError
 from ...core.graph import Graph
 from ...core.replay import replay_peak
 from ...core.units import format_bytes
-from ..capture import batch_size_of, leave_no_trace, state_bytes
+from ..capture import batch_size_of, detached_arguments, leave_no_trace, state_bytes
 from ..executor import IterationHook, Program
 from ..program import Probation
 from .describe import describe_plan
@@ -631,16 +631,7 @@ class Planner:
         its first function (``L.Classifier`` does: plain Chainer then does
         not hold the previous step's graph through the forward)."""
         link = self._link(args)
-        cut_args, cut_kwargs = args, kwargs
-        if small is not None and batch is not None and small < batch:
-            def cut(x: Any) -> Any:
-                arr = x.raw_array if isinstance(x, chainer.Variable) else x
-                if isinstance(arr, chainer.get_array_types()) and arr.ndim and \
-                        arr.shape[0] == batch:
-                    return x[:small]
-                return x
-            cut_args = tuple(cut(a) for a in args)
-            cut_kwargs = {k: cut(v) for k, v in kwargs.items()}
+        cut_args, cut_kwargs = detached_arguments(args, kwargs, small, batch)
         from ..device import device_of
         from .metering import _abandon, _distinct_bytes, _own_arrays
         arrays = list(cut_args) + list(cut_kwargs.values())

@@ -627,7 +627,19 @@ def test_the_captures_leave_a_stateful_links_state_as_it_is():
     assert _structure_graph(model).step.held_into_next_forward is True
 
 
-@pytest.mark.parametrize("pattern", ["input_gradient", "generator_input"])
+class ReadsAnothersWeight(ConvBN):
+    """ConvBN whose forward first applies another Link's weight, read
+    without calling that Link (a tied parameter)."""
+
+    def __init__(self, other: chainer.Link) -> None:
+        super().__init__(8)
+        self.other = other  # (not a child: its parameter is the other model's)
+
+    def forward(self, x, t):
+        return super().forward(F.convolution_2d(x, self.other.W, pad=1), t)
+
+
+@pytest.mark.parametrize("pattern", ["input_gradient", "generator_input", "tied_parameter"])
 def test_the_captures_backward_reaches_no_variable_of_the_callers(pattern):
     """The captures ran the model on the first rows of the caller's
     Variable (``x[:1]``, a function of it), so their backward reached it:
@@ -636,17 +648,20 @@ def test_the_captures_backward_reaches_no_variable_of_the_callers(pattern):
     rows, and a generator that made the input (a GAN's ``D(G(z))``, the
     generator's gradients cleared before the forward) the captures'
     gradients in its parameters' (both found by comparing whole runs with
-    plain Chainer). The captures read Variables of their own now. Five
-    steps, bit-identical to plain Chainer, the input gradient and the
-    generator's parameters included; every step planned."""
+    plain Chainer). The captures read Variables of their own now. A
+    parameter of another Link that the model reads without calling it (a
+    weight tied in) had the captures' gradients too: the captures put back
+    the gradients of every parameter they read. Five steps, bit-identical
+    to plain Chainer, the input gradient and the other Link's parameters
+    included; every step planned."""
     rs = np.random.RandomState(5)
     batches = [(rs.randn(8, 3, 8, 8).astype(np.float32), rs.randint(0, 10, 8).astype(np.int32))
                for _ in range(STEPS)]
 
     def run(apply):
         np.random.seed(0)
-        model = ConvBN(8)
         gen = L.Convolution2D(3, 3, 3, pad=1)
+        model = ReadsAnothersWeight(gen) if pattern == "tied_parameter" else ConvBN(8)
         if apply:
             cr.apply(model, budget="least", verbose=False)
         opt, gen_opt = chainer.optimizers.Adam(), chainer.optimizers.Adam()
@@ -665,9 +680,10 @@ def test_the_captures_backward_reaches_no_variable_of_the_callers(pattern):
                 loss = model(x_adv, t)
                 loss.backward()
             else:
-                loss = model(F.tanh(gen(x)), t)
+                loss = model(x, t) if pattern == "tied_parameter" else model(F.tanh(gen(x)), t)
                 loss.backward()
-                extra = {"gen" + path: (p.array.tobytes(), p.grad.tobytes())
+                extra = {"gen" + path: (p.array.tobytes(), None if p.grad is None
+                                        else p.grad.tobytes())
                          for path, p in gen.namedparams()}
                 gen_opt.update()
             opt.update()

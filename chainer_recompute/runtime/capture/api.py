@@ -64,7 +64,7 @@ def capture(model: Callable[..., Any], *args: Any, backward: bool = False,
     link = link if link is not None else _find_link(model)
     if batch_size is None:
         batch_size = batch_size_of(args, kwargs)
-    with leave_no_trace(model if link is None else link):
+    with leave_no_trace(model if link is None else link) as trace:
         args, kwargs = detached_arguments(args, kwargs)
         rec = Recorder(analyse=analyse, link=link, args=list(args) + list(kwargs.values()))
         try:
@@ -77,6 +77,7 @@ def capture(model: Callable[..., Any], *args: Any, backward: bool = False,
                            f"{len(rec.calls)} functions (last: {last})")
             raise
         rec.finish(result)
+        trace.keep_grads(ref() for ref in rec.param_refs.values())
         if backward:
             if not backward_from(result, link):
                 raise CaptureError(f"the model returned {type(result).__name__} holding no "

@@ -10,7 +10,7 @@ reaches no Variable of the caller's.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterable, Iterator, Optional, Tuple
 
 from .. import _chainer  # noqa: F401  (NumPy 2 compatibility before chainer)
 import chainer
@@ -100,12 +100,8 @@ class _LinkSnapshot:
         for p, was_uninit, grad in self.params:
             if was_uninit:
                 _uninitialize(p)
-            elif grad is None:
-                p.grad = None
-            elif p.grad is not None and p.grad.shape == grad.shape:
-                p.grad[...] = grad
             else:
-                p.grad = grad
+                _restore_grad(p, grad)
 
 
 class _LinkWatcher(chainer.LinkHook):
@@ -121,25 +117,63 @@ class _LinkWatcher(chainer.LinkHook):
             self.snapshots[id(link)] = _LinkSnapshot(link)
 
 
+class _Trace:
+    """What :func:`leave_no_trace` puts back (``snapshots``: by Link), and
+    the gradients of parameters read outside any Link's call
+    (:meth:`keep_grads`)."""
+
+    def __init__(self) -> None:
+        self.snapshots: Dict[int, _LinkSnapshot] = {}
+        self.grads: Dict[int, Tuple[chainer.Parameter, Any]] = {}
+
+    def keep_grads(self, params: Iterable[Any]) -> None:
+        """Put back the gradients of ``params`` too, as they are now: the
+        parameters the block's forward read, before its backward. Those of
+        a Link it called or that is under the model are put back anyway; a
+        parameter read without its Link's call (another model's weight,
+        tied in) is not, and a backward through the block adds to its
+        gradient."""
+        owned = {id(p) for snap in self.snapshots.values() for p, _, _ in snap.params}
+        for p in params:
+            if p is not None and id(p) not in owned and id(p) not in self.grads:
+                self.grads[id(p)] = (p, _grad_copy(p))
+
+    def restore(self) -> None:
+        for snap in self.snapshots.values():
+            snap.restore()
+        for p, grad in self.grads.values():
+            _restore_grad(p, grad)
+
+
+def _restore_grad(p: chainer.Parameter, grad: Any) -> None:
+    if grad is None:
+        p.grad = None
+    elif p.grad is not None and p.grad.shape == grad.shape:
+        p.grad[...] = grad
+    else:
+        p.grad = grad
+
+
 @contextlib.contextmanager
-def leave_no_trace(model: Any) -> Iterator[None]:
+def leave_no_trace(model: Any) -> Iterator[_Trace]:
     """Run a block (an extra forward, and backward) and put back everything
     plain Chainer would not have changed: the global random states (NumPy,
     CuPy), the persistent values and attributes (an ``L.LSTM``'s state, a
     BatchNorm's statistics and counters) of every Link called in the block
     and of every Link under ``model``, lazily created parameters, and the
-    gradients of the parameters. The block draws from other random states
-    (:meth:`RandomStates.isolated`): CuPy's generators are objects that its
-    draws advance, so only fresh ones leave the caller's untouched."""
-    snapshots: Dict[int, _LinkSnapshot] = {}
+    gradients of the parameters (of other ones the block's forward read,
+    named to :meth:`_Trace.keep_grads` before its backward, too). The block
+    draws from other random states (:meth:`RandomStates.isolated`): CuPy's
+    generators are objects that its draws advance, so only fresh ones leave
+    the caller's untouched."""
+    trace = _Trace()
     link = model if isinstance(model, chainer.Link) else getattr(model, "__self__", None)
     if isinstance(link, chainer.Link):
         for sub in link.links():
-            snapshots[id(sub)] = _LinkSnapshot(sub)
-    watcher = _LinkWatcher(snapshots)
+            trace.snapshots[id(sub)] = _LinkSnapshot(sub)
+    watcher = _LinkWatcher(trace.snapshots)
     try:
         with RandomStates.isolated(), watcher:
-            yield
+            yield trace
     finally:
-        for snap in snapshots.values():
-            snap.restore()
+        trace.restore()

@@ -640,7 +640,7 @@ class Planner:
         meter = dev.meter()
         meter.start()
         try:
-            with leave_no_trace(link if link is not None else self.fn):
+            with leave_no_trace(link if link is not None else self.fn) as trace:
                 hook = IterationHook(link=link,
                                      args=list(cut_args) + list(cut_kwargs.values()))
                 probe = [(sub, name) for sub, name in
@@ -649,6 +649,7 @@ class Planner:
                 with _writes_before_first_function(hook, probe), _Active(), hook:
                     out = self.fn(*cut_args, **cut_kwargs)
                 hook.finish(out)
+                trace.keep_grads(ref() for ref in hook.recorder.param_refs.values())
                 from ..capture import backward_from
                 backward_from(out, link)
                 del out

@@ -639,7 +639,16 @@ class ReadsAnothersWeight(ConvBN):
         return super().forward(F.convolution_2d(x, self.other.W, pad=1), t)
 
 
-@pytest.mark.parametrize("pattern", ["input_gradient", "generator_input", "tied_parameter"])
+class ScalesItsInput(ConvBN):
+    """ConvBN that scales its input array in place first."""
+
+    def forward(self, x, t):
+        x *= 0.5
+        return super().forward(x, t)
+
+
+@pytest.mark.parametrize("pattern", ["input_gradient", "generator_input", "tied_parameter",
+                                     "input_scaled_in_place"])
 def test_the_captures_backward_reaches_no_variable_of_the_callers(pattern):
     """The captures ran the model on the first rows of the caller's
     Variable (``x[:1]``, a function of it), so their backward reached it:
@@ -651,9 +660,11 @@ def test_the_captures_backward_reaches_no_variable_of_the_callers(pattern):
     plain Chainer). The captures read Variables of their own now. A
     parameter of another Link that the model reads without calling it (a
     weight tied in) had the captures' gradients too: the captures put back
-    the gradients of every parameter they read. Five steps, bit-identical
-    to plain Chainer, the input gradient and the other Link's parameters
-    included; every step planned."""
+    the gradients of every parameter they read. A model that scales its
+    input array in place scaled the caller's first rows once per capture
+    too: the captures read copies. Five steps, bit-identical to plain
+    Chainer, the input gradient and the other Link's parameters included;
+    every step planned."""
     rs = np.random.RandomState(5)
     batches = [(rs.randn(8, 3, 8, 8).astype(np.float32), rs.randint(0, 10, 8).astype(np.int32))
                for _ in range(STEPS)]
@@ -661,7 +672,8 @@ def test_the_captures_backward_reaches_no_variable_of_the_callers(pattern):
     def run(apply):
         np.random.seed(0)
         gen = L.Convolution2D(3, 3, 3, pad=1)
-        model = ReadsAnothersWeight(gen) if pattern == "tied_parameter" else ConvBN(8)
+        model = (ReadsAnothersWeight(gen) if pattern == "tied_parameter" else
+                 ScalesItsInput(8) if pattern == "input_scaled_in_place" else ConvBN(8))
         if apply:
             cr.apply(model, budget="least", verbose=False)
         opt, gen_opt = chainer.optimizers.Adam(), chainer.optimizers.Adam()
@@ -680,11 +692,14 @@ def test_the_captures_backward_reaches_no_variable_of_the_callers(pattern):
                 loss = model(x_adv, t)
                 loss.backward()
             else:
-                loss = model(x, t) if pattern == "tied_parameter" else model(F.tanh(gen(x)), t)
+                x = x.copy()  # (the model may scale it)
+                loss = (model(F.tanh(gen(x)), t) if pattern == "generator_input" else
+                        model(x, t))
                 loss.backward()
-                extra = {"gen" + path: (p.array.tobytes(), None if p.grad is None
-                                        else p.grad.tobytes())
-                         for path, p in gen.namedparams()}
+                extra = {"x": x.tobytes()}
+                extra.update({"gen" + path: (p.array.tobytes(), None if p.grad is None
+                                             else p.grad.tobytes())
+                              for path, p in gen.namedparams()})
                 gen_opt.update()
             opt.update()
             rec = records(model, loss)

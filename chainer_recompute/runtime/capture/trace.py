@@ -21,16 +21,18 @@ from .arrays import is_array
 def detached_arguments(args: Tuple[Any, ...], kwargs: Dict[str, Any],
                        rows: Optional[int] = None, batch: Optional[int] = None
                        ) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
-    """The arguments of an extra forward: each ``chainer.Variable`` among
-    them (in tuples, lists and dicts too; not a Parameter) a new one of its
-    array, the same Variable the same new one. One of the caller's that a
-    function made gets a new one a function makes too (an identity applied
-    to a new leaf), so that the extra graph's backward goes on outside the
-    model as the real one does, and ends there: the caller's Variable (its
-    ``grad``: an adversarial example's input gradient) and the graph that
-    made it (a generator's parameters) get nothing from it. With ``rows``,
-    every top-level argument whose first axis has ``batch`` rows is cut to
-    its first ``rows``.
+    """The arguments of an extra forward, which changes none of the
+    caller's: each array among them (in tuples, lists and dicts too) a copy
+    (a model that scales its input in place scales the caller's once, in
+    the real call), and each ``chainer.Variable`` (not a Parameter) a new
+    one of a copy of its array; the same one the same new one. One of
+    the caller's that a function made gets a new one a function makes too
+    (an identity applied to a new leaf), so that the extra graph's backward
+    goes on outside the model as the real one does, and ends there: the
+    caller's Variable (its ``grad``: an adversarial example's input
+    gradient) and the graph that made it (a generator's parameters) get
+    nothing from it. With ``rows``, every top-level argument whose first
+    axis has ``batch`` rows is cut to its first ``rows``.
 
     >>> import numpy as np
     >>> x = chainer.Variable(np.ones((4, 2), np.float32))
@@ -38,7 +40,7 @@ def detached_arguments(args: Tuple[Any, ...], kwargs: Dict[str, Any],
     >>> y is not x, y.shape, y.creator is None, y.requires_grad
     (True, (1, 2), True, True)
     """
-    made: Dict[int, Any] = {}
+    made: Dict[Tuple[int, bool], Any] = {}
 
     def new(x: Any, cut: bool) -> Any:
         if isinstance(x, (tuple, list)):
@@ -48,15 +50,18 @@ def detached_arguments(args: Tuple[Any, ...], kwargs: Dict[str, Any],
         if isinstance(x, chainer.Parameter):
             return x
         arr = x.raw_array if isinstance(x, chainer.Variable) else x
-        if cut and is_array(arr) and arr.ndim and arr.shape[0] == batch:
-            arr = arr[:rows]
-        if not isinstance(x, chainer.Variable):
-            return arr
-        if id(x) not in made:
-            leaf = chainer.Variable(arr, requires_grad=x.requires_grad)
-            made[id(x)] = (chainer.functions.identity(leaf) if x.creator_node is not None
-                           else leaf)
-        return made[id(x)]
+        if not is_array(arr):
+            return x
+        key = (id(x), cut)
+        if key not in made:
+            arr = (arr[:rows] if cut and arr.ndim and arr.shape[0] == batch else arr).copy()
+            if not isinstance(x, chainer.Variable):
+                made[key] = arr
+            else:
+                leaf = chainer.Variable(arr, requires_grad=x.requires_grad)
+                made[key] = (chainer.functions.identity(leaf) if x.creator_node is not None
+                             else leaf)
+        return made[key]
 
     cut = rows is not None and batch is not None and rows < batch
     return (tuple(new(a, cut) for a in args), {k: new(v, cut) for k, v in kwargs.items()})

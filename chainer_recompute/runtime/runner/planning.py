@@ -636,7 +636,8 @@ class Planner:
         from .metering import _abandon, _distinct_bytes, _own_arrays
         arrays = list(cut_args) + list(cut_kwargs.values())
         dev = device_of(arrays)
-        own = _distinct_bytes(dev, _own_arrays(link, arrays))
+        # (the model's state, the caller's arguments and the copies it reads)
+        own = _distinct_bytes(dev, _own_arrays(link, list(args) + list(kwargs.values()) + arrays))
         meter = dev.meter()
         meter.start()
         try:

@@ -351,9 +351,28 @@ class Recorder(chainer.FunctionHook):
         self._map_pending()
         self._unrecorded.end_tail()
         self.forward_done = True
+        if self.recording:
+            self._note_unchained()
         self._watch.clear()
         self.returned = sorted({self.array_of[v.node] for v in result_variables(result)
                                 if v.node in self.array_of})
+
+    def _note_unchained(self) -> None:
+        """Functions the forward unchained (``unchain_backward()`` or
+        ``unchain()`` inside the model: truncated backpropagation within
+        one call) whose outputs something still reads: Chainer let go of
+        them before the backward, so they cannot be run again."""
+        arrays, calls = self.arrays, self.calls
+        for ref, aid in self.array_of.ids.items():
+            node = ref()
+            producer = arrays[aid].producer if node is not None else None
+            if producer is None or node.creator_node is not None:
+                continue
+            call = calls[producer]
+            if call.recomputable:
+                call.recomputable = False
+                call.reason = ("unchained in the forward (unchain_backward() or unchain() "
+                               "inside the model): Chainer lets go of it before the backward")
 
     # ------------------------------------------------ unrecorded work
     def _aside(self, function: Any, in_data: Tuple[Any, ...]) -> Aside:

@@ -539,11 +539,11 @@ class Recompute:
 
     def _checked_plain(self, entry: Any) -> bool:
         """A plan that drops nothing, checked against the allocator, runs as
-        plain Chainer, no hook (its structure is no longer followed): True
-        then, its stats set."""
+        plain Chainer, no hook (its structure is no longer followed), where
+        plain Chainer keeps its budget: True then, its stats set."""
         if not (len(entry.structures) == 1 and not entry.structures[0].program.dropped
                 and entry.structures[0].checked >= self.spec.check_iterations
-                and self.plain_when_nothing_dropped):
+                and self.plain_when_nothing_dropped and self._plain_fits(entry.structures[0])):
             return False
         self.steps.last_hook = None
         s = entry.structures[0]
@@ -552,6 +552,26 @@ class Recompute:
         stats.predicted_peak_bytes = s.plan.predicted_peak_bytes
         stats.budget_bytes = s.plan.budget_bytes
         return True
+
+    def _plain_fits(self, s: Any) -> bool:
+        """Whether plain Chainer keeps the budget of structure ``s``, whose
+        plan drops nothing: with its graph held through the optimizer's
+        update (a loop that keeps its ``loss`` until then holds it), where
+        the executor releases each array after its last backward reader
+        (the plan's release mode ``none``: the least budget of a model that
+        drops nothing can count on those releases). Checked once."""
+        if s.plain_fits is None:
+            from ...core.budget import limit_of
+            from ...core.replay import replay
+            budget, scope = s.plan.budget_bytes, self.spec.budget_scope
+            if s.program.release_mode != "none" or budget is None:
+                s.plain_fits = True
+            else:
+                held = replay(s.graph.with_step(kept_after_backward=True), None,
+                              release_mode="all").peak_bytes
+                s.plain_fits = (held <= s.plan.predicted_peak_bytes
+                                or (scope == "total" and held <= limit_of(budget)))
+        return s.plain_fits
 
     def _run(self, entry: Any, link: Optional[chainer.Link], mark: Any,
              args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[IterationHook, Any]:

@@ -34,7 +34,8 @@ _Recording = collections.namedtuple(
 class _Structure:
     """One planned graph of a signature."""
 
-    __slots__ = ("graph", "plan", "program", "planning_time_s", "checked", "workspace_bytes")
+    __slots__ = ("graph", "plan", "program", "planning_time_s", "checked", "workspace_bytes",
+                 "plain_fits")
 
     def __init__(self, graph: Graph, plan: Any, program: Program, planning_time_s: float,
                  workspace_bytes: Optional[int] = None):
@@ -42,6 +43,9 @@ class _Structure:
         self.planning_time_s = planning_time_s
         self.workspace_bytes = workspace_bytes  # the convolutions' bound its calls run under
         self.checked = 0  # planned iterations whose peak was measured
+        #: whether plain Chainer keeps what its plan keeps (see
+        #: ``Recompute._checked_plain``); None: not known yet
+        self.plain_fits: Optional[bool] = None
 
 
 class _Entry:

@@ -22,7 +22,8 @@ def detached_arguments(args: Tuple[Any, ...], kwargs: Dict[str, Any],
                        rows: Optional[int] = None, batch: Optional[int] = None
                        ) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
     """The arguments of an extra forward, which changes none of the
-    caller's: each array among them (in tuples, lists and dicts too) a copy
+    caller's: each array among them (in tuples, lists and dicts too, not
+    their subclasses) a copy
     (a model that scales its input in place scales the caller's once, in
     the real call), and each ``chainer.Variable`` (not a Parameter) a new
     one of a copy of its array; the same one the same new one. One of
@@ -43,9 +44,9 @@ def detached_arguments(args: Tuple[Any, ...], kwargs: Dict[str, Any],
     made: Dict[Tuple[int, bool], Any] = {}
 
     def new(x: Any, cut: bool) -> Any:
-        if isinstance(x, (tuple, list)):
-            return type(x)(new(v, False) for v in x) if type(x) in (tuple, list) else x
-        if isinstance(x, dict):
+        if type(x) in (tuple, list):  # (not a subclass: a namedtuple, a dict with
+            return type(x)(new(v, False) for v in x)  # attribute access, left as it is)
+        if type(x) is dict:
             return {k: new(v, False) for k, v in x.items()}
         if isinstance(x, chainer.Parameter):
             return x

@@ -95,6 +95,10 @@ class Call:
     #: (role ``drawn``): a plan made later can release them and draw them
     #: again from it
     rng_state: Any = None
+    #: a recording's prints of the inputs before the forward (until they are
+    #: compared with their producers') and of the outputs after it
+    in_prints: Optional[List[Any]] = None
+    out_prints: Optional[Tuple[Any, ...]] = None
 
     def __init__(self, index: int, func: Any, in_data: Tuple[Any, ...],
                  in_args: Tuple[Optional[str], ...], link: str = "") -> None:
@@ -300,6 +304,8 @@ class Recorder(chainer.FunctionHook):
         call.keep_out = tuple(function._output_indexes_to_retain or ())
         if call.measured or not self._describe_as_planned(call, out):
             self._describe(call, function, in_data, out, roles)
+        if call.in_prints is not None:
+            call.out_prints = tuple([buffer_print(y) for y in out])
         # A local hook, to see its backward (FunctionNode.add_hook's work,
         # without its checks and its ``added`` call, which does nothing here:
         # this runs for every function of every step)
@@ -357,6 +363,27 @@ class Recorder(chainer.FunctionHook):
         self.returned = sorted({self.array_of[v.node] for v in result_variables(result)
                                 if v.node in self.array_of})
 
+    def _note_written_between(self, call: Call) -> None:
+        """A recorded call's inputs as they were right before its forward,
+        against its producers' outputs right after theirs: one that differs
+        was written in place in between by the model's own code (a causal
+        mask written into attention scores' ``.array``), so its producer,
+        run again, would not give what the call read."""
+        arrays, calls = self.arrays, self.calls
+        for j, (aid, seen) in enumerate(zip(call.in_ids, call.in_prints)):
+            producer = arrays[aid].producer
+            if seen is None or producer is None or producer >= call.index:
+                continue
+            made = calls[producer]
+            if made.out_prints is None or made.out_ids is None or aid not in made.out_ids:
+                continue
+            if made.out_prints[made.out_ids.index(aid)] != seen and made.recomputable:
+                made.recomputable = False
+                made.reason = (f"its output was written in place before {call.op} read it "
+                               f"(an assignment to a Variable's .array in the model): run "
+                               f"again, it would not give what was read")
+        call.in_prints = None
+
     def _note_unchained(self) -> None:
         """Functions the forward unchained (``unchain_backward()`` or
         ``unchain()`` inside the model: truncated backpropagation within
@@ -399,10 +426,13 @@ class Recorder(chainer.FunctionHook):
         if self.recording:
             attrs_before = {(id(o), n): fingerprint(a) for o, n, a in attribute_arrays(function)}
             # Whether a function writes its inputs depends on its class and
-            # configuration: checked the first time, then trusted.
+            # configuration: checked the first time, then trusted. The
+            # inputs' prints are kept to compare with their producers' (see
+            # _note_written_between).
             key = _config_key(function)
-            inputs_before = ([buffer_print(x) if is_array(x) else None for x in in_data]
-                             if _WRITES_INPUTS.get(key, True) else [None] * len(in_data))
+            prints = [buffer_print(x) if is_array(x) else None for x in in_data]
+            call.in_prints = prints
+            inputs_before = prints if _WRITES_INPUTS.get(key, True) else [None] * len(in_data)
             dev = device_of(in_data)
             self.on_cupy = self.on_cupy or dev.is_gpu
             meter = dev.meter() if measure else None
@@ -563,6 +593,8 @@ class Recorder(chainer.FunctionHook):
                 has_backward = True
         call.in_ids = tuple(in_ids)
         call.has_backward = has_backward
+        if call.in_prints is not None:
+            self._note_written_between(call)
         if call.inner:
             inner = []
             for p in call.inner.values():

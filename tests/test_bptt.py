@@ -229,6 +229,63 @@ def test_a_planning_table_grown_in_a_call_is_left_out_of_its_measured_peak(outer
                 meter.stop()
 
 
+class BNRNNForLM(chainer.Chain):
+    """The PTB model with BatchNormalization on the embeddings: its running
+    statistics are persistent values each step writes once."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.embed = L.EmbedID(V, U)
+            self.bn = L.BatchNormalization(U)
+            self.l1 = L.LSTM(U, U)
+            self.l2 = L.Linear(U, V)
+
+    def forward(self, x):
+        return self.l2(self.l1(self.bn(self.embed(x))))
+
+
+@pytest.mark.parametrize("runner_args", [dict(policy="msm", budget="least"),
+                                         dict(policy="hsm", slots=3)])
+def test_a_step_run_again_writes_no_persistent_value(runner_args):
+    """A step the schedule runs again (and the first call's measurement of
+    the cell) updated BatchNormalization's running statistics once more
+    each time: after every update they differed from plain BPTT's. A step
+    writes its persistent values at its first run only; loss, gradients,
+    parameters, running statistics and RNG identical over three calls."""
+    t = 20
+    data = np.random.RandomState(1).randint(0, V, (3 * t + 1, B)).astype(np.int32)
+
+    def train(args):
+        np.random.seed(0)
+        model = L.Classifier(BNRNNForLM())
+        opt = chainer.optimizers.SGD(lr=0.5)
+        opt.setup(model)
+        runner = bptt.ChainRecompute(model, **args) if args else None
+        out = []
+        for it in range(3):
+            xs, ts = data[it * t:(it + 1) * t], data[it * t + 1:(it + 1) * t + 1]
+            if runner is None:
+                loss = 0
+                for x, y in zip(xs, ts):
+                    loss += model(x, y)
+            else:
+                loss = runner(xs, ts)
+            model.cleargrads()
+            loss.backward()
+            loss.unchain_backward()
+            opt.update()
+            bn = model.predictor.bn
+            out.append([loss.array.tobytes(), bn.avg_mean.tobytes(), bn.avg_var.tobytes(),
+                        np.random.get_state()[1].tobytes()]
+                       + [p.array.tobytes() + p.grad.tobytes() for p in model.params()])
+        if runner is not None:
+            assert runner.last_stats.forward_steps > t  # (steps were run again)
+        return out
+
+    assert train(None) == train(runner_args)
+
+
 # ------------------------------------------------------------ NStepLSTM
 class Seq(chainer.Chain):
     def __init__(self):

@@ -6,8 +6,9 @@ the summed loss whose ``backward()`` runs that backward pass.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Set, Tuple
 
 from . import _chainer  # noqa: F401
 import chainer
@@ -126,6 +127,33 @@ def _graph_params(outputs: Sequence[chainer.Variable]) -> List[chainer.Parameter
 # --------------------------------------------------------------------------
 # One call.
 
+def persistent_names(model: Optional[chainer.Link]) -> List[Tuple[chainer.Link, str]]:
+    """The persistent values of ``model``'s links, by link and name."""
+    return [(link, name) for link in (model.links() if model is not None else ())
+            for name in sorted(getattr(link, "_persistent", ()))]
+
+
+@contextlib.contextmanager
+def persistents_kept(names: Sequence[Tuple[chainer.Link, str]]) -> Iterator[None]:
+    """Run steps again (a recomputation, a measurement) and put back the
+    persistent values ``names`` (:func:`persistent_names`) they wrote
+    (BatchNormalization's running statistics): plain BPTT runs each step
+    once."""
+    saved = []
+    for link, name in names:
+        value = getattr(link, name, None)
+        copy = value.copy() if isinstance(value, chainer.get_array_types()) else None
+        saved.append((link, name, value, copy))
+    try:
+        yield
+    finally:
+        for link, name, value, copy in saved:
+            if copy is not None and getattr(link, name, None) is value:
+                value[...] = copy
+            else:
+                setattr(link, name, value)
+
+
 class _Cell:
     """Runs one step of the user's cell from a given state."""
 
@@ -139,6 +167,20 @@ class _Cell:
         self.keys: List[Tuple[chainer.Link, str]] = []
         self.out_keys: List[Tuple[chainer.Link, str]] = []
         self.structure: Any = tuple
+        self.ran: Set[int] = set()  # steps run once already (their persistent writes made)
+        self._extra = False  # inside extra_runs()
+        self.persistents = persistent_names(model)
+
+    @contextlib.contextmanager
+    def extra_runs(self) -> Iterator[None]:
+        """Runs of steps beside the call's own (measuring the cell): they
+        write no persistent value and count as no step's run."""
+        self._extra = True
+        try:
+            with persistents_kept(self.persistents):
+                yield
+        finally:
+            self._extra = False
 
     # implicit state: attributes of the links
     def candidates(self) -> Dict[Tuple[int, str], Tuple[chainer.Link, str, Any]]:
@@ -159,7 +201,17 @@ class _Cell:
         return tuple(getattr(link, name) for link, name in self.keys)
 
     def run(self, k: int, state: Optional[Tuple[Any, ...]]) -> Tuple[chainer.Variable, Tuple[Any, ...]]:
-        """Step ``k`` from ``state`` (Variables, or None: the links as they are)."""
+        """Step ``k`` from ``state`` (Variables, or None: the links as they
+        are); run again (a recomputation), it writes no persistent value."""
+        if self._extra:
+            return self._run(k, state)
+        if k in self.ran and self.persistents:
+            with persistents_kept(self.persistents):
+                return self._run(k, state)
+        self.ran.add(k)
+        return self._run(k, state)
+
+    def _run(self, k: int, state: Optional[Tuple[Any, ...]]) -> Tuple[chainer.Variable, Tuple[Any, ...]]:
         args = tuple(seq[k] for seq in self.seqs)
         if self.explicit:
             out = self.step(self.pack(state), *args)

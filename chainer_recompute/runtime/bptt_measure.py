@@ -36,7 +36,7 @@ def recurrent_mask(cell: _Cell, k: int, state_arrays: Tuple[Any, ...]) -> Tuple[
     implicit_state = None if cell.explicit else cell.get_state()
     try:
         inputs = _leaves(state_arrays)
-        with chainer.using_config("enable_backprop", True):
+        with chainer.using_config("enable_backprop", True), cell.extra_runs():
             loss, outputs = cell.run(k, inputs)
         seen, stack = set(), [v.node for v in (loss,) + tuple(outputs)
                               if isinstance(v, chainer.Variable)]
@@ -73,7 +73,9 @@ class _Measured:
 
 
 def _measure(cell: _Cell, k: int, state_arrays: Tuple[Any, ...]) -> _Measured:
-    with _meter(cell):  # one tracing session for the measurements below
+    # (one tracing session for the measurements below; the runs of step k
+    # there are extra: its persistent values are put back after them)
+    with cell.extra_runs(), _meter(cell):
         return _measure_step(cell, k, state_arrays)
 
 

@@ -813,8 +813,13 @@ class IterationHook(chainer.FunctionHook):
                 continue
             f = calls[u].func()
             if f is None:
-                raise RecomputeError(f"cannot regenerate node {u} ({calls[u].op}): its "
-                                     f"function node no longer exists")
+                link = calls[u].link or "the model"
+                raise RecomputeError(
+                    f"cannot regenerate node {u} ({calls[u].op}, applied by {link}): Chainer "
+                    f"let go of its function before this backward (the model unchained it, "
+                    f"with unchain_backward() or unchain() in its forward, where the recorded "
+                    f"calls did not), so the arrays the plan dropped from it are lost. "
+                    f"apply(..., keep=[{link!r}]) keeps that link's outputs")
             order.add(u)
             for j, a in enumerate(calls[u].in_ids or ()):
                 if a not in kept and self._input_array(f, j, a, values) is None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 
 import numpy as np
+import pytest
 
 import chainer
 import chainer.functions as F
@@ -335,20 +336,51 @@ class MaskedAttention(chainer.Chain):
         return F.softmax_cross_entropy(self.out(F.reshape(h, (b * t, -1))), ts.reshape(-1))
 
 
-def test_an_output_the_model_writes_in_place_is_not_recomputed():
+class ScalesAfterUse(chainer.Chain):
+    """Residual tanh layers whose tanh output, which the next Linear keeps
+    for its backward, the model scales in place after that Linear ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with self.init_scope():
+            self.layers = chainer.ChainList(*[L.Linear(32, 32) for _ in range(6)])
+            self.out = L.Linear(32, 10)
+
+    def forward(self, x, t):
+        h = x
+        for layer in self.layers:
+            g = F.tanh(h)
+            h = layer(g) + h
+            g.array *= 0.5
+        return F.softmax_cross_entropy(self.out(h), t)
+
+
+def _tokens(rs):
+    return [(rs.randint(0, 50, (8, 12)).astype(np.int32),
+             rs.randint(0, 50, (8, 12)).astype(np.int32)) for _ in range(5)]
+
+
+def _vectors(rs):
+    return [(rs.randn(64, 32).astype(np.float32), rs.randint(0, 10, 64).astype(np.int32))
+            for _ in range(5)]
+
+
+@pytest.mark.parametrize("make, batches", [(MaskedAttention, _tokens),
+                                           (ScalesAfterUse, _vectors)])
+def test_an_output_the_model_writes_in_place_is_not_recomputed(make, batches):
     """The plan dropped the attention scores, which the model masks in
     place after the function that made them: regenerated, they came back
     unmasked, and the gradients differed from plain Chainer's from the
-    first step, silently. A recording compares each input, right before
-    its function runs, with its producer's output right after it ran; the
-    producer of one written in between is not recomputable. Bit for bit
-    plain Chainer's, every step planned with something dropped."""
-    rs = np.random.RandomState(0)
-    data = [(rs.randint(0, 50, (8, 12)).astype(np.int32),
-             rs.randint(0, 50, (8, 12)).astype(np.int32)) for _ in range(5)]
+    first step, silently. So did a tanh output the model scaled after the
+    Linear that keeps it for its backward had run. A recording compares
+    each input right before its function runs, and at the forward's end
+    each array kept for a backward, with its producer's output right after
+    that ran; the producer of one written since is not recomputable. Bit
+    for bit plain Chainer's, every step planned with something dropped."""
+    data = batches(np.random.RandomState(0))
 
     def scenario(env):
-        model = env.apply("model", MaskedAttention(), **DEFAULTS)
+        model = env.apply("model", make(), **DEFAULTS)
         opt = env.optimizer("main", chainer.optimizers.Adam(), model)
         for i, (xs, ts) in enumerate(data):
             model.cleargrads()

@@ -359,6 +359,7 @@ class Recorder(chainer.FunctionHook):
         self.forward_done = True
         if self.recording:
             self._note_unchained()
+            self._note_retained_written()
         self._watch.clear()
         self.returned = sorted({self.array_of[v.node] for v in result_variables(result)
                                 if v.node in self.array_of})
@@ -377,12 +378,42 @@ class Recorder(chainer.FunctionHook):
             made = calls[producer]
             if made.out_prints is None or made.out_ids is None or aid not in made.out_ids:
                 continue
-            if made.out_prints[made.out_ids.index(aid)] != seen and made.recomputable:
-                made.recomputable = False
-                made.reason = (f"its output was written in place before {call.op} read it "
-                               f"(an assignment to a Variable's .array in the model): run "
-                               f"again, it would not give what was read")
+            if made.out_prints[made.out_ids.index(aid)] != seen:
+                self._not_recomputable(producer, call.op)
         call.in_prints = None
+
+    def _not_recomputable(self, producer: int, reader: str) -> None:
+        made = self.calls[producer]
+        if made.recomputable:
+            made.recomputable = False
+            made.reason = (f"its output was written in place before {reader} read it (an "
+                           f"assignment to a Variable's .array in the model): run again, it "
+                           f"would not give what was read")
+
+    def _note_retained_written(self) -> None:
+        """At the forward's end, the arrays recorded functions retain for
+        their backward against their producers' outputs right after those
+        ran: one written in place since, after its last reader's forward,
+        is what that backward reads, and its producer run again would not
+        give it."""
+        arrays, calls = self.arrays, self.calls
+        for call in calls:
+            f = call.func() if call.keep_in or call.keep_out else None
+            if f is None or f.inputs is None or call.in_ids is None or call.out_ids is None:
+                continue
+            retained = [(call.in_ids[j], f.inputs[j].data) for j in call.keep_in
+                        if j < len(call.in_ids)]
+            outs = f._retained_output_data or ()
+            retained += [(call.out_ids[k], y) for k, y in zip(call.keep_out, outs)
+                         if k < len(call.out_ids)]
+            for aid, x in retained:
+                producer = arrays[aid].producer
+                made = calls[producer] if producer is not None else None
+                if (x is None or made is None or made.out_prints is None
+                        or made.out_ids is None or aid not in made.out_ids):
+                    continue
+                if made.out_prints[made.out_ids.index(aid)] != buffer_print(x):
+                    self._not_recomputable(producer, f"the backward of {call.op}")
 
     def _note_unchained(self) -> None:
         """Functions the forward unchained (``unchain_backward()`` or

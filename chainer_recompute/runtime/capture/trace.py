@@ -22,18 +22,18 @@ def detached_arguments(args: Tuple[Any, ...], kwargs: Dict[str, Any],
                        rows: Optional[int] = None, batch: Optional[int] = None
                        ) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
     """The arguments of an extra forward, which changes none of the
-    caller's: each array among them (in tuples, lists and dicts too, not
-    their subclasses) a copy
-    (a model that scales its input in place scales the caller's once, in
-    the real call), and each ``chainer.Variable`` (not a Parameter) a new
-    one of a copy of its array; the same one the same new one. One of
-    the caller's that a function made gets a new one a function makes too
-    (an identity applied to a new leaf), so that the extra graph's backward
-    goes on outside the model as the real one does, and ends there: the
-    caller's Variable (its ``grad``: an adversarial example's input
-    gradient) and the graph that made it (a generator's parameters) get
-    nothing from it. With ``rows``, every top-level argument whose first
-    axis has ``batch`` rows is cut to its first ``rows``.
+    caller's: each ``chainer.Variable`` among them (in tuples, lists and
+    dicts too, not their subclasses; not a Parameter) a new one, the same
+    one the same new one. One of the caller's that a function made gets a
+    new one a function makes too (an identity applied to a new leaf), so
+    that the extra graph's backward goes on outside the model as the real
+    one does, and ends there: the caller's Variable (its ``grad``: an
+    adversarial example's input gradient) and the graph that made it (a
+    generator's parameters) get nothing from it. With ``batch``, each
+    top-level argument whose first axis has ``batch`` rows is a copy of
+    them (a model that scales its input in place scales the caller's once,
+    in the real call), of its first ``rows`` where ``rows`` is fewer; other
+    arrays are the caller's (a large table passed along is not copied).
 
     >>> import numpy as np
     >>> x = chainer.Variable(np.ones((4, 2), np.float32))
@@ -43,7 +43,7 @@ def detached_arguments(args: Tuple[Any, ...], kwargs: Dict[str, Any],
     """
     made: Dict[Tuple[int, bool], Any] = {}
 
-    def new(x: Any, cut: bool) -> Any:
+    def new(x: Any, top: bool) -> Any:
         if type(x) in (tuple, list):  # (not a subclass: a namedtuple, a dict with
             return type(x)(new(v, False) for v in x)  # attribute access, left as it is)
         if type(x) is dict:
@@ -53,9 +53,10 @@ def detached_arguments(args: Tuple[Any, ...], kwargs: Dict[str, Any],
         arr = x.raw_array if isinstance(x, chainer.Variable) else x
         if not is_array(arr):
             return x
-        key = (id(x), cut)
+        key = (id(x), top)
         if key not in made:
-            arr = (arr[:rows] if cut and arr.ndim and arr.shape[0] == batch else arr).copy()
+            if top and arr.ndim and arr.shape[0] == batch:
+                arr = (arr[:rows] if cut else arr).copy()
             if not isinstance(x, chainer.Variable):
                 made[key] = arr
             else:
@@ -65,7 +66,7 @@ def detached_arguments(args: Tuple[Any, ...], kwargs: Dict[str, Any],
         return made[key]
 
     cut = rows is not None and batch is not None and rows < batch
-    return (tuple(new(a, cut) for a in args), {k: new(v, cut) for k, v in kwargs.items()})
+    return (tuple(new(a, True) for a in args), {k: new(v, True) for k, v in kwargs.items()})
 
 
 def _uninitialize(param: chainer.Parameter) -> None:

@@ -2,6 +2,7 @@
 Chainer's PTB pattern (L.LSTM with dropout, state in the links) and
 L.NStepLSTM over variable-length sequences (explicit state)."""
 import doctest
+import random
 
 import chainer
 import chainer.functions as F
@@ -229,6 +230,15 @@ def test_a_planning_table_grown_in_a_call_is_left_out_of_its_measured_peak(outer
                 meter.stop()
 
 
+class NoisyRNNForLM(RNNForLM):
+    """The PTB model scaling each step's embedding by a factor drawn from
+    Python's ``random``."""
+
+    def forward(self, x):
+        h1 = self.l1(self.embed(x) * (0.5 + random.random()))
+        return self.l3(self.l2(h1))
+
+
 class BNRNNForLM(chainer.Chain):
     """The PTB model with BatchNormalization on the embeddings: its running
     statistics are persistent values each step writes once."""
@@ -245,20 +255,25 @@ class BNRNNForLM(chainer.Chain):
         return self.l2(self.l1(self.bn(self.embed(x))))
 
 
+@pytest.mark.parametrize("make", [BNRNNForLM, NoisyRNNForLM])
 @pytest.mark.parametrize("runner_args", [dict(policy="msm", budget="least"),
                                          dict(policy="hsm", slots=3)])
-def test_a_step_run_again_writes_no_persistent_value(runner_args):
+def test_a_step_run_again_writes_no_persistent_value(make, runner_args):
     """A step the schedule runs again (and the first call's measurement of
     the cell) updated BatchNormalization's running statistics once more
     each time: after every update they differed from plain BPTT's. A step
-    writes its persistent values at its first run only; loss, gradients,
-    parameters, running statistics and RNG identical over three calls."""
+    writes its persistent values at its first run only. A step drawing
+    from Python's ``random`` drew anew when run again (only NumPy's state
+    was kept with a checkpoint): Python's is kept too. Loss, gradients,
+    parameters, running statistics and both random states identical over
+    three calls."""
     t = 20
     data = np.random.RandomState(1).randint(0, V, (3 * t + 1, B)).astype(np.int32)
 
     def train(args):
         np.random.seed(0)
-        model = L.Classifier(BNRNNForLM())
+        random.seed(0)
+        model = L.Classifier(make())
         opt = chainer.optimizers.SGD(lr=0.5)
         opt.setup(model)
         runner = bptt.ChainRecompute(model, **args) if args else None
@@ -275,9 +290,10 @@ def test_a_step_run_again_writes_no_persistent_value(runner_args):
             loss.backward()
             loss.unchain_backward()
             opt.update()
-            bn = model.predictor.bn
-            out.append([loss.array.tobytes(), bn.avg_mean.tobytes(), bn.avg_var.tobytes(),
-                        np.random.get_state()[1].tobytes()]
+            bn = getattr(model.predictor, "bn", None)
+            out.append([loss.array.tobytes(), np.random.get_state()[1].tobytes(),
+                        random.getstate()]
+                       + ([bn.avg_mean.tobytes(), bn.avg_var.tobytes()] if bn else [])
                        + [p.array.tobytes() + p.grad.tobytes() for p in model.params()])
         if runner is not None:
             assert runner.last_stats.forward_steps > t  # (steps were run again)

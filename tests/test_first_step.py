@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import random
 import re
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -647,8 +648,16 @@ class ScalesItsInput(ConvBN):
         return super().forward(x, t)
 
 
+class DrawsFromPythonsRandom(ConvBN):
+    """ConvBN that scales its input by a factor drawn from Python's
+    ``random`` (an augmentation inside the model)."""
+
+    def forward(self, x, t):
+        return super().forward(x * (0.5 + random.random()), t)
+
+
 @pytest.mark.parametrize("pattern", ["input_gradient", "generator_input", "tied_parameter",
-                                     "input_scaled_in_place"])
+                                     "input_scaled_in_place", "pythons_random"])
 def test_the_captures_backward_reaches_no_variable_of_the_callers(pattern):
     """The captures ran the model on the first rows of the caller's
     Variable (``x[:1]``, a function of it), so their backward reached it:
@@ -662,9 +671,11 @@ def test_the_captures_backward_reaches_no_variable_of_the_callers(pattern):
     weight tied in) had the captures' gradients too: the captures put back
     the gradients of every parameter they read. A model that scales its
     input array in place scaled the caller's first rows once per capture
-    too: the captures read copies. Five steps, bit-identical to plain
-    Chainer, the input gradient and the other Link's parameters included;
-    every step planned."""
+    too: the captures read copies. A model drawing from Python's
+    ``random`` had the captures' draws taken from the caller's sequence:
+    they draw from a state of their own. Five steps, bit-identical to plain
+    Chainer, the input gradient, the other Link's parameters and Python's
+    random state included; every step planned."""
     rs = np.random.RandomState(5)
     batches = [(rs.randn(8, 3, 8, 8).astype(np.float32), rs.randint(0, 10, 8).astype(np.int32))
                for _ in range(STEPS)]
@@ -672,8 +683,10 @@ def test_the_captures_backward_reaches_no_variable_of_the_callers(pattern):
     def run(apply):
         np.random.seed(0)
         gen = L.Convolution2D(3, 3, 3, pad=1)
+        random.seed(0)
         model = (ReadsAnothersWeight(gen) if pattern == "tied_parameter" else
-                 ScalesItsInput(8) if pattern == "input_scaled_in_place" else ConvBN(8))
+                 ScalesItsInput(8) if pattern == "input_scaled_in_place" else
+                 DrawsFromPythonsRandom(8) if pattern == "pythons_random" else ConvBN(8))
         if apply:
             cr.apply(model, budget="least", verbose=False)
         opt, gen_opt = chainer.optimizers.Adam(), chainer.optimizers.Adam()
@@ -704,6 +717,7 @@ def test_the_captures_backward_reaches_no_variable_of_the_callers(pattern):
             opt.update()
             rec = records(model, loss)
             rec.update(extra)
+            rec["random"] = random.getstate()
             out.append(rec)
             if apply:
                 assert cr.runner_of(model).last_stats.path == "planned"

@@ -27,6 +27,7 @@ module (``tests/fake_cupy.py``) through :func:`simulate`.
 from __future__ import annotations
 
 import contextlib
+import random
 import sys
 import zlib
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -372,36 +373,42 @@ def recording_random(device: Device) -> _Recording:
 
 
 class RandomStates:
-    """Save and restore the global random states Chainer's functions draw
-    from: NumPy's, and CuPy's where a :func:`recording_random` block tapes them."""
+    """Save and restore the global random states Chainer's functions and a
+    model's own code draw from: NumPy's, Python's ``random`` (a stochastic
+    depth, a teacher-forcing coin), and CuPy's where a
+    :func:`recording_random` block tapes them."""
 
     @staticmethod
-    def save() -> Tuple[Any, Tuple[Tuple[RandomTape, int], ...]]:
+    def save() -> Tuple[Any, Tuple[Tuple[RandomTape, int], ...], Any]:
         tapes = tuple((t, t.position) for rec in _RECORDINGS for *_, t in rec.tapes)
-        return numpy.random.get_state(), tapes
+        return numpy.random.get_state(), tapes, random.getstate()
 
     @staticmethod
-    def restore(saved: Tuple[Any, Tuple[Tuple[RandomTape, int], ...]]) -> None:
+    def restore(saved: Tuple[Any, Tuple[Tuple[RandomTape, int], ...], Any]) -> None:
         numpy.random.set_state(saved[0])
         for tape, position in saved[1]:
             tape.rewind(position)
+        random.setstate(saved[2])
 
     @staticmethod
-    def save_generators() -> Tuple[Any, List[Tuple[Dict[Any, Any], Dict[Any, Any]]]]:
-        """NumPy's state and CuPy's generator objects (for :meth:`isolated`)."""
+    def save_generators() -> Tuple[Any, List[Tuple[Dict[Any, Any], Dict[Any, Any]]], Any]:
+        """NumPy's and Python's states and CuPy's generator objects (for
+        :meth:`isolated`)."""
         gens = []
         for mod in _cupy_modules():
             states = _cupy_generators(mod)
             if states is not None:
                 gens.append((states, dict(states)))
-        return numpy.random.get_state(), gens
+        return numpy.random.get_state(), gens, random.getstate()
 
     @staticmethod
-    def restore_generators(saved: Tuple[Any, List[Tuple[Dict[Any, Any], Dict[Any, Any]]]]) -> None:
+    def restore_generators(saved: Tuple[Any, List[Tuple[Dict[Any, Any], Dict[Any, Any]]], Any]
+                           ) -> None:
         numpy.random.set_state(saved[0])
         for states, kept in saved[1]:
             states.clear()
             states.update(kept)
+        random.setstate(saved[2])
 
     @staticmethod
     def numpy_changed(before: Any) -> bool:
@@ -411,12 +418,13 @@ class RandomStates:
     @classmethod
     @contextlib.contextmanager
     def isolated(cls, seed: int = 0x5EED) -> Iterator[None]:
-        """Run a block on other random states (NumPy seeded with ``seed``,
-        fresh CuPy generators); the original states and generators, untouched,
-        are put back after."""
+        """Run a block on other random states (NumPy's and Python's seeded
+        with ``seed``, fresh CuPy generators); the original states and
+        generators, untouched, are put back after."""
         saved = cls.save_generators()
         try:
             numpy.random.seed(seed)
+            random.seed(seed)
             for states, _ in saved[1]:
                 states.clear()  # CuPy makes new generators on demand
             yield

@@ -35,10 +35,11 @@ class RNNForLM(chainer.Chain):
         return self.l3(F.dropout(h2))
 
 
-def _lm():
+def _lm(make=RNNForLM, lr=1.0):
     np.random.seed(0)
-    model = L.Classifier(RNNForLM())
-    opt = chainer.optimizers.SGD(lr=1.0)
+    random.seed(0)
+    model = L.Classifier(make())
+    opt = chainer.optimizers.SGD(lr=lr)
     opt.setup(model)
     return model, opt
 
@@ -49,7 +50,9 @@ def _snapshot(model, loss, peak):
                 grads={n: q.grad.copy() for n, q in model.namedparams()},
                 params={n: q.array.copy() for n, q in model.namedparams()},
                 state=[a.array.copy() for a in (p.l1.h, p.l1.c, p.l2.h, p.l2.c)],
-                rng=np.random.get_state()[1].copy(), peak=peak)
+                persistents=[np.array(getattr(link, name)) for link in model.links()
+                             for name in sorted(link._persistent)],
+                rng=np.random.get_state()[1].copy(), pyrng=random.getstate(), peak=peak)
 
 
 def _live_at_call(model, data):
@@ -105,9 +108,9 @@ def _assert_same(plain, ours):
         for n in a["grads"]:
             assert np.array_equal(a["grads"][n], b["grads"][n]), n
             assert np.array_equal(a["params"][n], b["params"][n]), n
-        for x, y in zip(a["state"], b["state"]):
+        for x, y in zip(a["state"] + a["persistents"], b["state"] + b["persistents"]):
             assert np.array_equal(x, y)
-        assert np.array_equal(a["rng"], b["rng"])
+        assert np.array_equal(a["rng"], b["rng"]) and a["pyrng"] == b["pyrng"]
 
 
 @pytest.fixture(scope="module")
@@ -235,24 +238,20 @@ class NoisyRNNForLM(RNNForLM):
     Python's ``random``."""
 
     def forward(self, x):
-        h1 = self.l1(self.embed(x) * (0.5 + random.random()))
-        return self.l3(self.l2(h1))
+        return self.l3(self.l2(self.l1(self.embed(x) * (0.5 + random.random()))))
 
 
-class BNRNNForLM(chainer.Chain):
+class BNRNNForLM(RNNForLM):
     """The PTB model with BatchNormalization on the embeddings: its running
     statistics are persistent values each step writes once."""
 
     def __init__(self):
         super().__init__()
         with self.init_scope():
-            self.embed = L.EmbedID(V, U)
             self.bn = L.BatchNormalization(U)
-            self.l1 = L.LSTM(U, U)
-            self.l2 = L.Linear(U, V)
 
     def forward(self, x):
-        return self.l2(self.l1(self.bn(self.embed(x))))
+        return self.l3(self.l2(self.l1(self.bn(self.embed(x)))))
 
 
 @pytest.mark.parametrize("make", [BNRNNForLM, NoisyRNNForLM])
@@ -265,41 +264,14 @@ def test_a_step_run_again_writes_no_persistent_value(make, runner_args):
     writes its persistent values at its first run only. A step drawing
     from Python's ``random`` drew anew when run again (only NumPy's state
     was kept with a checkpoint): Python's is kept too. Loss, gradients,
-    parameters, running statistics and both random states identical over
-    three calls."""
+    parameters, state, running statistics and both random states identical
+    over three calls."""
     t = 20
     data = np.random.RandomState(1).randint(0, V, (3 * t + 1, B)).astype(np.int32)
-
-    def train(args):
-        np.random.seed(0)
-        random.seed(0)
-        model = L.Classifier(make())
-        opt = chainer.optimizers.SGD(lr=0.5)
-        opt.setup(model)
-        runner = bptt.ChainRecompute(model, **args) if args else None
-        out = []
-        for it in range(3):
-            xs, ts = data[it * t:(it + 1) * t], data[it * t + 1:(it + 1) * t + 1]
-            if runner is None:
-                loss = 0
-                for x, y in zip(xs, ts):
-                    loss += model(x, y)
-            else:
-                loss = runner(xs, ts)
-            model.cleargrads()
-            loss.backward()
-            loss.unchain_backward()
-            opt.update()
-            bn = getattr(model.predictor, "bn", None)
-            out.append([loss.array.tobytes(), np.random.get_state()[1].tobytes(),
-                        random.getstate()]
-                       + ([bn.avg_mean.tobytes(), bn.avg_var.tobytes()] if bn else [])
-                       + [p.array.tobytes() + p.grad.tobytes() for p in model.params()])
-        if runner is not None:
-            assert runner.last_stats.forward_steps > t  # (steps were run again)
-        return out
-
-    assert train(None) == train(runner_args)
+    plain = _train(t, model_opt=_lm(make, lr=0.5), data=data)[0]
+    ours, runner = _train(t, runner_args, model_opt=_lm(make, lr=0.5), data=data)
+    _assert_same(plain, ours)
+    assert runner.last_stats.forward_steps > t  # (steps were run again)
 
 
 # ------------------------------------------------------------ NStepLSTM

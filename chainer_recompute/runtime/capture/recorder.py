@@ -366,71 +366,64 @@ class Recorder(chainer.FunctionHook):
 
     def _note_written_between(self, call: Call) -> None:
         """A recorded call's inputs as they were right before its forward,
-        against its producers' outputs right after theirs: one that differs
-        was written in place in between by the model's own code (a causal
-        mask written into attention scores' ``.array``), so its producer,
-        run again, would not give what the call read."""
-        arrays, calls = self.arrays, self.calls
-        for j, (aid, seen) in enumerate(zip(call.in_ids, call.in_prints)):
-            producer = arrays[aid].producer
-            if seen is None or producer is None or producer >= call.index:
-                continue
-            made = calls[producer]
-            if made.out_prints is None or made.out_ids is None or aid not in made.out_ids:
-                continue
-            if made.out_prints[made.out_ids.index(aid)] != seen:
-                self._not_recomputable(producer, call.op)
+        against their producers' outputs (:meth:`_written_since`)."""
+        for aid, seen in zip(call.in_ids, call.in_prints):
+            if seen is not None:
+                self._written_since(aid, lambda: seen, call.op)
         call.in_prints = None
 
-    def _not_recomputable(self, producer: int, reader: str) -> None:
-        made = self.calls[producer]
-        if made.recomputable:
-            made.recomputable = False
-            made.reason = (f"its output was written in place before {reader} read it (an "
-                           f"assignment to a Variable's .array in the model): run again, it "
-                           f"would not give what was read")
-
     def _note_retained_written(self) -> None:
-        """At the forward's end, the arrays recorded functions retain for
-        their backward against their producers' outputs right after those
-        ran: one written in place since, after its last reader's forward,
-        is what that backward reads, and its producer run again would not
-        give it."""
-        arrays, calls = self.arrays, self.calls
-        for call in calls:
+        """At the forward's end, the arrays recorded functions keep for
+        their backward against their producers' outputs
+        (:meth:`_written_since`): one written after its last reader's
+        forward is what that backward reads."""
+        for call in self.calls:
             f = call.func() if call.keep_in or call.keep_out else None
             if f is None or f.inputs is None or call.in_ids is None or call.out_ids is None:
                 continue
-            retained = [(call.in_ids[j], f.inputs[j].data) for j in call.keep_in
-                        if j < len(call.in_ids)]
-            outs = f._retained_output_data or ()
-            retained += [(call.out_ids[k], y) for k, y in zip(call.keep_out, outs)
-                         if k < len(call.out_ids)]
-            for aid, x in retained:
-                producer = arrays[aid].producer
-                made = calls[producer] if producer is not None else None
-                if (x is None or made is None or made.out_prints is None
-                        or made.out_ids is None or aid not in made.out_ids):
-                    continue
-                if made.out_prints[made.out_ids.index(aid)] != buffer_print(x):
-                    self._not_recomputable(producer, f"the backward of {call.op}")
+            kept = [(call.in_ids[j], f.inputs[j].data) for j in call.keep_in
+                    if j < len(call.in_ids)]
+            kept += [(call.out_ids[k], y) for k, y in
+                     zip(call.keep_out, f._retained_output_data or ()) if k < len(call.out_ids)]
+            for aid, x in kept:
+                if x is not None:
+                    self._written_since(aid, lambda x=x: buffer_print(x),
+                                        f"the backward of {call.op}")
+
+    def _written_since(self, aid: int, seen: Callable[[], Any], reader: str) -> None:
+        """Array ``aid`` as ``reader`` read it (``seen()``, its print)
+        against its producer's output right after that ran: written in place
+        in between by the model's own code (a causal mask assigned into
+        attention scores' ``.array``), its producer run again would not
+        give it, so it is not recomputable."""
+        producer = self.arrays[aid].producer
+        made = self.calls[producer] if producer is not None else None
+        if (made is None or made.out_prints is None or made.out_ids is None
+                or aid not in made.out_ids):
+            return
+        if made.out_prints[made.out_ids.index(aid)] != seen():
+            self._not_recomputable(
+                producer, f"its output was written in place before {reader} read it (an "
+                          f"assignment to a Variable's .array in the model): run again, it "
+                          f"would not give what was read")
 
     def _note_unchained(self) -> None:
         """Functions the forward unchained (``unchain_backward()`` or
         ``unchain()`` inside the model: truncated backpropagation within
         one call) whose outputs something still reads: Chainer let go of
         them before the backward, so they cannot be run again."""
-        arrays, calls = self.arrays, self.calls
         for ref, aid in self.array_of.ids.items():
             node = ref()
-            producer = arrays[aid].producer if node is not None else None
-            if producer is None or node.creator_node is not None:
-                continue
-            call = calls[producer]
-            if call.recomputable:
-                call.recomputable = False
-                call.reason = ("unchained in the forward (unchain_backward() or unchain() "
-                               "inside the model): Chainer lets go of it before the backward")
+            producer = self.arrays[aid].producer if node is not None else None
+            if producer is not None and node.creator_node is None:
+                self._not_recomputable(
+                    producer, "unchained in the forward (unchain_backward() or unchain() "
+                              "inside the model): Chainer lets go of it before the backward")
+
+    def _not_recomputable(self, index: int, reason: str) -> None:
+        call = self.calls[index]
+        if call.recomputable:
+            call.recomputable, call.reason = False, reason
 
     # ------------------------------------------------ unrecorded work
     def _aside(self, function: Any, in_data: Tuple[Any, ...]) -> Aside:

@@ -38,9 +38,9 @@ import chainer
 from ...core.errors import CaptureError, RecomputeError
 from ...core.graph import ArrayInfo, Graph, HeldArray, Node, StepFacts
 from ..device import Device, RandomStates, device_of, dtype_name
-from .arrays import (_arrays_in, _variables_in, attribute_arrays, buffer_print, fingerprint,
-                     function_op, gone_watch, is_array, node_nbytes, persistent_array_ids,
-                     persistent_arrays, result_variables, root_of)
+from .arrays import (_arrays_in, _variables_in, attribute_arrays, buffer_print, content_print,
+                     fingerprint, function_op, gone_watch, is_array, node_nbytes,
+                     persistent_array_ids, persistent_arrays, result_variables, root_of)
 from .links import LinkPaths
 from .safety import _WRITES_INPUTS, _config_key, analyse_function, static_graph_reason
 from .unrecorded import Aside, Made, ParameterIndex, UnrecordedWork
@@ -218,9 +218,13 @@ class Recorder(chainer.FunctionHook):
         self._param_names: Dict[int, str] = {}
         self._external_ids: set = set()
         persistents = persistent_arrays(link) if link is not None else []
+        # the parameters' arrays: inputs no function made (not compared with
+        # a producer's output, see _note_written_between)
+        self._param_arrays: set = set()
         if link is not None:
             self._param_names = {id(p): path for path, p in link.namedparams()}
             self._external_ids = persistent_array_ids(link, persistents)
+            self._param_arrays = {id(p.array) for p in link.params() if p.array is not None}
         self._link_ref = weakref.ref(link) if link is not None else None
         self._links = LinkPaths(link)  # which Link applies each call (while registered)
         # The recorded backward's tracing session (see _begin_session).
@@ -305,7 +309,7 @@ class Recorder(chainer.FunctionHook):
         if call.measured or not self._describe_as_planned(call, out):
             self._describe(call, function, in_data, out, roles)
         if call.in_prints is not None:
-            call.out_prints = tuple([buffer_print(y) for y in out])
+            call.out_prints = tuple([content_print(y) for y in out])
         # A local hook, to see its backward (FunctionNode.add_hook's work,
         # without its checks and its ``added`` call, which does nothing here:
         # this runs for every function of every step)
@@ -387,7 +391,7 @@ class Recorder(chainer.FunctionHook):
                      zip(call.keep_out, f._retained_output_data or ()) if k < len(call.out_ids)]
             for aid, x in kept:
                 if x is not None:
-                    self._written_since(aid, lambda x=x: buffer_print(x),
+                    self._written_since(aid, lambda x=x: content_print(x),
                                         f"the backward of {call.op}")
 
     def _written_since(self, aid: int, seen: Callable[[], Any], reader: str) -> None:
@@ -454,9 +458,11 @@ class Recorder(chainer.FunctionHook):
             # inputs' prints are kept to compare with their producers' (see
             # _note_written_between).
             key = _config_key(function)
-            prints = [buffer_print(x) if is_array(x) else None for x in in_data]
-            call.in_prints = prints
-            inputs_before = prints if _WRITES_INPUTS.get(key, True) else [None] * len(in_data)
+            inputs_before = ([buffer_print(x) if is_array(x) else None for x in in_data]
+                             if _WRITES_INPUTS.get(key, True) else [None] * len(in_data))
+            params = self._param_arrays
+            call.in_prints = [content_print(x) if is_array(x) and id(x) not in params else None
+                              for x in in_data]
             dev = device_of(in_data)
             self.on_cupy = self.on_cupy or dev.is_gpu
             meter = dev.meter() if measure else None

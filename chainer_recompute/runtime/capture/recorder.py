@@ -219,12 +219,12 @@ class Recorder(chainer.FunctionHook):
         self._external_ids: set = set()
         persistents = persistent_arrays(link) if link is not None else []
         # the parameters' arrays: inputs no function made (not compared with
-        # a producer's output, see _note_written_between)
-        self._param_arrays: set = set()
+        # a producer's output, see _note_written_between); made at the first
+        # recorded call (a followed iteration needs none)
+        self._param_arrays: Optional[set] = None
         if link is not None:
             self._param_names = {id(p): path for path, p in link.namedparams()}
             self._external_ids = persistent_array_ids(link, persistents)
-            self._param_arrays = {id(p.array) for p in link.params() if p.array is not None}
         self._link_ref = weakref.ref(link) if link is not None else None
         self._links = LinkPaths(link)  # which Link applies each call (while registered)
         # The recorded backward's tracing session (see _begin_session).
@@ -461,6 +461,11 @@ class Recorder(chainer.FunctionHook):
             inputs_before = ([buffer_print(x) if is_array(x) else None for x in in_data]
                              if _WRITES_INPUTS.get(key, True) else [None] * len(in_data))
             params = self._param_arrays
+            if params is None:
+                link = self._link_ref() if self._link_ref is not None else None
+                params = self._param_arrays = (
+                    {id(p.array) for p in link.params() if p.array is not None}
+                    if link is not None else set())
             call.in_prints = [content_print(x) if is_array(x) and id(x) not in params else None
                               for x in in_data]
             dev = device_of(in_data)

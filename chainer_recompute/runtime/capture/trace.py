@@ -42,6 +42,7 @@ def detached_arguments(args: Tuple[Any, ...], kwargs: Dict[str, Any],
     (True, (1, 2), True, True)
     """
     made: Dict[Tuple[int, bool], Any] = {}
+    cut = rows is not None and batch is not None and rows < batch
 
     def new(x: Any, top: bool) -> Any:
         if type(x) in (tuple, list):  # (not a subclass: a namedtuple, a dict with
@@ -65,7 +66,6 @@ def detached_arguments(args: Tuple[Any, ...], kwargs: Dict[str, Any],
                              else leaf)
         return made[key]
 
-    cut = rows is not None and batch is not None and rows < batch
     return (tuple(new(a, True) for a in args), {k: new(v, True) for k, v in kwargs.items()})
 
 

@@ -44,6 +44,8 @@ def records(model: chainer.Link, loss: Any) -> Dict[str, Any]:
     for path, p in model.namedparams():
         rec["param" + path] = as_bytes(p.array)
         rec["grad" + path] = as_bytes(p.grad)
+        if p.update_rule is None:  # (no optimizer: TRPO updates its policy itself)
+            continue
         for k, v in sorted((p.update_rule.state or {}).items()):
             rec[f"opt{path}/{k}"] = as_bytes(v)
         rec[f"opt{path}/t"] = p.update_rule.t

@@ -385,3 +385,38 @@ def test_an_output_the_model_writes_in_place_is_not_recomputed(make, batches):
     that ran; the producer of one written since is not recomputable. Bit
     for bit plain Chainer's, every step planned with something dropped."""
     _adam_steps_planned(make, batches(np.random.RandomState(0)))
+
+
+# ------------------------------------------- a lazy link the forward never calls
+class WithUnusedLazyLink(LazyMLP):
+    """An MLP of lazy links with one more that its forward never calls
+    (chainer-chemistry's GIN has one): that parameter stays uninitialised,
+    and reading its ``grad`` raises until ``cleargrads()``, which
+    ``Optimizer.update(lossfun)`` calls only after the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with self.init_scope():
+            self.unused = L.Linear(None, 5)
+
+
+@pytest.mark.parametrize("capture_batch", ["default", None])
+def test_a_lazy_link_never_called_is_no_error(capture_batch):
+    """Trained by ``opt.update(model, x, t)`` (the forward before the
+    gradients are cleared), its first call captured or recorded: every
+    step identical to plain Chainer's. (Recorded, the first call read the
+    unused parameter's gradient and raised.)"""
+    rs = np.random.RandomState(3)
+    data = [(rs.rand(16, 12).astype(np.float32), rs.randint(0, 4, 16).astype(np.int32))
+            for _ in range(4)]
+    options = {} if capture_batch == "default" else {"capture_batch": capture_batch}
+
+    def scenario(env):
+        model = env.apply("model", L.Classifier(WithUnusedLazyLink()), **DEFAULTS, **options)
+        opt = env.optimizer("main", chainer.optimizers.Adam(), model)
+        for i, (x, t) in enumerate(data):
+            opt.update(model, x, t)
+            env.snap(f"{i} update")
+
+    pair = compare(scenario, **DEFAULTS)
+    assert pair.ours.stats[-1][1]["model"].path == "planned", pair.stats_report()

@@ -9,3 +9,12 @@ ensure_numpy_compat()
 import chainer  # noqa: E402,F401
 
 patch_resize_images()
+
+
+def param_grad(p: "chainer.Variable"):
+    """``p.grad``, or None where reading it raises: a parameter never
+    initialised (a lazy link its forward has not called) has no valid
+    gradient until ``cleargrads()``, which ``Optimizer.update(lossfun)``
+    calls only after the forward. (Chainer's own optimizer reads the same
+    flag.)"""
+    return p.grad if p._grad_valid else None

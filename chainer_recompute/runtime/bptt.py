@@ -77,6 +77,7 @@ import weakref
 from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 from . import _chainer  # noqa: F401
+from ._chainer import param_grad
 import chainer
 from chainer import backend
 
@@ -636,7 +637,7 @@ class ChainRecompute:
     def learn_grads_cleared(self) -> None:
         """At a run's backward: whether the loop cleared the parameters'
         gradients before it (the PTB example does), for the next plans."""
-        self._grads_cleared = not any(p.grad is not None for p in self._params())
+        self._grads_cleared = not any(param_grad(p) is not None for p in self._params())
 
     def claim_tape(self) -> None:
         """A run of this call will backpropagate: the tape of CuPy's draws
@@ -662,7 +663,7 @@ class ChainRecompute:
         dev = device_of(list(_iter_arrays(seqs)))
         if self._open_meter is not None:  # the last call's loss was never backpropagated
             self._open_meter.stop()
-        found = [p.grad for p in self._params() if p.grad is not None]
+        found = [g for g in map(param_grad, self._params()) if g is not None]
         found += list(_iter_arrays([v for _, _, v in cell.candidates().values()])
                       if not cell.explicit else _iter_arrays(state))
         # planning tables: host memory, in tracemalloc's count on NumPy only

@@ -11,6 +11,7 @@ import logging
 from typing import Any, Dict, List, Optional, Tuple
 
 from . import _chainer  # noqa: F401
+from ._chainer import param_grad
 import chainer
 from chainer import backend
 
@@ -268,7 +269,7 @@ def _measure_step(cell: _Cell, k: int, state_arrays: Tuple[Any, ...]) -> _Measur
         grads = [chainer.Variable(v.xp.ones_like(v.array)) for v in outs]
         with _meter(cell) as m_b1:
             chainer.backward(outs, grads)
-        param_bytes = _nbytes([p.grad for p in params if p.grad is not None])
+        param_bytes = _nbytes([g for g in map(param_grad, params) if g is not None])
         grad_bytes = _nbytes([v.grad for v in inputs if v is not None and v.grad is not None])
         for v in inputs:
             if v is not None:

@@ -76,6 +76,7 @@ from typing import (Any, Callable, Dict, Hashable, Iterable, Iterator, List, Opt
 import numpy
 
 from . import _chainer  # noqa: F401  (NumPy 2 compatibility before chainer)
+from ._chainer import param_grad
 import chainer
 
 from ..core.units import format_bytes
@@ -269,7 +270,9 @@ def _throwaway(param: chainer.Parameter, share_grad: bool,
     parameter's bytes less at the measurement's peak."""
     array = param.array if rows is None else param.array[:rows]
     sp = chainer.Parameter(array.copy(), name=param.name)
-    grad = param.grad if param.grad is not None else param.array
+    grad = param_grad(param)
+    if grad is None:
+        grad = param.array
     if rows is not None:
         grad = grad[:rows]
     if share_grad and isinstance(grad, numpy.ndarray):

@@ -11,6 +11,7 @@ from typing import Any, Callable, Iterator, List, Optional, Tuple
 import numpy
 
 from .. import _chainer  # noqa: F401  (NumPy 2 compatibility before chainer)
+from .._chainer import param_grad
 import chainer
 
 from ..device import device_of
@@ -229,7 +230,8 @@ def gone_watch(param: Any, grad: Any) -> Callable[[], bool]:
 
         def cleared() -> bool:
             p = pref()
-            return p is None or p.grad is None or id(p.grad) != gid
+            g = None if p is None else param_grad(p)
+            return g is None or id(g) != gid
         return cleared
     return lambda: ref() is None
 

@@ -33,6 +33,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 import numpy
 
 from .. import _chainer  # noqa: F401  (NumPy 2 compatibility before chainer)
+from .._chainer import param_grad
 import chainer
 
 from ...core.errors import CaptureError, RecomputeError
@@ -799,7 +800,7 @@ class Recorder(chainer.FunctionHook):
         session.start()
         link = self._link_ref() if self._link_ref is not None else None
         if link is not None:
-            dev.adopt(session, [p.grad for p in link.params() if p.grad is not None])
+            dev.adopt(session, [g for g in map(param_grad, link.params()) if g is not None])
         self._session = session
         self._session_end = weakref.finalize(self, _end_meter, session)
         _SESSIONS.add(self)
@@ -857,8 +858,9 @@ class Recorder(chainer.FunctionHook):
         grads: Dict[int, Any] = {}
         if link is not None:
             for p in link.params():
-                if p.grad is not None:
-                    grads.setdefault(id(p.grad), (p, p.grad))
+                g = param_grad(p)
+                if g is not None:
+                    grads.setdefault(id(g), (p, g))
         dev.adopt(meter, [g for _, g in grads.values()])
         level = meter.current_bytes()
         watched = [(gone_watch(p, g), dev.allocation_bytes(g.nbytes))

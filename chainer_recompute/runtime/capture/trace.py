@@ -13,6 +13,7 @@ import contextlib
 from typing import Any, Dict, Iterable, Iterator, Optional, Tuple
 
 from .. import _chainer  # noqa: F401  (NumPy 2 compatibility before chainer)
+from .._chainer import param_grad
 import chainer
 
 from ..device import RandomStates
@@ -77,10 +78,7 @@ def _uninitialize(param: chainer.Parameter) -> None:
 
 
 def _grad_copy(p: chainer.Parameter) -> Any:
-    try:
-        g = p.grad
-    except RuntimeError:  # uninitialised, its gradient never cleared
-        return None
+    g = param_grad(p)
     return None if g is None else g.copy()
 
 
@@ -153,10 +151,12 @@ class _Trace:
 
 
 def _restore_grad(p: chainer.Parameter, grad: Any) -> None:
+    now = param_grad(p)
     if grad is None:
-        p.grad = None
-    elif p.grad is not None and p.grad.shape == grad.shape:
-        p.grad[...] = grad
+        if now is not None:  # (one never cleared stays so, as Chainer left it)
+            p.grad = None
+    elif now is not None and now.shape == grad.shape:
+        now[...] = grad
     else:
         p.grad = grad
 

@@ -865,9 +865,12 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
     # model's next call (``step.held_into_next_forward``) holds it
     # through that call's forward, so the forward's events carry it too.
     held = graph.step.held_into_next_forward
+    # (with the random states its hook keeps for the nodes the plan drops)
     held_end = (sum(mem.buffer_array(buf).nbytes for buf in mem.holders)
                 + sum(mem.attrs.values())
-                + held_caller_input_bytes(graph) if held else 0)
+                + held_caller_input_bytes(graph)
+                + (0 if plan is None else
+                   RNG_STATE_BYTES * len(plan.drawn.keys() & plan.dropped)) if held else 0)
     # The optimizer update: the graph is gone by then, or it still holds
     # what nothing released (see graph_gone_at_update).
     if graph_gone_at_update(graph):

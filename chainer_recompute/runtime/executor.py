@@ -555,8 +555,9 @@ class IterationHook(chainer.FunctionHook):
         (``Recompute.free_previous_graph``): release every array its graph
         still holds (the functions' outputs but those the forward returned,
         their retained outputs, the arrays in their attributes, the arrays
-        pinned for regeneration, and the retained inputs of the functions'
-        own nodes of raw arrays: the caller's previous batch), so that a
+        pinned and the random states kept for regeneration, and the
+        retained inputs of the functions' own nodes of raw arrays: the
+        caller's previous batch), so that a
         training loop that keeps its ``loss`` holds none of them through
         the next forward. A backward pass through this graph afterwards
         raises."""
@@ -564,7 +565,9 @@ class IterationHook(chainer.FunctionHook):
         self.let_go_done = True
         self.kept.clear()
         self.snapshots.clear()
+        self._rng_states.clear()
         for call in self.recorder.calls:
+            call.rng_state = None
             f = call.func()
             if f is None:
                 continue

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..execution import backward_readers, releasable_nodes
-from ..graph import Graph
+from ..graph import RNG_STATE_BYTES, Graph
 from . import compiled
 
 __all__ = ["ReplayContext", "context_of", "run_kernel"]
@@ -240,8 +240,11 @@ def run_kernel(ctx: ReplayContext, dropped: Optional[np.ndarray], block_of: Opti
         np.asarray(dropped, dtype=np.bool_),
         np.asarray(block_of, dtype=np.int64), MODES[release_mode])
     if c.held_into_next:  # the previous call's graph, through this forward
+        # (with the random states its hook keeps for the nodes it dropped)
+        states = (RNG_STATE_BYTES * int(np.count_nonzero(c.redrawn & np.asarray(dropped)))
+                  if has_plan else 0)
         trace = trace.copy()
-        trace[:int(np.argmax(kinds == END)) + 1] += held_end + c.held_inputs
+        trace[:int(np.argmax(kinds == END)) + 1] += held_end + c.held_inputs + states
     return trace, kinds, us, ws, recomputed
 
 

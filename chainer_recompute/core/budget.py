@@ -652,18 +652,20 @@ _RELEASABLE: Dict[int, Tuple[Any, np.ndarray]] = {}
 
 def release_caches() -> None:
     """Let go of what the replays and the budget search keep between calls
-    for speed (the last graphs' flat arrays: NumPy arrays, in the meter of
-    a training step on NumPy). The runner calls it once a plan is made, so
+    for speed (the last graphs' flat arrays, every graph's node bytes and
+    costs: NumPy arrays, in the meter of a training step on NumPy). The runner calls it once a plan is made, so
     that nothing of the planner stays in memory between training steps;
     the next search makes them again.
 
     >>> release_caches()
     """
     from . import backward_order
+    from .graph import let_go_of_arrays
     from .kernels import replay as replay_kernel
     _RELEASABLE.clear()
     del replay_kernel._CONTEXTS[:]
     backward_order._ORDERED.clear()
+    let_go_of_arrays()
 
 
 def least_total_budget(graph: Graph, solver: str = "auto", strategy: str = "tc",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from fractions import Fraction
 from dataclasses import dataclass, field
 from typing import Any, Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Tuple
@@ -317,6 +318,26 @@ class Node:
         return sum(h.nbytes for h in self.held if h.role != "written")
 
 
+#: the graphs holding :attr:`Graph.node_bytes` or :attr:`Graph.node_cost`
+_WITH_ARRAYS: "weakref.WeakSet[Graph]" = weakref.WeakSet()
+
+
+def let_go_of_arrays() -> None:
+    """Every graph drops its :attr:`Graph.node_bytes` and
+    :attr:`Graph.node_cost` (made again at their next read).
+
+    >>> g = Graph.from_edges([4, 8], [(0, 1)])
+    >>> g.node_bytes.tolist()
+    [4, 8]
+    >>> let_go_of_arrays(); "node_bytes" in vars(g)
+    False
+    """
+    for graph in list(_WITH_ARRAYS):
+        graph.__dict__.pop("node_bytes", None)
+        graph.__dict__.pop("node_cost", None)
+    _WITH_ARRAYS.clear()
+
+
 class Graph:
     """Arrays and function nodes of one forward pass, plus a cost model.
 
@@ -371,13 +392,29 @@ class Graph:
             for u in ps:
                 succs[u].append(v)
         self.succs: Tuple[Tuple[int, ...], ...] = tuple(tuple(s) for s in succs)
-        self.node_bytes = np.array(
-            [sum(self.arrays[a].owned_bytes for a in n.outputs) for n in self.nodes],
-            dtype=np.int64)
-        self.node_bytes.setflags(write=False)
         self.cost_model = cost_model
-        self.node_cost = node_costs(self, cost_model)
-        self.node_cost.setflags(write=False)
+        self.node_cost  # (a cost model the graph cannot give raises here)
+
+    # The two per-node arrays the solvers read, made at their first read and
+    # let go by :func:`let_go_of_arrays` (which ``release_caches`` calls once
+    # a plan is made): a graph kept with its plan holds no NumPy array into
+    # the training steps, where a meter on NumPy would count it.
+    @functools.cached_property
+    def node_bytes(self) -> np.ndarray:
+        """Each node's output bytes (the arrays it owns), int64."""
+        nb = np.array([sum(self.arrays[a].owned_bytes for a in n.outputs) for n in self.nodes],
+                      dtype=np.int64)
+        nb.setflags(write=False)
+        _WITH_ARRAYS.add(self)
+        return nb
+
+    @functools.cached_property
+    def node_cost(self) -> np.ndarray:
+        """T_v of every node under :attr:`cost_model`, float64."""
+        nc = node_costs(self, self.cost_model)
+        nc.setflags(write=False)
+        _WITH_ARRAYS.add(self)
+        return nc
 
     # ------------------------------------------------------------------ build
     @classmethod

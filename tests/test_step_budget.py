@@ -266,6 +266,51 @@ def test_no_kept_graph_holds_its_node_arrays_between_steps():
     assert len(cr.runner_of(model).plans) == 3 and cr.runner_of(model).last_stats.path == "planned"
 
 
+class QNet(chainer.Chain):
+    """Q-values of 10 actions from a 64-vector."""
+
+    def __init__(self, w: int = 128, depth: int = 4) -> None:
+        super().__init__()
+        with self.init_scope():
+            self.inp = L.Linear(64, w)
+            self.layers = chainer.ChainList(*[L.Linear(w, w) for _ in range(depth)])
+            self.out = L.Linear(w, 10)
+
+    def forward(self, x):
+        h = F.relu(self.inp(x))
+        for layer in self.layers:
+            h = F.relu(layer(h))
+        return self.out(h)
+
+
+def double_dqn_step(model: chainer.Link, opt: chainer.Optimizer, x: Any, t: Any) -> Any:
+    """Double DQN's update (chainerrl's ``CategoricalDoubleDQN`` calls its
+    online network so): the Q-values of the states, then, before their
+    backward, the online network's greedy actions on the next states
+    under no-backprop (a second call of the model in the step)."""
+    q = model(x)
+    with chainer.no_backprop_mode(), chainer.using_config("train", False):
+        greedy = model(x[::-1]).array.argmax(axis=1)
+    target = (0.5 * greedy).astype(np.float32)
+    loss = F.mean_squared_error(F.select_item(q, t), target)
+    model.cleargrads()
+    loss.backward()
+    opt.update()
+    return loss
+
+
+def test_a_no_backprop_call_between_the_forward_and_its_backward_is_in_the_step():
+    """A call of the model under no-backprop between a training call and
+    its backward belongs to that step: the runner's check goes on through
+    it and measures the step. (It used to stop the step's meter as if an
+    evaluation had come between two steps: no planned step was checked.)"""
+    batches = vector_batches(batch=32)
+    plain = train(QNet, [(x,) + (t,) for x, t in batches], False, step=double_dqn_step)
+    ours = train(QNet, [(x,) + (t,) for x, t in batches], True, step=double_dqn_step,
+                 options=RECORDED)
+    check(QNet, batches, plain=plain, ours=ours)
+
+
 def test_backward_through_an_earlier_graph_after_the_next_call():
     from chainer_recompute.core.errors import UnsafeRecomputeError
     x, t = vector_batches(1, batch=32)[0]

@@ -350,6 +350,15 @@ class StepMeter:
         self._meter.finalizer = weakref.finalize(self, _abandon, self._meter.meter)
         self._stop_when_done(hook)
 
+    def awaiting_backward(self) -> bool:
+        """Whether the measured call's backward is still to come: a call of
+        the model under no-backprop now (double DQN's online network on the
+        next states, between the loss's forward and its backward) is part
+        of that step."""
+        open_ = self._meter
+        hook = None if open_ is None or open_.tail else open_.hook()
+        return hook is not None and not hook.backward_done
+
     def close_step(self, continued: bool = False) -> None:
         """The next call: the previous iteration is over; measure and check
         what is left of it. ``continued``: the next call is in the same

@@ -407,7 +407,7 @@ class Recompute:
     # ------------------------------------------------------------- call
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not (chainer.config.train and chainer.config.enable_backprop) or _depth() > 0:
-            if _depth() == 0:
+            if _depth() == 0 and not self.steps.awaiting_backward():
                 self.steps.close_step()  # an evaluation between two steps is not in either
             return self.fn(*args, **kwargs)
         link = link_of(args)

@@ -420,3 +420,106 @@ def test_a_lazy_link_never_called_is_no_error(capture_batch):
 
     pair = compare(scenario, **DEFAULTS)
     assert pair.ours.stats[-1][1]["model"].path == "planned", pair.stats_report()
+
+
+# ------------------------------------- an input no function made, written in place
+class MoCoQueue(chainer.Chain):
+    """MoCo's contrastive loss against a queue of keys, a persistent array
+    of the model that ``F.matmul`` reads (and retains): the step's keys
+    are enqueued in place, in the forward after the loss (``where ==
+    'forward'``) or by the loop between the forward and its backward
+    (``'loop'``)."""
+
+    def __init__(self, where: str, k: int = 512, d: int = 32) -> None:
+        super().__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(48, 512)
+            self.l2 = L.Linear(512, 512)
+            self.l3 = L.Linear(512, d)
+        self.where = where
+        self.add_persistent("queue", np.random.RandomState(0).randn(k, d).astype(np.float32))
+        self.ptr = 0
+
+    def enqueue(self, keys):
+        n = len(keys)
+        self.queue[self.ptr:self.ptr + n] = keys
+        self.ptr = (self.ptr + n) % len(self.queue)
+
+    def forward(self, x, keys):
+        q = F.normalize(self.l3(F.relu(self.l2(F.relu(self.l1(x))))))
+        logits = F.concat((F.sum(q * keys, axis=1, keepdims=True),
+                           F.matmul(q, self.queue, transb=True)), axis=1) / 0.07
+        loss = F.softmax_cross_entropy(logits, np.zeros(len(x), np.int32))
+        if self.where == "forward":
+            self.enqueue(keys)
+        return loss
+
+
+def _moco_batches(steps: int = 4):
+    rs = np.random.RandomState(5)
+    data = []
+    for _ in range(steps):
+        keys = rs.randn(512, 32).astype(np.float32)
+        data.append((rs.rand(512, 48).astype(np.float32),
+                     keys / np.linalg.norm(keys, axis=1, keepdims=True)))
+    return data
+
+
+def test_an_input_written_in_place_after_its_reader_is_not_recomputed():
+    """The queue written in the forward after ``F.matmul`` read it: run
+    again, the product would read the new keys. The recording (the
+    captures) sees the write at the forward's end and keeps the reader.
+    Every step identical to plain Chainer's, with something dropped. (The
+    first planned step's backward raised UnsafeRecomputeError: the queue
+    changed since the forward.)"""
+    data = _moco_batches()
+
+    def scenario(env):
+        model = env.apply("model", MoCoQueue("forward"), **DEFAULTS)
+        opt = env.optimizer("main", chainer.optimizers.Adam(), model)
+        for i, (x, keys) in enumerate(data):
+            loss = model(x, keys)
+            env.snap(f"{i} forward", loss=loss)
+            model.cleargrads()
+            loss.backward()
+            env.snap(f"{i} backward")
+            opt.update()
+            env.snap(f"{i} update")
+
+    pair = compare(scenario, **DEFAULTS)
+    steps = [s["model"] for label, s in pair.ours.stats if label.endswith("backward")]
+    assert steps[-1].path == "planned" and steps[-1].n_dropped > 0, pair.stats_report()
+
+
+def test_an_input_the_loop_writes_before_the_backward_is_seen_by_a_recorded_first_call():
+    """The loop enqueues the keys between the forward and its backward: a
+    recorded first call (``capture_batch=None``) sees the write at its
+    backward's start and keeps the reader. Losses and parameters identical
+    to plain Chainer's over four Adam steps. (The second step's backward
+    raised UnsafeRecomputeError.)"""
+    import chainer_recompute as cr
+
+    def run(applied):
+        np.random.seed(0)
+        model = MoCoQueue("loop")
+        if applied:
+            cr.apply(model, budget="least", verbose=False, capture_batch=None)
+        opt = chainer.optimizers.Adam()
+        opt.setup(model)
+        losses = []
+        for x, keys in _moco_batches():
+            loss = model(x, keys)
+            model.enqueue(keys)
+            model.cleargrads()
+            loss.backward()
+            opt.update()
+            losses.append(loss.array.tobytes())
+        return model, losses
+
+    (ours, ours_losses), (plain, plain_losses) = run(True), run(False)
+    assert ours_losses == plain_losses
+    for (name, p), q in zip(plain.namedparams(), ours.params()):
+        assert p.array.tobytes() == q.array.tobytes(), name
+    assert ours.queue.tobytes() == plain.queue.tobytes()
+    st = cr.runner_of(ours).last_stats
+    assert st.path == "planned" and st.n_dropped > 0, st

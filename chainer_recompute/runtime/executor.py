@@ -976,8 +976,10 @@ class IterationHook(chainer.FunctionHook):
                     f"that recomputes node {u} ({calls[u].op}); recomputing it would give "
                     f"a result different from plain Chainer's. If an optimizer updated it "
                     f"between two backward passes through the same graph, the next iterations "
-                    f"keep a copy for that; otherwise do not write to a parameter's or an "
-                    f"input's array between the forward and its backward")
+                    f"keep a copy for that; otherwise a recorded first call sees such a write "
+                    f"and keeps the functions that read the array (apply(..., "
+                    f"capture_batch=None): the default's captures run the model alone), or "
+                    f"do not write to the array between the forward and its backward")
 
     def _remade(self, u: int) -> Tuple[str, ...]:
         """The attributes of node ``u`` released with it and made again by

@@ -100,6 +100,7 @@ class Call:
     #: compared with their producers') and of the outputs after it
     in_prints: Optional[List[Any]] = None
     out_prints: Optional[Tuple[Any, ...]] = None
+    _in_data: Optional[Tuple[Any, ...]] = None  # a recording's inputs, until mapped
 
     def __init__(self, index: int, func: Any, in_data: Tuple[Any, ...],
                  in_args: Tuple[Optional[str], ...], link: str = "") -> None:
@@ -223,6 +224,11 @@ class Recorder(chainer.FunctionHook):
         # a producer's output, see _note_written_between); made at the first
         # recorded call (a followed iteration needs none)
         self._param_arrays: Optional[set] = None
+        # (call index, the array or a weak reference to it, print) of the
+        # inputs recorded calls read that no function made and no parameter
+        # is (the caller's, the model's persistent arrays), until the
+        # backward (_note_sources_written)
+        self._sources: List[Tuple[int, Any, Any]] = []
         if link is not None:
             self._param_names = {id(p): path for path, p in link.namedparams()}
             self._external_ids = persistent_array_ids(link, persistents)
@@ -365,17 +371,42 @@ class Recorder(chainer.FunctionHook):
         if self.recording:
             self._note_unchained()
             self._note_retained_written()
+            self._note_sources_written()
         self._watch.clear()
         self.returned = sorted({self.array_of[v.node] for v in result_variables(result)
                                 if v.node in self.array_of})
 
     def _note_written_between(self, call: Call) -> None:
         """A recorded call's inputs as they were right before its forward,
-        against their producers' outputs (:meth:`_written_since`)."""
-        for aid, seen in zip(call.in_ids, call.in_prints):
-            if seen is not None:
+        against their producers' outputs (:meth:`_written_since`); those no
+        function made are kept to compare later (:meth:`_note_sources_written`)."""
+        for x, aid, seen in zip(call._in_data, call.in_ids, call.in_prints):
+            if seen is None:
+                continue
+            if self.arrays[aid].producer is None:
+                try:  # (held weakly: the caller may let go of its batch)
+                    x = weakref.ref(x)
+                except TypeError:  # an array type without weak references
+                    pass
+                self._sources.append((call.index, x, seen))
+            else:
                 self._written_since(aid, lambda: seen, call.op)
-        call.in_prints = None
+        call.in_prints = call._in_data = None
+
+    def _note_sources_written(self) -> None:
+        """At the forward's end and at the backward's start (then no more):
+        an input no function made (the caller's array, a model's persistent
+        array: MoCo's queue of keys) written in place after a recorded call
+        read it makes that call not recomputable: run again, it would read
+        the new values."""
+        for index, x, seen in self._sources:
+            if isinstance(x, weakref.ref):
+                x = x()
+            if x is not None and content_print(x) != seen:
+                self._not_recomputable(
+                    index, "an input no function made (the caller's or a model's array) was "
+                           "written in place after it read it: run again, it would read the "
+                           "new values")
 
     def _note_retained_written(self) -> None:
         """At the forward's end, the arrays recorded functions keep for
@@ -469,6 +500,7 @@ class Recorder(chainer.FunctionHook):
                     if link is not None else set())
             call.in_prints = [content_print(x) if is_array(x) and id(x) not in params else None
                               for x in in_data]
+            call._in_data = in_data
             dev = device_of(in_data)
             self.on_cupy = self.on_cupy or dev.is_gpu
             meter = dev.meter() if measure else None
@@ -749,6 +781,10 @@ class Recorder(chainer.FunctionHook):
             self.end_outside()
         if not self.forward_done:
             self.backward_during_forward = True
+        if self._sources and self.forward_done:  # (written between the forward and its backward)
+            if self.recording:
+                self._note_sources_written()
+            self._sources = []
         self._events().before_backward(i, function)
         if self.recording:
             self.backward_order.append(i)

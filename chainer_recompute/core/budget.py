@@ -653,9 +653,10 @@ _RELEASABLE: Dict[int, Tuple[Any, np.ndarray]] = {}
 def release_caches() -> None:
     """Let go of what the replays and the budget search keep between calls
     for speed (the last graphs' flat arrays, every graph's node bytes and
-    costs: NumPy arrays, in the meter of a training step on NumPy). The runner calls it once a plan is made, so
-    that nothing of the planner stays in memory between training steps;
-    the next search makes them again.
+    costs: NumPy arrays, in the meter of a training step on NumPy). The
+    runner calls it once a plan is made, so that nothing of the planner
+    stays in memory between training steps; the next search makes them
+    again.
 
     >>> release_caches()
     """

@@ -218,16 +218,16 @@ def test_calls_per_step_plans_the_first_step_for_them(caplog):
 
 
 def test_a_step_of_many_calls_is_planned_again_only_as_its_count_doubles(caplog):
-    """REINFORCE's loop: an episode's 40 calls of the policy at batch 1,
+    """REINFORCE's loop: an episode's 20 calls of the policy at batch 1,
     each kept for one backward of their summed loss at the episode's end.
     The step that shows them (its first call recorded: batch 1) is planned
-    again at 3, 4, 8, 16 and 32 calls, and the next step at its first call
-    for the 40 it held: six plannings, not one per call (a planning per call made chainerrl's
+    again at 3, 4, 8 and 16 calls, and the next step at its first call for
+    the 20 it held: five plannings, not one per call (a planning per call made chainerrl's
     REINFORCE 300 times slower in its first steps). Bit for bit plain
     Chainer's, every step planned for the count."""
     from chainer_recompute.core.replay import step_calls
     rs = np.random.RandomState(0)
-    episodes = [[rs.rand(1, 24).astype(np.float32) for _ in range(40)] for _ in range(3)]
+    episodes = [[rs.rand(1, 24).astype(np.float32) for _ in range(20)] for _ in range(3)]
 
     def run(applied):
         np.random.seed(0)
@@ -253,6 +253,6 @@ def test_a_step_of_many_calls_is_planned_again_only_as_its_count_doubles(caplog)
         assert p.array.tobytes() == q.array.tobytes(), name
     said = [r.getMessage().split(";")[0] for r in caplog.records
             if "calls per step" in r.getMessage()]
-    assert [int(m.split(" is called ")[1].split()[0]) for m in said] == [3, 4, 8, 16, 32, 40], said
+    assert [int(m.split(" is called ")[1].split()[0]) for m in said] == [3, 4, 8, 16, 20], said
     graphs = [s.graph for sig in cr.runner_of(ours).signatures() for s in sig.structures]
-    assert graphs and all(step_calls(g) == 40 for g in graphs)
+    assert graphs and all(step_calls(g) == 20 for g in graphs)

@@ -472,23 +472,7 @@ def test_an_input_written_in_place_after_its_reader_is_not_recomputed():
     Every step identical to plain Chainer's, with something dropped. (The
     first planned step's backward raised UnsafeRecomputeError: the queue
     changed since the forward.)"""
-    data = _moco_batches()
-
-    def scenario(env):
-        model = env.apply("model", MoCoQueue("forward"), **DEFAULTS)
-        opt = env.optimizer("main", chainer.optimizers.Adam(), model)
-        for i, (x, keys) in enumerate(data):
-            loss = model(x, keys)
-            env.snap(f"{i} forward", loss=loss)
-            model.cleargrads()
-            loss.backward()
-            env.snap(f"{i} backward")
-            opt.update()
-            env.snap(f"{i} update")
-
-    pair = compare(scenario, **DEFAULTS)
-    steps = [s["model"] for label, s in pair.ours.stats if label.endswith("backward")]
-    assert steps[-1].path == "planned" and steps[-1].n_dropped > 0, pair.stats_report()
+    _adam_steps_planned(lambda: MoCoQueue("forward"), _moco_batches())
 
 
 def test_an_input_the_loop_writes_before_the_backward_is_seen_by_a_recorded_first_call():

@@ -239,13 +239,22 @@ class NarrowDropoutNet(DropoutNet):
 
 
 @pytest.mark.parametrize("keep_loss", [False, True])
-def test_the_random_states_of_the_previous_graph_are_counted(keep_loss):
+def test_the_random_states_of_the_previous_graph_are_planned_for(keep_loss):
     """The previous graph's random states (2,496 B for each dropped
-    dropout) are held until that graph dies, early in the next call: the
-    runner's check counts them as the previous graph's, as its pinned
-    arrays are, so that their free does not hide as many bytes of the new
-    graph's. (Left out, its measured peak was 4% under the step's.)"""
-    check(NarrowDropoutNet, vector_batches(batch=12), keep_loss=keep_loss, options=RECORDED)
+    dropout) are held with it into the next forward: the replay of the
+    held graph counts them. Identical to plain Chainer, every planned step
+    at or under its budget. (Left out, every step was 2.2% over 'least':
+    620,612 B against 607,467 B.) The runner's own check does not count
+    them (docs/limits.md), so it is not held to the step's peak here."""
+    batches = vector_batches(batch=12)
+    plain = train(NarrowDropoutNet, batches, False, keep_loss)
+    ours = train(NarrowDropoutNet, batches, True, keep_loss, options=RECORDED)
+    assert_same_records(plain, ours)
+    planned = [k for k, s in enumerate(ours.stats) if s["path"] == "planned"]
+    assert planned and all(ours.stats[k]["dropped"] > 0 for k in planned), ours.stats
+    over = [(k, ours.peaks[k], ours.stats[k]["budget"]) for k in planned
+            if ours.peaks[k] > ours.stats[k]["budget"]]
+    assert not over, over
 
 
 def test_no_kept_graph_holds_its_node_arrays_between_steps():

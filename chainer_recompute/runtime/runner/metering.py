@@ -109,12 +109,7 @@ def _graph_arrays(hook: Any) -> List[Any]:
     from ..capture import attribute_arrays
     found: List[Any] = list(getattr(hook, "kept", {}).values())
     found.extend(getattr(hook, "snapshots", {}).values())
-    # NumPy's random states kept for the drawn attributes of dropped nodes
-    # (``(name, keys, ...)``: the keys are the array)
-    found.extend(state[1] for state in getattr(hook, "_rng_states", {}).values())
     for call in hook.recorder.calls:
-        if call.rng_state is not None:
-            found.append(call.rng_state[1])
         f = call.func()
         if f is None:
             continue

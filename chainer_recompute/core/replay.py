@@ -142,16 +142,6 @@ def state_constant_bytes(graph: Graph) -> int:
                + int(graph.step.correction_bytes))
 
 
-def _rng_state_bytes(ctx: Any, dropped: Optional[np.ndarray]) -> int:
-    """The random states the executor keeps for the ``drawn`` attributes a
-    plan of ``dropped`` nodes (a bool per node; None: plain Chainer)
-    releases (:attr:`~chainer_recompute.core.graph.HeldArray.redrawn`),
-    one per node, counted over the whole iteration (a bound, a few KB
-    each), as :func:`replay` counts them; ``ctx``: the compiled replay's
-    context of the graph."""
-    return 0 if dropped is None else RNG_STATE_BYTES * int(np.count_nonzero(ctx.redrawn & dropped))
-
-
 def shared_bytes(graph: Graph) -> int:
     """What the calls of one step share: parameters, optimizer state,
     persistent arrays and a measured correction (:func:`state_constant_bytes`
@@ -582,7 +572,7 @@ def replay_peak(graph: Graph, dropped: Optional[np.ndarray] = None,
     from .kernels.replay import context_of, run_kernel
     ctx = context_of(graph, sys.modules[__name__])
     trace = run_kernel(ctx, dropped, block_of, release_mode)[0]
-    return int(per_step(graph, int(trace.max()) + _rng_state_bytes(ctx, dropped)))
+    return int(per_step(graph, int(trace.max())))
 
 
 class _ArrayPlan(ExecutionPlan):
@@ -641,9 +631,10 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
     mem = _Memory(graph, constant)
     mem.alloc("old grads", old_grads)
     # the random states kept for the drawn attributes the plan releases
-    # (ExecutionPlan.drawn), over the whole iteration
-    mem.alloc("random states", 0 if plan is None else
-              RNG_STATE_BYTES * len(plan.drawn.keys() & plan.dropped))
+    # (ExecutionPlan.drawn), over the whole iteration (and a graph held into
+    # the next call holds its own, below)
+    states = 0 if plan is None else RNG_STATE_BYTES * len(plan.drawn.keys() & plan.dropped)
+    mem.alloc("random states", states)
     dropped: FrozenSet[int] = plan.dropped if plan is not None else frozenset()
     # Which outputs have their data held in their node (a consumer retains
     # them): those come back on regeneration.
@@ -865,12 +856,9 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
     # model's next call (``step.held_into_next_forward``) holds it
     # through that call's forward, so the forward's events carry it too.
     held = graph.step.held_into_next_forward
-    # (with the random states its hook keeps for the nodes the plan drops)
     held_end = (sum(mem.buffer_array(buf).nbytes for buf in mem.holders)
-                + sum(mem.attrs.values())
-                + held_caller_input_bytes(graph)
-                + (0 if plan is None else
-                   RNG_STATE_BYTES * len(plan.drawn.keys() & plan.dropped)) if held else 0)
+                + sum(mem.attrs.values()) + held_caller_input_bytes(graph) + states
+                if held else 0)
     # The optimizer update: the graph is gone by then, or it still holds
     # what nothing released (see graph_gone_at_update).
     if graph_gone_at_update(graph):
@@ -911,7 +899,7 @@ def _replay_compiled(graph: Graph, plan: Optional[ExecutionPlan],
         dropped[list(plan.dropped)] = True
         block_of = np.asarray(plan.block_of, dtype=np.int64)
     trace, kinds, us, ws, recomputed = run_kernel(ctx, dropped, block_of, release_mode)
-    trace = per_step(graph, trace + _rng_state_bytes(ctx, dropped))
+    trace = per_step(graph, trace)
     events = ctx.labels(kinds, us, ws)
     k = int(np.argmax(trace))
     return ReplayResult(peak_bytes=int(trace[k]), peak_event=events[k],

@@ -239,11 +239,14 @@ def run_kernel(ctx: ReplayContext, dropped: Optional[np.ndarray], block_of: Opti
         c.free_all, c.update_transient, c.outside_peak, c.outside_held, has_plan,
         np.asarray(dropped, dtype=np.bool_),
         np.asarray(block_of, dtype=np.int64), MODES[release_mode])
+    # the random states the executor keeps for the drawn attributes the plan
+    # releases (HeldArray.redrawn), one per node, over the whole iteration
+    # (a bound, a few KB each), as replay() counts them; a graph held into
+    # the next call holds its own too
+    states = (RNG_STATE_BYTES * int(np.count_nonzero(c.redrawn & np.asarray(dropped)))
+              if has_plan else 0)
+    trace = trace + states
     if c.held_into_next:  # the previous call's graph, through this forward
-        # (with the random states its hook keeps for the nodes it dropped)
-        states = (RNG_STATE_BYTES * int(np.count_nonzero(c.redrawn & np.asarray(dropped)))
-                  if has_plan else 0)
-        trace = trace.copy()
         trace[:int(np.argmax(kinds == END)) + 1] += held_end + c.held_inputs + states
     return trace, kinds, us, ws, recomputed
 

@@ -98,16 +98,11 @@ def buffer_print(a: Any) -> Tuple[Any, ...]:
 
 def content_print(a: Any) -> Tuple[Any, ...]:
     """A cheaper :func:`buffer_print`, to tell whether the memory ``a``
-    lives in was written since: its shape, dtype and the sum of its 64-bit
-    words (one changed element always changes it; moved elements need not),
-    one vectorised pass with no copy of a contiguous buffer."""
+    lives in was written since (:meth:`~chainer_recompute.runtime.device.Device.word_sum`
+    of its base buffer when that is contiguous)."""
     r = root_of(a)
     r = r if is_array(r) and r.flags.c_contiguous else a
-    xp = chainer.backend.get_array_module(r)
-    flat = xp.ascontiguousarray(r).reshape(-1).view(numpy.uint8)
-    n8 = (flat.size // 8) * 8
-    return (tuple(r.shape), str(r.dtype), int(flat[:n8].view(numpy.uint64).sum(dtype=numpy.uint64)),
-            chainer.backends.cuda.to_cpu(flat[n8:]).tobytes())
+    return device_of([r]).word_sum(r)
 
 
 def _arrays_in(x: Any, path: str) -> Iterator[Tuple[str, Any]]:

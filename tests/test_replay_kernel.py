@@ -58,6 +58,11 @@ GRAPHS = {
     "lstm_lm_grads_alive": lambda: _captured("lstm_lm").with_step(grads_in_backward=True),
     "resnet152_grads_alive": lambda: load_graph(
         ROOT / "experiments" / "graphs" / "resnet152.json").with_step(grads_in_backward=True),
+    # a step of several calls: each event's bytes above what the calls share
+    # (the parameters' gradients alive then included) counted per call
+    "lstm_lm_three_calls": lambda: _captured("lstm_lm").with_step(calls_per_step=3),
+    "vae_two_calls_grads_alive": lambda: _captured("vae").with_step(
+        calls_per_step=2, grads_in_forward=True, grads_in_backward=True),
 }
 
 

@@ -143,11 +143,11 @@ def state_constant_bytes(graph: Graph) -> int:
 
 
 def shared_bytes(graph: Graph) -> int:
-    """What the calls of one step share: parameters, optimizer state,
-    persistent arrays and a measured correction (:func:`state_constant_bytes`
-    less the caller's inputs, which each call has of its own). The
-    parameters' gradients are left out: bounded per call, they are counted
-    once per call (an upper bound)."""
+    """What the calls of one step share whatever the moment: parameters,
+    optimizer state, persistent arrays and a measured correction
+    (:func:`state_constant_bytes` less the caller's inputs, which each call
+    has of its own). The parameters' gradients, one set for the step too,
+    vary from event to event: :func:`per_step` takes them per event."""
     sb = graph.state_bytes
     return int(sb.get("params", graph.param_bytes) + sb.get("optimizer_state", 0)
                + sb.get("persistents", 0) + int(graph.step.correction_bytes))
@@ -156,9 +156,8 @@ def shared_bytes(graph: Graph) -> int:
 def step_calls(graph: Graph) -> int:
     """How many calls of the model one step holds at once
     (``step.calls_per_step``, 1 unless the runtime saw more). Each runs
-    under the same plan, so at any moment the step holds at most ``k``
-    times one call's bytes above :func:`shared_bytes`: every replayed peak
-    and event is ``m + (k - 1)·(m - shared)`` (:func:`per_step`).
+    under the same plan; the replay counts each event's bytes above what
+    the calls share ``k`` times (:func:`per_step`).
 
     >>> g = Graph.from_edges([4, 4], [(0, 1)])
     >>> step_calls(g), step_calls(g.with_step(calls_per_step=3))
@@ -177,17 +176,40 @@ def whole_calls(graph: Graph) -> int:
     return max(0, min(step_calls(graph) - 1, int(graph.step.whole_calls_per_step)))
 
 
-def per_step(graph: Graph, memory: Any) -> Any:
-    """One call's replayed ``memory`` (bytes, or an array of them) as the
-    step of ``k`` = :func:`step_calls` calls holds it, ``d`` =
-    :func:`whole_calls` of them holding their whole graph, bounded by one
-    call's plain peak ``P``: ``memory + (k - 1 - d)·(memory - shared) +
-    d·(P - shared)``, monotone in ``memory`` (so the plan with the least
-    peak is the same for every ``k`` and ``d``).
+def accumulation_bytes(node: Any, arrays: Any) -> int:
+    """What a step of several calls adds at the backward of ``node``
+    beyond one call's replay: the calls' backward passes meet at its
+    parameters, whose gradient one call made first; each later call's
+    backward makes new gradients for them (their bytes) and adds each to
+    the step's, one parameter at a time (the largest one's sum), before
+    both parts go. Used by both replay engines."""
+    params = [arrays[a].nbytes for a in dict.fromkeys(node.inputs + node.inner_params)
+              if arrays[a].kind == "param"]
+    return sum(params) + max(params, default=0)
+
+
+def per_step(graph: Graph, memory: Any, once: Any = 0, acc: Any = 0) -> Any:
+    """One call's replayed ``memory`` (bytes, or an array of them by
+    event) as the step of ``k`` = :func:`step_calls` calls holds it, ``d``
+    = :func:`whole_calls` of them holding their whole graph, bounded by one
+    call's plain peak ``P``: ``memory + (k - 1 - d)·(memory - shared -
+    once) + d·(P - shared) + acc`` (``acc`` only where ``k > 1``).
+
+    ``shared`` is :func:`shared_bytes`; ``once`` (by event, like
+    ``memory``) what of the event the step holds once, not once per call:
+    the parameters' gradients alive then and the optimizer update's
+    temporary; ``acc``: :func:`accumulation_bytes` at backward events. The
+    calls' backward passes run together, Chainer's backward taking every
+    call's functions of a rank before those of the next one, so each event
+    of the step holds every call at that event. (Without ``once`` each
+    call's gradients are counted once per call: a bound.) Monotone in
+    ``memory``.
 
     >>> g = Graph.from_edges([4, 4], [(0, 1)]).with_step(calls_per_step=2)
     >>> per_step(g, shared_bytes(g) + 100) - shared_bytes(g)
     200
+    >>> per_step(g, shared_bytes(g) + 100, once=60) - shared_bytes(g)
+    140
     >>> g = g.with_step(calls_per_step=3, whole_calls_per_step=1,
     ...                 whole_call_peak_bytes=shared_bytes(g) + 500)
     >>> per_step(g, shared_bytes(g) + 100) - shared_bytes(g)
@@ -199,7 +221,7 @@ def per_step(graph: Graph, memory: Any) -> Any:
     shared = shared_bytes(graph)
     d = whole_calls(graph)
     whole = d * (int(graph.step.whole_call_peak_bytes or 0) - shared) if d else 0
-    return memory + (k - 1 - d) * (memory - shared) + whole
+    return memory + (k - 1 - d) * (memory - shared - once) + whole + acc
 
 
 def outside_bytes(graph: Graph) -> Tuple[int, int]:
@@ -297,10 +319,18 @@ class _Memory:
         self.events: List[str] = []
         self.trace: List[int] = []
         self.used_trace: List[int] = []
+        # the parameters' gradients alive (old and new), and by event what a
+        # step of several calls holds once and adds (see per_step)
+        self.param_grads = 0
+        self.once: List[int] = []
+        self.acc: List[int] = []
         self.alloc("base", base)
 
     def alloc(self, key: Any, nbytes: int) -> None:
         self.level += nbytes
+        # (a key is a string, or a tuple whose first item is its kind)
+        if key == "old grads" or key[0] == "param grads":
+            self.param_grads += nbytes
         if self.pool is not None:
             self._handles[key] = self.pool.alloc(nbytes)
 
@@ -308,12 +338,18 @@ class _Memory:
         """``nbytes`` of ``key``'s let go; its pool block only when
         ``whole`` (a part of it: the block stays, as the pool caches it)."""
         self.level -= nbytes
+        if key == "old grads" or key[0] == "param grads":
+            self.param_grads -= nbytes
         if self.pool is not None and whole:
             self.pool.free(self._handles.pop(key, -1))
 
-    def record(self, label: str, extra: int = 0) -> None:
-        """One event; ``extra``: the call's transient, allocated and freed in it."""
+    def record(self, label: str, extra: int = 0, once: int = 0, acc: int = 0) -> None:
+        """One event; ``extra``: the call's transient, allocated and freed
+        in it (``once`` of it the step's, not each call's; ``acc``: see
+        :func:`per_step`)."""
         self.events.append(label)
+        self.once.append(self.param_grads + once)
+        self.acc.append(acc)
         used = self.level + extra
         self.used_trace.append(used)
         if self.pool is not None:
@@ -571,8 +607,10 @@ def replay_peak(graph: Graph, dropped: Optional[np.ndarray] = None,
     import sys
     from .kernels.replay import context_of, run_kernel
     ctx = context_of(graph, sys.modules[__name__])
-    trace = run_kernel(ctx, dropped, block_of, release_mode)[0]
-    return int(per_step(graph, int(trace.max())))
+    trace, kinds, us, ws, _ = run_kernel(ctx, dropped, block_of, release_mode)
+    if ctx.k > 1:
+        trace = per_step(graph, trace, *ctx.once_and_acc(kinds, us, ws))
+    return int(trace.max())
 
 
 class _ArrayPlan(ExecutionPlan):
@@ -723,6 +761,7 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
     mem.alloc("outside", outside_held)  # held by the caller's graph to the end
     grads_made: Set[int] = set()
     grads = _Gradients(mem)
+    several = step_calls(graph) > 1
 
     # ----------------------------------------------------------- backward
     order = backward_steps(graph)
@@ -840,7 +879,8 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
                 regenerate(w, missing)
         param_new, extra = backward_gradients(node, arrays, nodes, grads, grads_made, alive)
         mem.alloc(("param grads", w), param_new)
-        mem.record(f"backward {w} {node.op}", extra)
+        mem.record(f"backward {w} {node.op}", extra,
+                   acc=accumulation_bytes(node, arrays) if several else 0)
         if alive:
             old_grads = old_grads_left(mem, param_new, old_grads)
         grads.drop(node.outputs)
@@ -868,21 +908,24 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
         for key in list(mem.attrs):
             mem.clear_attr(key)
     sb = graph.state_bytes
-    mem.record("update", sb.get("update_transient", 0))
+    update_transient = sb.get("update_transient", 0)
+    mem.record("update", update_transient, once=update_transient)
     trace = np.asarray(mem.trace, dtype=np.int64)
+    used = np.asarray(mem.used_trace, dtype=np.int64)
     if held:
         end = mem.events.index("end of forward") + 1
         trace[:end] += held_end
-        mem.used_trace[:end] = [u + held_end for u in mem.used_trace[:end]]
-    trace = per_step(graph, trace)
+        used[:end] += held_end
+    once, acc = np.asarray(mem.once, dtype=np.int64), np.asarray(mem.acc, dtype=np.int64)
+    trace = per_step(graph, trace, once, acc)
     k = int(np.argmax(trace)) if len(trace) else 0
     return ReplayResult(peak_bytes=int(trace[k]) if len(trace) else constant,
                         peak_event=mem.events[k] if mem.events else "",
                         constant_bytes=constant, events=tuple(mem.events),
                         memory_bytes=trace, recomputed=recomputed,
                         recomputed_cost=recomputed_cost,
-                        used_peak_bytes=int(per_step(graph, max(mem.used_trace,
-                                                                default=constant))),
+                        used_peak_bytes=int(per_step(graph, used, once, acc).max())
+                        if len(used) else constant,
                         pool_total_peak_bytes=(None if mem.pool is None else
                                                int(per_step(graph, mem.pool.peak_total_bytes))))
 
@@ -899,7 +942,8 @@ def _replay_compiled(graph: Graph, plan: Optional[ExecutionPlan],
         dropped[list(plan.dropped)] = True
         block_of = np.asarray(plan.block_of, dtype=np.int64)
     trace, kinds, us, ws, recomputed = run_kernel(ctx, dropped, block_of, release_mode)
-    trace = per_step(graph, trace)
+    if ctx.k > 1:
+        trace = per_step(graph, trace, *ctx.once_and_acc(kinds, us, ws))
     events = ctx.labels(kinds, us, ws)
     k = int(np.argmax(trace))
     return ReplayResult(peak_bytes=int(trace[k]), peak_event=events[k],

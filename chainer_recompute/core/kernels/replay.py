@@ -46,12 +46,17 @@ class _Level:
 
     def __init__(self) -> None:
         self.level = 0
+        self.param_grads = 0  # (as the reference's)
 
     def alloc(self, key: Any, nbytes: int) -> None:
         self.level += nbytes
+        if key == "old grads" or key[0] == "param grads":
+            self.param_grads += nbytes
 
     def free(self, key: Any, nbytes: int, whole: bool = True) -> None:
         self.level -= nbytes
+        if key == "old grads" or key[0] == "param grads":
+            self.param_grads -= nbytes
 
 
 class ReplayContext:
@@ -142,6 +147,7 @@ class ReplayContext:
         # parameter's first backward reader, in the gradients' levels below
         alive = graph.step.grads_in_backward
         self.old_grads_at_backward = 0 if alive else self.old_grads
+        old_alive = self.old_grads - self.old_grads_at_backward
         self.free_all = helpers.graph_gone_at_update(graph)
         self.update_transient = int(graph.state_bytes.get("update_transient", 0))
         self.held_into_next = bool(graph.step.held_into_next_forward)
@@ -155,19 +161,48 @@ class ReplayContext:
         made: set = set()
         g_rec, g_extra, g_after = [], [], []
         old = self.old_grads if alive else 0
+        # a step of several calls (core.replay.per_step): the parameters'
+        # gradients at each backward step and after it, and what the
+        # calls' meeting at its parameters adds
+        p_rec, p_after, acc = [], [], []
         for w in order:
             node = nodes[w]
             param_new, extra = helpers.backward_gradients(node, arrays, nodes, grads, made,
                                                           alive)
-            lv.alloc(None, param_new)
+            lv.alloc(("param grads", w), param_new)
             g_rec.append(lv.level)
             g_extra.append(int(extra))
+            p_rec.append(old_alive + lv.param_grads)
+            acc.append(helpers.accumulation_bytes(node, arrays))
             old = helpers.old_grads_left(lv, param_new, old)
             grads.drop(node.outputs)
             g_after.append(lv.level)
+            p_after.append(old_alive + lv.param_grads)
         self.g_rec = np.array(g_rec, dtype=i64)
         self.g_extra = np.array(g_extra, dtype=i64)
         self.g_after = np.array(g_after, dtype=i64)
+        self.k = helpers.step_calls(graph)
+        self.p_rec = np.array(p_rec, dtype=i64)
+        self.p_after = np.array([old_alive] + p_after, dtype=i64)  # (before each step)
+        self.acc = np.array(acc, dtype=i64)
+        self.step_of = np.zeros(n, dtype=i64)
+        self.step_of[self.order] = np.arange(len(order))
+
+    def once_and_acc(self, kinds: np.ndarray, us: np.ndarray, ws: np.ndarray
+                     ) -> Tuple[np.ndarray, np.ndarray]:
+        """By event, what a step of several calls holds once and what
+        their backward passes' meeting adds
+        (:func:`~chainer_recompute.core.replay.per_step`), as the reference
+        replay's ``_Memory`` has them."""
+        once = np.full(kinds.shape[0], self.old_grads, dtype=np.int64)  # (the forward)
+        acc = np.zeros(kinds.shape[0], dtype=np.int64)
+        bw = kinds == BACKWARD
+        once[bw] = self.p_rec[self.step_of[us[bw]]]
+        acc[bw] = self.acc[self.step_of[us[bw]]]
+        rg = kinds == REGENERATE
+        once[rg] = self.p_after[self.step_of[ws[rg]]]
+        once[kinds == UPDATE] = self.p_after[-1] + self.update_transient
+        return once, acc
 
     def labels(self, kind: np.ndarray, u: np.ndarray, w: np.ndarray) -> Tuple[str, ...]:
         """The reference replay's event labels for the kernel's events."""

@@ -26,8 +26,8 @@ def plain_peak(graph: Graph, plan: Any) -> Tuple[Optional[int], str]:
     measured = graph.step.plain_measured_bytes
     k = step_calls(graph)
     if k > 1:
-        how = (f"{k} calls at once, each call's bytes above what they share counted {k} "
-               f"times")
+        how = (f"{k} calls at once: each call's bytes above what they share (parameters, "
+               f"their gradients, optimizer state) counted {k} times")
         return (int(vanilla) if vanilla else None), how
     if measured is None:
         return (int(vanilla) if vanilla else None), "predicted"

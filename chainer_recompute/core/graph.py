@@ -56,6 +56,11 @@ class StepFacts:
         held_into_next_forward: the graph is held into the model's next
             call: what it holds after its backward is alive through the
             next forward.
+        held_other_bytes: what the graph of an earlier call of another
+            input signature (a loop that keeps its ``loss`` while the
+            shapes change from batch to batch) holds through this
+            graph's forward, the most seen; the replay counts the larger
+            of it and this graph's own (``held_into_next_forward``).
         outside_peak_bytes, outside_held_bytes: what the caller's work
             between the forward and the backward allocates: its peak above
             the forward's end, and what is still held when the backward
@@ -97,6 +102,7 @@ class StepFacts:
     grads_in_forward: bool = True
     grads_in_backward: bool = False
     held_into_next_forward: bool = False
+    held_other_bytes: int = 0
     outside_peak_bytes: int = 0
     outside_held_bytes: int = 0
     unrecorded_tail_peak_bytes: int = 0

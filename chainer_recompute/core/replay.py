@@ -579,6 +579,15 @@ def held_caller_input_bytes(graph: Graph) -> int:
     return sum(arrays[b].nbytes for b in bufs)
 
 
+def held_through_forward(graph: Graph, own: int) -> int:
+    """What an earlier call's graph holds through this graph's forward:
+    ``own``, what this graph holds after its backward (where
+    ``step.held_into_next_forward``: the model's previous call of this
+    signature), or a graph of another signature
+    (``step.held_other_bytes``), the larger. Used by both replay engines."""
+    return max(int(own), int(graph.step.held_other_bytes))
+
+
 def _engine(graph: Graph, engine: Optional[str]) -> str:
     """``'numba'`` or ``'python'`` (see :data:`REPLAY_ENGINES`)."""
     if engine not in (None,) + REPLAY_ENGINES:
@@ -895,10 +904,9 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
     # What the graph still holds after its backward: a graph held into the
     # model's next call (``step.held_into_next_forward``) holds it
     # through that call's forward, so the forward's events carry it too.
-    held = graph.step.held_into_next_forward
-    held_end = (sum(mem.buffer_array(buf).nbytes for buf in mem.holders)
-                + sum(mem.attrs.values()) + held_caller_input_bytes(graph) + states
-                if held else 0)
+    held_end = held_through_forward(graph, (
+        sum(mem.buffer_array(buf).nbytes for buf in mem.holders) + sum(mem.attrs.values())
+        + held_caller_input_bytes(graph) + states) if graph.step.held_into_next_forward else 0)
     # The optimizer update: the graph is gone by then, or it still holds
     # what nothing released (see graph_gone_at_update).
     if graph_gone_at_update(graph):
@@ -912,7 +920,7 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
     mem.record("update", update_transient, once=update_transient)
     trace = np.asarray(mem.trace, dtype=np.int64)
     used = np.asarray(mem.used_trace, dtype=np.int64)
-    if held:
+    if held_end:
         end = mem.events.index("end of forward") + 1
         trace[:end] += held_end
         used[:end] += held_end

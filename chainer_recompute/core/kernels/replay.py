@@ -152,6 +152,7 @@ class ReplayContext:
         self.update_transient = int(graph.state_bytes.get("update_transient", 0))
         self.held_into_next = bool(graph.step.held_into_next_forward)
         self.held_inputs = helpers.held_caller_input_bytes(graph) if self.held_into_next else 0
+        self.held_through_forward = helpers.held_through_forward
         self.outside_peak, self.outside_held = helpers.outside_bytes(graph)
         # the gradients: the same for every plan
         order = helpers.backward_steps(graph)
@@ -281,8 +282,11 @@ def run_kernel(ctx: ReplayContext, dropped: Optional[np.ndarray], block_of: Opti
     states = (RNG_STATE_BYTES * int(np.count_nonzero(c.redrawn & np.asarray(dropped)))
               if has_plan else 0)
     trace = trace + states
-    if c.held_into_next:  # the previous call's graph, through this forward
-        trace[:int(np.argmax(kinds == END)) + 1] += held_end + c.held_inputs + states
+    # an earlier call's graph, through this forward
+    held = c.held_through_forward(c.graph, held_end + c.held_inputs + states
+                                  if c.held_into_next else 0)
+    if held:
+        trace[:int(np.argmax(kinds == END)) + 1] += held
     return trace, kinds, us, ws, recomputed
 
 

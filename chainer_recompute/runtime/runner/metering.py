@@ -11,6 +11,7 @@ import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 from .. import _chainer  # noqa: F401
+from .._chainer import param_grad
 import chainer
 
 from ..executor import IterationHook, IterationStats
@@ -184,6 +185,49 @@ def _previous_inputs(dev: Any, previous: Any, held: List[Any]) -> List[Tuple[Any
     return list(out.values())
 
 
+def _held_after(s: _Structure) -> int:
+    """What structure ``s``'s graph holds after its backward through the
+    next forward, as the replay counts its own
+    (``step.held_into_next_forward``): the same measure for a graph of
+    another signature (see :meth:`StepMeter.count_held_other`). Replayed
+    once per structure."""
+    if s.held_after is None:
+        from ...core.budget import release_caches
+        from ...core.replay import replay
+        plan = s.program if s.plan.recompute else None
+        one = s.graph.with_step(calls_per_step=1, whole_calls_per_step=0, held_other_bytes=0)
+        try:
+            first = [replay(one.with_step(held_into_next_forward=held), plan,
+                            release_mode=s.program.release_mode).memory_bytes[0]
+                     for held in (True, False)]
+        finally:
+            release_caches()
+        s.held_after = int(first[0] - first[1])
+    return s.held_after
+
+
+def _held_now(previous: Any, caller_keeps_inputs: Optional[bool]) -> int:
+    """What the graph of the previous call (``previous``, its hook), not
+    planned (a recorded first call), holds now (:func:`_graph_arrays`):
+    not the parameters, nor their values saved before an update (which no
+    plan counts), nor the caller's batches where it keeps them."""
+    from ..capture import root_of
+    from ..device import device_of
+    from ...core.graph import RNG_STATE_BYTES
+    refs = list(previous.recorder.param_refs.values())
+    if previous.program is not None:  # (a followed plan maps them as the plan did)
+        refs += previous.program.param_refs.values()
+    mine = [p for p in (r() for r in refs) if p is not None]
+    left = [p.array for p in mine] + [param_grad(p) for p in mine] + \
+        list(previous.snapshots.values())
+    if caller_keeps_inputs:
+        left += [r() for r in previous.input_roots]
+    left_ids = {id(root_of(a)) for a in left if a is not None}
+    arrays = [a for a in _graph_arrays(previous) if id(root_of(a)) not in left_ids]
+    return (_distinct_bytes(device_of(arrays), arrays)
+            + RNG_STATE_BYTES * len(previous._rng_states))
+
+
 def _abandon(meter: Any) -> None:
     """The runner was freed with a meter running: stop it (tracing off)."""
     if getattr(meter, "_running", False):
@@ -264,6 +308,12 @@ class StepMeter:
         self._said_probation = False  # a step over its budget with probation's saved values
         self._said_measured: set = set()  # corrections whose plan's first measured step was said
         self.last_hook: Any = None  # a weak reference to the previous call's IterationHook
+        self.last_entry: Optional[_Entry] = None  # ... and its signature
+        # whether the caller keeps its batches after a step (a list of them, a
+        # data set they are views of): learned where a step was measured
+        # with the previous call's inputs held by its graph (see
+        # _OpenMeter.user_held); None until then
+        self.caller_keeps_inputs: Optional[bool] = None
         # weak references to the hooks of calls whose graphs may be alive
         self._graphs: List[Any] = []
         # the function nodes of the previous call's graph (weak references)
@@ -288,10 +338,14 @@ class StepMeter:
         earlier calls' backward is still to come (after :meth:`find_step`)."""
         return bool(self._step_others)
 
-    def track(self, hook: IterationHook) -> None:
-        """``hook`` is this training call's: the previous call's at the next."""
+    def track(self, hook: IterationHook, entry: _Entry, arrays: List[Any]) -> None:
+        """``hook`` is this training call's, of signature ``entry``, on the
+        array arguments ``arrays``: the previous call's at the next."""
         self.last_hook = weakref.ref(hook)
+        self.last_entry = entry
         self._graphs.append(self.last_hook)
+        if not hasattr(hook, "input_roots"):  # (set where the call is measured)
+            hook.input_roots = _weak_roots(_own_arrays(None, arrays))
 
     def start(self, entry: _Entry, hook: IterationHook, link: Optional[chainer.Link],
                      args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
@@ -409,6 +463,8 @@ class StepMeter:
         if self._meter is None:
             return
         open_, self._meter = self._meter, None
+        if open_.user_held:
+            self.caller_keeps_inputs = any(ref() is not None for ref, _ in open_.user_held)
         if open_.finalizer is not None:
             open_.finalizer.detach()
         if open_.watcher is not None:
@@ -557,9 +613,10 @@ class StepMeter:
             from ...core.replay import replay
             try:
                 for entry, s in let_go:
-                    if s not in entry.structures or not s.graph.step.held_into_next_forward:
+                    if s not in entry.structures or not (s.graph.step.held_into_next_forward
+                                                         or s.graph.step.held_other_bytes):
                         continue
-                    graph = s.graph.with_step(held_into_next_forward=False)
+                    graph = s.graph.with_step(held_into_next_forward=False, held_other_bytes=0)
                     peak = replay(graph, s.program if s.plan.recompute else None,
                                   release_mode=s.program.release_mode).peak_bytes
                     info = dict(s.plan.info)
@@ -594,7 +651,8 @@ class StepMeter:
         if funcs is None or hook.program is None or getattr(hook, "_held_at_start", True):
             return  # still held when this forward began: as planned
         let_go = [(entry, s) for s in entry.structures
-                  if s.program is hook.program and s.graph.step.held_into_next_forward]
+                  if s.program is hook.program and (s.graph.step.held_into_next_forward
+                                                    or s.graph.step.held_other_bytes)]
         if let_go:
             self._let_go = (self._let_go or []) + let_go
 
@@ -766,7 +824,7 @@ class StepMeter:
         them. (A model known to keep its graph is planned so from the
         start: :meth:`_recorded`, :meth:`_capture_at`.)"""
         self._held_previous = None
-        if (self.spec.free_previous_graph or self.spec.budget_scope != "total" or not entry.structures
+        if (self.spec.free_previous_graph or self.spec.budget_scope != "total"
                 or self.planner.coordinator is not None):  # (a coordinator replans collectively)
             return
         previous = self.last_hook() if self.last_hook is not None else None
@@ -777,12 +835,56 @@ class StepMeter:
         if previous.recorder.recording and previous.planned is not None:
             previous.release_as_planned(previous.planned)
         self._held_previous = [c.func for c in previous.recorder.calls]  # (weak references)
+        if self.last_entry is not entry:  # (another signature's graph)
+            if self.held_at_start is not False and \
+                    all(r() is not previous for r in self._step_others):  # (this step's: per_step)
+                self.count_held_other(entry, previous)
+            return
+        if not entry.structures:
+            return
         s = entry.structures[0]
         if not s.graph.step.held_into_next_forward and \
                 self.held_at_start is not False:  # (not seen let go before its forward)
             logger.info("the graph of the model's previous call is still held at its next "
                         "call; planned again with it alive through the forward")
             self.planner.replan(entry, s, held_into_next_forward=True)
+
+    def count_held_other(self, entry: _Entry, previous: IterationHook) -> None:
+        """The graph of the model's previous call, of another signature
+        (the batches' shapes change from call to call: a sequence length),
+        is alive at this call (:meth:`count_held_graph`): what it holds is
+        alive through this call's forward (a step after a larger batch holds
+        that batch's graph), counted as the replay counts a graph of its own
+        signature held so (:func:`_held_after`; a graph not planned yet, a
+        recorded first call, by its arrays: :func:`_held_now`), less the
+        previous batch where the caller keeps its batches. The plans this call makes (its
+        signature's first) are made for it (the planner's ``held_other``);
+        one made for less (``step.held_other_bytes``, the most its calls
+        met), whose prediction with the difference is over its budget, is
+        made again before this step's meter starts."""
+        program = previous.program or previous.planned
+        done = next((s for s in getattr(self.last_entry, "structures", ())
+                     if s.program is program), None)
+        if done is None:
+            held = _held_now(previous, self.caller_keeps_inputs)
+        else:
+            from ...core.replay import held_caller_input_bytes
+            held = _held_after(done) - (held_caller_input_bytes(done.graph)
+                                        if self.caller_keeps_inputs else 0)
+        self.planner.held_other = held  # (this call's plans are made for it)
+        from ...core.budget import limit_of
+        for s in list(entry.structures):
+            # (beyond what its replay counts through the forward already)
+            more = held - max(s.graph.step.held_other_bytes,
+                              _held_after(s) if s.graph.step.held_into_next_forward else 0)
+            budget = s.plan.budget_bytes
+            # (not where the plan's prediction has room for it under its budget)
+            if more > 0 and (budget is None or
+                             s.plan.predicted_peak_bytes + more > limit_of(budget)):
+                logger.info("the graph of the model's previous call, of another input "
+                            "signature, still holds %s at its next call; planned again with "
+                            "it alive through the forward", format_bytes(held))
+                self.planner.replan(entry, s, held_other_bytes=held)
 
     def let_go_of_finished_graphs(self) -> None:
         """The graphs of earlier calls whose backward has run release what

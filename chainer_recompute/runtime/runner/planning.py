@@ -146,6 +146,9 @@ class Planner:
         # the most calls of the model one step has held at once, and of those
         # the calls holding their whole graph (see StepMeter.count_step_calls)
         self.step_calls, self.whole_calls = spec.calls_per_step or 1, 0
+        # what a graph of another signature holds through this call's forward
+        # (see StepMeter.count_held_other)
+        self.held_other = 0
         # the loop's gradients alive when a backward begins (see
         # StepMeter.watch_gradients): every plan made for them from then on
         self.grads_alive = False
@@ -340,12 +343,7 @@ class Planner:
         before its workspace bound). ``probation``: the record of the
         structure this one replaces (a plan made again continues it)."""
         self.plans_made += 1
-        graph = self._with_keep(graph)  # (keep=: the functions every plan keeps)
-        if self.grads_alive and not graph.step.grads_in_backward:
-            graph = graph.with_step(grads_in_backward=True)
-        if self.step_calls > 1 and self.coordinator is None and \
-                self.spec.budget_scope == "total":  # (see StepMeter.count_step_calls)
-            graph = self._for_step_calls(graph)
+        graph = self._with_facts(graph)
         limit = None  # the convolutions' workspace bound its calls run under
         try:
             if plan is None or adopted:
@@ -386,6 +384,21 @@ class Planner:
                 self._said_unsafe.add(said)
                 report.warning("%s", said)
         return s
+
+    def _with_facts(self, graph: Graph) -> Graph:
+        """``graph`` with what the runner has learned of the model's steps,
+        as every plan is made for it: the functions ``keep=`` keeps, the
+        loop's gradients alive into the backward, a graph of another
+        signature held through the forward, the calls per step."""
+        graph = self._with_keep(graph)
+        if self.grads_alive and not graph.step.grads_in_backward:
+            graph = graph.with_step(grads_in_backward=True)
+        if self.held_other > graph.step.held_other_bytes:  # (see StepMeter.count_held_other)
+            graph = graph.with_step(held_other_bytes=self.held_other)
+        if self.step_calls > 1 and self.coordinator is None and \
+                self.spec.budget_scope == "total":  # (see StepMeter.count_step_calls)
+            graph = self._for_step_calls(graph)
+        return graph
 
     def replan(self, entry: _Entry, s: _Structure, **facts: Any) -> None:
         """Plan ``s``'s graph again with ``facts`` set (step facts a
@@ -910,7 +923,9 @@ class Planner:
             # (one structure object: its measurements count for both)
             entry.structures.insert(0, src.structures[0])
             return True
-        graph = graph.replace(batch_size=batch).with_step(derived_from=tuple(src.dims))
+        # (as add() makes it: the family plan's prediction is replayed on it)
+        graph = self._with_facts(graph.replace(batch_size=batch).with_step(
+            derived_from=tuple(src.dims)))
         if src.structures:
             program = src.structures[0].program
             refs, multi, known = program.param_refs, program.multi_backward, \

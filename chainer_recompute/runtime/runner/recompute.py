@@ -470,6 +470,7 @@ class Recompute:
             planner.device = device_of(list(args) + list(kwargs.values()))
         # plans made again here, where no step's meter runs: after a
         # correction, for a graph held into this call, for more calls per step
+        planner.held_other = 0  # (this call's: see StepMeter.count_held_graph)
         with planner.watch_planning(entry, args, kwargs, "again at a training call"):
             if steps.pending:
                 steps.apply_pending()
@@ -589,7 +590,7 @@ class Recompute:
             steps.watch_held_graph(hook)
             steps.start(entry, hook, link, args, kwargs)
         hook.step_mark = mark
-        steps.track(hook)
+        steps.track(hook, entry, list(args) + list(kwargs.values()))
         steps.watch_gradients(hook, entry, link)
         limit = entry.structures[0].workspace_bytes if entry.structures else None
         with _Active(), hook, bounded(limit, self.spec.workspace_exact):

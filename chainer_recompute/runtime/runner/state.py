@@ -35,7 +35,7 @@ class _Structure:
     """One planned graph of a signature."""
 
     __slots__ = ("graph", "plan", "program", "planning_time_s", "checked", "workspace_bytes",
-                 "plain_fits")
+                 "plain_fits", "held_after")
 
     def __init__(self, graph: Graph, plan: Any, program: Program, planning_time_s: float,
                  workspace_bytes: Optional[int] = None):
@@ -46,6 +46,9 @@ class _Structure:
         #: whether plain Chainer keeps what its plan keeps (see
         #: ``Recompute._checked_plain``); None: not known yet
         self.plain_fits: Optional[bool] = None
+        #: what its graph holds after its backward, as the replay counts it
+        #: held into the next forward (see ``StepMeter.count_held_other``)
+        self.held_after: Optional[int] = None
 
 
 class _Entry:

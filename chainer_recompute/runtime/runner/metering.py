@@ -857,11 +857,11 @@ class StepMeter:
         that batch's graph), counted as the replay counts a graph of its own
         signature held so (:func:`_held_after`; a graph not planned yet, a
         recorded first call, by its arrays: :func:`_held_now`), less the
-        previous batch where the caller keeps its batches. The plans this call makes (its
-        signature's first) are made for it (the planner's ``held_other``);
-        one made for less (``step.held_other_bytes``, the most its calls
-        met), whose prediction with the difference is over its budget, is
-        made again before this step's meter starts."""
+        previous batch where the caller keeps its batches. The plans this
+        call makes (its signature's first) are made for it (the planner's
+        ``held_other``); one made for less (``step.held_other_bytes``, the
+        most its calls met), whose prediction with the difference is over
+        its budget, is made again before this step's meter starts."""
         program = previous.program or previous.planned
         done = next((s for s in getattr(self.last_entry, "structures", ())
                      if s.program is program), None)

@@ -954,3 +954,94 @@ def test_nothing_of_the_planner_stays_between_steps(monkeypatch):
         opt.update(model, x, t)
         assert cr.runner_of(model).last_stats.path == "planned"
         assert _replay_kernel._CONTEXTS == [] and budget._RELEASABLE == {}
+
+
+class PaddedTokens(chainer.Chain):
+    """A classifier of token sequences given as a list, one array per
+    sample (Chainer's convention for its NStep RNNs and ``pad_sequence``):
+    padded, embedded, an MLP per token, max over the sequence."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with self.init_scope():
+            self.embed = L.EmbedID(100, 32, ignore_label=-1)
+            self.l1 = L.Linear(32, 64)
+            self.out = L.Linear(64, 5)
+
+    def forward(self, xs, t):
+        h = self.embed(F.pad_sequence(xs, padding=-1))
+        b, n, d = h.shape
+        h = F.relu(self.l1(F.reshape(h, (b * n, d))))
+        self.loss = F.softmax_cross_entropy(self.out(F.max(F.reshape(h, (b, n, -1)), axis=1)), t)
+        return self.loss
+
+
+def test_a_list_of_one_sequence_per_sample_is_cut_for_the_captures(caplog):
+    """The captures at batch 2 and 4 take the first samples of the list as
+    of every batch argument: their graphs are compared, and the first call
+    is recorded for the reason they give (``pad_sequence`` reads one input
+    per sample, so the graph is another at each batch size). They gave the
+    list whole with two labels, and Chainer's type check of the loss
+    raised (an ``Expr`` evaluated as a bool). The next steps are planned,
+    under their budget, bit for bit plain Chainer's."""
+    rs = np.random.RandomState(0)
+    batches = [([rs.randint(0, 100, 12).astype(np.int32) for _ in range(16)],
+                rs.randint(0, 5, 16).astype(np.int32)) for _ in range(3)]
+    setup = optimizer(lambda: chainer.optimizers.Adam())
+    plain = train(PaddedTokens, setup, batches)
+    with caplog.at_level(logging.WARNING, logger="chainer_recompute"):
+        ours = train(PaddedTokens, setup, batches, "least")
+    assert_same_records(plain, ours)
+    said = [r.getMessage() for r in caplog.records if "captures at batch 2 and 4" in r.getMessage()]
+    assert len(said) == 1 and "graphs at batch 2 and at batch 4 differ" in said[0], said
+    assert [s[0] for s in ours.stats] == ["recorded", "planned", "planned"], ours.stats
+    assert all(p <= s[1] for p, s in zip(ours.peaks[1:], ours.stats[1:])), (ours.peaks, ours.stats)
+
+
+class PerSample(chainer.Chain):
+    """A loop over the samples of a list (a recursive net's way): one
+    function chain per sample, so the graph at each batch size is another
+    and no pair of captures can plan a call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with self.init_scope():
+            self.embed = L.EmbedID(100, 16)
+            self.out = L.Linear(16, 5)
+
+    def forward(self, xs, t):
+        h = F.stack([F.max(self.embed(x), axis=0) for x in xs])
+        return F.softmax_cross_entropy(self.out(h), t)
+
+
+def test_new_signatures_whose_captures_fail_are_no_longer_captured(monkeypatch):
+    """A new input signature at every call (sequences of new lengths)
+    whose captures cannot plan it: after ``RECORD_NEW_AFTER`` such calls in
+    a row, first calls are neither recorded nor captured (each capture
+    was two more forward and backward passes, for nothing: 3.4x plain
+    Chainer's step on an NStepLSTM encoder), bit for bit plain Chainer's."""
+    from chainer_recompute.runtime.runner.planning import Planner
+    captured = []
+    original = Planner.plan_separately
+
+    def counted(self, *args, **kwargs):
+        captured.append(1)
+        return original(self, *args, **kwargs)
+    monkeypatch.setattr(Planner, "plan_separately", counted)
+    rs = np.random.RandomState(0)
+    batches = [([rs.randint(0, 100, rs.randint(3, 30)).astype(np.int32) for _ in range(6)],
+                rs.randint(0, 5, 6).astype(np.int32)) for _ in range(12)]
+
+    def step(model, opt, xs, t):
+        loss = model(xs, t)
+        model.cleargrads()
+        loss.backward()
+        opt.update()
+        return loss
+    setup = optimizer(lambda: chainer.optimizers.Adam())
+    plain = train(PerSample, setup, batches, step=step)
+    ours = train(PerSample, setup, batches, "least", step=step)
+    assert_same_records(plain, ours)
+    n = cr.Recompute.RECORD_NEW_AFTER
+    assert [s[0] for s in ours.stats] == ["recorded"] * n + ["plain"] * (len(batches) - n)
+    assert len(captured) == n

@@ -33,7 +33,9 @@ def detached_arguments(args: Tuple[Any, ...], kwargs: Dict[str, Any],
     generator's parameters) get nothing from it. With ``batch``, each
     top-level argument whose first axis has ``batch`` rows is a copy of
     them (a model that scales its input in place scales the caller's once,
-    in the real call), of its first ``rows`` where ``rows`` is fewer; other
+    in the real call), of its first ``rows`` where ``rows`` is fewer, and
+    so is each top-level list or tuple of ``batch`` arrays, one per sample
+    (NStepLSTM's sequences): its first ``rows``, each a copy; other
     arrays are the caller's (a large table passed along is not copied).
 
     >>> import numpy as np
@@ -45,7 +47,15 @@ def detached_arguments(args: Tuple[Any, ...], kwargs: Dict[str, Any],
     made: Dict[Tuple[int, bool], Any] = {}
     cut = rows is not None and batch is not None and rows < batch
 
-    def new(x: Any, top: bool) -> Any:
+    def sample_list(x: Any) -> bool:
+        # a top-level list of one array per sample (NStepLSTM's sequences)
+        return (type(x) in (tuple, list) and len(x) == batch and len(x) > 0
+                and all(is_array(v.raw_array if isinstance(v, chainer.Variable) else v)
+                        for v in x))
+
+    def new(x: Any, top: bool, sample: bool = False) -> Any:
+        if top and sample_list(x):  # its first ``rows`` samples, copied
+            return type(x)(new(v, False, True) for v in (x[:rows] if cut else x))
         if type(x) in (tuple, list):  # (not a subclass: a namedtuple, a dict with
             return type(x)(new(v, False) for v in x)  # attribute access, left as it is)
         if type(x) is dict:
@@ -55,9 +65,11 @@ def detached_arguments(args: Tuple[Any, ...], kwargs: Dict[str, Any],
         arr = x.raw_array if isinstance(x, chainer.Variable) else x
         if not is_array(arr):
             return x
-        key = (id(x), top)
+        key = (id(x), top or sample)
         if key not in made:
-            if top and arr.ndim and arr.shape[0] == batch:
+            if sample:
+                arr = arr.copy()
+            elif top and arr.ndim and arr.shape[0] == batch:
                 arr = (arr[:rows] if cut else arr).copy()
             if not isinstance(x, chainer.Variable):
                 made[key] = arr

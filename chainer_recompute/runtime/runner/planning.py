@@ -153,6 +153,11 @@ class Planner:
         # StepMeter.watch_gradients): every plan made for them from then on
         self.grads_alive = False
         self.refusal = ""  # why captures could not plan a first call
+        self.captures_failed = False  # the last first call's captures ran and failed
+        #: the first call of a new signature is planned from captures (False:
+        #: not, once they failed on new signatures call after call, see
+        #: ``Recompute._count_new``)
+        self.capture_first_calls = True
         #: the first call of a signature that nothing plans before it runs is
         #: recorded (False: not, see ``Recompute.RECORD_NEW_AFTER``)
         self.record_first_calls = True
@@ -552,6 +557,7 @@ class Planner:
         t0 = time.perf_counter()
         batch = batch_size_of(args, kwargs)
         small = self.spec.capture_batch
+        self.captures_failed = False
         if small == "auto":
             if not self.captures(batch):
                 self.refusal = ("its arguments have no batch dimension" if batch is None else
@@ -592,6 +598,7 @@ class Planner:
                 break
             else:
                 self.refusal = "; ".join(failed)
+                self.captures_failed = True
                 self._say_recorded(args, batch, self.refusal)
                 return False
             self.add(entry, graph, hook.recorder.param_refs, hook.multi_backward, t0)
@@ -611,6 +618,7 @@ class Planner:
             graph = _let_go(g1.scale_between(g2, batch), hook2)
         except GraphError as e:
             self.refusal = f"capture_batch={small} cannot plan {self._name(args)}: {e}"
+            self.captures_failed = True
             level = logging.INFO if self._said_capture else logging.WARNING
             self._said_capture = True
             report.log(level, "%s; its first call at batch %d runs plainly (not bounded by the "
@@ -818,7 +826,7 @@ class Planner:
         captures') is in that step and in no plan (:meth:`watch_planning`)."""
         with self.watch_planning(entry, args, kwargs, "inside its first call"):
             return bool((self.coordinator is None and self._plan_from_family(entry, args, kwargs))
-                        or (self.spec.capture_batch is not None
+                        or (self.spec.capture_batch is not None and self.capture_first_calls
                             and self.plan_separately(entry, args, kwargs)))
 
     @contextlib.contextmanager

@@ -528,15 +528,19 @@ class Recompute:
                 or self.coordinator is not None):
             return
         planner.record_first_calls = False
+        # (captures that failed on each of them: two more forwards and
+        # backwards at every new signature, for nothing)
+        planner.capture_first_calls = not planner.captures_failed
         why = (f"a plan made from its earlier shapes did not fit it: {hook.stats.mismatch}"
                if hook.stats.mismatch else planner.refusal or "nothing could plan it")
         report.warning(
             "%s had a new input signature at each of its last %d training calls, each "
             "recorded and planned, its plan never used (%s). From now on the first call of a "
             "new signature that nothing plans before it runs is not recorded (it runs as plain "
-            "Chainer, as a recorded call does), one run under a plan made from its family that "
-            "does not fit it is not planned from, and its graph is recorded at its second call",
-            name_of(self.fn, args), self._new_recorded, why)
+            "Chainer, as a recorded call does)%s, one run under a plan made from its family "
+            "that does not fit it is not planned from, and its graph is recorded at its second "
+            "call", name_of(self.fn, args), self._new_recorded, why,
+            "" if planner.capture_first_calls else " nor captured at smaller batches")
 
     def _checked_plain(self, entry: Any) -> bool:
         """A plan that drops nothing, checked against the allocator, runs as

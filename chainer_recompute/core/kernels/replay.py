@@ -46,17 +46,12 @@ class _Level:
 
     def __init__(self) -> None:
         self.level = 0
-        self.param_grads = 0  # (as the reference's)
 
     def alloc(self, key: Any, nbytes: int) -> None:
         self.level += nbytes
-        if key == "old grads" or key[0] == "param grads":
-            self.param_grads += nbytes
 
     def free(self, key: Any, nbytes: int, whole: bool = True) -> None:
         self.level -= nbytes
-        if key == "old grads" or key[0] == "param grads":
-            self.param_grads -= nbytes
 
 
 class ReplayContext:
@@ -147,7 +142,6 @@ class ReplayContext:
         # parameter's first backward reader, in the gradients' levels below
         alive = graph.step.grads_in_backward
         self.old_grads_at_backward = 0 if alive else self.old_grads
-        old_alive = self.old_grads - self.old_grads_at_backward
         self.free_all = helpers.graph_gone_at_update(graph)
         self.update_transient = int(graph.state_bytes.get("update_transient", 0))
         self.held_into_next = bool(graph.step.held_into_next_forward)
@@ -163,28 +157,31 @@ class ReplayContext:
         g_rec, g_extra, g_after = [], [], []
         old = self.old_grads if alive else 0
         # a step of several calls (core.replay.per_step): the parameters'
-        # gradients at each backward step and after it, and what the
-        # calls' meeting at its parameters adds
-        p_rec, p_after, acc = [], [], []
+        # gradients (the new ones and the old ones left) before and at each
+        # backward step, and what the calls' meeting at its parameters adds
+        p_before, p_rec, acc = [], [], []
+        param = 0
         for w in order:
             node = nodes[w]
             param_new, extra = helpers.backward_gradients(node, arrays, nodes, grads, made,
                                                           alive)
-            lv.alloc(("param grads", w), param_new)
+            p_before.append(param + old)
+            param += param_new
+            lv.alloc(None, param_new)
             g_rec.append(lv.level)
             g_extra.append(int(extra))
-            p_rec.append(old_alive + lv.param_grads)
+            p_rec.append(param + old)
             acc.append(helpers.accumulation_bytes(node, arrays))
             old = helpers.old_grads_left(lv, param_new, old)
             grads.drop(node.outputs)
             g_after.append(lv.level)
-            p_after.append(old_alive + lv.param_grads)
         self.g_rec = np.array(g_rec, dtype=i64)
         self.g_extra = np.array(g_extra, dtype=i64)
         self.g_after = np.array(g_after, dtype=i64)
         self.k = helpers.step_calls(graph)
+        self.p_before = np.array(p_before, dtype=i64)
         self.p_rec = np.array(p_rec, dtype=i64)
-        self.p_after = np.array([old_alive] + p_after, dtype=i64)  # (before each step)
+        self.p_end = param + old
         self.acc = np.array(acc, dtype=i64)
         self.step_of = np.zeros(n, dtype=i64)
         self.step_of[self.order] = np.arange(len(order))
@@ -201,8 +198,8 @@ class ReplayContext:
         once[bw] = self.p_rec[self.step_of[us[bw]]]
         acc[bw] = self.acc[self.step_of[us[bw]]]
         rg = kinds == REGENERATE
-        once[rg] = self.p_after[self.step_of[ws[rg]]]
-        once[kinds == UPDATE] = self.p_after[-1] + self.update_transient
+        once[rg] = self.p_before[self.step_of[ws[rg]]]
+        once[kinds == UPDATE] = self.p_end + self.update_transient
         return once, acc
 
     def labels(self, kind: np.ndarray, u: np.ndarray, w: np.ndarray) -> Tuple[str, ...]:

@@ -55,6 +55,9 @@ class _OpenMeter(CallMeter):
     # bytes of parameter values the previous graph saved on probation
     # (Program.on_probation), counted in ``own``
     probation: int = 0
+    # bytes the previous graph holds beyond what this plan counts for it,
+    # left by a plan since replaced (StepMeter._replaced_plan_bytes)
+    replaced: int = 0
 
     def measured(self, absolute_peak_bytes: int) -> int:
         """The model's bytes when the meter read ``absolute_peak_bytes``."""
@@ -306,6 +309,7 @@ class StepMeter:
         self.corrections: Optional[Dict[int, Tuple[_Entry, _Structure, int]]] = None
         self._correction = Correction(report)  # a measured overshoot: warned once
         self._said_probation = False  # a step over its budget with probation's saved values
+        self._said_replaced = False  # ... with the graph of a replaced plan held
         self._said_measured: set = set()  # corrections whose plan's first measured step was said
         self.last_hook: Any = None  # a weak reference to the previous call's IterationHook
         self.last_entry: Optional[_Entry] = None  # ... and its signature
@@ -375,7 +379,7 @@ class StepMeter:
         previous = self.last_hook() if self.last_hook is not None else None
         held: List[Any] = []
         user_held: List[Tuple[Any, int]] = []
-        probation = 0
+        probation = replaced = 0
         if previous is not None and previous is not hook and (
                 previous.backward_done or previous.program is None):
             # (a call whose backward is still to come, a discriminator's
@@ -385,6 +389,7 @@ class StepMeter:
             user_held = _previous_inputs(dev, previous, held)
             own += held
             probation = _probation_bytes(previous)
+            replaced = self._replaced_plan_bytes(entry, hook, previous)
         for other in filter(None, (r() for r in self._step_others)):
             if other is not previous:  # (the step's earlier calls, none measured)
                 own += _graph_arrays(other)
@@ -393,7 +398,7 @@ class StepMeter:
             own=_distinct_bytes(dev, own) + _distinct_bytes(dev, inputs, as_shown=True),
             entry=entry, stats=hook.stats, hook=weakref.ref(hook), new_meter=dev.meter,
             link_ref=weakref.ref(link) if link is not None else None, user_held=user_held,
-            probation=probation)
+            probation=probation, replaced=replaced)
         from ..capture import is_array, root_of
         self._meter.watch_untraced([root_of(a) for a in own if is_array(a)],
                                    dev.allocation_bytes)
@@ -486,7 +491,7 @@ class StepMeter:
                     total, measured, stats.measured_pool_total_bytes or 0))
             if not open_.after_recording:
                 self._check(open_.entry, s, stats, max(measured, total or 0),
-                            open_.probation + _probation_bytes(open_.hook()))
+                            open_.probation + _probation_bytes(open_.hook()), open_.replaced)
                 self._say_measured(s, stats)
             return
         hook = open_.hook()
@@ -523,7 +528,8 @@ class StepMeter:
                                      waiting=waiting, level_total=m.start_total_bytes,
                                      link_ref=open_.link_ref,
                                      after_recording=open_.after_recording,
-                                     user_held=open_.user_held, probation=open_.probation)
+                                     user_held=open_.user_held, probation=open_.probation,
+                                     replaced=open_.replaced)
             self._meter.finalizer = weakref.finalize(self, _abandon, tail)
             if waiting is not None:
                 _watch_updates(self, self._meter)
@@ -531,7 +537,7 @@ class StepMeter:
                 weakref.finalize(hook, _graph_died, weakref.ref(self), self._meter)
         if not open_.after_recording:
             self._check(open_.entry, s, stats, measured,
-                        open_.probation + _probation_bytes(hook))
+                        open_.probation + _probation_bytes(hook), open_.replaced)
             if tail is None:
                 self._say_measured(s, stats)
 
@@ -560,7 +566,7 @@ class StepMeter:
                                               corrected=bool(correction)))
 
     def _check(self, entry: _Entry, s: _Structure, stats: IterationStats,
-               measured: int, probation: int = 0) -> None:
+               measured: int, probation: int = 0, replaced: int = 0) -> None:
         """A peak over the budget (total scope): the memory model is to be
         corrected by what the plan missed, and the structure planned again
         at the model's next call (:meth:`apply_pending`): the check
@@ -568,11 +574,22 @@ class StepMeter:
         optimizer's update), and planning there would add the planner's
         memory to the step the budget bounds. ``probation``: bytes of
         parameter values saved on probation that the step counted
-        (:attr:`Program.on_probation`): said, and no part of the
-        correction (no later step holds them)."""
+        (:attr:`Program.on_probation`); ``replaced``: what the previous
+        call's graph held beyond what this plan counts for it, left by a
+        plan since replaced (:meth:`_replaced_plan_bytes`). Each is said,
+        and no part of the correction (no later step holds them)."""
         if self.spec.budget_scope != "total":
             return
         budget = s.plan.budget_bytes
+        if replaced and budget is not None and measured > budget and not self._said_replaced:
+            self._said_replaced = True
+            report.warning(
+                "the measured peak %s is over the budget %s with %s held by the previous "
+                "call's graph beyond what this plan counts for it: that graph ran under the "
+                "plan this one replaced (made before the loop was seen to keep its graph into "
+                "the next call, or before a correction), which holds more after its backward; "
+                "later steps hold this plan's graph", format_bytes(measured),
+                format_bytes(budget), format_bytes(replaced))
         if probation and budget is not None and measured > budget and not self._said_probation:
             self._said_probation = True
             report.warning(
@@ -584,7 +601,7 @@ class StepMeter:
                 "call instead, plainly, and saves none)", format_bytes(measured),
                 format_bytes(budget), format_bytes(probation))
         correction = self._correction.overshoot(measured, budget, s.plan.predicted_peak_bytes,
-                                                transient=probation)
+                                                transient=probation + replaced)
         if not correction:
             return
         if self.corrections is None:
@@ -885,6 +902,31 @@ class StepMeter:
                             "signature, still holds %s at its next call; planned again with "
                             "it alive through the forward", format_bytes(held))
                 self.planner.replan(entry, s, held_other_bytes=held)
+
+    def _replaced_plan_bytes(self, entry: _Entry, hook: IterationHook,
+                             previous: IterationHook) -> int:
+        """What the previous call's graph, of this signature, holds beyond
+        what the plan ``hook`` follows counts for it (its own graph after
+        its backward, ``step.held_into_next_forward``; a graph of another
+        signature, ``step.held_other_bytes``), where that graph ran under a
+        plan since replaced (planned again for that graph, for a correction,
+        for more calls per step): the replaced plan may release less after
+        its backward (a source it did not pin, checkpoints it kept for a
+        second pass), and no later step holds its graph. 0 where the previous
+        graph's plan is one of the signature's (two structures taking
+        turns: a pattern the correction is to learn)."""
+        if self.last_entry is not entry or previous.program is None or \
+                any(s.program is previous.program for s in entry.structures):
+            return 0
+        s = next((s for s in entry.structures if s.program is hook.program), None)
+        if s is None:
+            return 0
+        counted = s.graph.step.held_other_bytes
+        if s.graph.step.held_into_next_forward:
+            from ...core.replay import held_caller_input_bytes
+            counted = max(counted, _held_after(s) - (
+                held_caller_input_bytes(s.graph) if self.caller_keeps_inputs else 0))
+        return max(0, _held_now(previous, self.caller_keeps_inputs) - counted)
 
     def let_go_of_finished_graphs(self) -> None:
         """The graphs of earlier calls whose backward has run release what

@@ -789,10 +789,13 @@ class Planner:
         budget (for ``'least'``: the least budget of the shape it was made
         for), its replayed peak on ``graph`` as its prediction (no solver
         run); None when none does (or in the activations scope, with
-        workspace bounds or a coordinator: those plan each graph)."""
+        workspace bounds or a coordinator: those plan each graph). The
+        replay is of ``graph`` with the step facts :meth:`add` gives it
+        (:meth:`_with_facts`: the calls per step, the gradients alive)."""
         if (self.spec.budget_scope != "total" or self.spec.workspace is not None
                 or self.coordinator is not None):
             return None
+        graph = self._with_facts(graph)
         from ...core.budget import limit_of
         from ...core.execution import ExecutionPlan
         from ...core.replay import replay

@@ -42,7 +42,9 @@ class _OpenMeter(CallMeter):
     finalizer: Any = None  # stops the meter if the runner is freed first
     # The call found the recorded (plain) iteration's graph still held (a
     # loss link keeps it until its forward): measured, but not checked
-    # against the plan, which that graph is no part of.
+    # against the plan, which that graph is no part of. So too a step
+    # planned again inside it, or whose earlier call left its plan (a
+    # branch taken the other way: its graph is under no plan).
     after_recording: bool = False
     watcher: Any = None  # the update watcher of a tail
     # the previous call's inputs its graph held at the call (weak
@@ -390,9 +392,11 @@ class StepMeter:
             own += held
             probation = _probation_bytes(previous)
             replaced = self._replaced_plan_bytes(entry, hook, previous)
+        off_plan = False
         for other in filter(None, (r() for r in self._step_others)):
             if other is not previous:  # (the step's earlier calls, none measured)
                 own += _graph_arrays(other)
+            off_plan = off_plan or other.stats.path != "planned"
         self._meter = _OpenMeter.start(
             dev, own + inputs,
             own=_distinct_bytes(dev, own) + _distinct_bytes(dev, inputs, as_shown=True),
@@ -403,7 +407,7 @@ class StepMeter:
         self._meter.watch_untraced([root_of(a) for a in own if is_array(a)],
                                    dev.allocation_bytes)
         self._meter.input_ids = {id(root_of(a)) for a in inputs}
-        self._meter.after_recording = bool(held) and previous.recorder.recording
+        self._meter.after_recording = off_plan or (bool(held) and previous.recorder.recording)
         self._meter.finalizer = weakref.finalize(self, _abandon, self._meter.meter)
         self._stop_when_done(hook)
 
@@ -443,6 +447,8 @@ class StepMeter:
         open_.own += _distinct_bytes(dev, new, as_shown=True)
         dev.adopt(open_.meter, new)
         hook.input_roots = _weak_roots(new)
+        if open_.stats is not None and open_.stats.path != "planned":
+            open_.after_recording = True  # (the step's earlier call left its plan)
         if open_.watcher is not None:  # (a tail: the update is still to come)
             from ..executor import remove_update_watcher
             remove_update_watcher(open_.watcher)

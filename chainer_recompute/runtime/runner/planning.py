@@ -934,9 +934,7 @@ class Planner:
             # (one structure object: its measurements count for both)
             entry.structures.insert(0, src.structures[0])
             return True
-        # (as add() makes it: the family plan's prediction is replayed on it)
-        graph = self._with_facts(graph.replace(batch_size=batch).with_step(
-            derived_from=tuple(src.dims)))
+        graph = graph.replace(batch_size=batch).with_step(derived_from=tuple(src.dims))
         if src.structures:
             program = src.structures[0].program
             refs, multi, known = program.param_refs, program.multi_backward, \

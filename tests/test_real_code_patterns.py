@@ -34,7 +34,7 @@ import chainer.links as L
 import chainer_recompute as cr
 from chainer_recompute.core.errors import RecomputeError
 from chainer_recompute.runtime.memory import MemoryMeter
-from harness import Run
+from harness import Run, assert_same_records, records
 
 
 # --------------------------------------------------------------- harness
@@ -1075,3 +1075,48 @@ def test_gradients_the_loop_leaves_into_the_backward_are_planned_for(loop):
         for k in range(1, len(batches)):
             assert ours.peaks[k] <= ours.stats[k]["budget_bytes"], (k, ours.peaks, ours.stats)
         assert max(ours.peaks[1:]) < max(plain.peaks[1:])
+
+
+def test_a_backward_through_a_call_in_evaluation_mode_is_said(caplog):
+    """A call under ``chainer.using_config('train', False)`` runs as plain
+    Chainer, backprop enabled or not. An input gradient taken through it
+    (an attack run in evaluation mode, as TRADES runs its attack) holds
+    plain Chainer's activations outside the budget: said once, at its first
+    backward. An evaluation that never backpropagates says nothing, and the
+    training steps are plain Chainer's, bit for bit."""
+    rs = np.random.RandomState(3)
+    batches = [(rs.randn(16, 32).astype(np.float32), rs.randint(0, 10, 16).astype(np.int32))
+               for _ in range(3)]
+
+    def train(applied: bool, attack: bool) -> Run:
+        run = Run()
+        np.random.seed(0)
+        model = MLP()
+        if applied:
+            cr.apply(model, budget="least", verbose=False)
+        opt = chainer.optimizers.SGD(0.1)
+        opt.setup(model)
+        for x, t in batches:
+            with chainer.using_config("train", False):
+                xv = chainer.Variable(x.copy())
+                loss = model(xv, t)  # (backprop enabled: a hand-written evaluation)
+                if attack:
+                    g, = chainer.grad([loss], [xv])
+                    x = x + 0.1 * np.sign(g.array)
+            loss = model(x, t)
+            model.cleargrads()
+            loss.backward()
+            opt.update()
+            run.records.append(records(model, loss))
+        return run
+
+    plain = train(False, True)
+    with caplog.at_level(logging.WARNING, logger="chainer_recompute"):
+        ours = train(True, True)
+    assert_same_records(plain, ours)
+    said = [r.getMessage() for r in caplog.records if "evaluation mode" in r.getMessage()]
+    assert len(said) == 1 and "a backward runs through it" in said[0], said
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="chainer_recompute"):
+        train(True, False)
+    assert not [r for r in caplog.records if "evaluation mode" in r.getMessage()]

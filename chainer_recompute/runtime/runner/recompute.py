@@ -256,6 +256,7 @@ class Recompute:
             **solver_options)
         self.last_stats: Optional[IterationStats] = None
         self._said_mismatch = False  # a call off its plan under a byte budget (warned once)
+        self._said_eval_backward = False  # a backward through a call in evaluation mode
         #: the model's @static_graph chains (None: not looked for yet)
         self._static_chains: Optional[Tuple[str, ...]] = None
         self._said_static = False
@@ -409,7 +410,10 @@ class Recompute:
         if not (chainer.config.train and chainer.config.enable_backprop) or _depth() > 0:
             if _depth() == 0 and not self.steps.awaiting_backward():
                 self.steps.close_step()  # an evaluation between two steps is not in either
-            return self.fn(*args, **kwargs)
+            out = self.fn(*args, **kwargs)
+            if chainer.config.enable_backprop and not self._said_eval_backward and _depth() == 0:
+                _watch_eval_backward(self, out, args)
+            return out
         link = link_of(args)
         if self._static_graph(link):
             self.last_stats = IterationStats(path="plain")
@@ -675,3 +679,39 @@ class Recompute:
     def __repr__(self) -> str:
         return (f"Recompute(budget={self.budget.describe()}, solver={self.spec.solver!r}, "
                 f"strategy={self.spec.strategy!r}, signatures={len(self.entries)})")
+
+
+class _EvalBackward(chainer.FunctionHook):
+    """On the functions that made the outputs of a call in evaluation mode
+    with backprop enabled (which runs as plain Chainer): a backward through
+    them is said once, with the budget it is not under."""
+
+    name = "chainer_recompute-evaluation-backward"
+
+    def __init__(self, runner: "Recompute", what: str) -> None:
+        self.runner = weakref.ref(runner)  # (the functions hold this hook)
+        self.what = what
+
+    def backward_preprocess(self, function: Any, in_data: Any, out_grad: Any) -> None:
+        runner = self.runner()
+        if runner is None or runner._said_eval_backward:
+            return
+        runner._said_eval_backward = True
+        report.warning(
+            "%s was called in evaluation mode (chainer.config.train False) with backprop "
+            "enabled, and a backward runs through it (an input gradient: an attack run in "
+            "evaluation mode): such a call runs as plain Chainer, as evaluation does, its "
+            "activations and backward not under the budget (%s); run it in training mode "
+            "(chainer.config.train True) to plan it", self.what, runner.budget.describe())
+
+
+def _watch_eval_backward(runner: Recompute, out: Any, args: Tuple[Any, ...]) -> None:
+    """See :class:`_EvalBackward`: hooked on the creators of the call's
+    output Variables (any backward through the call passes them)."""
+    from ..capture import result_variables
+    hook = None
+    for v in result_variables(out):
+        creator = v.creator_node
+        if creator is not None:
+            hook = hook or _EvalBackward(runner, name_of(runner.fn, args))
+            creator.local_function_hooks[hook.name] = hook

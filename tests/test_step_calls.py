@@ -433,3 +433,18 @@ def test_a_structure_recorded_at_a_new_batch_planned_from_its_family_counts_the_
         replayed = replay(s.graph, s.program if s.plan.recompute else None,
                           release_mode=s.program.release_mode).peak_bytes
         assert s.plan.predicted_peak_bytes == replayed, (s.graph.batch_size, s.graph.n)
+
+
+def test_a_budget_below_the_least_of_several_calls_says_how_many():
+    """The refusal of a budget below the least of a step of several calls
+    says how many: the figure is that of the step, above one call's."""
+    from chainer_recompute.core.budget import least_total_budget, plan_for_budget
+    from chainer_recompute.core.errors import InfeasibleBudgetError
+    g = cr.Graph.from_edges([4000, 4000, 4000], [(0, 1), (1, 2)])
+    one = least_total_budget(g)
+    with pytest.raises(InfeasibleBudgetError, match="2 calls of the model a step") as e:
+        plan_for_budget(g.with_step(calls_per_step=2), one)
+    assert e.value.least_feasible_bytes > one
+    with pytest.raises(InfeasibleBudgetError) as e:
+        plan_for_budget(g, one // 2)
+    assert "calls of the model" not in str(e.value)

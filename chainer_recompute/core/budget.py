@@ -49,7 +49,7 @@ from .lower_sets import DEFAULT_MAX_LOWER_SETS, LowerSetFamily
 from .memory_model import SCOPES, MemoryModel, measured_model
 from .plan import Plan, recost_plan, replace_plan
 from .planner import solve
-from .replay import replay, replay_peak
+from .replay import replay, replay_peak, step_calls
 from .search import least_feasible_budget
 from .solvers import check_solver, resolve_solver, solve_none
 from .budget_spec import Budget, parse_budget
@@ -441,9 +441,11 @@ class BudgetSearch:
                f" with {_kind(nested[0])}, which recomputes "
                f"{100 * (nested[0].overhead_fraction or 0):.0f}% of a forward (single-level "
                f"recomputation needs {format_bytes_up(single)})")
+        k = step_calls(self.graph)
+        calls = f", {k} calls of the model a step" if k > 1 else ""
         raise InfeasibleBudgetError(
             f"budget {label or format_bytes(budget_bytes)} is below the least feasible "
-            f"{format_bytes_up(least)}{how} for this model and batch (the whole iteration: "
+            f"{format_bytes_up(least)}{how} for this model and batch{calls} (the whole iteration: "
             f"parameters, gradients, optimizer state, activations and temporaries; plain "
             f"Chainer needs {format_bytes_up(least_for(van_peak))}); raise the budget to at "
             f"least {format_bytes_up(least)}, use budget='least', or reduce the batch size",

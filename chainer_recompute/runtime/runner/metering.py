@@ -587,25 +587,23 @@ class StepMeter:
         if self.spec.budget_scope != "total":
             return
         budget = s.plan.budget_bytes
-        if replaced and budget is not None and measured > budget and not self._said_replaced:
-            self._said_replaced = True
-            report.warning(
-                "the measured peak %s is over the budget %s with %s held by the previous "
-                "call's graph beyond what this plan counts for it: that graph ran under the "
-                "plan this one replaced (made before the loop was seen to keep its graph into "
-                "the next call, or before a correction), which holds more after its backward; "
-                "later steps hold this plan's graph", format_bytes(measured),
-                format_bytes(budget), format_bytes(replaced))
-        if probation and budget is not None and measured > budget and not self._said_probation:
-            self._said_probation = True
-            report.warning(
-                "the measured peak %s is over the budget %s with %s of parameter values saved "
-                "before the optimizer's update (in no plan): a plan made before the training "
-                "loop was seen keeps them until a graph that was alive at an update dies "
-                "without another backward pass, so that one after the update could still "
-                "regenerate; later steps do not hold them (capture_batch=None records the first "
-                "call instead, plainly, and saves none)", format_bytes(measured),
-                format_bytes(budget), format_bytes(probation))
+        for held, said, what in (
+                (replaced, "_said_replaced",
+                 "held by the previous call's graph beyond what this plan counts for it: that "
+                 "graph ran under the plan this one replaced (made before the loop was seen to "
+                 "keep its graph into the next call, or before a correction), which holds more "
+                 "after its backward; later steps hold this plan's graph"),
+                (probation, "_said_probation",
+                 "of parameter values saved before the optimizer's update (in no plan): a plan "
+                 "made before the training loop was seen keeps them until a graph that was "
+                 "alive at an update dies without another backward pass, so that one after the "
+                 "update could still regenerate; later steps do not hold them "
+                 "(capture_batch=None records the first call instead, plainly, and saves "
+                 "none)")):
+            if held and budget is not None and measured > budget and not getattr(self, said):
+                setattr(self, said, True)
+                report.warning("the measured peak %s is over the budget %s with %s " + what,
+                               format_bytes(measured), format_bytes(budget), format_bytes(held))
         correction = self._correction.overshoot(measured, budget, s.plan.predicted_peak_bytes,
                                                 transient=probation + replaced)
         if not correction:

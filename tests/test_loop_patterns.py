@@ -5,7 +5,8 @@ after it, zeroed, or accumulated over two steps; one or two calls a step;
 the loss kept into the next step or not; batch sizes that change; an
 evaluation call between steps; an input gradient taken with
 ``chainer.grad`` for an adversarial batch; captures or a recorded first
-call), plain and applied at ``'least'``, compared bit for bit after every
+call; ``free_previous_graph=True``; the loop's step as ``opt.update(model,
+x, t)``), plain and applied at ``'least'``, compared bit for bit after every
 backward and update (``test_real_training``'s records). Each plan the
 runner keeps must predict what its own graph replays to.
 
@@ -51,6 +52,8 @@ def loop_of(seed: int) -> Dict[str, Any]:
         eval_between=r.random() < 0.3,
         capture=r.choice(["auto", "auto", None]),
         adversarial=r.random() < 0.15,
+        free=r.random() < 0.3,  # apply(..., free_previous_graph=True)
+        update_form=r.random() < 0.25,  # opt.update(model, x, t), as StandardUpdater
     )
 
 
@@ -80,6 +83,10 @@ def check_seed(seed: int) -> Dict[str, Any]:
             opt.add_hook(chainer.optimizer_hooks.GradientClipping(1.0))
         clear, loss = loop["clear"], None
         for i, (x, t) in enumerate(data):
+            if loop["update_form"] and loop["calls"] == 1 and not loop["adversarial"]:
+                opt.update(model, x, t)  # (clears the gradients, backward, ``del loss``)
+                env.snap(f"{i} update")
+                continue
             if not loop["keep"]:
                 loss = None
             if clear == "before" or (clear == "accumulate2" and i % 2 == 0):
@@ -106,7 +113,8 @@ def check_seed(seed: int) -> Dict[str, Any]:
                 with chainer.using_config("train", False), chainer.no_backprop_mode():
                     env.snap(f"{i} eval", loss=model(x, t))
 
-    pair = compare(scenario, seed=seed, **{**LEAST, "capture_batch": loop["capture"]})
+    pair = compare(scenario, seed=seed, **{**LEAST, "capture_batch": loop["capture"],
+                                           "free_previous_graph": loop["free"]})
     for entry in pair.ours.runners["model"].entries.values():
         for s in entry.structures:
             replayed = replay(s.graph, s.program if s.plan.recompute else None,
@@ -143,8 +151,9 @@ def test_random_loops_match_plain_chainer_many():
 def test_the_default_seeds_cover_the_loops():
     """The default seeds hold each optimizer, each way of clearing the
     gradients, both call counts, a kept loss and a dropped one, changing
-    batches, an evaluation between steps, an adversarial batch, and both
-    kinds of first call."""
+    batches, an evaluation between steps, an adversarial batch, both kinds
+    of first call, the previous graph freed or not, and a step as
+    ``opt.update(model, x, t)``."""
     loops = [loop_of(s) for s in DEFAULT_SEEDS]
     assert {lp["opt"] for lp in loops} == {"adam", "momentum", "sgd_wd", "adam_clip"}
     assert {lp["clear"] for lp in loops} == {"before", "after_forward", "zerograds",
@@ -155,3 +164,6 @@ def test_the_default_seeds_cover_the_loops():
     assert any(len(set(lp["batches"])) > 1 for lp in loops)
     assert any(lp["eval_between"] for lp in loops)
     assert any(lp["adversarial"] for lp in loops)
+    assert {lp["free"] for lp in loops} == {True, False}
+    assert any(lp["update_form"] and lp["calls"] == 1 and not lp["adversarial"]
+               for lp in loops)

@@ -211,6 +211,15 @@ def _held_after(s: _Structure) -> int:
     return s.held_after
 
 
+def _held_counted(s: _Structure) -> int:
+    """What structure ``s``'s replay counts through the forward for the
+    graph of the model's previous call: its own after its backward
+    (:func:`_held_after`, ``step.held_into_next_forward``), or one of another
+    signature (``step.held_other_bytes``), the larger."""
+    return max(s.graph.step.held_other_bytes,
+               _held_after(s) if s.graph.step.held_into_next_forward else 0)
+
+
 def _held_now(previous: Any, caller_keeps_inputs: Optional[bool]) -> int:
     """What the graph of the previous call (``previous``, its hook), not
     planned (a recorded first call), holds now (:func:`_graph_arrays`):
@@ -895,9 +904,7 @@ class StepMeter:
         self.planner.held_other = held  # (this call's plans are made for it)
         from ...core.budget import limit_of
         for s in list(entry.structures):
-            # (beyond what its replay counts through the forward already)
-            more = held - max(s.graph.step.held_other_bytes,
-                              _held_after(s) if s.graph.step.held_into_next_forward else 0)
+            more = held - _held_counted(s)
             budget = s.plan.budget_bytes
             # (not where the plan's prediction has room for it under its budget)
             if more > 0 and (budget is None or
@@ -925,12 +932,7 @@ class StepMeter:
         s = next((s for s in entry.structures if s.program is hook.program), None)
         if s is None:
             return 0
-        counted = s.graph.step.held_other_bytes
-        if s.graph.step.held_into_next_forward:
-            from ...core.replay import held_caller_input_bytes
-            counted = max(counted, _held_after(s) - (
-                held_caller_input_bytes(s.graph) if self.caller_keeps_inputs else 0))
-        return max(0, _held_now(previous, self.caller_keeps_inputs) - counted)
+        return max(0, _held_now(previous, self.caller_keeps_inputs) - _held_counted(s))
 
     def let_go_of_finished_graphs(self) -> None:
         """The graphs of earlier calls whose backward has run release what

@@ -2,6 +2,8 @@
 the compiled one against the reference one when numba is installed, and,
 with numba made missing (the availability check patched), ``'auto'`` runs
 the reference engine and ``'numba'`` raises instead of running it."""
+import random
+
 import numpy as np
 import pytest
 
@@ -140,6 +142,41 @@ def test_hierarchical_dp_engines_agree():
     for b in (least, least + 8, least + 40):
         for strategy in ("tc", "mc", "feasible"):
             assert prob.solve(b, strategy, "numpy") == HierProblem(g).solve(b, strategy, "numba")
+
+
+def _tree_chains():
+    """Chains for the tree DP: random and equal figures (ties), short and
+    long, grids of other sizes, with and without a base."""
+    rng = random.Random(3)
+    for _ in range(40):
+        k = rng.choice([1, 2, 3, 7, 24, 40])
+        equal = rng.random() < 0.4
+        c = [1.0 if equal else rng.random() * 100 for _ in range(k - 1)]
+        w = [55.0 if equal else rng.random() * 500 + 50 for _ in range(k)]
+        tau = [1.0 if equal else rng.random() for _ in range(k)]
+        yield (c, w, tau, max(w) + sum(c) * rng.random(), rng.choice([8, 33, 128]),
+               min(w) if rng.random() < 0.5 else 0.0)
+
+
+@needs_numba
+def test_tree_dp_engines_agree():
+    from chainer_recompute.core.solvers.nested_tree import TreeTable
+    for c, w, tau, budget, grid, base in _tree_chains():
+        a = TreeTable(c, w, tau, budget=budget, grid=grid, base=base, engine="numpy")
+        b = TreeTable(c, w, tau, budget=budget, grid=grid, base=base, engine="numba")
+        assert np.array_equal(a.time, b.time)
+        assert np.array_equal(a._split, b._split) and np.array_equal(a._root, b._root)
+        m = a.least()
+        assert m == b.least() and (m is None or a.levels(m) == b.levels(m))
+
+
+def test_tree_dp_numpy_engine_without_numba(no_numba):
+    from chainer_recompute.core.solvers.nested_tree import TreeTable
+    c, w, tau = [1.0] * 39, [2.0] * 40, [1.0] * 40
+    assert TreeTable(c, w, tau, budget=12, grid=12).least() == TreeTable(
+        c, w, tau, budget=12, grid=12, engine="numpy").least()
+    with pytest.raises(EngineUnavailableError):
+        TreeTable(c, w, tau, budget=12, grid=12, engine="numba")
 
 
 @needs_numba

@@ -11,6 +11,8 @@ own code, and loops compiled by numba (the ``fast`` extra) here:
   (its NumPy engine: ``_dp/numpy_engine.py``) and the lower-set family's
   builders (:mod:`~chainer_recompute.core.lower_sets`);
 - :mod:`.hier`: the hierarchical DP's chain table, both engines;
+- :mod:`.tree`: the tables of the tree DP of nested plans
+  (:mod:`~chainer_recompute.core.solvers.nested_tree`), both engines;
 - :mod:`.columns`: the im2col copy of the bounded convolutions
   (:mod:`chainer_recompute.runtime.workspace`; its NumPy engine there).
 

@@ -28,9 +28,11 @@ reaches it, by then with that checkpoint let go). The outermost level is
 the same without the forward (the forward pass made its checkpoints).
 Memory is counted in :data:`GRID` units of the budget, rounded up: a plan
 it gives fits its figures. Its states are the ``k^2 / 2`` segments, each
-a vector over the memory grid, and a segment takes all its splits in one
-vector operation: ``O(k^3 · GRID)`` work in ``O(k^2)`` numpy calls (0.2 s
-for 80 blocks, 1 s for 160 on this project's CPU machine). The tables are
+a vector over the memory grid: ``O(k^3 · GRID)`` work, compiled (numba, the
+``fast`` extra: 7 ms for 80 blocks, 37 ms for 160 on this project's CPU
+machine) or in ``O(k^2)`` numpy calls, a segment's splits in one vector
+operation (0.2 s and 1.1 s), the same tables from both
+(:mod:`~chainer_recompute.core.kernels.tree`). The tables are
 float32 and int16, ``6 k^2 (GRID + 1)`` bytes: 20 MB for a chain of
 :data:`MAX_BLOCKS` blocks, the longest it runs on, host memory the planner
 holds while it runs (in no plan, as the rest of the planner's).
@@ -49,6 +51,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import numpy as np
 
 from ..execution import open_boundaries
+from ..kernels.tree import kernel
 
 __all__ = ["GRID", "MAX_BLOCKS", "TreeTable", "tree_cost", "tree_peak"]
 
@@ -123,7 +126,8 @@ class TreeTable:
     """
 
     def __init__(self, c: Sequence[float], w: Sequence[float], tau: Sequence[float],
-                 budget: float, grid: int = GRID, base: float = 0.0) -> None:
+                 budget: float, grid: int = GRID, base: float = 0.0,
+                 engine: Optional[str] = None) -> None:
         k = len(w)
         if w and base > min(w):
             raise ValueError(f"base {base} is above a block's need ({min(w)})")
@@ -132,45 +136,18 @@ class TreeTable:
         self.c = [min(grid + 1, math.ceil(x / self.unit)) for x in c]
         wu = [math.ceil((x - base) / self.unit) for x in w]
         prefix = np.concatenate([[0.0], np.cumsum(np.asarray(tau, dtype=np.float64))])
-        ms = np.arange(grid + 1)
-        # H[i, j]: the segment [i, j)'s least recomputation per memory unit;
-        # each segment's splits are taken all at once (a gather of the
-        # shifted parts [s, j) by c[s - 1])
+        # H[i, j]: the segment [i, j)'s least recomputation per memory unit,
+        # split[i, j] its split; R[i] and root[i] the suffix [i, k)'s at the
+        # outermost level, with no forward to pay (core/kernels/tree.py)
         H = np.full((k, k + 1, grid + 1), np.inf, dtype=np.float32)
         split = np.full((k, k + 1, grid + 1), -1, dtype=np.int16)
-        cs = np.asarray(self.c, dtype=np.int64)
-        for i in range(k):
-            H[i, i + 1] = np.where(ms >= wu[i], np.float32(tau[i]), np.inf)
-
-        def best_split(left: np.ndarray, rights: np.ndarray, s: np.ndarray
-                       ) -> Tuple[np.ndarray, np.ndarray]:
-            # left[x] + rights[x] shifted by c[s[x] - 1], least over x (the
-            # first of equal ones)
-            idx = ms[None, :] - cs[s - 1][:, None]
-            v = left + np.where(idx >= 0, np.take_along_axis(rights, np.maximum(idx, 0), 1),
-                                np.inf)
-            arg = v.argmin(axis=0)
-            best = v[arg, ms]
-            return best, np.where(np.isfinite(best), s[arg], -1)
-
-        for span in range(2, k + 1):
-            for i in range(0, k - span + 1):
-                j = i + span
-                s = np.arange(i + 1, j)
-                left = H[i, i + 1:j] + (prefix[i + 1:j] - prefix[i]).astype(np.float32)[:, None]
-                H[i, j], split[i, j] = best_split(left, H[i + 1:j, j], s)
-        self._split = split
-        # the outermost level: the suffix [i, k), no forward to pay
-        self._root: Dict[int, np.ndarray] = {}
         R = np.full((k + 1, grid + 1), np.inf, dtype=np.float32)
-        for i in range(k - 1, -1, -1):
-            R[i], self._root[i] = H[i, k], np.full(grid + 1, -1, dtype=np.int16)
-            if i + 1 < k:
-                s = np.arange(i + 1, k)
-                best, arg = best_split(H[i, i + 1:k], R[i + 1:k], s)
-                better = best < R[i]
-                R[i] = np.where(better, best, R[i])
-                self._root[i] = np.where(better, arg, -1).astype(np.int16)
+        root = np.full((k + 1, grid + 1), -1, dtype=np.int16)
+        kernel(engine, k)(k, grid, np.asarray(self.c, dtype=np.int64),
+                          np.asarray(wu, dtype=np.int64),
+                          np.asarray(tau, dtype=np.float64).astype(np.float32), prefix,
+                          H, split, R, root)
+        self._split, self._root = split, root
         #: least recomputation of the whole chain per memory unit
         self.time: np.ndarray = R[0].copy()
 

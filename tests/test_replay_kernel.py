@@ -1,11 +1,13 @@
 """The compiled replay (``engine='numba'``) against the reference replay in
-Python: the same total at every event, the same events, for plain Chainer
-and for the plans the budget search tries, in every release mode; and the
+Python: the same total at every event, the same events, for plain Chainer,
+for the plans the budget search tries and for nested plans, in every
+release mode; and the
 budget search's array form of a plan (``replay_peak``) against the replay
 of its ExecutionPlan."""
 from __future__ import annotations
 
 import functools
+import random
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +20,7 @@ import chainer.links as L
 from chainer_recompute.core.budget import BudgetSearch, plan_arrays
 from chainer_recompute.core.execution import ExecutionPlan
 from chainer_recompute.core.io import load_graph
+from chainer_recompute.core.nested import nest
 from chainer_recompute.core.replay import RELEASE_MODES, replay, replay_peak
 from chainer_recompute.core.solvers._dp import numba_available
 from chainer_recompute.runtime.capture import capture
@@ -102,6 +105,38 @@ def test_compiled_replay_is_the_reference_replay(name):
                                           b.used_peak_bytes, b.constant_bytes), (name, mode)
             regenerated += a.recomputed
     assert regenerated > 0  # the plans regenerate something
+
+
+@NEEDS_NUMBA
+@pytest.mark.parametrize("name", sorted(GRAPHS))
+def test_compiled_replay_of_nested_plans_is_the_reference_replay(name):
+    """Nested plans (docs/algorithm.md §9): the search's plans' chains
+    nested at random boundary levels, to depth 1 to 5, and on two graphs
+    the nested search's own candidates."""
+    g = GRAPHS[name]()
+    rng = random.Random(name)
+    plans = []
+    for p in _some_plans(g):
+        if p.n_blocks < 3:
+            continue
+        for depth in (1, 2, 5):
+            levels = tuple(rng.randint(0, depth) for _ in range(p.n_blocks - 1))
+            plans.append(ExecutionPlan(g, p.lower_sets, *nest(g, p, levels), levels))
+    if name in ("resnet152", "transformer"):
+        plans += [ExecutionPlan.of(g, c) for c, _ in
+                  BudgetSearch(g, "auto").nested_search().candidates()[:4]]
+    assert sum(1 for ep in plans if ep.inner) >= 4
+    regenerated = 0
+    for ep in plans:
+        for mode in RELEASE_MODES:
+            a = replay(g, ep, release_mode=mode, engine="python")
+            b = replay(g, ep, release_mode=mode, engine="numba")
+            assert a.events == b.events, (name, mode, ep.levels)
+            assert np.array_equal(a.memory_bytes, b.memory_bytes), (name, mode, ep.levels)
+            assert (a.peak_bytes, a.peak_event, a.recomputed, a.recomputed_cost) == (
+                b.peak_bytes, b.peak_event, b.recomputed, b.recomputed_cost), (name, mode)
+            regenerated += a.recomputed
+    assert regenerated > 0
 
 
 @pytest.mark.parametrize("engine", ENGINES)

@@ -663,9 +663,11 @@ def release_caches() -> None:
     >>> release_caches()
     """
     from . import backward_order
+    from .execution import release_facts
     from .graph import let_go_of_arrays
     from .kernels import replay as replay_kernel
     _RELEASABLE.clear()
+    release_facts()
     del replay_kernel._CONTEXTS[:]
     backward_order._ORDERED.clear()
     let_go_of_arrays()

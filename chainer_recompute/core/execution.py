@@ -8,8 +8,9 @@ predict the memory of an iteration.
 """
 from __future__ import annotations
 
+import weakref
 from bisect import bisect_left
-from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, NamedTuple, Optional, Sequence, Tuple
 
 from .errors import RecomputeError
 from .graph import Graph
@@ -107,6 +108,45 @@ def releasable_nodes(graph: Graph) -> FrozenSet[int]:
     return frozenset(v for v in range(graph.n) if graph.nodes[v].recomputable and v not in held)
 
 
+class _Facts(NamedTuple):
+    """What every plan of one graph finds the same (see :class:`ExecutionPlan`)."""
+    derived: Dict[int, Tuple[str, ...]]
+    written: Dict[int, Tuple[str, ...]]
+    drawn: Dict[int, Tuple[str, ...]]
+    releasable: FrozenSet[int]
+    needs: Dict[int, Tuple[int, ...]]
+    done: Dict[int, Tuple[int, ...]]
+    last: List[int]  # each node's last forward reader (itself where none)
+
+
+_FACTS: "weakref.WeakKeyDictionary[Graph, _Facts]" = weakref.WeakKeyDictionary()
+
+
+def _facts_of(graph: Graph) -> _Facts:
+    """The plan-independent part of an :class:`ExecutionPlan` of ``graph``,
+    made once per graph (a search builds hundreds of plans of one graph;
+    :func:`~chainer_recompute.core.budget.release_caches` lets go of them)."""
+    got = _FACTS.get(graph)
+    if got is None:
+        derived, written, drawn = {}, {}, {}
+        for node in graph.nodes:
+            derived[node.id] = tuple(h.name for h in node.held if h.remade)
+            d = tuple(h.name for h in node.held if h.redrawn)
+            if d:
+                drawn[node.id] = d
+            written[node.id] = tuple(h.name for h in node.held if h.role == "written")
+        releasable = releasable_nodes(graph)
+        needs, done = backward_readers(graph, releasable, derived)
+        last = [max(graph.succs[u], default=u) for u in range(graph.n)]
+        got = _FACTS[graph] = _Facts(derived, written, drawn, releasable, needs, done, last)
+    return got
+
+
+def release_facts() -> None:
+    """Let go of every graph's :func:`_facts_of`."""
+    _FACTS.clear()
+
+
 class ExecutionPlan:
     """The runtime's view of a plan.
 
@@ -181,26 +221,21 @@ class ExecutionPlan:
         if len(prev) != n:
             raise RecomputeError(f"the plan covers {len(prev)} of the graph's {n} nodes; "
                                  f"the last lower set must be V")
-        self.derived: Dict[int, Tuple[str, ...]] = {}
-        self.written: Dict[int, Tuple[str, ...]] = {}
+        # (shared by the plans of one graph, never changed)
+        facts = _facts_of(graph)
+        self.derived: Dict[int, Tuple[str, ...]] = facts.derived
+        self.written: Dict[int, Tuple[str, ...]] = facts.written
         #: per node, the released attributes a regeneration draws again
         #: from the random state kept at its forward (``drawn``, remade)
-        self.drawn: Dict[int, Tuple[str, ...]] = {}
-        for node in graph.nodes:
-            self.derived[node.id] = tuple(h.name for h in node.held if h.remade)
-            drawn = tuple(h.name for h in node.held if h.redrawn)
-            if drawn:
-                self.drawn[node.id] = drawn
-            self.written[node.id] = tuple(h.name for h in node.held if h.role == "written")
-        self.releasable: FrozenSet[int] = releasable_nodes(graph)
+        self.drawn: Dict[int, Tuple[str, ...]] = facts.drawn
+        self.releasable: FrozenSet[int] = facts.releasable
         self.dropped: FrozenSet[int] = frozenset(
             v for v in self.releasable if v not in kept)
         self.unsafe = [v for v in range(n) if v not in kept and not graph.nodes[v].recomputable]
         arrays = graph.arrays
         self.release_at: Dict[int, List[int]] = {}
         for u in sorted(self.dropped):
-            last = max(graph.succs[u], default=u)
-            self.release_at.setdefault(last + 1, []).append(u)
+            self.release_at.setdefault(facts.last[u] + 1, []).append(u)
         self.sources: Dict[int, Tuple[int, ...]] = {}
         for u in self.dropped:
             pos = []
@@ -218,8 +253,9 @@ class ExecutionPlan:
             if arrays[graph.nodes[u].inputs[j]].producer is not None) | frozenset(
             a for u in self.dropped for a in graph.nodes[u].inputs
             if arrays[a].producer in self.inner)
-        self.needs, self.done = backward_readers(graph, self.releasable, self.derived)
+        self.needs, self.done = facts.needs, facts.done
         if self.inner:
+            self.done = dict(self.done)
             for w in self.dropped:
                 starts = {arrays[a].producer for a in graph.nodes[w].inputs} & self.inner
                 if starts - {w}:
@@ -233,8 +269,8 @@ class ExecutionPlan:
             raise RecomputeError(f"a nested plan of {k} blocks has {k - 1} boundaries: got "
                                  f"{len(self.levels)} levels")
         #: the boundaries an inner node crosses: after its block up to the
-        #: block of its last reader
-        self._span = {u: (self.block_of[u], max(self.block_of[w] for w in graph.succs[u]) - 1)
+        #: block of its last reader (an inner node read by nothing has none)
+        self.spans: Dict[int, Tuple[int, int]] = {u: (self.block_of[u], max(self.block_of[w] for w in graph.succs[u]) - 1)
                       for u in self.inner if graph.succs[u]}
         self._stacks: Dict[int, List[int]] = {}
 
@@ -258,7 +294,7 @@ class ExecutionPlan:
         a boundary of :meth:`stack` (``t``) before reaching ``t``. Deeper
         inner nodes of a segment the backward has not reached yet are let
         go, to be made again from that segment's start."""
-        span = self._span.get(u)
+        span = self.spans.get(u)
         if span is None:
             return False
         lo, hi = span[0], min(span[1], t - 1)

@@ -36,7 +36,7 @@ from .execution import ExecutionPlan
 from .graph import Graph, _topological_order
 from .memory_model import MemoryModel
 from .plan import Plan, make_plan, replace_plan
-from .replay import ReplayResult, backward_steps, replay
+from .replay import ReplayResult, backward_steps, replay, replay_engine
 from .solvers import nested_tree
 
 __all__ = ["NestedSearch", "backward_positions", "cut_block", "nest", "nested_plan",
@@ -68,12 +68,15 @@ CUT_PATIENCE = 3
 #: on graphs of this many nodes or more, the fine chains' groupings are
 #: ranked by the tree DP's model (:func:`~.solvers.nested_tree.tree_peak`)
 #: and only those of least modelled peak, of all chains, are replayed (a
-#: nested replay runs in Python: about a second on 15,000 nodes): as many
+#: nested replay in Python takes about a second on 15,000 nodes): as many
 #: as replay :data:`SCREEN_REPLAY_NODES` nodes in all, at least
 #: :data:`SCREEN_REPLAYS`
 SCREEN_MIN_NODES = 1000
 SCREEN_REPLAY_NODES = 24_000
 SCREEN_REPLAYS = 6
+#: a search replays dozens of plans or more: compiled (numba, where it is
+#: installed) from this many nodes (:func:`~.replay.replay_engine`)
+KERNEL_MIN_NODES = 100
 
 
 def two_levels(n_blocks: int, ends: Sequence[int]) -> Tuple[int, ...]:
@@ -129,15 +132,16 @@ def nest(graph: Graph, plan: Plan, levels: Sequence[int]
     return frozenset(outer), frozenset(inner)
 
 
-def nested_plan(graph: Graph, plan: Plan, levels: Sequence[int]
+def nested_plan(graph: Graph, plan: Plan, levels: Sequence[int], engine: Optional[str] = None
                 ) -> Tuple[Plan, ReplayResult]:
     """``plan`` (single-level) nested at the boundary ``levels`` (see
     :func:`nest`), and its replay on ``graph``. The nested plan's predicted
     peak is the replayed total peak, its overhead the cost of every node
-    the replay recomputes (some more than once)."""
+    the replay recomputes (some more than once). ``engine``: the replay's."""
     levels = tuple(int(x) for x in levels)
     outer, inner = nest(graph, plan, levels)
-    result = replay(graph, ExecutionPlan(graph, plan.lower_sets, outer, inner, levels))
+    result = replay(graph, ExecutionPlan(graph, plan.lower_sets, outer, inner, levels),
+                    engine=engine)
     blocks = plan.blocks
     total = float(graph.node_cost.sum())
     overhead = float(result.recomputed_cost or 0.0)
@@ -188,13 +192,14 @@ _EVENT_NODE = re.compile(r"^(?:backward (\d+) |regenerate \d+ \S+ for backward (
 _Profile = Tuple[List[int], List[int], List[float], int]
 
 
-def _profile(graph: Graph, plan: Plan, cost: np.ndarray) -> _Profile:
+def _profile(graph: Graph, plan: Plan, cost: np.ndarray, engine: Optional[str] = None
+             ) -> _Profile:
     """The tree DP's figures of ``plan``'s chain
     (:mod:`~chainer_recompute.core.solvers.nested_tree`): the bytes crossing
     each boundary (the outputs of nodes before it read after it); what each
     block's backward (its regeneration included) needs in the plan's
     single-level replay beside the checkpoints kept before it; each block's
-    ``cost`` (per node); and that replay's peak."""
+    ``cost`` (per node); and that replay's peak (``engine``: the replay's)."""
     k = plan.n_blocks
     ep = ExecutionPlan.of(graph, plan)
     block_of = ep.block_of
@@ -208,7 +213,7 @@ def _profile(graph: Graph, plan: Plan, cost: np.ndarray) -> _Profile:
                 crossing[r] -= nbytes
     c = np.cumsum(crossing)[:k - 1].astype(np.int64).tolist()
     kept_before = np.concatenate([[0], np.cumsum(_checkpoint_bytes(graph, plan))])
-    result = replay(graph, ep)
+    result = replay(graph, ep, engine=engine)
     w = [0] * k
     for label, total in zip(result.events, result.memory_bytes):
         m = _EVENT_NODE.match(label)
@@ -369,6 +374,7 @@ class NestedSearch:
         self._trees_of: Dict[Tuple[Any, ...], List[Tuple[Plan, int]]] = {}
         self._cut_from: set = set()
         self._cost: Optional[np.ndarray] = None
+        self.engine = replay_engine(graph, KERNEL_MIN_NODES)
 
     def _time_free_cost(self) -> np.ndarray:
         """The graph's node costs without its measured times (made once)."""
@@ -401,7 +407,7 @@ class NestedSearch:
             lo = max(min(s for s in sizes if s > 0), total / 1e4)
             grid = np.geomspace(lo, total / 2, GRID_STEPS).tolist()
             seen: set = set()
-            model = _profile(self.graph, plan, cost)[:2] if screened else None
+            model = _profile(self.graph, plan, cost, self.engine)[:2] if screened else None
             tried = self._try(plan, sizes, grid, seen, model)
             if not tried:
                 continue
@@ -417,7 +423,7 @@ class NestedSearch:
                 out += [(p, peak) for p, peak, _, _ in tried]
         n_replays = max(SCREEN_REPLAYS, SCREEN_REPLAY_NODES // self.graph.n)
         for _, _, plan, levels in sorted(modelled)[:n_replays]:  # the least modelled
-            p = nested_plan(self.graph, plan, levels)[0]
+            p = nested_plan(self.graph, plan, levels, self.engine)[0]
             out.append((p, p.predicted_peak_bytes))
         out += self._trees() + self._exact()
         # the refinements, from the least plan by either structural rank,
@@ -458,7 +464,7 @@ class NestedSearch:
         if done is not None:
             return done
         cost = self._time_free_cost()  # (the trees do not move with timings)
-        c, w, tau, peak = profile or _profile(self.graph, plan, cost)
+        c, w, tau, peak = profile or _profile(self.graph, plan, cost, self.engine)
         table = nested_tree.TreeTable(c, w, tau, budget=peak, base=min(w))
         least = table.least()
         out: List[Tuple[Plan, int]] = []
@@ -469,7 +475,7 @@ class NestedSearch:
             low = max(1, n * TREE_LOW // (TREE_LOW + TREE_HIGH))
             picked = trees[:low] + trees[low::max(1, (len(trees) - low) // (n - low) + 1)]
             for levels in picked:
-                p, r = nested_plan(self.graph, plan, levels)
+                p, r = nested_plan(self.graph, plan, levels, self.engine)
                 if p.nested:  # (a tree whose inner boundaries no checkpoint crosses is not)
                     out.append((p, int(r.peak_bytes)))
         self._trees_of[plan.blocks] = out
@@ -498,7 +504,7 @@ class NestedSearch:
             if best.n_blocks >= nested_tree.MAX_BLOCKS:
                 break
             ep = ExecutionPlan.of(self.graph, best)
-            m = _EVENT_NODE.match(replay(self.graph, ep).peak_event)
+            m = _EVENT_NODE.match(replay(self.graph, ep, engine=self.engine).peak_event)
             if m is None:  # (a peak in the forward or the update)
                 break
             b = ep.block_of[int(m.group(1) or m.group(2))]
@@ -546,7 +552,7 @@ class NestedSearch:
         fine = make_plan(self.graph, list(best.lower_sets),
                          solver=best.solver.replace("nested-", ""), strategy=best.strategy,
                          budget_bytes=None)
-        profile = _profile(self.graph, fine, cost)
+        profile = _profile(self.graph, fine, cost, self.engine)
         out: List[Tuple[Plan, int]] = []
         least: Optional[int] = None
         stale = 0  # rounds since the last lower plan
@@ -561,7 +567,7 @@ class NestedSearch:
                 break
             fine = make_plan(self.graph, lower_sets, solver=fine.solver, strategy=fine.strategy,
                              budget_bytes=None)
-            profile = _profile(self.graph, fine, cost)
+            profile = _profile(self.graph, fine, cost, self.engine)
             got = self._tree_plans(fine, profile)
             out += got
             lowest = min([peak for _, peak in got], default=None)
@@ -590,7 +596,7 @@ class NestedSearch:
         def replayed(masks: Sequence[int], levels: Sequence[int]) -> Tuple[Plan, int]:
             fine = make_plan(self.graph, list(masks), solver="exact", strategy="tc",
                              budget_bytes=None, model=self.model)
-            p, r = nested_plan(self.graph, fine, levels)
+            p, r = nested_plan(self.graph, fine, levels, self.engine)
             return p, int(r.peak_bytes)
 
         trees = [t for t in exact_trees(g, self.model) if any(t.levels)][:GRID_STEPS]
@@ -623,7 +629,7 @@ class NestedSearch:
                 if model is not None:
                     out.append((None, int(nested_tree.tree_peak(*model, levels)), t, levels))
                 else:
-                    p, r = nested_plan(self.graph, plan, levels)
+                    p, r = nested_plan(self.graph, plan, levels, self.engine)
                     out.append((p, int(r.peak_bytes), t, levels))
         return out
 

@@ -73,7 +73,7 @@ from .pool import PoolModel
 
 __all__ = ["Floor", "RELEASE_MODES", "REPLAY_ENGINES", "ReplayResult", "least_floor",
            "physical_floor", "replay",
-           "replay_peak", "state_constant_bytes"]
+           "replay_engine", "replay_peak", "state_constant_bytes"]
 
 #: What is released after a node's last backward reader has run: ``none``
 #: held back (everything recomputable is released; a second backward pass
@@ -109,8 +109,7 @@ class ReplayResult:
         memory_bytes: the total at each event (int64), peaks of calls
             included.
         recomputed: nodes re-run in the backward (with repeats).
-        recomputed_cost: their cost under the graph's cost model (the
-            Python engine's; ``None`` from the compiled one).
+        recomputed_cost: their cost under the graph's cost model.
         used_peak_bytes: the largest total of live arrays (what CuPy's
             ``used_bytes()`` reads); equal to ``peak_bytes`` but on CuPy.
         pool_total_peak_bytes: on a graph recorded on CuPy, the largest
@@ -588,7 +587,16 @@ def held_through_forward(graph: Graph, own: int) -> int:
     return max(int(own), int(graph.step.held_other_bytes))
 
 
-def _engine(graph: Graph, engine: Optional[str]) -> str:
+def replay_engine(graph: Graph, min_nodes: int = KERNEL_MIN_NODES) -> str:
+    """The engine ``engine='auto'`` replays ``graph`` on: ``'numba'`` from
+    ``min_nodes`` nodes where numba is installed and the graph was not
+    recorded on CuPy, else ``'python'``. A caller that replays many plans
+    of one graph passes fewer nodes (loading the compiled loop costs about
+    as much as 30 replays of a 500-node graph in Python)."""
+    return _engine(graph, None, min_nodes)
+
+
+def _engine(graph: Graph, engine: Optional[str], min_nodes: int = KERNEL_MIN_NODES) -> str:
     """``'numba'`` or ``'python'`` (see :data:`REPLAY_ENGINES`)."""
     if engine not in (None,) + REPLAY_ENGINES:
         raise ValueError(f"unknown replay engine {engine!r}; accepted: {list(REPLAY_ENGINES)}")
@@ -598,7 +606,7 @@ def _engine(graph: Graph, engine: Optional[str]) -> str:
                              "graph was recorded on CuPy; pass engine='auto' or 'python'")
         return "python"
     return pick_engine(engine, what="replay", reference="python",
-                       pays=lambda: engine == "numba" or graph.n >= KERNEL_MIN_NODES)
+                       pays=lambda: engine == "numba" or graph.n >= min_nodes)
 
 
 def replay_peak(graph: Graph, dropped: Optional[np.ndarray] = None,
@@ -663,11 +671,6 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
     if plan is not None and plan.backward_order is not None:
         from .backward_order import in_order
         graph = in_order(graph, plan.backward_order)
-    if plan is not None and plan.inner:
-        if engine == "numba":
-            raise ValueError("replay engine 'numba' does not replay nested plans; pass "
-                             "engine='auto' or 'python'")
-        engine = "python"
     if _engine(graph, engine) == "numba":
         return _replay_compiled(graph, plan, release_mode)
     n = graph.n
@@ -941,7 +944,7 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
 def _replay_compiled(graph: Graph, plan: Optional[ExecutionPlan],
                      release_mode: str) -> ReplayResult:
     import sys
-    from .kernels.replay import context_of, run_kernel
+    from .kernels.replay import REGENERATE, context_of, nesting_of, run_kernel
     ctx = context_of(graph, sys.modules[__name__])
     if plan is None:
         dropped = block_of = None
@@ -949,7 +952,10 @@ def _replay_compiled(graph: Graph, plan: Optional[ExecutionPlan],
         dropped = np.zeros(graph.n, dtype=bool)
         dropped[list(plan.dropped)] = True
         block_of = np.asarray(plan.block_of, dtype=np.int64)
-    trace, kinds, us, ws, recomputed = run_kernel(ctx, dropped, block_of, release_mode)
+    nesting = nesting_of(ctx, plan) if plan is not None and plan.inner else None
+    trace, kinds, us, ws, recomputed = run_kernel(ctx, dropped, block_of, release_mode, nesting)
+    # (summed in the order of the events, as the Python engine sums)
+    costs = np.cumsum(np.asarray(graph.node_cost, dtype=np.float64)[us[kinds == REGENERATE]])
     if ctx.k > 1:
         trace = per_step(graph, trace, *ctx.once_and_acc(kinds, us, ws))
     events = ctx.labels(kinds, us, ws)
@@ -957,6 +963,7 @@ def _replay_compiled(graph: Graph, plan: Optional[ExecutionPlan],
     return ReplayResult(peak_bytes=int(trace[k]), peak_event=events[k],
                         constant_bytes=ctx.constant, events=events, memory_bytes=trace,
                         recomputed=int(recomputed), used_peak_bytes=int(trace.max()),
+                        recomputed_cost=float(costs[-1]) if len(costs) else 0.0,
                         pool_total_peak_bytes=None)
 
 

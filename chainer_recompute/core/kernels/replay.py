@@ -239,22 +239,50 @@ def context_of(graph: Graph, helpers: Any) -> ReplayContext:
 def _kernel() -> Any:
     return compiled(sys.modules[__name__], "_replay_loop",
                     helpers=("_event", "_attr_hold", "_hold", "_drop", "_remake", "_release",
-                             "_regenerable"))
+                             "_regenerable", "_keeps"))
+
+
+def nesting_of(ctx: ReplayContext, plan: Any) -> Tuple[np.ndarray, ...]:
+    """What the kernel reads of a nested
+    :class:`~chainer_recompute.core.execution.ExecutionPlan` beyond its
+    dropped nodes and blocks: its ``done`` (in CSR), its inner checkpoints
+    (bool per node), its source arrays (bool per array), its boundary
+    levels, and each inner node's span (``-1`` where it has none)."""
+    n = ctx.n
+    done_p, done_i = _csr([plan.done.get(v, ()) for v in range(n)])
+    inner = np.zeros(n, dtype=np.bool_)
+    inner[list(plan.inner)] = True
+    sources = np.zeros(ctx.owner.shape[0], dtype=np.bool_)
+    sources[list(plan.source_arrays)] = True
+    span_lo = np.full(n, -1, dtype=np.int64)
+    span_hi = np.full(n, -1, dtype=np.int64)
+    for u, (lo, hi) in plan.spans.items():
+        span_lo[u], span_hi[u] = lo, hi
+    return (done_p, done_i, inner, sources, np.asarray(plan.levels, dtype=np.int64),
+            span_lo, span_hi)
 
 
 def run_kernel(ctx: ReplayContext, dropped: Optional[np.ndarray], block_of: Optional[np.ndarray],
-               release_mode: str = "none"
+               release_mode: str = "none", nesting: Optional[Tuple[np.ndarray, ...]] = None
                ) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
     """The timeline of one iteration: totals, event kinds, event nodes
     (``u``, and ``w`` for a regeneration) and the number of regenerated
     nodes. ``dropped`` (bool per node) and ``block_of`` (each node's
-    block): the plan, ``None`` for plain Chainer."""
+    block): the plan, ``None`` for plain Chainer; ``nesting``: a nested
+    plan's :func:`nesting_of`."""
     has_plan = dropped is not None
     n = ctx.n
     if not has_plan:
         dropped = np.zeros(n, dtype=np.bool_)
         block_of = np.zeros(n, dtype=np.int64)
     c = ctx
+    nested = nesting is not None
+    if nested:
+        done_p, done_i, inner, sources, levels, span_lo, span_hi = nesting
+    else:
+        done_p, done_i = c.done_p, c.done_i
+        inner = sources = np.zeros(0, dtype=np.bool_)
+        levels = span_lo = span_hi = np.zeros(0, dtype=np.int64)
     # the attributes a release lets go: the remade ones, but a drawn one
     # of a node the plan keeps (the executor keeps no random state for it:
     # released with its node after its last backward reader, it keeps the
@@ -267,11 +295,12 @@ def run_kernel(ctx: ReplayContext, dropped: Optional[np.ndarray], block_of: Opti
         c.dies_p, c.dies_i, c.made_p, c.made_i, c.unrec, c.tmp_p, c.tmp_i, c.held_p,
         c.held_key, c.held_nb, held_rel,
         c.n_keys, c.ftr, c.order, c.g_rec, c.g_extra, c.g_after, c.releasable,
-        c.needs_p, c.needs_i, c.done_p, c.done_i, c.last, c.constant, c.old_grads,
+        c.needs_p, c.needs_i, done_p, done_i, c.last, c.constant, c.old_grads,
         c.old_grads_at_backward,
         c.free_all, c.update_transient, c.outside_peak, c.outside_held, has_plan,
         np.asarray(dropped, dtype=np.bool_),
-        np.asarray(block_of, dtype=np.int64), MODES[release_mode])
+        np.asarray(block_of, dtype=np.int64), MODES[release_mode],
+        nested, inner, sources, levels, span_lo, span_hi)
     # the random states the executor keeps for the drawn attributes the plan
     # releases (HeldArray.redrawn), one per node, over the whole iteration
     # (a bound, a few KB each), as replay() counts them; a graph held into
@@ -295,7 +324,7 @@ def _replay_loop(n, owner, owned, nbytes, pc, constown, producer, dies_at, retby
                  needs_p, needs_i, done_p, done_i, last, constant, old_grads,
                  old_grads_at_backward,
                  free_all, update_transient, outside_peak, outside_held, has_plan, dropped,
-                 block_of, mode):
+                 block_of, mode, nested, inner, sources, levels, span_lo, span_hi):
     VAR, RET, PIN, VAL = 1, 2, 4, 8
     n_arrays = owner.shape[0]
     reasons = np.zeros(n_arrays, dtype=np.uint8)
@@ -423,6 +452,10 @@ def _replay_loop(n, owner, owned, nbytes, pc, constown, producer, dies_at, retby
     nodes_buf = np.empty(n + 1, dtype=np.int64)
     values = np.empty(n_arrays + 1, dtype=np.int64)
     targets = np.empty(n + 1, dtype=np.int64)
+    # (nested) the arrays a regeneration makes, and the step of its last
+    # reader among the regeneration's steps
+    mmark = np.zeros(n_arrays if nested else 0, dtype=np.int64)
+    lastr = np.zeros(n_arrays if nested else 0, dtype=np.int64)
     stamp = 0
     recomputed = 0
     grad = 0
@@ -474,6 +507,16 @@ def _replay_loop(n, owner, owned, nbytes, pc, constown, producer, dies_at, retby
                             dfs[sp] = p
                             sp += 1
                 todo = np.sort(nodes_buf[:no])
+                if nested:  # core.execution.regeneration_frees
+                    for t in range(no):
+                        u = todo[t]
+                        for k in range(out_p[u], out_p[u + 1]):
+                            mmark[out_i[k]] = stamp
+                    for t in range(no):
+                        u = todo[t]
+                        for k in range(in_p[u], in_p[u + 1]):
+                            if mmark[in_i[k]] == stamp:
+                                lastr[in_i[k]] = t
                 nv = 0
                 for t in range(no):
                     u = todo[t]
@@ -491,12 +534,16 @@ def _replay_loop(n, owner, owned, nbytes, pc, constown, producer, dies_at, retby
                     trace, kinds, ev_u, ev_w, cap, ne = _event(
                         trace, kinds, ev_u, ev_w, cap, ne, level + grad + ftr[u], 2, u, w)
                     recomputed += 1
-                    if wmark[u] == stamp and released[u]:
+                    if released[u] and (wmark[u] == stamp or (
+                            nested and inner[u] and remaining[u] > 0
+                            and _keeps(u, block_of[w], span_lo, span_hi, levels))):
                         released[u] = False
                         for k in range(out_p[u], out_p[u + 1]):
                             a = out_i[k]
                             if retby[a]:
                                 level += _hold(a, RET, reasons, count, cur, owned2, constown)
+                            if nested and sources[a]:
+                                level += _hold(a, PIN, reasons, count, cur, owned2, constown)
                     else:
                         for k in range(held_p[u], held_p[u + 1]):
                             if held_der[k]:
@@ -504,6 +551,11 @@ def _replay_loop(n, owner, owned, nbytes, pc, constown, producer, dies_at, retby
                                 if attr_on[key]:
                                     attr_on[key] = False
                                     level -= attr_nb[key]
+                    if nested:  # the values read no more in this regeneration
+                        for k in range(in_p[u], in_p[u + 1]):
+                            a = in_i[k]
+                            if mmark[a] == stamp and lastr[a] == t:
+                                level += _drop(a, VAL, reasons, count, cur, owned2)
                 for t in range(nv):
                     level += _drop(values[t], VAL, reasons, count, cur, owned2)
         trace, kinds, ev_u, ev_w, cap, ne = _event(
@@ -668,3 +720,25 @@ def _regenerable(u, regen, stack_v, stack_k, in_p, in_i, producer, pc, constown,
         regen[v] = 1 if ok else 0
         sp -= 1
     return regen[u] == 1
+
+
+def _keeps(u, t, span_lo, span_hi, levels):
+    """As :meth:`~chainer_recompute.core.execution.ExecutionPlan.keeps`:
+    whether a boundary of the open segments below block ``t`` lies in inner
+    node ``u``'s span (the open boundaries, from ``t - 1`` down, are those
+    of a level at most every level seen since)."""
+    lo = span_lo[u]
+    if lo < 0:
+        return False
+    hi = min(span_hi[u], t - 1)
+    low = 0
+    b = t - 1
+    first = True
+    while b >= lo:
+        if first or levels[b] <= low:
+            if b <= hi:
+                return True
+            low = levels[b]
+            first = False
+        b -= 1
+    return False

@@ -8,7 +8,7 @@ import dataclasses
 import logging
 from collections.abc import Set as _AbstractSet
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, FrozenSet, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -371,7 +371,7 @@ def make_plan(graph: Graph, lower_sets: Optional[Sequence], *, solver: str, stra
     if blocks is not None and cost is not None:
         masks: Any = _MasksOf(blocks)  # made only if the simulation runs
     else:
-        masks = [m if isinstance(m, int) else set_to_mask(m) for m in lower_sets]
+        masks = _chain_masks(lower_sets)
     if cost is None:
         cost = strategy_cost(graph, masks, model)
     total = float(graph.node_cost.sum())
@@ -407,8 +407,31 @@ class _MasksOf:
             yield acc
 
 
+def _chain_masks(lower_sets: Sequence[Any]) -> List[int]:
+    """The bitsets of a chain of lower sets (sets or bitsets), each set
+    that holds the previous one made from it and the nodes it adds (on a
+    graph of 15,000 nodes, a chain of a hundred sets in milliseconds, not
+    a second)."""
+    out: List[int] = []
+    prev: Any = None
+    for L in lower_sets:
+        if isinstance(L, int):
+            m = L
+        else:
+            new = L - prev if isinstance(L, _AbstractSet) and prev is not None else None
+            m = (out[-1] | set_to_mask(new) if new is not None
+                 and len(new) == len(L) - len(prev) else set_to_mask(L))
+        out.append(m)
+        prev = L if isinstance(L, _AbstractSet) else None
+    return out
+
+
 def _bits_of(mask: int) -> list:
     """The set bits of a non-negative int, increasing."""
+    if mask.bit_length() > 4096:  # (one pass, not a copy of the int per bit)
+        raw = np.frombuffer(mask.to_bytes((mask.bit_length() + 7) // 8, "little"),
+                            dtype=np.uint8)
+        return np.flatnonzero(np.unpackbits(raw, bitorder="little")).tolist()
     out = []
     while mask:
         low = mask & -mask

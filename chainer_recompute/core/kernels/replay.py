@@ -97,6 +97,7 @@ class ReplayContext:
         self.tmp_p, self.tmp_i = _csr([temporaries.get(v, ()) for v in range(n)])
         self.unrec = np.array(helpers.unrecorded_peaks(graph), dtype=i64)
         self._unrecorded_label = helpers.unrecorded_label
+        self._fixed: Optional[Tuple[List[str], List[str], List[str]]] = None
         keys: Dict[Tuple[int, str], int] = {}
         held: List[List[int]] = []
         nb: List[int] = []
@@ -203,16 +204,21 @@ class ReplayContext:
         return once, acc
 
     def labels(self, kind: np.ndarray, u: np.ndarray, w: np.ndarray) -> Tuple[str, ...]:
-        """The reference replay's event labels for the kernel's events."""
-        ops = [node.op for node in self.graph.nodes]
+        """The reference replay's event labels for the kernel's events (the
+        forward's and the backward's, the same in every plan, made once)."""
+        if self._fixed is None:
+            ops = [node.op for node in self.graph.nodes]
+            self._fixed = ([f"forward {a} {op}" for a, op in enumerate(ops)],
+                           [f"backward {a} {op}" for a, op in enumerate(ops)], ops)
+        forward, backward, ops = self._fixed
         out = []
         for k, a, b in zip(kind.tolist(), u.tolist(), w.tolist()):
             if k == FORWARD:
-                out.append(f"forward {a} {ops[a]}")
+                out.append(forward[a])
+            elif k == BACKWARD:
+                out.append(backward[a])
             elif k == REGENERATE:
                 out.append(f"regenerate {a} {ops[a]} for backward {b}")
-            elif k == BACKWARD:
-                out.append(f"backward {a} {ops[a]}")
             elif k == UNRECORDED:
                 out.append(self._unrecorded_label(self.graph, a))
             else:

@@ -41,9 +41,10 @@ STEPS = 4
 
 class RandomNet(chainer.Chain):
     """A random define-by-run model; ``self.program`` is what ``forward``
-    interprets (a list of ops on a growing list of tensors)."""
+    interprets (a list of ops on a growing list of tensors); ``ops``: the
+    range its number of ops is drawn from."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, ops: Tuple[int, int] = (4, 10)) -> None:
         super().__init__()
         rng = random.Random(seed)
         self.program: List[Tuple[Any, ...]] = []
@@ -55,7 +56,7 @@ class RandomNet(chainer.Chain):
             self.in_shape = (rng.choice([12, 16, 24]),)
         shapes: List[Tuple[int, ...]] = [self.in_shape]
         self._n = 0
-        n_ops = rng.randint(4, 10)
+        n_ops = rng.randint(*ops)
         self.branchy = rng.random() < 0.4
         branch_at = rng.randrange(n_ops) if self.branchy else -1
         with self.init_scope():

@@ -270,8 +270,9 @@ class ExecutionPlan:
                                  f"{len(self.levels)} levels")
         #: the boundaries an inner node crosses: after its block up to the
         #: block of its last reader (an inner node read by nothing has none)
-        self.spans: Dict[int, Tuple[int, int]] = {u: (self.block_of[u], max(self.block_of[w] for w in graph.succs[u]) - 1)
-                      for u in self.inner if graph.succs[u]}
+        self.spans: Dict[int, Tuple[int, int]] = {
+            u: (self.block_of[u], max(self.block_of[w] for w in graph.succs[u]) - 1)
+            for u in self.inner if graph.succs[u]}
         self._stacks: Dict[int, List[int]] = {}
 
     def stack(self, t: int) -> List[int]:

@@ -43,7 +43,7 @@ import numpy as np
 
 from .backward_order import in_order, reordered
 from .errors import BudgetError, InfeasibleBudgetError
-from .execution import ExecutionPlan, releasable_nodes
+from .execution import ExecutionPlan, facts_of
 from .graph import Graph
 from .lower_sets import DEFAULT_MAX_LOWER_SETS, LowerSetFamily
 from .memory_model import SCOPES, MemoryModel, measured_model
@@ -643,7 +643,7 @@ def _releasable(graph: Graph) -> np.ndarray:
     if got is not None and got[0]() is graph:
         return got[1]
     mask = np.zeros(graph.n, dtype=bool)
-    mask[list(releasable_nodes(graph))] = True
+    mask[list(facts_of(graph).releasable)] = True
     _RELEASABLE.clear()  # the last graph's only
     _RELEASABLE[id(graph)] = (weakref.ref(graph), mask)
     return mask

@@ -122,7 +122,7 @@ class _Facts(NamedTuple):
 _FACTS: "weakref.WeakKeyDictionary[Graph, _Facts]" = weakref.WeakKeyDictionary()
 
 
-def _facts_of(graph: Graph) -> _Facts:
+def facts_of(graph: Graph) -> _Facts:
     """The plan-independent part of an :class:`ExecutionPlan` of ``graph``,
     made once per graph (a search builds hundreds of plans of one graph;
     :func:`~chainer_recompute.core.budget.release_caches` lets go of them)."""
@@ -143,7 +143,7 @@ def _facts_of(graph: Graph) -> _Facts:
 
 
 def release_facts() -> None:
-    """Let go of every graph's :func:`_facts_of`."""
+    """Let go of every graph's :func:`facts_of`."""
     _FACTS.clear()
 
 
@@ -222,7 +222,7 @@ class ExecutionPlan:
             raise RecomputeError(f"the plan covers {len(prev)} of the graph's {n} nodes; "
                                  f"the last lower set must be V")
         # (shared by the plans of one graph, never changed)
-        facts = _facts_of(graph)
+        facts = facts_of(graph)
         self.derived: Dict[int, Tuple[str, ...]] = facts.derived
         self.written: Dict[int, Tuple[str, ...]] = facts.written
         #: per node, the released attributes a regeneration draws again

@@ -40,7 +40,7 @@ DEFAULT_MAX_LOWER_SETS = 2_000_000
 __all__ = [
     "DEFAULT_MAX_LOWER_SETS", "LowerSetFamily", "above", "ancestor_closures",
     "beside", "boundary", "count_lower_sets", "enumerate_lower_sets",
-    "is_lower_set", "mask_to_set", "set_to_mask", "full_mask", "with_forward_only",
+    "is_lower_set", "mask_bits", "mask_to_set", "set_to_mask", "full_mask", "with_forward_only",
 ]
 
 
@@ -70,17 +70,26 @@ def set_to_mask(nodes: Iterable[int]) -> int:
     return m
 
 
-def mask_to_set(mask: int) -> FrozenSet[int]:
-    """The nodes of bitset ``mask`` as a frozenset.
+def mask_bits(mask: int) -> List[int]:
+    """The nodes of bitset ``mask``, increasing (in one numpy pass).
 
-    >>> sorted(mask_to_set(5))
+    >>> mask_bits(5)
     [0, 2]
     """
     if mask < 0:
         raise ValueError("a bitset is a non-negative int")
     raw = np.frombuffer(mask.to_bytes(max(1, (mask.bit_length() + 7) // 8), "little"),
                         dtype=np.uint8)
-    return frozenset(np.flatnonzero(np.unpackbits(raw, bitorder="little")).tolist())
+    return np.flatnonzero(np.unpackbits(raw, bitorder="little")).tolist()
+
+
+def mask_to_set(mask: int) -> FrozenSet[int]:
+    """The nodes of bitset ``mask`` as a frozenset.
+
+    >>> sorted(mask_to_set(5))
+    [0, 2]
+    """
+    return frozenset(mask_bits(mask))
 
 
 def full_mask(graph: Graph) -> int:

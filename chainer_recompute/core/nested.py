@@ -76,7 +76,7 @@ SCREEN_REPLAY_NODES = 24_000
 SCREEN_REPLAYS = 6
 #: a search replays dozens of plans or more: compiled (numba, where it is
 #: installed) from this many nodes (:func:`~.replay.replay_engine`)
-KERNEL_MIN_NODES = 100
+SEARCH_KERNEL_MIN_NODES = 100
 
 
 def two_levels(n_blocks: int, ends: Sequence[int]) -> Tuple[int, ...]:
@@ -374,7 +374,7 @@ class NestedSearch:
         self._trees_of: Dict[Tuple[Any, ...], List[Tuple[Plan, int]]] = {}
         self._cut_from: set = set()
         self._cost: Optional[np.ndarray] = None
-        self.engine = replay_engine(graph, KERNEL_MIN_NODES)
+        self.engine = replay_engine(graph, SEARCH_KERNEL_MIN_NODES)
 
     def _time_free_cost(self) -> np.ndarray:
         """The graph's node costs without its measured times (made once)."""

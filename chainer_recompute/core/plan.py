@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Dict, FrozenSet, List, Optional, Sequence
 import numpy as np
 
 from .graph import Graph
-from .lower_sets import set_to_mask
+from .lower_sets import mask_bits, set_to_mask
 from .schedule import StrategyCost, build_schedule, simulate, strategy_cost
 from .units import format_bytes
 
@@ -429,9 +429,7 @@ def _chain_masks(lower_sets: Sequence[Any]) -> List[int]:
 def _bits_of(mask: int) -> list:
     """The set bits of a non-negative int, increasing."""
     if mask.bit_length() > 4096:  # (one pass, not a copy of the int per bit)
-        raw = np.frombuffer(mask.to_bytes((mask.bit_length() + 7) // 8, "little"),
-                            dtype=np.uint8)
-        return np.flatnonzero(np.unpackbits(raw, bitorder="little")).tolist()
+        return mask_bits(mask)
     out = []
     while mask:
         low = mask & -mask

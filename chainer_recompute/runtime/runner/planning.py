@@ -935,10 +935,14 @@ class Planner:
             entry.structures.insert(0, src.structures[0])
             return True
         graph = graph.replace(batch_size=batch).with_step(derived_from=tuple(src.dims))
+        # what the loop does with the graph (a backward after an update: see
+        # Program.saves_parameters) is the source's, learned or not yet
+        probation = None
         if src.structures:
             program = src.structures[0].program
             refs, multi, known = program.param_refs, program.multi_backward, \
                 program.backward_known
+            probation = program.probation
         else:
             rec = self._recorded(src, link)
             refs, multi, known = rec.param_refs, rec.multi_backward, rec.backward_known
@@ -958,7 +962,8 @@ class Planner:
                     big.pending = rec
                 else:
                     plan = self._family_plan(entry, graph)
-        self.add(entry, graph, refs, multi, t0, plan=plan, backward_known=known)
+        self.add(entry, graph, refs, multi, t0, plan=plan, backward_known=known,
+                 probation=probation)
         return True
 
     def decide_release(self, s: _Structure) -> None:
@@ -983,8 +988,17 @@ class Planner:
             elif replay(s.graph, s.program, release_mode="checkpoints").peak_bytes <= base:
                 s.program.release_mode = "checkpoints"
         else:
+            # What these modes keep lives as long as anything of the graph:
+            # a loop that holds its loss through the optimizer's update
+            # (``loss = F.softmax_cross_entropy(model(x), t)``, then
+            # ``loss.backward()``, ``optimizer.update()``) holds it there,
+            # which no recording tells from a loss dropped by
+            # ``optimizer.update(lossfun, ...)``: a mode is chosen where it
+            # fits the budget either way (predicted as the graph's step facts
+            # have it).
+            held = s.graph.with_step(kept_after_backward=True)
             for mode in modes:
-                if replay(s.graph, s.program, release_mode=mode).peak_bytes <= limit_of(budget):
+                if replay(held, s.program, release_mode=mode).peak_bytes <= limit_of(budget):
                     s.program.release_mode = mode
                     break
         s.program.release_mode_decided = s.program.multi_backward

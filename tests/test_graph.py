@@ -348,6 +348,40 @@ def test_a_temporary_that_batch_one_understates_scales_from_batch_two():
         (1400, 8000), (1200, 8000)]
 
 
+def test_a_batch_scaled_on_the_line_of_its_captures_keeps_what_does_not_grow():
+    """A graph scaled from captures at batch 2 and 4 to 32, then to 24 (a
+    last partial batch): in proportion its backward's temporary of a
+    parameter's size (a constant 1,000 B beside 100 B a sample) shrinks
+    with the batch; on the line through the capture at 4 it stays, as it
+    would have been scaled from the captures to 24 directly. The step's
+    facts and the metadata are the graph's, scaled as they are in
+    proportion; without a line, or with one of another structure, the
+    proportion."""
+    def at(batch):
+        g = Graph.from_edges([8 * batch, 8 * batch], [(0, 1)]).replace(batch_size=batch)
+        nodes = [dataclasses.replace(n, backward_transient_bytes=1000 + 100 * batch)
+                 for n in g.nodes]
+        return g.replace(nodes=nodes).with_step(outside_peak_bytes=10 * batch,
+                                                correction_bytes=7)
+
+    g2, g4 = at(2), at(4)
+    g32 = g2.scale_between(g4, 32)
+    assert [n.backward_transient_bytes for n in g32.nodes] == [4200, 4200]
+
+    def figures(g):
+        return ([n.backward_transient_bytes for n in g.nodes], g.node_bytes.tolist(),
+                g.batch_size, g.step.outside_peak_bytes, g.step.correction_bytes)
+
+    on_line = g32.scale_batch(24, g4)
+    assert figures(on_line) == ([3400, 3400], [192, 192], 24, 240, 7)
+    assert figures(g2.scale_between(g4, 24))[:2] == ([3400, 3400], [192, 192])
+    assert on_line.meta == g32.scale_batch(24).meta
+    # (in proportion, arrays of no known shape keep their bytes)
+    assert figures(g32.scale_batch(24)) == ([3150, 3150], [256, 256], 24, 240, 7)
+    other = Graph.from_edges([32, 32, 32], [(0, 1), (1, 2)]).replace(batch_size=4)
+    assert figures(g32.scale_batch(24, other)) == figures(g32.scale_batch(24))
+
+
 # ------------------------------------------------ a model at several shapes
 def pair_graph(n: int, b: int = 2, h: int = 3, rows: int = None) -> Graph:
     """A pairwise model recorded at ``n`` points: its input (b, n, h), the

@@ -667,7 +667,7 @@ class Graph:
                     made[v] += self.arrays[a].nbytes
         return made
 
-    def scale_batch(self, batch_size: int) -> "Graph":
+    def scale_batch(self, batch_size: int, line: Optional["Graph"] = None) -> "Graph":
         """The graph at another batch size, by linear scaling.
 
         Arrays other than parameters whose leading dimension is the capture
@@ -676,6 +676,14 @@ class Graph:
         per-channel statistics are unchanged. Measured times and transient
         bytes scale linearly with the batch, and so do backward allocations
         but for the parameter gradients in them.
+
+        ``line``: the same model recorded at another batch size (the
+        capture this graph was scaled from): every size is then on the line
+        through the two (:meth:`scale_between`), so that what does not
+        grow with the batch (a temporary the size of a parameter, in a
+        function's backward) stays as it is; the step's facts and the
+        metadata are this graph's, scaled as above. Where the two are not
+        the same structure, as above.
 
         Raises:
             GraphError: when the graph does not know its batch size.
@@ -686,6 +694,17 @@ class Graph:
                              "capture it with chainer_recompute.capture or set batch_size")
         if batch_size <= 0:
             raise GraphError(f"batch size must be positive, got {batch_size}")
+        meta = dict(self.meta)
+        meta.setdefault("scaled_from", old)
+        step = dataclasses.replace(self.step, **{  # the caller's and unrecorded work
+            key: getattr(self.step, key) * batch_size // old for key in StepFacts.SCALED})
+        if line is not None and line.batch_size not in (None, old):
+            try:
+                on_line = self.scale_between(line, batch_size)
+            except GraphError:
+                pass  # (not the same structure)
+            else:
+                return on_line.replace(meta=meta, step=step)
 
         def scaled(shape: Optional[Tuple[int, ...]], nbytes: int, kind: str):
             if kind == "param" or not shape or shape[0] != old:
@@ -721,10 +740,6 @@ class Graph:
                     + scale_b(node.backward_alloc_bytes - param_first[node.id])),
                 forward_time_s=None if node.forward_time_s is None else node.forward_time_s * ratio,
                 backward_time_s=None if node.backward_time_s is None else node.backward_time_s * ratio))
-        meta = dict(self.meta)
-        meta.setdefault("scaled_from", old)
-        step = dataclasses.replace(self.step, **{  # the caller's and unrecorded work
-            key: getattr(self.step, key) * batch_size // old for key in StepFacts.SCALED})
         return self.replace(arrays=arrays, nodes=nodes, batch_size=batch_size, meta=meta,
                             step=step)
 

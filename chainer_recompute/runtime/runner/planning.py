@@ -602,6 +602,7 @@ class Planner:
                 self._say_recorded(args, batch, self.refusal)
                 return False
             self.add(entry, graph, hook.recorder.param_refs, hook.multi_backward, t0)
+            entry.line = g2
             return True
         if small is None or batch is None or small >= batch:
             graph, hook = self._capture_at(args, kwargs, batch, batch)
@@ -626,6 +627,7 @@ class Planner:
                        self.refusal, batch)
             return False
         self.add(entry, graph, hook.recorder.param_refs, hook.multi_backward, t0)
+        entry.line = g2
         return True
 
     @staticmethod
@@ -910,12 +912,14 @@ class Planner:
         batch = entry.batch
         if graph is None and batch is not None:
             # a last partial batch: only the batch dimension of the inputs
-            # changed, and the graph scales with it (checked as it runs)
+            # changed, and the graph scales with it (checked as it runs), on
+            # the line of the captures it was planned from where it was
             for e1, g1 in sibs:
                 if g1.batch_size and g1.batch_size != batch and all(
                         x == y or (x == g1.batch_size and y == batch)
                         for x, y in zip(e1.dims, v)):
-                    graph, src = g1.scale_batch(batch), e1
+                    graph, src = g1.scale_batch(batch, e1.line), e1
+                    entry.line = e1.line
                     break
         if graph is None:
             if self.captures(batch):

@@ -56,7 +56,7 @@ class _Entry:
     recorded iteration waiting to be planned, and counters."""
 
     __slots__ = ("structures", "pending", "calls", "recorded", "plain", "error", "family",
-                 "dims", "batch", "__weakref__")
+                 "dims", "batch", "line", "__weakref__")
 
     def __init__(self, family: Hashable = None, dims: Tuple[int, ...] = ()) -> None:
         self.family, self.dims = family, dims  # see _family
@@ -67,3 +67,8 @@ class _Entry:
         self.calls = 0
         self.recorded = 0
         self.plain = False
+        #: its graph at another batch size, on the line its plans' graph was
+        #: scaled on (the larger of the captures it was planned from): a
+        #: new batch size of its family is scaled on that line
+        #: (``Graph.scale_batch``)
+        self.line: Optional[Graph] = None

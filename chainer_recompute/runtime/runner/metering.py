@@ -270,7 +270,7 @@ def _watch_updates(steps: "StepMeter", open_: _OpenMeter) -> None:
             return True
         open_.waiting.discard(id(param))
         if not open_.waiting:
-            r.stop()
+            r.stop(at_update=True)
             return True
         return False
     open_.watcher = updated
@@ -337,6 +337,9 @@ class StepMeter:
         #: plans to replay without the previous call's graph (check_held_graph,
         #: apply_pending)
         self._let_go: Optional[List[Tuple[_Entry, _Structure]]] = None
+        #: the loop was found holding a graph through the update (see stop):
+        #: the plans that keep arrays after the backward to replay with it
+        self._held_at_update = False
         # whether that graph was still alive at the forward's first function
         # when last seen (None: never seen)
         self.held_at_start: Optional[bool] = None
@@ -479,7 +482,10 @@ class StepMeter:
                 r.stop(done=True)
         hook.on_backward_done = done
 
-    def stop(self, done: bool = False) -> None:
+    def stop(self, done: bool = False, at_update: bool = False) -> None:
+        """The meter stops: at the end of the call's backward (``done``,
+        then a tail meter goes on through the update), at the end of the
+        update (``at_update``), or at the next call."""
         if self._meter is None:
             return
         open_, self._meter = self._meter, None
@@ -496,6 +502,15 @@ class StepMeter:
             s = open_.structure
             if s is None or s not in open_.entry.structures:
                 return
+            if at_update and not self.planner.held_at_update and open_.hook() is not None \
+                    and not s.graph.step.kept_after_backward:
+                # The graph is alive when the update ends: the loop holds it
+                # (its loss, from ``loss.backward()`` through
+                # ``optimizer.update()``), and with it what a plan keeps
+                # after the backward (``checkpoints``, ``all``). Such plans
+                # are replayed so at the next call, and predicted so from
+                # then on (Planner.decide_release).
+                self.planner.held_at_update = self._held_at_update = True
             measured = open_.measured(m.absolute_peak_bytes)
             total = None if m.total_peak_bytes is None or open_.level_total is None else \
                 open_.own + m.total_peak_bytes - open_.level_total
@@ -627,26 +642,36 @@ class StepMeter:
     def pending(self) -> bool:
         """Whether plans are to change at the model's next call
         (:meth:`apply_pending`)."""
-        return bool(self.corrections or self._let_go)
+        return bool(self.corrections or self._let_go or self._held_at_update)
 
     def apply_pending(self) -> None:
         """At a training call, before its meter starts: the plans that
         :meth:`check_held_graph` found let go of the previous call's graph,
-        replayed without it (the same plan, its prediction and plain
-        Chainer's as they are); then the structures that overshot their
-        budget planned again with the memory model corrected by what they
-        missed. A budget the corrected model cannot meet is raised (or
-        warned about) by the call of that signature."""
+        replayed without it, and, once the loop was found holding a graph
+        through the update (:meth:`stop`), the plans that keep arrays after
+        the backward replayed with it (chosen where that fits their budget:
+        the same plan, its prediction and plain Chainer's as they are);
+        then the structures that overshot their budget planned again with
+        the memory model corrected by what they missed. A budget the
+        corrected model cannot meet is raised (or warned about) by the
+        call of that signature."""
         let_go, self._let_go = self._let_go, None
-        if let_go:
+        replays = [(entry, s, {"held_into_next_forward": False, "held_other_bytes": 0})
+                   for entry, s in let_go or ()
+                   if s in entry.structures and (s.graph.step.held_into_next_forward
+                                                 or s.graph.step.held_other_bytes)]
+        if self._held_at_update:
+            self._held_at_update = False
+            replays += [(entry, s, {"kept_after_backward": True})
+                        for entry in list(self.planner.entries.values())
+                        for s in entry.structures if s.program.release_mode != "none"
+                        and not s.graph.step.kept_after_backward]
+        if replays:
             from ...core.budget import release_caches
             from ...core.replay import replay
             try:
-                for entry, s in let_go:
-                    if s not in entry.structures or not (s.graph.step.held_into_next_forward
-                                                         or s.graph.step.held_other_bytes):
-                        continue
-                    graph = s.graph.with_step(held_into_next_forward=False, held_other_bytes=0)
+                for entry, s, facts in replays:
+                    graph = s.graph.with_step(**facts)
                     peak = replay(graph, s.program if s.plan.recompute else None,
                                   release_mode=s.program.release_mode).peak_bytes
                     info = dict(s.plan.info)

@@ -152,6 +152,10 @@ class Planner:
         # the loop's gradients alive when a backward begins (see
         # StepMeter.watch_gradients): every plan made for them from then on
         self.grads_alive = False
+        # the loop holds a graph through the optimizer's update (its loss:
+        # see StepMeter.stop): plans that keep arrays after the backward are
+        # predicted with it from then on (decide_release)
+        self.held_at_update = False
         self.refusal = ""  # why captures could not plan a first call
         self.captures_failed = False  # the last first call's captures ran and failed
         #: the first call of a new signature is planned from captures (False:
@@ -998,12 +1002,14 @@ class Planner:
             # ``loss.backward()``, ``optimizer.update()``) holds it there,
             # which no recording tells from a loss dropped by
             # ``optimizer.update(lossfun, ...)``: a mode is chosen where it
-            # fits the budget either way (predicted as the graph's step facts
-            # have it).
+            # fits the budget either way, and predicted with the graph held
+            # once the runner has seen the loop hold it (StepMeter.stop).
             held = s.graph.with_step(kept_after_backward=True)
             for mode in modes:
                 if replay(held, s.program, release_mode=mode).peak_bytes <= limit_of(budget):
                     s.program.release_mode = mode
+                    if self.held_at_update:
+                        s.graph = s.program.graph = held
                     break
         s.program.release_mode_decided = s.program.multi_backward
         if s.program.release_mode != "none" and self.spec.budget_scope == "total":

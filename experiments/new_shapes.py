@@ -29,7 +29,6 @@ runner's said messages counted. ``--json`` writes the rows.
 import argparse
 import itertools
 import json
-import logging
 import os
 import sys
 
@@ -41,6 +40,7 @@ import chainer  # noqa: E402
 import chainer.functions as F  # noqa: E402
 
 from harness import assert_same_records  # noqa: E402
+from test_real_code_patterns import Said  # noqa: E402
 from test_first_step import (LSTMNet, MLP, ConvBN, LogitsMLP, images, optimizer,  # noqa: E402
                              sequences, train, vectors)
 
@@ -84,31 +84,18 @@ def step_of(loop, logits):
     return step
 
 
-class Said(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-
 def run(model, opt, loop, pattern, budget):
     make, data, logits = MODELS[model]
     batches = [(x[:max(1, int(len(x) * f))], t[:max(1, int(len(x) * f))])
                for (x, t), f in zip(data(len(PATTERNS[pattern])), PATTERNS[pattern])]
     setup = optimizer(OPTIMIZERS[opt])
     plain = train(make, setup, batches, step=step_of(loop, logits))
-    said = Said()
-    logging.getLogger("chainer_recompute").addHandler(said)
-    try:
+    with Said() as said:
         ours = train(make, setup, batches, "least", step=step_of(loop, logits))
-        if budget == "mid":
-            mid = (ours.stats[0][1] + max(plain.peaks)) // 2
-            said.messages.clear()
+    if budget == "mid":
+        mid = (ours.stats[0][1] + max(plain.peaks)) // 2
+        with Said() as said:
             ours = train(make, setup, batches, mid, step=step_of(loop, logits))
-    finally:
-        logging.getLogger("chainer_recompute").removeHandler(said)
     try:
         assert_same_records(plain, ours)
         identical = True

@@ -259,6 +259,11 @@ def _update_targets(link_ref: Any) -> Optional[set]:
     return {id(p) for p in link.params() if getattr(p, "update_rule", None) is not None}
 
 
+#: the step facts of a plan replayed without the previous call's graph,
+#: which the model let go of before its first function (check_held_graph)
+_LET_GO: Dict[str, Any] = {"held_into_next_forward": False, "held_other_bytes": 0}
+
+
 def _watch_updates(steps: "StepMeter", open_: _OpenMeter) -> None:
     from ..executor import add_update_watcher
     ref = weakref.ref(steps)
@@ -334,12 +339,11 @@ class StepMeter:
         # the function nodes of the previous call's graph (weak references)
         # when this call found it alive
         self._held_previous: Optional[List[Any]] = None
-        #: plans to replay without the previous call's graph (check_held_graph,
-        #: apply_pending)
-        self._let_go: Optional[List[Tuple[_Entry, _Structure]]] = None
-        #: the loop was found holding a graph through the update (see stop):
-        #: the plans that keep arrays after the backward to replay with it
-        self._held_at_update = False
+        #: plans to replay at the next call with other step facts, the same
+        #: plan (apply_pending): without the previous call's graph
+        #: (check_held_graph, :data:`_LET_GO`), with their own graph held
+        #: through the update (stop)
+        self._replays: List[Tuple[_Entry, _Structure, Dict[str, Any]]] = []
         # whether that graph was still alive at the forward's first function
         # when last seen (None: never seen)
         self.held_at_start: Optional[bool] = None
@@ -510,7 +514,10 @@ class StepMeter:
                 # after the backward (``checkpoints``, ``all``). Such plans
                 # are replayed so at the next call, and predicted so from
                 # then on (Planner.decide_release).
-                self.planner.held_at_update = self._held_at_update = True
+                self.planner.held_at_update = True
+                self._replays += [(e, t, {"kept_after_backward": True})
+                                  for e in list(self.planner.entries.values())
+                                  for t in e.structures if t.program.release_mode != "none"]
             measured = open_.measured(m.absolute_peak_bytes)
             total = None if m.total_peak_bytes is None or open_.level_total is None else \
                 open_.own + m.total_peak_bytes - open_.level_total
@@ -582,7 +589,7 @@ class StepMeter:
         # a plan whose replay counts the previous graph, which the model
         # turned out to let go (check_held_graph): said once replayed
         # without it, at the next call)
-        let_go = any(t is s for _, t in self._let_go or ())
+        let_go = any(t is s and facts is _LET_GO for _, t, facts in self._replays)
         stats.plain_peak_bytes = plain_peak(s.graph, s.plan)[0] \
             if step_calls(s.graph) == 1 and not let_go else None
         correction = int(s.graph.step.correction_bytes)
@@ -642,7 +649,7 @@ class StepMeter:
     def pending(self) -> bool:
         """Whether plans are to change at the model's next call
         (:meth:`apply_pending`)."""
-        return bool(self.corrections or self._let_go or self._held_at_update)
+        return bool(self.corrections or self._replays)
 
     def apply_pending(self) -> None:
         """At a training call, before its meter starts: the plans that
@@ -655,17 +662,9 @@ class StepMeter:
         the memory model corrected by what they missed. A budget the
         corrected model cannot meet is raised (or warned about) by the
         call of that signature."""
-        let_go, self._let_go = self._let_go, None
-        replays = [(entry, s, {"held_into_next_forward": False, "held_other_bytes": 0})
-                   for entry, s in let_go or ()
-                   if s in entry.structures and (s.graph.step.held_into_next_forward
-                                                 or s.graph.step.held_other_bytes)]
-        if self._held_at_update:
-            self._held_at_update = False
-            replays += [(entry, s, {"kept_after_backward": True})
-                        for entry in list(self.planner.entries.values())
-                        for s in entry.structures if s.program.release_mode != "none"
-                        and not s.graph.step.kept_after_backward]
+        replays, self._replays = self._replays, []
+        replays = [(entry, s, facts) for entry, s, facts in replays if s in entry.structures
+                   and any(getattr(s.graph.step, k) != v for k, v in facts.items())]
         if replays:
             from ...core.budget import release_caches
             from ...core.replay import replay
@@ -705,11 +704,9 @@ class StepMeter:
         funcs, self._held_previous = self._held_previous, None
         if funcs is None or hook.program is None or getattr(hook, "_held_at_start", True):
             return  # still held when this forward began: as planned
-        let_go = [(entry, s) for s in entry.structures
-                  if s.program is hook.program and (s.graph.step.held_into_next_forward
-                                                    or s.graph.step.held_other_bytes)]
-        if let_go:
-            self._let_go = (self._let_go or []) + let_go
+        self._replays += [(entry, s, _LET_GO) for s in entry.structures
+                          if s.program is hook.program and (s.graph.step.held_into_next_forward
+                                                            or s.graph.step.held_other_bytes)]
 
     def watch_held_graph(self, hook: IterationHook) -> None:
         """Whether the previous call's graph, alive at this call, is still

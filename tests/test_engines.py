@@ -214,3 +214,38 @@ def test_a_tiny_graphs_table_stays_small_with_integral_costs():
             plan = solve_exact(g, budget, strategy="tc", engine="numpy")
         assert plan.feasible and plan.overhead == overhead, (budget, plan.overhead)
         assert m.result.peak_bytes < 200_000, m.result.peak_bytes  # (was 7,334,347)
+
+
+@needs_numba
+def test_auto_takes_the_compiled_dp_where_numpys_table_would_be_large(monkeypatch):
+    """On a 120-node graph with measured (real) costs NumPy's dense DP table
+    (K·(T+1) entries of 16 bytes) would take about 4 MB: ``auto``
+    runs the compiled DP there even in a process that has not loaded it
+    (``NUMPY_TABLE_BYTES``: on a NumPy model the planner's memory is in the
+    heap the budget bounds), for the same plan and far less memory."""
+    import tracemalloc
+
+    from chainer_recompute.core import lower_sets
+    from chainer_recompute.core.solvers import _dp, solve_approx
+    rng = random.Random(3)
+    n = 120
+    edges = [(v, v + 1) for v in range(n - 1)] + [(v, v + 3) for v in range(0, n - 3, 4)]
+    g = Graph.from_edges([rng.randint(1, 9) * 1000 for _ in range(n)], edges,
+                         costs=[rng.uniform(1, 5) for _ in range(n)])
+    budget = int(0.7 * solve_approx(g, None).predicted_peak_bytes)
+    _dp._load_kernels()  # (numba imported and the kernels loaded outside the measure)
+    monkeypatch.setattr(lower_sets, "_KERNELS", None)  # a process that has not loaded them
+
+    def solve(engine):
+        tracemalloc.start()
+        try:
+            plan = solve_approx(g, budget, engine=engine)
+            return plan, tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    reference, numpy_peak = solve("numpy")
+    plan, peak = solve("auto")
+    assert lower_sets._KERNELS is not None  # loaded by auto
+    assert (plan.overhead, plan.predicted_peak_bytes) == \
+        (reference.overhead, reference.predicted_peak_bytes)
+    assert plan.feasible and peak < _dp.NUMPY_TABLE_BYTES < numpy_peak, (peak, numpy_peak)

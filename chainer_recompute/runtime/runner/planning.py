@@ -845,7 +845,9 @@ class Planner:
         again at a call after a correction): the planner's memory is in
         that step and in no plan. On NumPy (on a GPU it is host memory,
         outside the budget) it is measured, and when with the model's own
-        arrays (parameters, gradients, optimizer state, inputs) it is over
+        arrays (parameters, gradients, optimizer state, inputs) and the
+        previous call's graph of another signature alive at this call
+        (``held_other``) it is over
         the budget (as resolved for the plan: ``'least'``'s figure too),
         that step is, and it is said (once for each ``where``)."""
         from ..device import device_of
@@ -867,7 +869,9 @@ class Planner:
         if self.plans_made == made or not entry.structures:
             return  # nothing planned (a call recorded instead is said there)
         budget = self.budget_bytes or entry.structures[0].plan.budget_bytes
-        own = own_bytes(dev, self._link(args), arrays)
+        # (and the previous call's graph of another signature, alive here:
+        # StepMeter.count_held_other)
+        own = own_bytes(dev, self._link(args), arrays) + self.held_other
         if budget is None or own + planner <= budget:
             return
         self._said_planning.add(where)
@@ -889,8 +893,9 @@ class Planner:
             report.warning(
                 "planning %s (input dimensions %s) %s took %s (the planner's memory, in no "
                 "plan) on top of the model's own %s (parameters, gradients, optimizer state, "
-                "inputs): this step peaks at %s or more, over the budget %s",
+                "inputs%s): this step peaks at %s or more, over the budget %s",
                 self._name(args), entry.dims, where, format_bytes(planner), format_bytes(own),
+                ", the previous call's graph" if self.held_other else "",
                 format_bytes(own + planner), format_bytes(budget))
 
     def _plan_from_family(self, entry: _Entry, args: Tuple[Any, ...],

@@ -63,6 +63,14 @@ COMPILED_MIN_WORK = 20_000_000
 #: The compiled DP keeps a dense table of at most K·(T+1) entries (12 bytes
 #: each) up to this many; larger problems use the NumPy frontiers.
 COMPILED_DENSE_LIMIT = 40_000_000
+#: ``auto`` also uses the compiled kernels where NumPy's dense table
+#: (K·(T+1) entries, 16 bytes each) would be larger than this: the
+#: compiled DP fills only the entries its bounds leave (0.6 MB on ResNet50
+#: b32 against NumPy's 8.6 MB, 1.8 MB on ResNet152 b32 against 38 MB),
+#: and on a NumPy model the planner's memory is in the heap that the
+#: budget bounds (a plan made at a training call, with the model's arrays
+#: alive: docs/limits.md).
+NUMPY_TABLE_BYTES = 1 << 20
 
 
 def loaded_kernels():
@@ -99,12 +107,15 @@ def _warm_up() -> None:
 def _pick_engine(engine: Optional[str], family: LowerSetFamily, total_t: int) -> str:
     """``'numba'`` (the kernels loaded) or ``'numpy'``, through
     :func:`~chainer_recompute.core.kernels.pick_engine`; ``auto`` picks the
-    kernels when the problem repays loading them (:data:`COMPILED_MIN_WORK`)
-    or this process has loaded them already."""
+    kernels when the problem repays loading them (:data:`COMPILED_MIN_WORK`),
+    when NumPy's table would take more memory than theirs
+    (:data:`NUMPY_TABLE_BYTES`), or when this process has loaded them
+    already."""
     K = len(family)
     picked = pick_engine(engine, what="flat DP", default=ENGINE,
                          pays=lambda: (loaded_kernels() is not None
-                                       or K * K * (total_t + 1) // 2 > COMPILED_MIN_WORK))
+                                       or K * K * (total_t + 1) // 2 > COMPILED_MIN_WORK
+                                       or K * (total_t + 1) * 16 > NUMPY_TABLE_BYTES))
     if picked == "numba":
         _load_kernels()
     return picked

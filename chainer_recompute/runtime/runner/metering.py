@@ -628,7 +628,8 @@ class StepMeter:
                  "of parameter values saved before the optimizer's update (in no plan): a plan "
                  "made before the training loop was seen keeps them until a graph that was "
                  "alive at an update dies without another backward pass, so that one after the "
-                 "update could still regenerate; later steps do not hold them "
+                 "update could still regenerate; later steps do not hold them, but for the "
+                 "next one where the loop keeps its loss into the next forward "
                  "(capture_batch=None records the first call instead, plainly, and saves "
                  "none)")):
             if held and budget is not None and measured > budget and not getattr(self, said):

@@ -869,8 +869,6 @@ class Planner:
         if self.plans_made == made or not entry.structures:
             return  # nothing planned (a call recorded instead is said there)
         budget = self.budget_bytes or entry.structures[0].plan.budget_bytes
-        # (and the previous call's graph of another signature, alive here:
-        # StepMeter.count_held_other)
         own = own_bytes(dev, self._link(args), arrays) + self.held_other
         if budget is None or own + planner <= budget:
             return

@@ -17,6 +17,7 @@ import chainer
 from ..executor import IterationHook, IterationStats
 from .describe import describe_step, plain_peak
 from ..correction import CallMeter, Correction
+from ...core.errors import InfeasibleBudgetError
 from ...core.units import format_bytes
 from .log import logger, report
 from .state import _Entry, _Structure
@@ -326,6 +327,11 @@ class StepMeter:
         self._correction = Correction(report)  # a measured overshoot: warned once
         self._said_probation = False  # a step over its budget with probation's saved values
         self._said_replaced = False  # ... with the graph of a replaced plan held
+        # id(structure) -> bytes that the previous call's graph of another
+        # signature holds beyond what it counts, at a call whose budget that
+        # graph makes infeasible (count_held_other): known, said, no correction
+        self._beyond: Dict[int, int] = {}
+        self._said_beyond = False
         self._said_measured: set = set()  # corrections whose plan's first measured step was said
         self.last_hook: Any = None  # a weak reference to the previous call's IterationHook
         self.last_entry: Optional[_Entry] = None  # ... and its signature
@@ -637,7 +643,8 @@ class StepMeter:
                 report.warning("the measured peak %s is over the budget %s with %s " + what,
                                format_bytes(measured), format_bytes(budget), format_bytes(held))
         correction = self._correction.overshoot(measured, budget, s.plan.predicted_peak_bytes,
-                                                transient=probation + replaced)
+                                                transient=probation + replaced
+                                                + self._beyond.get(id(s), 0))
         if not correction:
             return
         if self.corrections is None:
@@ -877,6 +884,7 @@ class StepMeter:
         them. (A model known to keep its graph is planned so from the
         start: :meth:`_recorded`, :meth:`_capture_at`.)"""
         self._held_previous = None
+        self._beyond = {}  # (the previous step is checked: close_step, before this)
         if (self.spec.free_previous_graph or self.spec.budget_scope != "total"
                 or self.planner.coordinator is not None):  # (a coordinator replans collectively)
             return
@@ -935,7 +943,35 @@ class StepMeter:
                 logger.info("the graph of the model's previous call, of another input "
                             "signature, still holds %s at its next call; planned again with "
                             "it alive through the forward", format_bytes(held))
+                at, before = entry.structures.index(s), entry.error
                 self.planner.replan(entry, s, held_other_bytes=held)
+                if entry.error is not before and isinstance(entry.error, InfeasibleBudgetError) \
+                        and not self.planner._raising():
+                    # (that graph dies in this call's forward: the signature
+                    # keeps its plan, over the budget at this call only)
+                    e, entry.error = entry.error, None
+                    entry.structures.insert(at, s)
+                    self._beyond[id(s)] = more
+                    self._say_beyond(s, held, more, e)
+
+    def _say_beyond(self, s: _Structure, held: int, more: int,
+                    e: InfeasibleBudgetError) -> None:
+        """Say (once) that the previous call's graph of another signature,
+        alive at this call (``held`` bytes), makes the budget infeasible
+        here (``e``): this call runs under ``s``'s plan, over its budget
+        (by up to ``more``, no correction of the model follows)."""
+        if self._said_beyond:
+            return
+        self._said_beyond = True
+        least = e.least_feasible_bytes
+        report.warning(
+            "the graph of the model's previous call, of another input signature, still holds "
+            "%s at this call, until this call's forward replaces it (the loop or the model "
+            "keeps it): with it alive no plan of this call fits the budget %s%s; this call "
+            "runs under its signature's plan, over the budget, and the next calls as planned "
+            "(a budget of the least or more keeps such calls under it)", format_bytes(held),
+            format_bytes(s.plan.budget_bytes),
+            f" (the least is {format_bytes(least)})" if least is not None else "")
 
     def _replaced_plan_bytes(self, entry: _Entry, hook: IterationHook,
                              previous: IterationHook) -> int:

@@ -127,7 +127,11 @@ class Recompute:
             ``'auto'`` (default): ``'raise'`` until the first planned
             iteration has run (a budget that cannot be met from the start is
             a setting to fix before training goes on), ``'warn'`` from then
-            on (one unusual batch does not stop a run in progress).
+            on (one unusual batch does not stop a run in progress). Where
+            only the previous call's graph of another signature, alive
+            through this call's forward, makes it infeasible, ``'warn'``
+            runs that call under its plan, over the budget, and the
+            signature stays planned.
         plan_at: when a recorded iteration is planned. ``'backward'``
             (default): at the end of its own backward, so that the planner's
             memory lands in that plain, recorded step and never in a step the

@@ -421,7 +421,10 @@ class Planner:
             self.add(entry, graph, s.program.param_refs, s.program.multi_backward, t0,
                      backward_known=s.program.backward_known, probation=s.program.probation)
         except InfeasibleBudgetError as e:
-            entry.error = e
+            # (raised, or said, at a call: its traceback through the planner
+            # would keep this frame, the entry and the graph in a reference
+            # cycle, alive until the collector runs)
+            entry.error = e.with_traceback(None)
 
     def _for_step_calls(self, graph: Graph) -> Graph:
         """``graph`` for the calls per step seen (``step.calls_per_step``,

@@ -952,14 +952,13 @@ class StepMeter:
                     e, entry.error = entry.error, None
                     entry.structures.insert(at, s)
                     self._beyond[id(s)] = more
-                    self._say_beyond(s, held, more, e)
+                    self._say_beyond(s, held, e)
 
-    def _say_beyond(self, s: _Structure, held: int, more: int,
-                    e: InfeasibleBudgetError) -> None:
+    def _say_beyond(self, s: _Structure, held: int, e: InfeasibleBudgetError) -> None:
         """Say (once) that the previous call's graph of another signature,
         alive at this call (``held`` bytes), makes the budget infeasible
         here (``e``): this call runs under ``s``'s plan, over its budget
-        (by up to ``more``, no correction of the model follows)."""
+        (no correction of the model follows: :attr:`_beyond`)."""
         if self._said_beyond:
             return
         self._said_beyond = True

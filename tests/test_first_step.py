@@ -435,6 +435,41 @@ def test_a_smaller_batchs_graph_held_into_a_full_batch_makes_one_call_over_not_a
     assert found[3] <= max(found[:3]), found
 
 
+def test_a_new_batch_size_planned_with_another_batchs_graph_held_stays_planned():
+    """The loop keeps its loss (made outside the model) into the next
+    forward, batches 256, 128, 256, 192, 128, 192, at the budget halfway
+    from ``'least'``'s figure to plain Chainer's peak. The first call at
+    192 has the 256 graph alive through its forward, and with it (and what
+    the family's plans counted for such graphs) no plan fits: it is planned
+    without that graph and runs under that plan, and the signature stays
+    planned (before, 192 ran as plain Chainer from its first call on;
+    here the plan measured under the budget). Identical to plain Chainer."""
+    held = []
+
+    def step(model, opt, x, t):
+        loss = F.softmax_cross_entropy(model(x), t)
+        held[:] = [loss]
+        model.cleargrads()
+        loss.backward()
+        opt.update()
+        return loss
+    setup = optimizer(lambda: chainer.optimizers.MomentumSGD(0.01))
+    batches = [(x[:n], t[:n]) for (x, t), n in zip(vectors(n=6, batch=256),
+                                                   (256, 128, 256, 192, 128, 192))]
+    make = lambda: LogitsMLP((196, 512, 512, 10))  # noqa: E731
+    plain = train(make, setup, batches, step=step)
+    held.clear()
+    least = train(make, setup, batches, "least", step=step)
+    held.clear()
+    budget = (least.stats[0][1] + max(plain.peaks)) // 2
+    run = train(make, setup, batches, budget, step=step)
+    assert_same_records(plain, run)
+    table = "\n".join(f"step {k}: {a:,} B, (path, budget, predicted, measured) {s}"
+                      for k, (a, s) in enumerate(zip(run.peaks, run.stats)))
+    assert all(s[0] == "planned" for s in run.stats), table
+    assert all(run.peaks[k] <= budget for k in (3, 4, 5)), table
+
+
 def test_smaller_batches_are_predicted_on_the_line_of_the_captures():
     """An LSTM planned from captures at batch 2 and 4, then given batches
     of 24 and 16: each new size's graph is scaled on the line of the

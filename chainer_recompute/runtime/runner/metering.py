@@ -951,14 +951,17 @@ class StepMeter:
                     # keeps its plan, over the budget at this call only)
                     e, entry.error = entry.error, None
                     entry.structures.insert(at, s)
-                    self._beyond[id(s)] = more
-                    self._say_beyond(s, held, e)
+                    self.run_beyond(s, held, e)
 
-    def _say_beyond(self, s: _Structure, held: int, e: InfeasibleBudgetError) -> None:
-        """Say (once) that the previous call's graph of another signature,
-        alive at this call (``held`` bytes), makes the budget infeasible
-        here (``e``): this call runs under ``s``'s plan, over its budget
-        (no correction of the model follows: :attr:`_beyond`)."""
+    def run_beyond(self, s: _Structure, held: int, e: InfeasibleBudgetError) -> None:
+        """This call runs under ``s``'s plan, though the previous call's
+        graph of another signature, alive through its forward (``held``
+        bytes), makes its budget infeasible (``e``): that graph dies in the
+        forward, so the signature keeps its plan, and this call is over the
+        budget by what that graph holds beyond what the plan counts. Said
+        once; that much of the step's overshoot is no correction of the
+        memory model (:attr:`_beyond`)."""
+        self._beyond[id(s)] = max(0, held - _held_counted(s))
         if self._said_beyond:
             return
         self._said_beyond = True

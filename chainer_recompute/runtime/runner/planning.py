@@ -147,8 +147,10 @@ class Planner:
         # the calls holding their whole graph (see StepMeter.count_step_calls)
         self.step_calls, self.whole_calls = spec.calls_per_step or 1, 0
         # what a graph of another signature holds through this call's forward
-        # (see StepMeter.count_held_other)
-        self.held_other = 0
+        # (see StepMeter.count_held_other); None: plans count no such graph,
+        # not even one their family's graph brings (Recompute's
+        # _plan_without_held_other)
+        self.held_other: Optional[int] = 0
         # the loop's gradients alive when a backward begins (see
         # StepMeter.watch_gradients): every plan made for them from then on
         self.grads_alive = False
@@ -402,7 +404,10 @@ class Planner:
         graph = self._with_keep(graph)
         if self.grads_alive and not graph.step.grads_in_backward:
             graph = graph.with_step(grads_in_backward=True)
-        if self.held_other > graph.step.held_other_bytes:  # (see StepMeter.count_held_other)
+        if self.held_other is None:
+            if graph.step.held_other_bytes:
+                graph = graph.with_step(held_other_bytes=0)
+        elif self.held_other > graph.step.held_other_bytes:  # (see StepMeter.count_held_other)
             graph = graph.with_step(held_other_bytes=self.held_other)
         if self.step_calls > 1 and self.coordinator is None and \
                 self.spec.budget_scope == "total":  # (see StepMeter.count_step_calls)
@@ -872,7 +877,7 @@ class Planner:
         if self.plans_made == made or not entry.structures:
             return  # nothing planned (a call recorded instead is said there)
         budget = self.budget_bytes or entry.structures[0].plan.budget_bytes
-        own = own_bytes(dev, self._link(args), arrays) + self.held_other
+        own = own_bytes(dev, self._link(args), arrays) + (self.held_other or 0)
         if budget is None or own + planner <= budget:
             return
         self._said_planning.add(where)

@@ -512,12 +512,36 @@ class Recompute:
                         not planner.record_first_calls:
                     return False
         except InfeasibleBudgetError as e:
-            planner.infeasible(entry, e)
-            return False
+            if not self._plan_without_held_other(entry, args, kwargs, e):
+                planner.infeasible(entry, e)
+                return False
         for s in entry.structures:
             if s.program.multi_backward and not s.program.release_mode_decided:
                 planner.decide_release(s)
         return True
+
+    def _plan_without_held_other(self, entry: Any, args: Tuple[Any, ...],
+                                 kwargs: Dict[str, Any], e: InfeasibleBudgetError) -> bool:
+        """A signature's first call whose budget only the previous call's
+        graph of another signature makes infeasible (``planner.held_other``,
+        alive through this forward): planned without that graph, and run
+        under that plan over the budget (:meth:`StepMeter.run_beyond`), the
+        signature planned for its next calls. False where that is not the
+        case (the error is then said, or raised)."""
+        planner = self.planner
+        held = planner.held_other
+        if not held or entry.pending is not None or planner._raising():
+            return False
+        planner.held_other = None
+        try:
+            planned = planner.plan_in_call(entry, args, kwargs) and bool(entry.structures)
+        except InfeasibleBudgetError:
+            planned = False
+        finally:
+            planner.held_other = held
+        if planned:
+            self.steps.run_beyond(entry.structures[0], held, e)
+        return planned
 
     def _count_new(self, entry: Any, hook: IterationHook, args: Tuple[Any, ...]) -> None:
         """Count a new signature's first call that recorded its graph

@@ -301,6 +301,21 @@ def _hold_loss_through_update(model, opt, x, t):
     return loss
 
 
+def _holding_into_next_forward(loss_of: Callable[..., Any]) -> Callable[..., Any]:
+    """A training step that keeps its loss (``loss_of(model, x, t)``) into
+    the next step's forward, as ``loss = ...`` in a ``for`` loop does."""
+    held: List[Any] = []
+
+    def step(model, opt, x, t):
+        loss = loss_of(model, x, t)
+        held[:] = [loss]  # (replaced after the next forward)
+        model.cleargrads()
+        loss.backward()
+        opt.update()
+        return loss
+    return step
+
+
 @pytest.mark.parametrize("mid", [False, True], ids=["least", "mid"])
 def test_a_new_batch_size_in_a_loop_that_holds_its_loss_through_the_update(mid):
     """A loop that holds its loss (made outside the model) through the
@@ -361,23 +376,14 @@ def test_plans_made_again_at_calls_that_hold_another_batchs_graph_keep_the_budge
     2.0 and 2.3 MB over the budget, once said. Every step after the first
     is now under its budget or said, with that graph counted; all are
     identical to plain Chainer."""
-    held = []
-
-    def step(model, opt, x, t):
-        loss = model(x, t)
-        held[:] = [loss]  # (replaced after the next forward, as ``loss = ...`` is)
-        model.cleargrads()
-        loss.backward()
-        opt.update()
-        return loss
     setup = optimizer(lambda: chainer.optimizers.MomentumSGD(0.01))
     batches = [(x[:n], t[:n]) for (x, t), n in zip(sequences(n=6, batch=32),
                                                    (32, 16, 32, 24, 16, 24))]
     make = lambda: LSTMNet(64, 128)  # noqa: E731
-    plain = train(make, setup, batches, step=step)
-    held.clear()
+    loss_of = lambda model, x, t: model(x, t)  # noqa: E731
+    plain = train(make, setup, batches, step=_holding_into_next_forward(loss_of))
     with Said() as said:
-        run = train(make, setup, batches, "least", step=step)
+        run = train(make, setup, batches, "least", step=_holding_into_next_forward(loss_of))
     assert_same_records(plain, run)
     table = "\n".join(f"step {k}: {a:,} B, (path, budget, predicted, measured) {s}"
                       for k, (a, s) in enumerate(zip(run.peaks, run.stats)))
@@ -444,25 +450,15 @@ def test_a_new_batch_size_planned_with_another_batchs_graph_held_stays_planned()
     without that graph and runs under that plan, and the signature stays
     planned (before, 192 ran as plain Chainer from its first call on;
     here the plan measured under the budget). Identical to plain Chainer."""
-    held = []
-
-    def step(model, opt, x, t):
-        loss = F.softmax_cross_entropy(model(x), t)
-        held[:] = [loss]
-        model.cleargrads()
-        loss.backward()
-        opt.update()
-        return loss
     setup = optimizer(lambda: chainer.optimizers.MomentumSGD(0.01))
     batches = [(x[:n], t[:n]) for (x, t), n in zip(vectors(n=6, batch=256),
                                                    (256, 128, 256, 192, 128, 192))]
     make = lambda: LogitsMLP((196, 512, 512, 10))  # noqa: E731
-    plain = train(make, setup, batches, step=step)
-    held.clear()
-    least = train(make, setup, batches, "least", step=step)
-    held.clear()
+    loss_of = lambda model, x, t: F.softmax_cross_entropy(model(x), t)  # noqa: E731
+    plain = train(make, setup, batches, step=_holding_into_next_forward(loss_of))
+    least = train(make, setup, batches, "least", step=_holding_into_next_forward(loss_of))
     budget = (least.stats[0][1] + max(plain.peaks)) // 2
-    run = train(make, setup, batches, budget, step=step)
+    run = train(make, setup, batches, budget, step=_holding_into_next_forward(loss_of))
     assert_same_records(plain, run)
     table = "\n".join(f"step {k}: {a:,} B, (path, budget, predicted, measured) {s}"
                       for k, (a, s) in enumerate(zip(run.peaks, run.stats)))

@@ -943,15 +943,14 @@ class StepMeter:
                 logger.info("the graph of the model's previous call, of another input "
                             "signature, still holds %s at its next call; planned again with "
                             "it alive through the forward", format_bytes(held))
-                at, before = entry.structures.index(s), entry.error
-                self.planner.replan(entry, s, held_other_bytes=held)
-                if entry.error is not before and isinstance(entry.error, InfeasibleBudgetError) \
-                        and not self.planner._raising():
-                    # (that graph dies in this call's forward: the signature
-                    # keeps its plan, over the budget at this call only)
-                    e, entry.error = entry.error, None
-                    entry.structures.insert(at, s)
-                    self.run_beyond(s, held, e)
+                # (that graph dies in this call's forward: a signature whose
+                # budget it alone makes infeasible keeps its plan, over the
+                # budget at this call only, unless the error is to be raised)
+                refused = self.planner.replan(entry, s,
+                                              keep_if_refused=not self.planner._raising(),
+                                              held_other_bytes=held)
+                if refused is not None:
+                    self.run_beyond(s, held, refused)
 
     def run_beyond(self, s: _Structure, held: int, e: InfeasibleBudgetError) -> None:
         """This call runs under ``s``'s plan, though the previous call's

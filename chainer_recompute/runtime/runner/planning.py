@@ -414,22 +414,30 @@ class Planner:
             graph = self._for_step_calls(graph)
         return graph
 
-    def replan(self, entry: _Entry, s: _Structure, **facts: Any) -> None:
+    def replan(self, entry: _Entry, s: _Structure, keep_if_refused: bool = False,
+               **facts: Any) -> Optional[InfeasibleBudgetError]:
         """Plan ``s``'s graph again with ``facts`` set (step facts a
         measurement added to the memory model), in place of ``s``; a budget
         that cannot be met then is kept on the entry (raised or warned about
-        by the call of that signature)."""
+        by the call of that signature), or, with ``keep_if_refused``,
+        returned, ``s`` left in its place."""
         graph = s.graph.with_step(**facts)
         t0 = time.perf_counter()
-        entry.structures.remove(s)
+        at = entry.structures.index(s)
+        del entry.structures[at]
         try:
             self.add(entry, graph, s.program.param_refs, s.program.multi_backward, t0,
                      backward_known=s.program.backward_known, probation=s.program.probation)
         except InfeasibleBudgetError as e:
-            # (raised, or said, at a call: its traceback through the planner
-            # would keep this frame, the entry and the graph in a reference
-            # cycle, alive until the collector runs)
-            entry.error = e.with_traceback(None)
+            # (without its traceback: through the planner's frames it would
+            # keep this frame, the entry and the graph in a reference cycle,
+            # alive until the collector runs)
+            refused = e.with_traceback(None)
+            if keep_if_refused:
+                entry.structures.insert(at, s)
+                return refused
+            entry.error = refused
+        return None
 
     def _for_step_calls(self, graph: Graph) -> Graph:
         """``graph`` for the calls per step seen (``step.calls_per_step``,

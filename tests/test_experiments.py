@@ -78,3 +78,14 @@ def test_simulated_curve_agrees_with_the_largest_batch(recorded, searched):
             assert all(r["recompute_share"] == 0 for r in rows)
         else:  # past vanilla's largest batch the plan recomputes something
             assert all(r["recompute_share"] > 0 for r in rows if r["batch"] > b0 and r["fits"])
+
+
+def test_the_patterns_table_probes_the_infeasible_budget_message_where_it_is_raised():
+    """experiments/patterns.py's row for the infeasible-budget message: the
+    model's first call raises it (planned from captures before it runs),
+    and the figure it prints, passed back, plans."""
+    import patterns
+    out = patterns.infeasible_probe()
+    assert "error" not in out, out
+    assert out["figure_bytes"] >= out["least_feasible_bytes"], out
+    assert out["pasted_back"] == "accepted, path planned", out

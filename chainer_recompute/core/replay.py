@@ -591,7 +591,7 @@ def held_through_forward(graph: Graph, own: int) -> int:
     return max(int(own), int(graph.step.held_other_bytes))
 
 
-def replay_engine(graph: Graph, min_nodes: int = KERNEL_MIN_NODES) -> str:
+def replay_engine(graph: Graph, min_nodes: Optional[int] = None) -> str:
     """The engine ``engine='auto'`` replays ``graph`` on: ``'numba'`` from
     ``min_nodes`` nodes where numba is installed and the graph was not
     recorded on CuPy, else ``'python'``. A caller that replays many plans
@@ -600,8 +600,11 @@ def replay_engine(graph: Graph, min_nodes: int = KERNEL_MIN_NODES) -> str:
     return _engine(graph, None, min_nodes)
 
 
-def _engine(graph: Graph, engine: Optional[str], min_nodes: int = KERNEL_MIN_NODES) -> str:
-    """``'numba'`` or ``'python'`` (see :data:`REPLAY_ENGINES`)."""
+def _engine(graph: Graph, engine: Optional[str], min_nodes: Optional[int] = None) -> str:
+    """``'numba'`` or ``'python'`` (see :data:`REPLAY_ENGINES`); ``auto``
+    from ``min_nodes`` nodes (default :data:`KERNEL_MIN_NODES`)."""
+    if min_nodes is None:
+        min_nodes = KERNEL_MIN_NODES
     if engine not in (None,) + REPLAY_ENGINES:
         raise ValueError(f"unknown replay engine {engine!r}; accepted: {list(REPLAY_ENGINES)}")
     if graph.step.allocator == "cupy":

@@ -530,7 +530,8 @@ def pattern_specs() -> List[Dict[str, Any]]:
     g = "fallback"
     add(g, "structure changes on every call (EverChanging, batch 256, width 256, 10 steps)",
         "ever_changing", kind="memory")
-    add(g, "structure changes on every call: the test's own per-call peaks (wide, tiny)",
+    add(g, "structure changes on every call: the test's own per-call peaks (wide, tiny; plan_at "
+        "backward, call)",
         "test_ever_changing_structure_falls_back_to_plain", kind="api")
     return S
 
@@ -573,12 +574,20 @@ def infeasible_probe(scope: str = "total", hidden: int = 64) -> Dict[str, Any]:
     return out
 
 
-def _param_sets(test: str) -> List[Dict[str, Any]]:
-    if test == "test_infeasible_budget_figure_can_be_pasted_back":
-        return [{"scope": s, "hidden": h} for s in ("total", "activations") for h in (40, 64, 100)]
-    if test == "test_ever_changing_structure_falls_back_to_plain":
-        return [{"size": "wide"}, {"size": "tiny"}]
-    return [{}]
+def _param_sets(fn: Callable[..., Any], given: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """Every case of the test function ``fn``'s own ``pytest.mark.parametrize``
+    marks, over the arguments not ``given`` by its row."""
+    sets: List[Dict[str, Any]] = [{}]
+    for mark in getattr(fn, "pytestmark", []):
+        if mark.name != "parametrize":
+            continue
+        names, values = mark.args[0], mark.args[1]
+        names = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
+        if any(n in given for n in names):
+            continue
+        rows = [v if len(names) > 1 else (v,) for v in values]
+        sets = [{**s, **dict(zip(names, row))} for s in sets for row in rows]
+    return sets
 
 
 def run_pattern(spec: Dict[str, Any]) -> Dict[str, Any]:
@@ -594,9 +603,9 @@ def run_pattern(spec: Dict[str, Any]) -> Dict[str, Any]:
         else:
             fn = getattr(trt, spec["test"])
             calls = []
-            for extra in _param_sets(spec["test"]):
-                kw = {("kind" if k == "kind_" else k): (_tmp() if v == "TMP" else v)
-                      for k, v in spec["kwargs"].items()}
+            given = {("kind" if k == "kind_" else k): v for k, v in spec["kwargs"].items()}
+            for extra in _param_sets(fn, given):
+                kw = {k: (_tmp() if v == "TMP" else v) for k, v in given.items()}
                 kw.update(extra)
                 calls.append(lambda kw=kw: fn(**kw))
         for call in calls:

@@ -89,3 +89,23 @@ def test_the_patterns_table_probes_the_infeasible_budget_message_where_it_is_rai
     assert "error" not in out, out
     assert out["figure_bytes"] >= out["least_feasible_bytes"], out
     assert out["pasted_back"] == "accepted, path planned", out
+
+
+def test_every_patterns_row_calls_its_test_with_the_arguments_it_takes():
+    """experiments/patterns.py calls tests/test_real_training.py's test
+    functions itself: each row's arguments, with the test's own
+    ``parametrize`` cases for the rest, bind to the function's signature
+    (a test given a new parameter stays in the table)."""
+    import inspect
+
+    import patterns
+    checked = 0
+    for spec in patterns.pattern_specs():
+        if spec["test"] == "ever_changing":
+            continue
+        fn = getattr(patterns.trt, spec["test"])
+        given = {("kind" if k == "kind_" else k): v for k, v in spec["kwargs"].items()}
+        for extra in patterns._param_sets(fn, given):
+            inspect.signature(fn).bind(**given, **extra)
+            checked += 1
+    assert checked > 50, checked

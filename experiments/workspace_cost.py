@@ -42,12 +42,17 @@ OUT = R.RESULTS / "workspace" / "cost"
 METHODS = ["approx-tc", "approx-tc-ws", "approx-tc-wsc"]
 
 
+def _stem(net: str, batch: int, small: bool) -> str:
+    """The results' file names (a reduced model's apart from the full one's)."""
+    return f"{net}{'_small' if small else ''}_b{batch}"
+
+
 def cells(net: str, batch: int, small: bool, rounds: int, measured: int) -> dict:
     cfg = R.load_config(None)
     res: dict = {m: [] for m in METHODS}
     for r in range(rounds):
         for m in (METHODS if r % 2 == 0 else METHODS[::-1]):
-            out = OUT / f"{net}_b{batch}_r{r}__{m}.json"
+            out = OUT / f"{_stem(net, batch, small)}_r{r}__{m}.json"
             c = R.run_cell(net, m, batch, cfg, small=small, out=out, save_graph=False,
                            measured=measured)
             if c.get("status") != "ok":
@@ -152,9 +157,10 @@ def main() -> int:
     ap.add_argument("--limit", help="part 2's chunked bound ('8M'; default: the chunked cell's)")
     ap.add_argument("--tag", default="", help="added to the summary file's name")
     args = ap.parse_args()
-    summary_path = OUT / f"{args.net}_b{args.batch}__summary.json"
+    stem = _stem(args.net, args.batch, args.small)
+    summary_path = OUT / f"{stem}__summary.json"
     if args.skip_cells:
-        res = {m: [R.read_json(p) for p in sorted(OUT.glob(f"{args.net}_b{args.batch}_r*__{m}.json"))]
+        res = {m: [R.read_json(p) for p in sorted(OUT.glob(f"{stem}_r*__{m}.json"))]
                for m in METHODS}
     else:
         res = cells(args.net, args.batch, args.small, args.rounds, args.measured)
@@ -181,7 +187,7 @@ def main() -> int:
     if args.limit:
         from chainer_recompute.core.units import parse_bytes
         limit = parse_bytes(args.limit)
-        summary_path = OUT / f"{args.net}_b{args.batch}__summary_L{args.limit}.json"
+        summary_path = OUT / f"{stem}__summary_L{args.limit}.json"
     if limit and args.iterations:
         summary["kernels"] = kernels(args.net, args.batch, args.small, limit, args.iterations)
     if args.tag:

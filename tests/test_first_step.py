@@ -374,10 +374,8 @@ def test_plans_made_again_at_calls_that_hold_another_batchs_graph_keep_the_budge
     with that graph alive. The planner's memory there is the compiled DP's
     (0.84 MiB) where NumPy's dense table took 3 MiB: steps 2 and 5 were
     2.0 and 2.3 MB over the budget, once said. Every step after the first
-    is now under its budget or said, with that graph counted, and at most
-    3% over it (step 5: the planner's memory, 876 KiB with the compiled
-    replay's context of the budget search, 845 KiB with the replay in
-    Python, on a model of 2.3 MiB); all are identical to plain Chainer."""
+    is now under its budget or said, with that graph counted; all are
+    identical to plain Chainer."""
     setup = optimizer(lambda: chainer.optimizers.MomentumSGD(0.01))
     batches = [(x[:n], t[:n]) for (x, t), n in zip(sequences(n=6, batch=32),
                                                    (32, 16, 32, 24, 16, 24))]
@@ -393,7 +391,7 @@ def test_plans_made_again_at_calls_that_hold_another_batchs_graph_keep_the_budge
     counted = [m for m in said.messages
                if "again at a training call" in m and "the previous call's graph" in m]
     assert len(over) <= len(counted), (over, said.messages, table)
-    assert all(run.peaks[k] <= 1.03 * run.stats[k][1] for k in over), table
+    assert all(run.peaks[k] <= 1.02 * run.stats[k][1] for k in over), table
 
 
 def test_a_smaller_batchs_graph_held_into_a_full_batch_makes_one_call_over_not_all():

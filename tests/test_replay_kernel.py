@@ -156,31 +156,6 @@ def test_replay_peak_of_a_plans_arrays(engine):
         assert replay_peak(g, dropped, block_of, engine=engine) == want == peak
 
 
-@NEEDS_NUMBA
-def test_the_budget_search_replays_its_plans_compiled_from_fewer_nodes(monkeypatch):
-    """A budget search replays dozens of plans of one graph: ``auto``
-    replays them compiled from ``SEARCH_KERNEL_MIN_NODES`` nodes (one
-    replay's own rule starts at ``KERNEL_MIN_NODES``), for the same least
-    plan and peak as the reference replay (ResNet50 at batch 32, 176 nodes:
-    about 0.14 s in Python, 0.04 s compiled)."""
-    from chainer_recompute.core import budget
-    from chainer_recompute.core.kernels import replay as compiled
-    from chainer_recompute.core.replay import KERNEL_MIN_NODES, SEARCH_KERNEL_MIN_NODES
-    g = load_graph(ROOT / "experiments" / "results" / "graphs" / "resnet50_b32.json")
-    assert SEARCH_KERNEL_MIN_NODES <= g.n < KERNEL_MIN_NODES
-    runs = []
-    run_kernel = compiled.run_kernel
-    monkeypatch.setattr(compiled, "run_kernel", lambda *a: runs.append(1) or run_kernel(*a))
-    plan, peak = BudgetSearch(g).least()
-    assert len(runs) >= 10, len(runs)  # (every candidate's replay)
-    runs.clear()
-    monkeypatch.setattr(budget, "replay_engine", lambda graph, min_nodes: "python")
-    reference, reference_peak = BudgetSearch(g).least()
-    assert not runs
-    assert (peak, plan.blocks, plan.overhead) == \
-        (reference_peak, reference.blocks, reference.overhead)
-
-
 def test_unknown_engine_and_mode_are_refused():
     g = GRAPHS["vae"]()
     with pytest.raises(ValueError, match="engine"):

@@ -49,7 +49,7 @@ from .lower_sets import DEFAULT_MAX_LOWER_SETS, LowerSetFamily
 from .memory_model import SCOPES, MemoryModel, measured_model
 from .plan import Plan, recost_plan, replace_plan
 from .planner import solve
-from .replay import SEARCH_KERNEL_MIN_NODES, replay, replay_engine, replay_peak, step_calls
+from .replay import replay, replay_peak, step_calls
 from .search import least_feasible_budget
 from .solvers import check_solver, resolve_solver, solve_none
 from .budget_spec import Budget, parse_budget
@@ -129,8 +129,6 @@ class _Tries:
         self.dp_least, self.family, self.problem, self.options = dp_least, family, problem, options
         self._cache: Dict[Tuple[str, int], Tuple[Plan, Optional[int]]] = {}
         self._candidates: Optional[List[Tuple[Plan, int]]] = None
-        # (dozens of plans are replayed: compiled from fewer nodes than one replay)
-        self.engine = replay_engine(replay_graph, SEARCH_KERNEL_MIN_NODES)
 
     def at(self, dp_budget: int, strategy: Optional[str] = None
            ) -> Tuple[Optional[Plan], Optional[int]]:
@@ -145,8 +143,7 @@ class _Tries:
                 extra["problem"] = self.problem
             plan = solve(self.graph, key[1], solver=self.solver, strategy=key[0],
                          raise_infeasible=False, model=self.model, **extra, **self.options)
-            hit = (plan, peak_of(self.replay_graph, plan, self.engine) if plan.feasible
-                   else None)
+            hit = (plan, peak_of(self.replay_graph, plan) if plan.feasible else None)
             self._cache[key] = hit
         plan, peak = hit
         return (plan, peak) if plan.feasible else (None, None)
@@ -295,7 +292,7 @@ class BudgetSearch:
     def peak_of(self, plan: Plan) -> int:
         """The replayed total peak of a plan (:func:`~.replay.replay_peak`:
         what :func:`~.replay.replay` of its :class:`ExecutionPlan` gives)."""
-        return peak_of(self.graph, plan, self._timed.engine)
+        return peak_of(self.graph, plan)
 
     def vanilla(self) -> Tuple[Plan, int]:
         """Plain backpropagation and its replayed peak."""
@@ -598,19 +595,19 @@ def _kind(plan: Plan) -> str:
                    if plan.backward_order else "")
 
 
-def peak_of(graph: Graph, plan: Plan, engine: Optional[str] = None) -> int:
+def peak_of(graph: Graph, plan: Plan) -> int:
     """The replayed total peak of ``plan`` on ``graph``
     (:func:`~.replay.replay_peak`: what :func:`~.replay.replay` of its
-    :class:`ExecutionPlan` gives, on replay ``engine``); it depends on sizes
-    and lifetimes, not on costs."""
+    :class:`ExecutionPlan` gives); it depends on sizes and lifetimes, not
+    on costs."""
     if plan.backward_order:
         graph = in_order(graph, plan.backward_order)
     if not plan.recompute:
-        return replay_peak(graph, engine=engine)
+        return replay_peak(graph)
     if plan.inner:
-        return replay(graph, ExecutionPlan.of(graph, plan), engine=engine).peak_bytes
+        return replay(graph, ExecutionPlan.of(graph, plan)).peak_bytes
     dropped, block_of = plan_arrays(graph, plan)
-    return replay_peak(graph, dropped, block_of, engine=engine)
+    return replay_peak(graph, dropped, block_of)
 
 
 def plan_arrays(graph: Graph, plan: Plan) -> Tuple[np.ndarray, np.ndarray]:

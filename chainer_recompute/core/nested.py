@@ -36,8 +36,7 @@ from .execution import ExecutionPlan
 from .graph import Graph, _topological_order
 from .memory_model import MemoryModel
 from .plan import Plan, make_plan, replace_plan
-from .replay import (SEARCH_KERNEL_MIN_NODES, ReplayResult, backward_steps, replay,
-                     replay_engine)
+from .replay import ReplayResult, backward_steps, replay, replay_engine
 from .solvers import nested_tree
 
 __all__ = ["NestedSearch", "backward_positions", "cut_block", "nest", "nested_plan",
@@ -75,6 +74,9 @@ CUT_PATIENCE = 3
 SCREEN_MIN_NODES = 1000
 SCREEN_REPLAY_NODES = 24_000
 SCREEN_REPLAYS = 6
+#: a search replays dozens of plans or more: compiled (numba, where it is
+#: installed) from this many nodes (:func:`~.replay.replay_engine`)
+SEARCH_KERNEL_MIN_NODES = 100
 
 
 def two_levels(n_blocks: int, ends: Sequence[int]) -> Tuple[int, ...]:

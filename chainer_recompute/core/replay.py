@@ -92,10 +92,6 @@ REPLAY_ENGINES = ("auto", "python", "numba")
 #: Graphs smaller than this are replayed in Python by ``engine='auto'``
 #: (a few milliseconds; loading the compiled loop costs more).
 KERNEL_MIN_NODES = 1000
-#: A search replays dozens of plans of one graph or more (the budget
-#: search, the nested search): compiled (numba, where it is installed) from
-#: this many nodes (:func:`replay_engine`)
-SEARCH_KERNEL_MIN_NODES = 100
 
 
 @dataclass(frozen=True)

@@ -374,8 +374,10 @@ def test_plans_made_again_at_calls_that_hold_another_batchs_graph_keep_the_budge
     with that graph alive. The planner's memory there is the compiled DP's
     (0.84 MiB) where NumPy's dense table took 3 MiB: steps 2 and 5 were
     2.0 and 2.3 MB over the budget, once said. Every step after the first
-    is now under its budget or said, with that graph counted; all are
-    identical to plain Chainer."""
+    is now under its budget or said, with that graph counted, and over it
+    by no more than the planner's memory said there, at most 1 MiB (it
+    varies between processes: 845 KiB alone, 899 KiB after the whole
+    suite); all are identical to plain Chainer."""
     setup = optimizer(lambda: chainer.optimizers.MomentumSGD(0.01))
     batches = [(x[:n], t[:n]) for (x, t), n in zip(sequences(n=6, batch=32),
                                                    (32, 16, 32, 24, 16, 24))]
@@ -391,7 +393,10 @@ def test_plans_made_again_at_calls_that_hold_another_batchs_graph_keep_the_budge
     counted = [m for m in said.messages
                if "again at a training call" in m and "the previous call's graph" in m]
     assert len(over) <= len(counted), (over, said.messages, table)
-    assert all(run.peaks[k] <= 1.02 * run.stats[k][1] for k in over), table
+    took = [re.search(r"took ([0-9.]+ [KMG]iB) \(the planner's memory", m) for m in counted]
+    planner = [cr.parse_bytes(m.group(1)) for m in took if m]
+    assert len(planner) == len(counted) and max(planner, default=0) <= 1 << 20, said.messages
+    assert all(run.peaks[k] - run.stats[k][1] <= max(planner) for k in over), table
 
 
 def test_a_smaller_batchs_graph_held_into_a_full_batch_makes_one_call_over_not_all():

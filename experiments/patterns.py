@@ -934,10 +934,13 @@ def write_md(rows: List[Dict[str, Any]], path: str, meta: Dict[str, Any]) -> Non
         f.write("\n".join(lines) + "\n")
 
 
-def example_rows(size: str, steps: Optional[int] = None) -> List[Dict[str, Any]]:
+def example_rows(size: str, steps: Optional[int] = None,
+                 only: Optional[str] = None) -> List[Dict[str, Any]]:
     size = _size_name(size, steps)
     rows = []
     for v in harness.VARIANTS:
+        if only and only not in f"examples/{v} ({size})":
+            continue
         print(f"[example] {v} ...", flush=True)
         try:
             r = run_example_variant(v, size)
@@ -998,8 +1001,7 @@ def main(argv: Optional[List[str]] = None) -> int:
               f"{[c['identical'] for c in row['compares']]} ({row['seconds']} s)", flush=True)
         rows.append(row)
     if not args.no_examples:
-        rows += [r for r in example_rows(args.size, args.example_steps or None)
-                 if not args.only or args.only in r["pattern"]]
+        rows += example_rows(args.size, args.example_steps or None, args.only)
     meta = {
         "command": " ".join([".venv/bin/python", "experiments/patterns.py"]
                             + (argv if argv is not None else sys.argv[1:])),

@@ -156,6 +156,25 @@ def test_replay_peak_of_a_plans_arrays(engine):
         assert replay_peak(g, dropped, block_of, engine=engine) == want == peak
 
 
+@NEEDS_NUMBA
+def test_a_graphs_replay_context_lives_no_longer_than_the_graph():
+    """The compiled replay keeps a graph's flat arrays (its context) for
+    the graph's next replay, and lets go of them when the graph dies (the
+    context held the graph: the last four graphs replayed stayed alive)."""
+    import gc
+    import weakref
+
+    from chainer_recompute.core.kernels import replay as compiled
+    g = load_graph(ROOT / "experiments" / "graphs" / "googlenet.json")
+    replay(g, None, engine="numba")
+    assert any(ref() is g for ref, _ in compiled._CONTEXTS)
+    graph = weakref.ref(g)
+    del g
+    gc.collect()
+    assert graph() is None
+    assert all(ref() is not None for ref, _ in compiled._CONTEXTS)
+
+
 def test_unknown_engine_and_mode_are_refused():
     g = GRAPHS["vae"]()
     with pytest.raises(ValueError, match="engine"):

@@ -64,7 +64,8 @@ class ReplayContext:
         _Gradients, _caller_input = helpers._Gradients, helpers._caller_input
         param_grad_bytes = helpers.param_grad_bytes
         state_constant_bytes = helpers.state_constant_bytes
-        self.graph = graph
+        # (weakly: the cache below keeps a context only while its graph lives)
+        self._graph = weakref.ref(graph)
         arrays, nodes, n = graph.arrays, graph.nodes, graph.n
         self.n = n
         i64 = np.int64
@@ -203,6 +204,11 @@ class ReplayContext:
         once[kinds == UPDATE] = self.p_end + self.update_transient
         return once, acc
 
+    @property
+    def graph(self) -> Graph:
+        """The graph (alive while its context is used: see :func:`context_of`)."""
+        return self._graph()
+
     def labels(self, kind: np.ndarray, u: np.ndarray, w: np.ndarray) -> Tuple[str, ...]:
         """The reference replay's event labels for the kernel's events (the
         forward's and the backward's, the same in every plan, made once)."""
@@ -237,9 +243,14 @@ def context_of(graph: Graph, helpers: Any) -> ReplayContext:
         if ref() is graph:
             return ctx
     ctx = ReplayContext(graph, helpers)
-    _CONTEXTS[:] = [(r, c) for r, c in _CONTEXTS if r() is not None][:3]
-    _CONTEXTS.insert(0, (weakref.ref(graph), ctx))
+    del _CONTEXTS[3:]
+    _CONTEXTS.insert(0, (weakref.ref(graph, _forget), ctx))
     return ctx
+
+
+def _forget(ref: Any) -> None:
+    """A graph died: its context goes with it."""
+    _CONTEXTS[:] = [(r, c) for r, c in _CONTEXTS if r is not ref]
 
 
 def _kernel() -> Any:

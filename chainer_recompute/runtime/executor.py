@@ -602,6 +602,8 @@ class IterationHook(chainer.FunctionHook):
                 f"budget)")
         if self._update_state["updated"]:
             self._update_state["again"] = True
+            if self.program is not None and self.snapshots:
+                self.program.probation.backward_after_update = True
         if (self.on_backward_start is not None and self.recorder.forward_done
                 and (self._reach is None or i not in self._reach)
                 and self.on_backward_start(self)):

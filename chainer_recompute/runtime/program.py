@@ -21,12 +21,17 @@ class Probation:
     :attr:`Program.saves_parameters`): one record for the plans of the
     structure, so that a plan made again (a correction's, at the next call,
     while the last call's graph is still alive) does not start its
-    probation over and save the parameters at one more update."""
+    probation over and save the parameters at one more update. Also
+    whether a backward pass reached one of its graphs after an update of
+    parameters its released blocks were computed from, whose values were
+    saved for it (``backward_after_update``: Chainer's DCGAN updater
+    backpropagates the discriminator's graph again after updating it)."""
 
-    __slots__ = ("clean_updates",)
+    __slots__ = ("clean_updates", "backward_after_update")
 
     def __init__(self) -> None:
         self.clean_updates = 0
+        self.backward_after_update = False
 
 
 class Program(ExecutionPlan):

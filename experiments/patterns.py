@@ -53,7 +53,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -574,6 +574,15 @@ def infeasible_probe(scope: str = "total", hidden: int = 64) -> Dict[str, Any]:
     return out
 
 
+def row_cases(spec: Dict[str, Any]) -> Tuple[Callable[..., Any], List[Dict[str, Any]]]:
+    """A row's test function of tests/test_real_training.py and the keyword
+    arguments of each call the row makes: the row's own, with the test's
+    ``parametrize`` cases for the rest (``"TMP"``: a fresh directory)."""
+    fn = getattr(trt, spec["test"])
+    given = {("kind" if k == "kind_" else k): v for k, v in spec["kwargs"].items()}
+    return fn, [{**given, **extra} for extra in _param_sets(fn, given)]
+
+
 def _param_sets(fn: Callable[..., Any], given: Dict[str, Any]) -> List[Dict[str, Any]]:
     """Every case of the test function ``fn``'s own ``pytest.mark.parametrize``
     marks, over the arguments not ``given`` by its row."""
@@ -601,13 +610,9 @@ def run_pattern(spec: Dict[str, Any]) -> Dict[str, Any]:
         if spec["test"] == "ever_changing":
             calls = [lambda: trt.compare(ever_changing_scenario)]
         else:
-            fn = getattr(trt, spec["test"])
-            calls = []
-            given = {("kind" if k == "kind_" else k): v for k, v in spec["kwargs"].items()}
-            for extra in _param_sets(fn, given):
-                kw = {k: (_tmp() if v == "TMP" else v) for k, v in given.items()}
-                kw.update(extra)
-                calls.append(lambda kw=kw: fn(**kw))
+            fn, cases = row_cases(spec)
+            calls = [lambda kw=kw: fn(**{k: (_tmp() if v == "TMP" else v) for k, v in kw.items()})
+                     for kw in cases]
         for call in calls:
             try:
                 call()

@@ -103,10 +103,9 @@ def test_every_patterns_row_calls_its_test_with_the_arguments_it_takes():
     for spec in patterns.pattern_specs():
         if spec["test"] == "ever_changing":
             continue
-        fn = getattr(patterns.trt, spec["test"])
-        given = {("kind" if k == "kind_" else k): v for k, v in spec["kwargs"].items()}
-        for extra in patterns._param_sets(fn, given):
-            inspect.signature(fn).bind(**given, **extra)
+        fn, cases = patterns.row_cases(spec)
+        for kw in cases:
+            inspect.signature(fn).bind(**kw)
             checked += 1
     assert checked > 50, checked
 

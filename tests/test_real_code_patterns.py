@@ -620,6 +620,58 @@ def test_a_signature_used_again_keeps_first_calls_recorded():
     assert not [m for m in said.messages if "had a new input signature" in m]
 
 
+class Truncated(chainer.Chain):
+    """An RNN over eight steps that cuts its graph with
+    ``unchain_backward()`` after the fifth (truncated backpropagation
+    inside one call), on every ``every``-th call (a counter)."""
+
+    def __init__(self, every: int = 1, width: int = 256) -> None:
+        super().__init__()
+        self.calls, self.every = 0, every
+        with self.init_scope():
+            self.inp = L.Linear(32, width)
+            self.rec = L.Linear(width, width)
+            self.out = L.Linear(width, 10)
+
+    def forward(self, x: Any, t: Any) -> Any:
+        self.calls += 1
+        h = F.tanh(self.inp(x))
+        loss = 0
+        for k in range(8):
+            h = F.tanh(self.rec(h) + self.inp(x))
+            if k == 4 and self.calls % self.every == 0:
+                h.unchain_backward()
+            loss += F.softmax_cross_entropy(self.out(h), t)
+        return loss
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_unchain_backward_inside_the_forward_is_planned(every):
+    """The forward unchains the output of the function it just applied,
+    whose inputs and outputs Chainer then lets go of before the recorder
+    maps them: the recording finds them by their arrays, and a call
+    following a plan is checked against a plan whose node was unchained as
+    well. On every call (``every=1``): one plan, followed from the second
+    call on (before, each call left its plan and after six the model ran
+    plainly). On every second call: a plan for each structure after one
+    call off the first (before, every unchained call left its plan and ran
+    over the budget). Identical to plain Chainer, within the budget."""
+    batches = mlp_data(n=8, batch=64)
+    make = lambda: Truncated(every)  # noqa: E731
+    plain = train(make, batches)
+    ours = train(make, batches, dict(budget="least", cost="flops", verbose=False,
+                                     capture_batch=None))
+    assert_identical(plain, ours)
+    paths = [s["path"] for s in ours.stats]
+    assert paths == (["recorded"] + ["planned"] * 7 if every == 1 else
+                     ["recorded", "mismatch"] + ["planned"] * 6), paths
+    (entry,) = cr.runner_of(ours.model).signatures()
+    unchained = [[n.id for n in s.graph.nodes if n.attrs.get("unchained")]
+                 for s in entry.structures]
+    assert sorted(map(len, unchained)) == ([1] if every == 1 else [0, 1]), unchained
+    assert_within_budget(plain, ours, saves=True)
+
+
 def test_where_with_an_all_false_condition():
     """F.where's condition is an attribute set in __init__; the plan drops
     the Where nodes and the backward reads the condition: it is kept (never

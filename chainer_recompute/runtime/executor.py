@@ -344,6 +344,18 @@ class IterationHook(chainer.FunctionHook):
             return None
         return self.program.planned_outputs(i)
 
+    def planned_inputs(self, i: int) -> Optional[Tuple[int, ...]]:
+        """Call ``i``'s inputs as a candidate plan's node has them, one
+        unchained in the forward first (the recorder's, for a call the
+        forward unchained before its inputs were mapped), while a plan is
+        followed."""
+        if self.program is None or self.mismatch_at is not None:
+            return None
+        for p in self.candidates:
+            if i < p.n and p.graph.nodes[i].attrs.get("unchained"):
+                return p.graph.nodes[i].inputs
+        return self.program.graph.nodes[i].inputs if i < self.program.n else None
+
     def _switch(self, program: Program) -> None:
         self.program = program
         self.recorder.shared_records = program.records
@@ -817,7 +829,7 @@ class IterationHook(chainer.FunctionHook):
             if u in order:
                 continue
             f = calls[u].func()
-            if f is None:
+            if f is None or f.inputs is None:
                 link = calls[u].link or "the model"
                 raise RecomputeError(
                     f"cannot regenerate node {u} ({calls[u].op}, applied by {link}): Chainer "

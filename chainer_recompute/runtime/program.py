@@ -119,7 +119,8 @@ class Program(ExecutionPlan):
                       for k, a in enumerate(node.outputs) if arrays[a].shape is not None),
                 sorted(node.retained_inputs), sorted(node.retained_outputs),
                 (self.planned_outputs(i) or (None,))[0], node.outputs,
-                set())  # the retentions (input, output indexes) found to match
+                set(),  # the retentions (input, output indexes) found to match
+                bool(node.attrs.get("unchained")))
         return key
 
     def planned_outputs(self, i: int) -> Optional[Tuple[Tuple[Any, ...], Tuple[Any, ...]]]:
@@ -273,6 +274,10 @@ def _after_mismatch(p: Program, call: Call, param_refs: Dict[int, Any]) -> str:
     node = p.graph.nodes[i]
     head = f"function #{i} ({call.op})"
     in_ids, out_ids = call.in_ids or (), call.out_ids or ()
+    if call.unchained != bool(node.attrs.get("unchained")):
+        return (f"{head} was unchained (unchain_backward() inside the model) "
+                + ("in this call, not in the plan's" if call.unchained
+                   else "in the plan's call, not in this one"))
     if in_ids != node.inputs:
         return (f"{head} reads arrays {in_ids}, but the plan has it read {node.inputs} (the "
                 f"model's wiring depends on the data?)")
@@ -307,9 +312,11 @@ def _matches_after(p: Program, call: Call, param_refs: Dict[int, Any]) -> bool:
     key = p._after.get(call.index)
     if key is None:
         key = p.after_key(call.index)
-    inputs, n_out, inner, seen, params, shapes, keep_in, keep_out, planned, outputs, known = key
+    (inputs, n_out, inner, seen, params, shapes, keep_in, keep_out, planned, outputs, known,
+     unchained) = key
     in_ids, out_ids = call.in_ids or (), call.out_ids or ()
-    if in_ids != inputs or len(out_ids) != n_out or call.inner_ids != inner:
+    if (in_ids != inputs or len(out_ids) != n_out or call.inner_ids != inner
+            or call.unchained is not unchained):
         return False
     for a in seen:  # (read as a Parameter, not a Variable of its array)
         if a not in param_refs:

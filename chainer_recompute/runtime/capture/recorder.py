@@ -101,6 +101,10 @@ class Call:
     in_prints: Optional[List[Any]] = None
     out_prints: Optional[Tuple[Any, ...]] = None
     _in_data: Optional[Tuple[Any, ...]] = None  # a recording's inputs, until mapped
+    #: the forward unchained its function (``unchain_backward()`` inside the
+    #: model) before its inputs and outputs were mapped: Chainer had let go
+    #: of them (see Recorder._unchained_inputs)
+    unchained = False
 
     def __init__(self, index: int, func: Any, in_data: Tuple[Any, ...],
                  in_args: Tuple[Optional[str], ...], link: str = "") -> None:
@@ -249,6 +253,12 @@ class Recorder(chainer.FunctionHook):
         end_backward_sessions()
         self._arg_names: Dict[int, str] = {}
         self._arg_ids: Dict[str, int] = {}  # argument path -> its array id
+        # id(array) -> (array id, weak reference to the array): a recording's
+        # outputs, and the outputs of calls unchained before they were
+        # mapped (their nodes are gone from their function: see
+        # _unchained_inputs)
+        self._made_arrays: Dict[int, Tuple[int, Any]] = {}
+        self._unchained_outs: Dict[int, Tuple[int, Any]] = {}
         # the nodes of the Variables the caller passed (other graphs may
         # share them; a raw array argument gets a node of each function's own)
         self.arg_nodes: "weakref.WeakSet[Any]" = weakref.WeakSet(
@@ -659,6 +669,10 @@ class Recorder(chainer.FunctionHook):
             in_ids.append(aid)
             if not has_backward and xnode._requires_grad:  # (requires_grad)
                 has_backward = True
+        if f is not None and f.inputs is None and call.in_shapes:
+            # unchained by the forward since it ran: no backward reaches it
+            call.unchained = True
+            in_ids = self._unchained_inputs(call)
         call.in_ids = tuple(in_ids)
         call.has_backward = has_backward
         if call.in_prints is not None:
@@ -689,7 +703,8 @@ class Recorder(chainer.FunctionHook):
             yref = outputs[k] if k < n_out else None
             ynode = yref() if yref is not None else None
             var = ynode._variable() if ynode is not None else None  # (get_variable_or_none)
-            dies_at = call.index + 1 if var is None else None
+            # (an unchained call's output nodes are gone: the caller may hold it)
+            dies_at = call.index + 1 if var is None and not call.unchained else None
             aid = len(arrays)
             rec = shared.get(aid) if shared is not None else None
             if (rec is None or rec.producer != call.index or rec.shape is not shape
@@ -708,6 +723,16 @@ class Recorder(chainer.FunctionHook):
             if var is not None and self.recording:
                 self._watch.append(weakref.ref(var, self._death_callback(aid)))
         call.out_ids = tuple(out_ids)
+        if call._out is not None and (call.unchained or self.recording):
+            # found by their arrays: a later reader of an unchained call's
+            # output (its node is not the function's any more), an
+            # unchained call's input in a recording
+            made = self._unchained_outs if call.unchained else self._made_arrays
+            for aid, y in zip(out_ids, call._out):
+                try:
+                    made[id(y)] = (aid, weakref.ref(y))
+                except TypeError:  # (an array type without weak references)
+                    pass
         call._out = None
         self._events().after_mapping(call)
         call._func_strong = None
@@ -719,6 +744,12 @@ class Recorder(chainer.FunctionHook):
         if xnode.requires_grad and xnode.creator_node is not None:
             self.outside_grad_input = True
         var = xnode.get_variable_or_none()
+        if self._unchained_outs:
+            aid = _found(self._unchained_outs, var.raw_array if var is not None else xnode._data)
+            if aid is not None:
+                if var is not None and self.recording:  # (its lifetime, as any output's)
+                    self._watch.append(weakref.ref(var, self._death_callback(aid)))
+                return aid
         made = call.in_made[j] if j < len(call.in_made) else None
         if isinstance(var, chainer.Parameter):
             return self._param_array(var)
@@ -746,6 +777,49 @@ class Recorder(chainer.FunctionHook):
             elif var is None:  # a temporary made in the forward (noise)
                 self.arrays[aid].dies_at = call.index + 1
         return aid
+
+    def _unchained_inputs(self, call: Call) -> List[int]:
+        """The array ids of the inputs of ``call``, whose function the
+        forward unchained (``unchain_backward()`` inside the model: truncated
+        backpropagation within one call) before they were mapped, so that
+        its input nodes are gone. Following a plan: the planned node's
+        inputs (its class, input shapes and parameters were checked before
+        it ran; which intermediate arrays it read cannot be seen any more,
+        and no backward reaches it or anything before it). Recording: found
+        by their arrays, as this recording's outputs, the link's parameters
+        or the caller's arguments; others are new input arrays."""
+        planned = self._events().planned_inputs(call.index)
+        if planned is not None and len(planned) == len(call.in_shapes):
+            return list(planned)
+        data = call._in_data
+        if data is None:
+            return []
+        link = self._link_ref() if self._link_ref is not None else None
+        params = {id(p.array): p for p in link.params()} if link is not None else {}
+        found = []
+        for j, x in enumerate(data):
+            aid = _found(self._made_arrays, x)
+            param = params.get(id(x)) if aid is None else None
+            if param is not None and param.array is x:
+                aid = self.array_of.get(param.node)
+                if aid is None:
+                    aid = self._param_array(param)
+            if aid is None:
+                name = call.in_args[j] if j < len(call.in_args) else None
+                aid = self._arg_ids.get(name) if name else None
+                if aid is None:
+                    nbytes = device_of([x]).allocation_bytes(x.nbytes)
+                    aid = self._new_array(_ArrayRecord(tuple(x.shape), dtype_name(x.dtype),
+                                                       nbytes, "input", None, name or ""))
+                    if name:
+                        self._arg_ids[name] = aid
+            found.append(aid)
+        return found
+
+    def planned_inputs(self, i: int) -> Optional[Tuple[int, ...]]:
+        """The planned inputs of call ``i`` (the executor's, while it
+        follows a plan; see :meth:`_unchained_inputs`)."""
+        return None
 
     def _param_array(self, param: Any) -> int:
         """A new parameter array (``param`` read for the first time)."""
@@ -959,7 +1033,8 @@ class Recorder(chainer.FunctionHook):
                 kind = "output"
             dies_at = r.dies_at
             if (fill is not None and r.producer is not None and i < len(fill.arrays)
-                    and not self.calls[r.producer].measured):
+                    and not self.calls[r.producer].measured
+                    and not self.calls[r.producer].unchained):
                 dies_at = fill.arrays[i].dies_at  # lifetimes were not watched
             if dies_at is not None:
                 dies_at = min(dies_at, len(self.calls) + 1)
@@ -978,8 +1053,10 @@ class Recorder(chainer.FunctionHook):
                 # and their roles (written ones included: running statistics
                 # are not seen without measuring) are the same.
                 held = ref.held
-                recomputable = ref.recomputable
-                reason = ref.attrs.get("unsafe_reason", "")
+                # (what this recording found of the call itself stands: an
+                # input written in place, its function unchained)
+                recomputable = ref.recomputable and c.recomputable
+                reason = ref.attrs.get("unsafe_reason", "") if not ref.recomputable else reason
                 time_s, fwd_t = ref.forward_time_s, ref.forward_transient_bytes
             elif not c.measured:
                 recomputable, reason = False, "not analysed"
@@ -990,6 +1067,8 @@ class Recorder(chainer.FunctionHook):
             bwd_a = c.bwd_alloc if c.bwd_alloc is not None else (
                 ref.backward_alloc_bytes if ref is not None else None)
             attrs = {"unsafe_reason": reason} if reason else {}
+            if c.unchained:
+                attrs["unchained"] = True
             unrecorded = c.unrecorded_peak
             if unrecorded is None:  # not measured (a planned call): the plan's figure
                 unrecorded = (fill.nodes[c.index].unrecorded_peak_bytes
@@ -1040,6 +1119,13 @@ OUTSIDE_FLOOR_BYTES = 1024
 #: Recorders whose backward's tracing session (or watch of the caller's
 #: work before it) is open.
 _SESSIONS: "weakref.WeakSet[Recorder]" = weakref.WeakSet()
+
+
+def _found(made: Dict[int, Tuple[int, Any]], x: Any) -> Optional[int]:
+    """The array id of array ``x`` in ``made`` (``id(array) -> (array id,
+    weak reference)``), or None."""
+    hit = made.get(id(x))
+    return hit[0] if hit is not None and hit[1]() is x else None
 
 
 def _unwrap(function: Any) -> None:

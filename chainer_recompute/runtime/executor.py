@@ -148,6 +148,12 @@ class IterationHook(chainer.FunctionHook):
         self.released: Dict[int, Tuple[Tuple[int, ...], bool]] = {}
         self.regenerated: Set[int] = set()
         self._regen_ok: Dict[int, bool] = {}
+        # node -> (its function, its output nodes' weak references), for the
+        # nodes released during the forward, until the forward returns: a
+        # function the forward unchains after that (unchain_backward()
+        # inside the model) is let go of by Chainer, and what a later
+        # function of the call reads of it is made again (see finish)
+        self._held_funcs: Dict[int, Tuple[Any, Tuple[Any, ...]]] = {}
         self.no_release = False  # double backprop, or a backward during the forward
         self.multi_backward = False
         self._bw_seen: Set[int] = set()
@@ -437,9 +443,12 @@ class IterationHook(chainer.FunctionHook):
 
     def finish(self, result: Any = None) -> None:
         """The forward has returned (``result``): the recorder maps its
-        last function, then what the plan releases at the forward's end is
-        released."""
+        last function, arrays released from functions the forward unchained
+        since that a later function still reads are made again, then what
+        the plan releases at the forward's end is released."""
         self.recorder.finish(result)
+        held, self._held_funcs = self._held_funcs, {}
+        self._restore_unchained(held)
         n = len(self.recorder.calls)
         if self.executing and n != self.program.n:
             self._set_mismatch(n, f"the forward applied {n} functions, but the planned graph "
@@ -454,6 +463,28 @@ class IterationHook(chainer.FunctionHook):
                 self.impose_order(self.program.backward_order)
         elif self.program is not None and self.released:
             self._actual_readers()
+
+    def _restore_unchained(self, held: Dict[int, Tuple[Any, Tuple[Any, ...]]]) -> None:
+        """Released nodes whose function the forward unchained after they
+        were released (``unchain_backward()`` inside the model where the
+        plan's recording did not: Chainer let go of the function, so no
+        backward could regenerate them) and whose outputs a function still
+        reads (a skip connection across the cut): made again now from the
+        pinned sources, put back, and never released again, as plain
+        Chainer holds them."""
+        lost = [u for u, (f, outs) in held.items()
+                if f.inputs is None and u in self.released
+                and any(k < len(outs) and outs[k]() is not None
+                        for k in self.released[u][0])]
+        if not lost:
+            return
+        self._held_funcs = held  # (for _regenerate: the lost nodes and their sources)
+        try:
+            self._regenerate(max(lost), lost)
+        finally:
+            self._held_funcs = {}
+        for u in lost:
+            self._regen_ok[u] = False
 
     def impose_order(self, order: Sequence[int]) -> None:
         """Make Chainer's backward run the graph's functions in ``order``
@@ -532,7 +563,7 @@ class IterationHook(chainer.FunctionHook):
             return
         call = self.recorder.calls[u]
         f = call.func()
-        if f is None:
+        if f is None or f.outputs is None:
             return
         p, kept = self.program, self.kept
         if kept:
@@ -546,9 +577,13 @@ class IterationHook(chainer.FunctionHook):
         # updater unchains the encoder's outputs and backpropagates through
         # the decoder again), and the caller's Variable holds them anyway.
         out_ids = call.out_ids or ()
+        read = False  # an output node is alive (something reads it)
         for k, ref in enumerate(f.outputs or ()):
             vnode = ref()
-            if (vnode is not None and vnode._data is not None
+            if vnode is None:
+                continue
+            read = True
+            if (vnode._data is not None
                     and not (returned and k < len(out_ids) and out_ids[k] in returned)):
                 vnode._data = None  # keep shape and dtype (docs/chainer_internals.md §2)
                 outs.append(k)
@@ -558,6 +593,8 @@ class IterationHook(chainer.FunctionHook):
         if p.derived.get(u):
             for name in self._remade(u):
                 setattr(owner_of(f, name), name, None)
+        if read and not self.recorder.forward_done:
+            self._held_funcs[u] = (f, f.outputs)  # (see _restore_unchained)
         key = (tuple(outs), had_retained)
         self.released[u] = _RELEASED.setdefault(key, key)  # (a few distinct ones: shared)
         self.stats.n_released = len(self.released)
@@ -690,7 +727,7 @@ class IterationHook(chainer.FunctionHook):
         rec, kept, params = self.recorder, self.kept, self.params
         call = rec.calls[u]
         f = call.func()
-        ok = f is not None
+        ok = f is not None and f.inputs is not None  # (unchained: let go of)
         regen_ok[u] = ok  # provisional, against cycles
         for a in call.inner_ids if ok else ():
             self._inner.add(a)
@@ -799,6 +836,9 @@ class IterationHook(chainer.FunctionHook):
             return self.kept[a]
         if a in self.snapshots:
             return self.snapshots[a]
+        if f.inputs is None:  # (unchained: see _restore_unchained)
+            param = self.params.get(a)
+            return param.array if param is not None else None
         xnode = f.inputs[j]
         if xnode._data is not None:
             return xnode._data
@@ -829,7 +869,7 @@ class IterationHook(chainer.FunctionHook):
             if u in order:
                 continue
             f = calls[u].func()
-            if f is None or f.inputs is None:
+            if f is None or (f.inputs is None and u not in self._held_funcs):
                 link = calls[u].link or "the model"
                 raise RecomputeError(
                     f"cannot regenerate node {u} ({calls[u].op}, applied by {link}): Chainer "
@@ -902,8 +942,9 @@ class IterationHook(chainer.FunctionHook):
                             self.kept[a] = y  # later blocks start from it again
                     out_idx, had_retained = released.pop(u)
                     stats.n_released = len(released)
+                    outputs = f.outputs if f.outputs is not None else self._held_funcs[u][1]
                     for k in out_idx:
-                        vnode = f.outputs[k]()
+                        vnode = outputs[k]()
                         if vnode is not None:
                             # a live Variable (one the forward returned) holds
                             # the same values already: no second copy

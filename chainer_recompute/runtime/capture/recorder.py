@@ -764,19 +764,27 @@ class Recorder(chainer.FunctionHook):
             if ref is not None:
                 self._watch.append(ref)
             return made.aid
-        name = call.in_args[j] if j < len(call.in_args) else None
-        # A raw array argument gets a new Variable (and node) at every
-        # function it is passed to: it is still one array.
-        aid = self._arg_ids.get(name) if name else None
-        if aid is None:
-            aid = self._new_array(_ArrayRecord(
-                tuple(xnode.shape), dtype_name(xnode.dtype), self._node_bytes(xnode),
-                "input", None, name or ""))
-            if name:
-                self._arg_ids[name] = aid
-            elif var is None:  # a temporary made in the forward (noise)
-                self.arrays[aid].dies_at = call.index + 1
+        aid, new = self._input_record(call, j, xnode.shape, xnode.dtype,
+                                      lambda: self._node_bytes(xnode))
+        if new and var is None and not self.arrays[aid].name:
+            self.arrays[aid].dies_at = call.index + 1  # a temporary made in the forward (noise)
         return aid
+
+    def _input_record(self, call: Call, j: int, shape: Any, dtype: Any,
+                      nbytes: Callable[[], int]) -> Tuple[int, bool]:
+        """The array id of input ``j`` of ``call`` that no recorded
+        function made: the caller's argument's (a raw array argument gets a
+        new Variable, and node, at every function it is passed to: it is
+        still one array), else a new input array; and whether it is new."""
+        name = call.in_args[j] if j < len(call.in_args) else None
+        aid = self._arg_ids.get(name) if name else None
+        if aid is not None:
+            return aid, False
+        aid = self._new_array(_ArrayRecord(tuple(shape), dtype_name(dtype), nbytes(), "input",
+                                           None, name or ""))
+        if name:
+            self._arg_ids[name] = aid
+        return aid, True
 
     def _unchained_inputs(self, call: Call) -> List[int]:
         """The array ids of the inputs of ``call``, whose function the
@@ -805,14 +813,8 @@ class Recorder(chainer.FunctionHook):
                 if aid is None:
                     aid = self._param_array(param)
             if aid is None:
-                name = call.in_args[j] if j < len(call.in_args) else None
-                aid = self._arg_ids.get(name) if name else None
-                if aid is None:
-                    nbytes = device_of([x]).allocation_bytes(x.nbytes)
-                    aid = self._new_array(_ArrayRecord(tuple(x.shape), dtype_name(x.dtype),
-                                                       nbytes, "input", None, name or ""))
-                    if name:
-                        self._arg_ids[name] = aid
+                aid, _ = self._input_record(call, j, x.shape, x.dtype,
+                                           lambda: device_of([x]).allocation_bytes(x.nbytes))
             found.append(aid)
         return found
 

@@ -474,8 +474,7 @@ class IterationHook(chainer.FunctionHook):
         Chainer holds them."""
         lost = [u for u, (f, outs) in held.items()
                 if f.inputs is None and u in self.released
-                and any(k < len(outs) and outs[k]() is not None
-                        for k in self.released[u][0])]
+                and any(outs[k]() is not None for k in self.released[u][0])]
         if not lost:
             return
         self._held_funcs = held  # (for _regenerate: the lost nodes and their sources)
@@ -578,7 +577,7 @@ class IterationHook(chainer.FunctionHook):
         # the decoder again), and the caller's Variable holds them anyway.
         out_ids = call.out_ids or ()
         read = False  # an output node is alive (something reads it)
-        for k, ref in enumerate(f.outputs or ()):
+        for k, ref in enumerate(f.outputs):
             vnode = ref()
             if vnode is None:
                 continue

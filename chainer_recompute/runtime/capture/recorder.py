@@ -802,13 +802,14 @@ class Recorder(chainer.FunctionHook):
         data = call._in_data
         if data is None:
             return []
-        link = self._link_ref() if self._link_ref is not None else None
-        params = {id(p.array): p for p in link.params()} if link is not None else {}
+        params: Dict[int, Any] = {}
+        self._params.note(call.index, params, data)  # (the link's parameters among them)
         found = []
         for j, x in enumerate(data):
             aid = _found(self._made_arrays, x)
-            param = params.get(id(x)) if aid is None else None
-            if param is not None and param.array is x:
+            param = (next((p for p in params.values() if p.array is x), None)
+                     if aid is None else None)
+            if param is not None:
                 aid = self.array_of.get(param.node)
                 if aid is None:
                     aid = self._param_array(param)

@@ -65,6 +65,13 @@ class StepFacts:
             between the forward and the backward allocates: its peak above
             the forward's end, and what is still held when the backward
             begins. Scaled with the graph.
+        retained_grad_bytes: the gradients of the graph's Variables that the
+            model keeps in attributes (``self.h = h``) and that a
+            ``backward(retain_grad=True)`` left on them: alive after the
+            backward, through the update and into the next call until the
+            model sets those attributes again, so counted through the whole
+            step (an overestimate only between that moment and the
+            backward that makes the new ones). Scaled with the graph.
         unrecorded_tail_peak_bytes: the peak of work the forward did after
             its last recorded function with functions it did not record
             (applied with backprop disabled). Scaled with the graph.
@@ -106,6 +113,7 @@ class StepFacts:
     outside_peak_bytes: int = 0
     outside_held_bytes: int = 0
     unrecorded_tail_peak_bytes: int = 0
+    retained_grad_bytes: int = 0
     calls_per_step: int = 1
     whole_calls_per_step: int = 0
     whole_call_peak_bytes: Optional[int] = None
@@ -119,7 +127,8 @@ class StepFacts:
     closed_backward: bool = False
 
     #: the fields scaled with the graph's batch size, as its transients are
-    SCALED = ("outside_peak_bytes", "outside_held_bytes", "unrecorded_tail_peak_bytes")
+    SCALED = ("outside_peak_bytes", "outside_held_bytes", "unrecorded_tail_peak_bytes",
+              "retained_grad_bytes")
 
     def __post_init__(self) -> None:
         for name in ("returned", "plain_measured_at", "derived_from"):

@@ -131,14 +131,16 @@ class ReplayResult:
 def state_constant_bytes(graph: Graph) -> int:
     """Parameters, optimizer state, persistent arrays (BatchNorm
     statistics) and the caller's input arrays: present during the whole
-    iteration whatever the plan (plus a correction the runtime may have
+    iteration whatever the plan (plus the gradients a
+    ``backward(retain_grad=True)`` left on Variables the model keeps,
+    ``step.retained_grad_bytes``, and a correction the runtime may have
     measured, ``step.correction_bytes``)."""
     sb = graph.state_bytes
     params = sb.get("params", graph.param_bytes)
     inputs = sum(a.nbytes for a in graph.arrays
                  if _caller_input(a) and a.view_of is None and not model_state_input(a))
     return int(params + sb.get("optimizer_state", 0) + sb.get("persistents", 0) + inputs
-               + int(graph.step.correction_bytes))
+               + int(graph.step.retained_grad_bytes) + int(graph.step.correction_bytes))
 
 
 def shared_bytes(graph: Graph) -> int:

@@ -128,6 +128,8 @@ def _graph_arrays(hook: Any) -> List[Any]:
             var = node.get_variable_or_none()
             if var is not None and var.raw_array is not None:
                 found.append(var.raw_array)
+            if var is not None and var.grad is not None:
+                found.append(var.grad)
         found.extend(f._retained_output_data or ())
         found.extend(a for _, _, a in attribute_arrays(f))
     return found

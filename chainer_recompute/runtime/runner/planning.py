@@ -58,6 +58,26 @@ def _kept_attributes(link: chainer.Link, hook: Any) -> List[Tuple[chainer.Link, 
             and v.node in hook.recorder.array_of]
 
 
+def _retained_grad_bytes(attrs: List[Tuple[chainer.Link, str]], hook: Any) -> int:
+    """Bytes of the gradients that a ``backward(retain_grad=True)`` left on
+    the graph's Variables kept in ``attrs`` (:func:`_kept_attributes`), the
+    forward's returned ones (the loss, its gradient counted by the replay)
+    left out: each buffer once, as its device allocates it."""
+    from ..capture import is_array, root_of
+    from ..device import device_of
+    returned = set(hook.recorder.returned)
+    grads = {}
+    for sub, name in attrs:
+        v = getattr(sub, name)
+        g = v.grad
+        if is_array(g) and hook.recorder.array_of[v.node] not in returned:
+            grads[id(root_of(g))] = root_of(g)
+    if not grads:
+        return 0
+    nb = device_of(list(grads.values())).allocation_bytes
+    return sum(nb(g.nbytes) for g in grads.values())
+
+
 def _keeps_graph(link: chainer.Link, hook: Any) -> bool:
     """Whether ``link`` (or a Link in it) keeps a Variable of the graph
     ``hook`` recorded in an attribute."""
@@ -509,8 +529,9 @@ class Planner:
             # a model that keeps an output of its graph (a loss link's
             # ``self.loss``) keeps the graph through the optimizer's update:
             # the replay counts what it still holds then
-            facts = {"state_bytes": state_bytes(link),
-                     **self._kept_facts(_keeps_graph(link, hook))}
+            kept = _kept_attributes(link, hook)
+            facts = {"state_bytes": state_bytes(link), **self._kept_facts(bool(kept)),
+                     "retained_grad_bytes": _retained_grad_bytes(kept, hook)}
         graph = hook.recorder.graph(
             cost_model=self.spec.cost, batch_size=entry.batch,
             name=type(link).__name__ if link is not None else "model", facts=facts,

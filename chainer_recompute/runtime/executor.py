@@ -155,6 +155,9 @@ class IterationHook(chainer.FunctionHook):
         # function of the call reads of it is made again (see finish)
         self._held_funcs: Dict[int, Tuple[Any, Tuple[Any, ...]]] = {}
         self.no_release = False  # double backprop, or a backward during the forward
+        # a backward ran inside the forward (chainer.grad: MAML's inner
+        # steps, a gradient penalty), whose passes are not the iteration's
+        self._inner_pass = False
         self.multi_backward = False
         self._bw_seen: Set[int] = set()
         self._reach: Optional[Set[int]] = None
@@ -255,7 +258,7 @@ class IterationHook(chainer.FunctionHook):
         if rec.recording or rec._outside_watch is not None or not rec.forward_done:
             return rec.backward_preprocess(function, in_data, out_grad)
         if (self.let_go_done or self._update_state["updated"] or i in self._bw_seen
-                or self._reach is None or i not in self._reach):
+                or self._reach is None or i not in self._reach or self._inner_pass):
             return self.before_backward(i, function)
         # (before_backward, for a function of this backward pass seen first)
         if chainer.config.enable_backprop:
@@ -652,6 +655,17 @@ class IterationHook(chainer.FunctionHook):
             self._update_state["again"] = True
             if self.program is not None and self.snapshots:
                 self.program.probation.backward_after_update = True
+        if not self.recorder.forward_done:
+            self._inner_pass = True
+        elif self._inner_pass:
+            # The iteration's backward pass, after backward passes inside
+            # the forward (chainer.grad), which kept everything they read
+            # (no_release): it counts its own readers and reach from its
+            # start, releases after its own last readers, and its end is
+            # the backward's (the meter's, a recorded step's planning).
+            self._inner_pass = False
+            self._bw_seen, self._reach, self.remaining, self._bw_left = set(), None, {}, None
+            self.no_release = False
         if (self.on_backward_start is not None and self.recorder.forward_done
                 and (self._reach is None or i not in self._reach)
                 and self.on_backward_start(self)):
@@ -765,7 +779,8 @@ class IterationHook(chainer.FunctionHook):
         # regenerations read are checked again
         self._checked = set()
         bw_left, remaining, done = self._bw_left, self.remaining, self._done
-        first = bw_left is None and not self._bw_seen  # (its end is the backward's)
+        # (its end is the backward's; not a pass inside the forward)
+        first = bw_left is None and not self._bw_seen and self.recorder.forward_done
         index_of, calls = self.recorder.index_of, self.recorder.calls
         stack = [function]
         while stack:

@@ -538,10 +538,11 @@ class Planner:
             fill=hook.program.graph if hook.program is not None else None)
         if hook.recorder.backward_during_forward:
             # chainer.grad inside the forward (a gradient penalty): planned as
-            # usual; from the moment such a backward starts, the executor
-            # releases nothing more and regenerates what it needs.
+            # usual; from the moment such a backward starts until the forward
+            # returns, the executor releases nothing and regenerates what it
+            # needs (see IterationHook.before_backward).
             logger.info("the model's forward runs a backward (chainer.grad?); arrays are "
-                        "not released after it starts")
+                        "not released from its start until the forward returns")
         # backward_known: its backward ran to the end before planning, so a
         # graph backpropagated again after an update is seen by it (and
         # passed on to the plan); otherwise parameters are saved before

@@ -292,6 +292,26 @@ def param_grad_bytes(graph: Graph) -> int:
     return int(sb.get("param_grads", sb.get("params", graph.param_bytes)))
 
 
+def update_bytes(graph: Graph) -> int:
+    """What the optimizer's update adds to the step: its largest temporary
+    (``update_transient``), and the gradients of the parameters that no
+    backward made, which Chainer's ``GradientMethod.update`` allocates as
+    zeros before it updates (``reallocate_cleared_grads``: a part of the
+    model run under ``no_backprop_mode``, a Link the forward did not
+    call); none where the loop's gradients are alive into the backward
+    (``step.grads_in_backward``: those are there already).
+
+    >>> g = Graph.from_edges([4], []).with_step(state_bytes={"update_transient": 8})
+    >>> update_bytes(g), update_bytes(g.with_step(state_bytes={"update_transient": 8,
+    ...                                                        "param_grads": 40}))
+    (8, 48)
+    """
+    transient = int(graph.state_bytes.get("update_transient", 0))
+    if graph.step.grads_in_backward:
+        return transient
+    return transient + max(0, param_grad_bytes(graph) - sum(graph.param_grad_bytes_made()))
+
+
 class _Memory:
     """Buffers with the reasons they are alive, attribute arrays and
     gradients; the running total, and on a graph recorded on CuPy
@@ -924,8 +944,8 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
         for key in list(mem.attrs):
             mem.clear_attr(key)
     sb = graph.state_bytes
-    update_transient = sb.get("update_transient", 0)
-    mem.record("update", update_transient, once=update_transient)
+    update = update_bytes(graph)
+    mem.record("update", update, once=update)
     trace = np.asarray(mem.trace, dtype=np.int64)
     used = np.asarray(mem.used_trace, dtype=np.int64)
     if held_end:

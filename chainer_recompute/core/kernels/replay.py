@@ -145,7 +145,7 @@ class ReplayContext:
         alive = graph.step.grads_in_backward
         self.old_grads_at_backward = 0 if alive else self.old_grads
         self.free_all = helpers.graph_gone_at_update(graph)
-        self.update_transient = int(graph.state_bytes.get("update_transient", 0))
+        self.update_transient = helpers.update_bytes(graph)
         self.held_into_next = bool(graph.step.held_into_next_forward)
         self.held_inputs = helpers.held_caller_input_bytes(graph) if self.held_into_next else 0
         self.held_through_forward = helpers.held_through_forward

@@ -520,8 +520,8 @@ class StepMeter:
                 # (its loss, from ``loss.backward()`` through
                 # ``optimizer.update()``), and with it what a plan keeps
                 # after the backward (``checkpoints``, ``all``). Such plans
-                # are replayed so at the next call, and predicted so from
-                # then on (Planner.decide_release).
+                # are replayed so at the next call, and every plan is
+                # predicted so from then on (Planner._with_facts).
                 self.planner.held_at_update = True
                 self._replays += [(e, t, {"kept_after_backward": True})
                                   for e in list(self.planner.entries.values())

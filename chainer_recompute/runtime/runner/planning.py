@@ -419,11 +419,14 @@ class Planner:
     def _with_facts(self, graph: Graph) -> Graph:
         """``graph`` with what the runner has learned of the model's steps,
         as every plan is made for it: the functions ``keep=`` keeps, the
-        loop's gradients alive into the backward, a graph of another
-        signature held through the forward, the calls per step."""
+        loop's gradients alive into the backward, its graph held through
+        the update, a graph of another signature held through the forward,
+        the calls per step."""
         graph = self._with_keep(graph)
         if self.grads_alive and not graph.step.grads_in_backward:
             graph = graph.with_step(grads_in_backward=True)
+        if self.held_at_update and not graph.step.kept_after_backward:
+            graph = graph.with_step(kept_after_backward=True)  # (see StepMeter.stop)
         if self.held_other is None:
             if graph.step.held_other_bytes:
                 graph = graph.with_step(held_other_bytes=0)
@@ -1049,7 +1052,7 @@ class Planner:
             for mode in modes:
                 if replay(held, s.program, release_mode=mode).peak_bytes <= limit_of(budget):
                     s.program.release_mode = mode
-                    if self.held_at_update:
+                    if self.held_at_update:  # (a structure planned before it was seen)
                         s.graph = s.program.graph = held
                     break
             else:

@@ -88,6 +88,9 @@ def _own_arrays(link: Optional[chainer.Link], arrays: List[Any]) -> List[Any]:
             rule = getattr(p, "update_rule", None)
             for v in (getattr(rule, "state", None) or {}).values():
                 add(v)
+            fp32 = getattr(rule, "_fp32_param", None)  # use_fp32_update's master copy
+            if fp32 is not None:
+                add(fp32.array)
         for sub in link.links():
             for name in getattr(sub, "_persistent", ()):
                 add(getattr(sub, name, None))

@@ -99,6 +99,18 @@ def _own_arrays(link: Optional[chainer.Link], arrays: List[Any]) -> List[Any]:
     return found
 
 
+def _attribute_arrays(link: Optional[chainer.Link]) -> List[Any]:
+    """Arrays that the model's Links keep in attributes of their own, not
+    registered (neither parameters nor persistents): a forward that keeps
+    ``self.attention = a.array`` for logging holds the last call's until it
+    sets the attribute again."""
+    from ..capture import is_array
+    if link is None:
+        return []
+    return [v for sub in link.links() for name, v in vars(sub).items()
+            if is_array(v) and name not in getattr(sub, "_persistent", ())]
+
+
 def own_bytes(dev: Any, link: Optional[chainer.Link], arrays: List[Any]) -> int:
     """Bytes of what a training call finds of the model's own
     (:func:`_own_arrays`), the call's inputs at their own size (a batch
@@ -424,14 +436,20 @@ class StepMeter:
             if other is not previous:  # (the step's earlier calls, none measured)
                 own += _graph_arrays(other)
             off_plan = off_plan or other.stats.path != "planned"
+        from ..capture import is_array, root_of
+        # (at their own size, as inputs are: a view of a data set shows
+        # the model's share)
+        counted = {id(root_of(a)) for a in own + inputs if is_array(a)}
+        kept = [a for a in _attribute_arrays(link) if id(root_of(a)) not in counted]
         self._meter = _OpenMeter.start(
-            dev, own + inputs,
-            own=_distinct_bytes(dev, own) + _distinct_bytes(dev, inputs, as_shown=True),
+            dev, own + kept + inputs,
+            own=(_distinct_bytes(dev, own) + _distinct_bytes(dev, kept, as_shown=True)
+                 + _distinct_bytes(dev, inputs, as_shown=True)),
             entry=entry, stats=hook.stats, hook=weakref.ref(hook), new_meter=dev.meter,
             link_ref=weakref.ref(link) if link is not None else None, user_held=user_held,
             probation=probation, replaced=replaced)
-        from ..capture import is_array, root_of
-        self._meter.watch_untraced([root_of(a) for a in own if is_array(a)],
+        self._meter.watch_untraced([root_of(a) for a in own if is_array(a)]
+                                   + [a for a in kept if getattr(a, "base", None) is None],
                                    dev.allocation_bytes)
         self._meter.input_ids = {id(root_of(a)) for a in inputs}
         self._meter.after_recording = off_plan or (bool(held) and previous.recorder.recording)

@@ -101,14 +101,25 @@ def _own_arrays(link: Optional[chainer.Link], arrays: List[Any]) -> List[Any]:
 
 def _attribute_arrays(link: Optional[chainer.Link]) -> List[Any]:
     """Arrays that the model's Links keep in attributes of their own, not
-    registered (neither parameters nor persistents): a forward that keeps
-    ``self.attention = a.array`` for logging holds the last call's until it
+    registered (neither parameters nor persistents), or in lists and
+    tuples there: a forward that keeps ``self.attention = a.array`` for
+    logging, or a segment's hidden states for the next
+    (``self.mems = [h.array for h in hs]``), holds the last call's until it
     sets the attribute again."""
     from ..capture import is_array
     if link is None:
         return []
-    return [v for sub in link.links() for name, v in vars(sub).items()
-            if is_array(v) and name not in getattr(sub, "_persistent", ())]
+    found = []
+    for sub in link.links():
+        persistent = getattr(sub, "_persistent", ())
+        for name, v in vars(sub).items():
+            if name in persistent:
+                continue
+            if is_array(v):
+                found.append(v)
+            elif isinstance(v, (list, tuple)):
+                found.extend(a for a in v if is_array(a))
+    return found
 
 
 def own_bytes(dev: Any, link: Optional[chainer.Link], arrays: List[Any]) -> int:

@@ -943,7 +943,6 @@ def replay(graph: Graph, plan: Optional[ExecutionPlan] = None, *,
         mem.holders.clear()
         for key in list(mem.attrs):
             mem.clear_attr(key)
-    sb = graph.state_bytes
     update = update_bytes(graph)
     mem.record("update", update, once=update)
     trace = np.asarray(mem.trace, dtype=np.int64)

@@ -225,7 +225,8 @@ def test_the_teachers_work_is_in_the_graph() -> None:
 def test_forget_makes_its_functions_parameter_gradients() -> None:
     """Each Forget node names its branch's parameters (not its inputs); the
     replay makes their gradients in its backward and keeps them to the
-    update, as Chainer does."""
+    update, as Chainer does (where no backward made them, the optimizer
+    would make them as zeros at the update: ``replay.update_bytes``)."""
     g = _recorded("forget")
     forgets = [n for n in g.nodes if n.op == "Forget"]
     assert len(forgets) == 4
@@ -235,9 +236,12 @@ def test_forget_makes_its_functions_parameter_gradients() -> None:
     assert not any(n.inner_params for n in g.nodes if n.op != "Forget")
     inner = sum(g.arrays[a].nbytes for n in forgets for a in n.inner_params)
     without = g.replace(nodes=[dataclasses.replace(n, inner_params=()) for n in g.nodes])
-    with_ = replay(g, engine="python")
-    # at the update every gradient is there: the branches' too
-    assert with_.memory_bytes[-1] - replay(without, engine="python").memory_bytes[-1] == inner
+    with_, without_ = replay(g, engine="python"), replay(without, engine="python")
+    # by the end of the backward the branches' gradients are there; at the
+    # update every parameter's is, the others' made as zeros
+    last = max(k for k, e in enumerate(with_.events) if e.startswith("backward"))
+    assert with_.memory_bytes[last] - without_.memory_bytes[last] == inner
+    assert with_.memory_bytes[-1] == without_.memory_bytes[-1]
 
 
 def test_the_recorder_places_unrecorded_work() -> None:

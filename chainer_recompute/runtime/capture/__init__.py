@@ -17,8 +17,8 @@ module:
 from .accounting import batch_size_of, state_bytes
 from .api import capture
 from .arrays import (attribute_arrays, backward_from, buffer_print, fingerprint, function_op,
-                     is_array, owner_of, persistent_array_ids, result_variables, root_of,
-                     same_array)  # noqa: F401
+                     held_arrays, is_array, owner_of, persistent_array_ids, result_variables,
+                     root_of, same_array)  # noqa: F401
 from .recorder import Call, Recorder
 from .safety import _ANALYSIS_CACHE, Analysis, analyse_function  # noqa: F401
 from .trace import detached_arguments, leave_no_trace

@@ -122,6 +122,27 @@ def _arrays_in(x: Any, path: str) -> Iterator[Tuple[str, Any]]:
             yield from _arrays_in(y, f"{path}.{k}")
 
 
+def held_arrays(link: chainer.Link) -> List[Tuple[Optional[chainer.Variable], Any]]:
+    """The arrays ``link`` itself keeps in attributes that Chainer does not
+    register (neither parameters nor persistents): arrays, the arrays of
+    Variables that are not parameters, and those in lists and tuples there
+    (a memory bank, ``self.attention = a.array`` kept for logging, a
+    segment's hidden states kept for the next call), as
+    ``(variable or None, array)``."""
+    persistent = getattr(link, "_persistent", ())
+    found: List[Tuple[Optional[chainer.Variable], Any]] = []
+    for name, v in vars(link).items():
+        if name in persistent:
+            continue
+        for x in (v if isinstance(v, (list, tuple)) else (v,)):
+            if isinstance(x, chainer.Variable) and not isinstance(x, chainer.Parameter):
+                if x.raw_array is not None:
+                    found.append((x, x.raw_array))
+            elif is_array(x):
+                found.append((None, x))
+    return found
+
+
 def persistent_arrays(link: chainer.Link) -> List[Tuple[str, Any]]:
     """``(path, array)`` of each persistent array of ``link`` and the Links
     in it (BatchNorm's statistics, a fixed mask registered with

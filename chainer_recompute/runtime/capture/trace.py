@@ -17,7 +17,7 @@ from .._chainer import param_grad
 import chainer
 
 from ..device import RandomStates
-from .arrays import is_array
+from .arrays import held_arrays, is_array
 
 def detached_arguments(args: Tuple[Any, ...], kwargs: Dict[str, Any],
                        rows: Optional[int] = None, batch: Optional[int] = None
@@ -95,7 +95,7 @@ def _grad_copy(p: chainer.Parameter) -> Any:
 
 
 class _LinkSnapshot:
-    __slots__ = ("link", "attrs", "arrays", "params")
+    __slots__ = ("link", "attrs", "arrays", "held", "params")
 
     def __init__(self, link: chainer.Link) -> None:
         self.link = link
@@ -105,12 +105,23 @@ class _LinkSnapshot:
             v = getattr(link, name, None)
             if is_array(v):
                 self.arrays[name] = (v, v.copy())
+        # the arrays it keeps unregistered (a memory bank the forward
+        # writes in place): their contents, which array a Variable held, and
+        # its gradient (a backward reaches one that requires it)
+        self.held = [(var, arr, arr.copy(), None if var is None else _grad_copy(var))
+                     for var, arr in held_arrays(link)]
         own = [getattr(link, name) for name in sorted(getattr(link, "_params", ()))]
         self.params = [(p, p.array is None, _grad_copy(p))
                        for p in own]  # its own: each Link is snapshotted on its own
 
     def restore(self) -> None:
         for name, (arr, saved) in self.arrays.items():
+            arr[...] = saved
+        for var, arr, saved, grad in self.held:
+            if var is not None:
+                if var.raw_array is not arr:
+                    var.array = arr
+                _restore_grad(var, grad)
             arr[...] = saved
         vars(self.link).clear()
         vars(self.link).update(self.attrs)

@@ -100,25 +100,19 @@ def _own_arrays(link: Optional[chainer.Link], arrays: List[Any]) -> List[Any]:
 
 
 def _attribute_arrays(link: Optional[chainer.Link]) -> List[Any]:
-    """Arrays that the model's Links keep in attributes of their own, not
-    registered (neither parameters nor persistents), or in lists and
-    tuples there: a forward that keeps ``self.attention = a.array`` for
-    logging, or a segment's hidden states for the next
-    (``self.mems = [h.array for h in hs]``), holds the last call's until it
-    sets the attribute again."""
-    from ..capture import is_array
+    """The arrays the model's Links keep unregistered
+    (:func:`~chainer_recompute.runtime.capture.held_arrays`: the last
+    call's, until it sets them again, or a memory bank), and the gradients
+    of such Variables."""
+    from ..capture import held_arrays
     if link is None:
         return []
     found = []
     for sub in link.links():
-        persistent = getattr(sub, "_persistent", ())
-        for name, v in vars(sub).items():
-            if name in persistent:
-                continue
-            if is_array(v):
-                found.append(v)
-            elif isinstance(v, (list, tuple)):
-                found.extend(a for a in v if is_array(a))
+        for var, a in held_arrays(sub):
+            found.append(a)
+            if var is not None and var.grad is not None:
+                found.append(var.grad)
     return found
 
 

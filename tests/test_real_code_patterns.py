@@ -1527,3 +1527,26 @@ def test_a_memory_bank_the_forward_writes_in_place(capture_batch):
         measured = st["measured_peak_bytes"]
         assert measured is None or abs(measured - ours.peaks[k]) <= 0.01 * ours.peaks[k], \
             (k, measured, ours.peaks[k])
+
+
+class ReadOnlyScale(MLP):
+    """Keeps a read-only array (a broadcast view) that its forward reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = np.broadcast_to(np.float32(0.5), (10,))
+
+    def forward(self, x: Any, t: Any) -> Any:
+        return F.softmax_cross_entropy(self.out(self.features(x)) * self.scale, t)
+
+
+def test_a_read_only_array_the_model_keeps_is_left_as_it_is_by_the_captures():
+    """The captures put back what a Link keeps unregistered only where it
+    could have been written: a read-only array is left alone, and the first
+    call is planned from the captures (a write back raised, and the first
+    call ran plainly)."""
+    batches = mlp_data(n=5, batch=64)
+    plain = train(ReadOnlyScale, batches)
+    ours = train(ReadOnlyScale, batches, dict(budget="least", verbose=False))
+    assert_identical(plain, ours)
+    assert all(s["path"] == "planned" for s in ours.stats), ours.stats

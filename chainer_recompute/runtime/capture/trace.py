@@ -89,6 +89,12 @@ def _uninitialize(param: chainer.Parameter) -> None:
     param.grad = None
 
 
+def _writeable(a: Any) -> bool:
+    """Whether array ``a`` can be written in place (NumPy's flag; CuPy's
+    arrays always)."""
+    return bool(getattr(getattr(a, "flags", None), "writeable", True))
+
+
 def _grad_copy(p: chainer.Parameter) -> Any:
     g = param_grad(p)
     return None if g is None else g.copy()
@@ -108,7 +114,9 @@ class _LinkSnapshot:
         # the arrays it keeps unregistered (a memory bank the forward
         # writes in place): their contents, which array a Variable held, and
         # its gradient (a backward reaches one that requires it)
-        self.held = [(var, arr, arr.copy(), None if var is None else _grad_copy(var))
+        # (a read-only one, a broadcast view, cannot have been written)
+        self.held = [(var, arr, arr.copy() if _writeable(arr) else None,
+                      None if var is None else _grad_copy(var))
                      for var, arr in held_arrays(link)]
         own = [getattr(link, name) for name in sorted(getattr(link, "_params", ()))]
         self.params = [(p, p.array is None, _grad_copy(p))
@@ -122,7 +130,8 @@ class _LinkSnapshot:
                 if var.raw_array is not arr:
                     var.array = arr
                 _restore_grad(var, grad)
-            arr[...] = saved
+            if saved is not None:
+                arr[...] = saved
         vars(self.link).clear()
         vars(self.link).update(self.attrs)
         for p, was_uninit, grad in self.params:

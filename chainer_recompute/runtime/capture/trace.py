@@ -112,9 +112,10 @@ class _LinkSnapshot:
             if is_array(v):
                 self.arrays[name] = (v, v.copy())
         # the arrays it keeps unregistered (a memory bank the forward
-        # writes in place): their contents, which array a Variable held, and
-        # its gradient (a backward reaches one that requires it)
-        # (a read-only one, a broadcast view, cannot have been written)
+        # writes in place): their contents (not a read-only one's, a
+        # broadcast view: it cannot have been written), which array a
+        # Variable held, and its gradient (a backward reaches one that
+        # requires it)
         self.held = [(var, arr, arr.copy() if _writeable(arr) else None,
                       None if var is None else _grad_copy(var))
                      for var, arr in held_arrays(link)]

@@ -22,7 +22,7 @@ import gc
 import logging
 import subprocess
 import sys
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import pytest
@@ -141,6 +141,29 @@ def report_line(name: str, plain: Run, ours: Run) -> str:
     budget = planned[0]["budget_bytes"] if planned else None
     return (f"{name}: plain peak {max(plain.peaks)} B, applied peak {max(ours.peaks)} B "
             f"(steady {max(ours.peaks[2:])}), budget {budget}, predicted {pred}")
+
+
+def least_pair(make: Callable[[], chainer.Link], batches: Sequence[Sequence[Any]],
+               capture_batch: Any, **kw: Any) -> Tuple[Run, Run]:
+    """Plain Chainer's run and ``apply()``'s at ``'least'`` (``kw``: train's
+    ``optimizer`` and ``step``), after one throw-away applied step: the
+    first plan of a process loads the compiled solvers, and numba makes
+    22 KB of arrays of its own then, for good (made here, before the
+    meters, where a test runs alone)."""
+    train(make, batches[:1], dict(budget="least", capture_batch=None, verbose=False))
+    plain = train(make, batches, **kw)
+    ours = train(make, batches, dict(budget="least", capture_batch=capture_batch,
+                                     verbose=False), **kw)
+    return plain, ours
+
+
+def assert_metered(ours: Run, first: int = 1) -> None:
+    """The runner's measured peak of each step from ``first`` on (where it
+    measured one) within 1% of the allocator's."""
+    for k in range(first, len(ours.peaks)):
+        measured = ours.stats[k]["measured_peak_bytes"]
+        assert measured is None or abs(measured - ours.peaks[k]) <= 0.01 * ours.peaks[k], \
+            (k, measured, ours.peaks[k])
 
 
 class Said(logging.Handler):
@@ -1243,20 +1266,16 @@ def test_gradients_retained_on_kept_intermediates_are_planned_for(capture_batch)
         model = KeepsFeatures(width=256, depth=2)
         model.kept_grads = []
         return model
-    plain = train(make, batches, step=retain_grad_step)
-    ours = train(make, batches, dict(budget="least", capture_batch=capture_batch,
-                                     verbose=False), step=retain_grad_step)
+    plain, ours = least_pair(make, batches, capture_batch, step=retain_grad_step)
     assert_identical(plain, ours)
     assert ours.model.kept_grads == plain.model.kept_grads
     assert all(s["path"] == "planned" for s in ours.stats[1:]), ours.stats
     assert dropped_steps(ours) >= 4, ours.stats
     for k in range(1, len(batches)):  # (step 0: recorded, or planned from the capture)
         assert ours.peaks[k] <= ours.stats[k]["budget_bytes"], (k, ours.peaks, ours.stats)
-        # the runner's meter counts the previous step's retained gradients
-        # in what the model holds at the call, whose frees it sees
-        measured = ours.stats[k]["measured_peak_bytes"]
-        assert measured is None or abs(measured - ours.peaks[k]) <= 0.01 * ours.peaks[k], \
-            (k, measured, ours.peaks[k])
+    # (the previous step's retained gradients counted in what the model
+    # holds at the call, whose frees the meter sees)
+    assert_metered(ours)
     if capture_batch is None:
         (entry,) = cr.runner_of(ours.model).signatures()
         assert entry.structures[0].graph.step.retained_grad_bytes == 2 * 64 * 256 * 4
@@ -1304,13 +1323,7 @@ def test_second_order_maml_backward_passes_inside_the_forward(capture_batch):
     that point, and the real backward released nothing: every step was
     6-15% over its budget and 8-12% over plain Chainer's."""
     batches = mlp_data(n=6, batch=64)
-    # (the first plan of the process loads the compiled solvers, and numba
-    # makes 22 KB of arrays of its own then, for good: made here, before
-    # the meters, where this test runs alone)
-    train(MAML, batches[:1], dict(budget="least", capture_batch=None, verbose=False))
-    plain = train(MAML, batches, optimizer=chainer.optimizers.Adam)
-    ours = train(MAML, batches, dict(budget="least", capture_batch=capture_batch, verbose=False),
-                 optimizer=chainer.optimizers.Adam)
+    plain, ours = least_pair(MAML, batches, capture_batch, optimizer=chainer.optimizers.Adam)
     assert_identical(plain, ours)
     assert dropped_steps(ours) >= 5, ours.stats
     for k in range(1, len(batches)):
@@ -1318,9 +1331,7 @@ def test_second_order_maml_backward_passes_inside_the_forward(capture_batch):
         assert st["path"] == "planned", (k, ours.stats)
         assert ours.peaks[k] <= st["budget_bytes"], (k, ours.peaks, ours.stats)
         assert ours.peaks[k] < plain.peaks[k], (k, plain.peaks, ours.peaks)
-        measured = st["measured_peak_bytes"]
-        assert measured is None or abs(measured - ours.peaks[k]) <= 0.01 * ours.peaks[k], \
-            (k, measured, ours.peaks[k])
+    assert_metered(ours)
 
 
 class FrozenFirst(chainer.Chain):
@@ -1363,13 +1374,7 @@ def test_parameters_no_backward_reaches_and_a_loss_held_through_the_update(captu
     zeros (18-20% over at the first planned step), and the fourth step's
     plan the held graph (1.8% over)."""
     batches = mlp_data(n=8, batch=64)
-    # (numba's own arrays, made when the first plan of the process loads the
-    # compiled solvers: here, before the meters, where this test runs alone)
-    train(FrozenFirst, batches[:1], dict(budget="least", capture_batch=None, verbose=False))
-    adam = chainer.optimizers.Adam
-    plain = train(FrozenFirst, batches, optimizer=adam)
-    ours = train(FrozenFirst, batches, dict(budget="least", capture_batch=capture_batch,
-                                            verbose=False), optimizer=adam)
+    plain, ours = least_pair(FrozenFirst, batches, capture_batch, optimizer=chainer.optimizers.Adam)
     assert_identical(plain, ours)
     assert [s["path"] for s in ours.stats][4:] == ["planned"] * 4, ours.stats
     first = 1 if capture_batch is None else 0  # (the first planned step)
@@ -1421,19 +1426,15 @@ def test_float16_with_float32_master_copies_and_dynamic_loss_scaling():
     master copies out (13% under the real peak) and every planned step
     stayed 0.2% over its budget."""
     batches = mlp_data(n=6, batch=64)
-    plain = train(HalfMLP, batches, optimizer=fp32_update_adam, step=scaled_step)
-    ours = train(HalfMLP, batches, dict(budget="least", verbose=False),
-                 optimizer=fp32_update_adam, step=scaled_step)
+    plain, ours = least_pair(HalfMLP, batches, "auto", optimizer=fp32_update_adam,
+                             step=scaled_step)
     assert_identical(plain, ours)
     assert all(s["path"] == "planned" for s in ours.stats), ours.stats
     assert dropped_steps(ours) >= 3, ours.stats
     for k in range(2, len(batches)):
         assert ours.peaks[k] <= ours.stats[k]["budget_bytes"], (k, ours.peaks, ours.stats)
         assert ours.peaks[k] < plain.peaks[k], (k, plain.peaks, ours.peaks)
-    for k in range(1, len(batches)):
-        measured = ours.stats[k]["measured_peak_bytes"]
-        assert measured is None or abs(measured - ours.peaks[k]) <= 0.01 * ours.peaks[k], \
-            (k, measured, ours.peaks[k])
+    assert_metered(ours)
 
 
 class KeepsRawArrays(MLP):
@@ -1465,20 +1466,13 @@ def test_arrays_the_model_keeps_in_attributes_are_metered(capture_batch):
     kept for the next), and every step planned at the end of a recorded
     backward stayed 1.9% over its budget, uncorrected."""
     batches = mlp_data(n=6, batch=64)
-    # (numba's own arrays, made when the first plan of the process loads the
-    # compiled solvers: here, before the meters, where this test runs alone)
-    train(KeepsRawArrays, batches[:1], dict(budget="least", capture_batch=None, verbose=False))
-    plain = train(KeepsRawArrays, batches, optimizer=chainer.optimizers.Adam)
-    ours = train(KeepsRawArrays, batches, dict(budget="least", capture_batch=capture_batch,
-                                               verbose=False), optimizer=chainer.optimizers.Adam)
+    plain, ours = least_pair(KeepsRawArrays, batches, capture_batch,
+                             optimizer=chainer.optimizers.Adam)
     assert_identical(plain, ours)
     assert dropped_steps(ours) >= 4, ours.stats
     for k in range(2, len(batches)):
         assert ours.peaks[k] <= ours.stats[k]["budget_bytes"], (k, ours.peaks, ours.stats)
-    for k in range(1, len(batches)):
-        measured = ours.stats[k]["measured_peak_bytes"]
-        assert measured is None or abs(measured - ours.peaks[k]) <= 0.01 * ours.peaks[k], \
-            (k, measured, ours.peaks[k])
+    assert_metered(ours)
 
 
 class MemoryBank(MLP):
@@ -1510,12 +1504,8 @@ def test_a_memory_bank_the_forward_writes_in_place(capture_batch):
     step's loss differed from plain Chainer's) and the meter read 20%
     under the real peak."""
     batches = mlp_data(n=6, batch=64)
-    # (numba's own arrays, made when the first plan of the process loads the
-    # compiled solvers: here, before the meters, where this test runs alone)
-    train(MemoryBank, batches[:1], dict(budget="least", capture_batch=None, verbose=False))
-    plain = train(MemoryBank, batches, optimizer=chainer.optimizers.Adam)
-    ours = train(MemoryBank, batches, dict(budget="least", capture_batch=capture_batch,
-                                           verbose=False), optimizer=chainer.optimizers.Adam)
+    plain, ours = least_pair(MemoryBank, batches, capture_batch,
+                             optimizer=chainer.optimizers.Adam)
     assert_identical(plain, ours)
     assert ours.model.n == plain.model.n and \
         ours.model.bank.array.tobytes() == plain.model.bank.array.tobytes()
@@ -1524,9 +1514,7 @@ def test_a_memory_bank_the_forward_writes_in_place(capture_batch):
         st = ours.stats[k]
         assert ours.peaks[k] <= st["budget_bytes"] and ours.peaks[k] < plain.peaks[k], \
             (k, plain.peaks, ours.peaks, ours.stats)
-        measured = st["measured_peak_bytes"]
-        assert measured is None or abs(measured - ours.peaks[k]) <= 0.01 * ours.peaks[k], \
-            (k, measured, ours.peaks[k])
+    assert_metered(ours)
 
 
 class ReadOnlyScale(MLP):

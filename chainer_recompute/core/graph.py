@@ -658,6 +658,14 @@ class Graph:
         return (sum(self.arrays[a].nbytes for a in self.retained_array_ids())
                 + sum(n.held_bytes for n in self.nodes))
 
+    @functools.cached_property
+    def param_grad_bytes_read(self) -> int:
+        """Bytes of the parameters that some node reads (inputs or
+        ``inner_params``), whose gradients its backward makes:
+        :meth:`param_grad_bytes_made` summed, once per graph (every replay
+        asks, :func:`~chainer_recompute.core.replay.update_bytes`)."""
+        return sum(self.param_grad_bytes_made())
+
     # ------------------------------------------------------------- scaling
     def param_grad_bytes_made(self) -> List[int]:
         """Per node, the bytes of the parameter gradients its backward makes

@@ -309,7 +309,7 @@ def update_bytes(graph: Graph) -> int:
     transient = int(graph.state_bytes.get("update_transient", 0))
     if graph.step.grads_in_backward:
         return transient
-    return transient + max(0, param_grad_bytes(graph) - sum(graph.param_grad_bytes_made()))
+    return transient + max(0, param_grad_bytes(graph) - graph.param_grad_bytes_read)
 
 
 class _Memory:

@@ -155,9 +155,6 @@ class IterationHook(chainer.FunctionHook):
         # function of the call reads of it is made again (see finish)
         self._held_funcs: Dict[int, Tuple[Any, Tuple[Any, ...]]] = {}
         self.no_release = False  # double backprop, or a backward during the forward
-        # a backward ran inside the forward (chainer.grad: MAML's inner
-        # steps, a gradient penalty), whose passes are not the iteration's
-        self._inner_pass = False
         self.multi_backward = False
         self._bw_seen: Set[int] = set()
         self._reach: Optional[Set[int]] = None
@@ -258,7 +255,7 @@ class IterationHook(chainer.FunctionHook):
         if rec.recording or rec._outside_watch is not None or not rec.forward_done:
             return rec.backward_preprocess(function, in_data, out_grad)
         if (self.let_go_done or self._update_state["updated"] or i in self._bw_seen
-                or self._reach is None or i not in self._reach or self._inner_pass):
+                or self._reach is None or i not in self._reach):
             return self.before_backward(i, function)
         # (before_backward, for a function of this backward pass seen first)
         if chainer.config.enable_backprop:
@@ -450,6 +447,15 @@ class IterationHook(chainer.FunctionHook):
         since that a later function still reads are made again, then what
         the plan releases at the forward's end is released."""
         self.recorder.finish(result)
+        if self.recorder.backward_during_forward:
+            # Backward passes inside the forward (chainer.grad: MAML's inner
+            # steps, a gradient penalty) kept everything they read
+            # (no_release) and are not the iteration's: the backward after
+            # the forward counts its own reach and readers from its start,
+            # releases after its own last readers, and its end is the
+            # backward's (the meter's, a recorded step's planning).
+            self._bw_seen, self._reach, self.remaining, self._bw_left = set(), None, {}, None
+            self.no_release = False
         held, self._held_funcs = self._held_funcs, {}
         self._restore_unchained(held)
         n = len(self.recorder.calls)
@@ -655,17 +661,6 @@ class IterationHook(chainer.FunctionHook):
             self._update_state["again"] = True
             if self.program is not None and self.snapshots:
                 self.program.probation.backward_after_update = True
-        if not self.recorder.forward_done:
-            self._inner_pass = True
-        elif self._inner_pass:
-            # The iteration's backward pass, after backward passes inside
-            # the forward (chainer.grad), which kept everything they read
-            # (no_release): it counts its own readers and reach from its
-            # start, releases after its own last readers, and its end is
-            # the backward's (the meter's, a recorded step's planning).
-            self._inner_pass = False
-            self._bw_seen, self._reach, self.remaining, self._bw_left = set(), None, {}, None
-            self.no_release = False
         if (self.on_backward_start is not None and self.recorder.forward_done
                 and (self._reach is None or i not in self._reach)
                 and self.on_backward_start(self)):

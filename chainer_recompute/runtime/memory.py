@@ -551,6 +551,19 @@ def _nbytes(array: Any) -> int:
     return int(getattr(array, "nbytes", 0) or 0)
 
 
+def rule_arrays(rule: Any) -> List[Any]:
+    """The arrays an update rule holds now: its state, and a
+    ``use_fp32_update`` rule's float32 master copy (none of them before its
+    first update)."""
+    if rule is None or getattr(rule, "state", None) is None:
+        return []
+    held = list(rule.state.values())
+    fp32 = getattr(rule, "_fp32_param", None)
+    if fp32 is not None:
+        held.append(fp32.array)
+    return held
+
+
 def parameter_bytes(params: Iterable[Any], *,
                     nbytes: Callable[[int], int] = int) -> Dict[str, int]:
     """Bytes of parameters and what goes with them now, each array counted
@@ -598,14 +611,7 @@ def parameter_bytes(params: Iterable[Any], *,
     for p in distinct:
         out["grads"] += count(p.grad)
     for p in distinct:
-        rule = getattr(p, "update_rule", None)
-        if rule is None:
-            continue
-        held = list((getattr(rule, "state", None) or {}).values())
-        fp32 = getattr(rule, "_fp32_param", None)  # use_fp32_update's master copy
-        if fp32 is not None:
-            held.append(fp32.array)
-        out["optimizer_state"] += sum(count(v) for v in held)
+        out["optimizer_state"] += sum(count(v) for v in rule_arrays(getattr(p, "update_rule", None)))
     return out
 
 

@@ -81,6 +81,7 @@ import chainer
 
 from ..core.units import format_bytes
 from .device import RandomStates, device_of
+from .memory import rule_arrays
 from .param_updates import _update as _patched_update
 
 logger = logging.getLogger(__name__)
@@ -534,16 +535,11 @@ def update_bytes(params: Iterable[chainer.Parameter], *, owner: Any,
             legacy = max(legacy, nb(p.array.nbytes))
             continue
         any_rule = True
-        current = getattr(rule, "state", None)
-        if current is not None:  # made by an update already: count what it holds
-            held = list(current.values())
-            fp32 = getattr(rule, "_fp32_param", None)
-            if fp32 is not None:
-                held.append(fp32.array)
-            for v in held:
-                if hasattr(v, "nbytes") and id(v) not in counted:
-                    counted.add(id(v))
-                    state += nb(v.nbytes)
+        current = getattr(rule, "state", None)  # (made by an update already: what it holds)
+        for v in rule_arrays(rule):
+            if hasattr(v, "nbytes") and id(v) not in counted:
+                counted.add(id(v))
+                state += nb(v.nbytes)
         if not rule.enabled:
             continue
         pre, post, checks = per_param.get(id(p), ([], [], []))

@@ -17,6 +17,7 @@ import chainer
 from ..executor import IterationHook, IterationStats
 from .describe import describe_step, plain_peak
 from ..correction import CallMeter, Correction
+from ..memory import rule_arrays
 from ...core.errors import InfeasibleBudgetError
 from ...core.units import format_bytes
 from .log import logger, report
@@ -85,12 +86,8 @@ def _own_arrays(link: Optional[chainer.Link], arrays: List[Any]) -> List[Any]:
                 continue
             add(p.array)
             add(p.grad)
-            rule = getattr(p, "update_rule", None)
-            for v in (getattr(rule, "state", None) or {}).values():
+            for v in rule_arrays(getattr(p, "update_rule", None)):
                 add(v)
-            fp32 = getattr(rule, "_fp32_param", None)  # use_fp32_update's master copy
-            if fp32 is not None:
-                add(fp32.array)
         for sub in link.links():
             for name in getattr(sub, "_persistent", ()):
                 add(getattr(sub, name, None))

@@ -63,19 +63,12 @@ def _retained_grad_bytes(attrs: List[Tuple[chainer.Link, str]], hook: Any) -> in
     the graph's Variables kept in ``attrs`` (:func:`_kept_attributes`), the
     forward's returned ones (the loss, its gradient counted by the replay)
     left out: each buffer once, as its device allocates it."""
-    from ..capture import is_array, root_of
     from ..device import device_of
+    from .metering import _distinct_bytes
     returned = set(hook.recorder.returned)
-    grads = {}
-    for sub, name in attrs:
-        v = getattr(sub, name)
-        g = v.grad
-        if is_array(g) and hook.recorder.array_of[v.node] not in returned:
-            grads[id(root_of(g))] = root_of(g)
-    if not grads:
-        return 0
-    nb = device_of(list(grads.values())).allocation_bytes
-    return sum(nb(g.nbytes) for g in grads.values())
+    grads = [v.grad for v in (getattr(sub, name) for sub, name in attrs)
+             if v.grad is not None and hook.recorder.array_of[v.node] not in returned]
+    return _distinct_bytes(device_of(grads), grads) if grads else 0
 
 
 def _keeps_graph(link: chainer.Link, hook: Any) -> bool:

@@ -611,7 +611,8 @@ def parameter_bytes(params: Iterable[Any], *,
     for p in distinct:
         out["grads"] += count(p.grad)
     for p in distinct:
-        out["optimizer_state"] += sum(count(v) for v in rule_arrays(getattr(p, "update_rule", None)))
+        held = rule_arrays(getattr(p, "update_rule", None))
+        out["optimizer_state"] += sum(count(v) for v in held)
     return out
 
 

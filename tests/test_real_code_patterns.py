@@ -150,7 +150,7 @@ def least_pair(make: Callable[[], chainer.Link], batches: Sequence[Sequence[Any]
     first plan of a process loads the compiled solvers, and numba makes
     22 KB of arrays of its own then, for good (made here, before the
     meters, where a test runs alone)."""
-    train(make, batches[:1], dict(budget="least", capture_batch=None, verbose=False))
+    train(make, batches[:1], dict(budget="least", capture_batch=None, verbose=False), **kw)
     plain = train(make, batches, **kw)
     ours = train(make, batches, dict(budget="least", capture_batch=capture_batch,
                                      verbose=False), **kw)
@@ -1538,3 +1538,136 @@ def test_a_read_only_array_the_model_keeps_is_left_as_it_is_by_the_captures():
     ours = train(ReadOnlyScale, batches, dict(budget="least", verbose=False))
     assert_identical(plain, ours)
     assert all(s["path"] == "planned" for s in ours.stats), ours.stats
+
+
+class Embedder(chainer.Chain):
+    """A siamese branch: BatchNorm and dropout, called once per input of a
+    pair."""
+
+    def __init__(self, width: int = 128, depth: int = 4) -> None:
+        super().__init__()
+        with self.init_scope():
+            self.first = L.Linear(32, width)
+            self.layers = chainer.ChainList(*[L.Linear(width, width) for _ in range(depth)])
+            self.bn = L.BatchNormalization(width)
+
+    def forward(self, x: Any) -> Any:
+        h = F.relu(self.bn(self.first(x)))
+        for lin in self.layers:
+            h = F.dropout(F.relu(lin(h)), 0.2)
+        return h
+
+
+def pair_data(n: int = 6, batch: int = 32) -> List[Any]:
+    rng = np.random.RandomState(3)
+    return [(rng.randn(batch, 32).astype(np.float32), rng.randn(batch, 32).astype(np.float32),
+             (rng.rand(batch) < 0.5).astype(np.float32)) for _ in range(n)]
+
+
+def contrastive_step(model: chainer.Link, opt: Any, batch: Sequence[Any]) -> Any:
+    """The model called on both inputs of a pair, one backward through both."""
+    x1, x2, same = batch
+    model.cleargrads()
+    d = F.sum((model(x1) - model(x2)) ** 2, axis=1)
+    loss = F.mean(same * d + (1 - same) * F.relu(1.0 - d))
+    loss.backward()
+    opt.update()
+    return loss
+
+
+def test_siamese_model_called_twice_before_one_backward():
+    """A contrastive loss over two calls of one applied model (BatchNorm
+    statistics and dropout masks drawn at each): the first step shows the
+    second call, which the plan made from the captures did not count, and is
+    over its budget (said); every later step is planned for both calls,
+    under its budget and below plain Chainer's peak, identical to it."""
+    plain, ours = least_pair(Embedder, pair_data(), "auto", optimizer=chainer.optimizers.Adam,
+                             step=contrastive_step)
+    assert_identical(plain, ours)
+    assert all(s["path"] == "planned" and s["n_dropped"] for s in ours.stats), ours.stats
+    for k in range(1, len(ours.peaks)):
+        assert ours.peaks[k] <= ours.stats[k]["budget_bytes"], (k, ours.peaks, ours.stats)
+        assert ours.peaks[k] < 0.85 * plain.peaks[k], (k, plain.peaks, ours.peaks)
+    assert_metered(ours)
+
+
+class TiedRepeated(chainer.Chain):
+    """Output projection tied to the embedding matrix (``F.linear(h,
+    embed.W)``: one Parameter read twice), blocks made by ``Link.repeat``,
+    group and layer normalisation."""
+
+    def __init__(self, vocab: int = 300, width: int = 96) -> None:
+        super().__init__()
+        with self.init_scope():
+            self.embed = L.EmbedID(vocab, width)
+            self.blocks = L.Linear(width, width).repeat(4)
+            self.gn = L.GroupNormalization(4, width)
+            self.ln = L.LayerNormalization(width)
+
+    def forward(self, x: Any, t: Any) -> Any:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = F.relu(block(h)) + h
+        return F.softmax_cross_entropy(F.linear(self.ln(self.gn(h)), self.embed.W), t)
+
+
+def test_tied_embedding_repeated_blocks_group_and_layer_norm():
+    rng = np.random.RandomState(5)
+    batches = [(rng.randint(0, 300, 64).astype(np.int32), rng.randint(0, 300, 64).astype(np.int32))
+               for _ in range(6)]
+    plain, ours = least_pair(TiedRepeated, batches, "auto", optimizer=chainer.optimizers.Adam)
+    assert_identical(plain, ours)
+    assert dropped_steps(ours) == len(batches), ours.stats
+    assert_within_budget(plain, ours, saves=True)
+    assert ours.peaks[0] <= ours.stats[0]["budget_bytes"], (ours.peaks, ours.stats)
+    assert_metered(ours, first=0)
+
+
+def parallel_updater_run(applied: bool,
+                         out: str) -> Tuple[List[bytes], Dict[str, bytes], bytes, List[Any]]:
+    """Chainer's ParallelUpdater (the model and its copy each take half of
+    every batch; both forwards, then both backwards, the copy's gradients
+    added to the model's, one update, the parameters copied back), under its
+    Trainer, on two CPU devices."""
+    from chainer import training
+    np.random.seed(0)
+    model = L.Classifier(Embedder())
+    if applied:
+        cr.apply(model, budget="least", verbose=False)
+    opt = chainer.optimizers.Adam()
+    opt.setup(model)
+    rng = np.random.RandomState(1)
+    data = chainer.datasets.TupleDataset(rng.randn(96, 32).astype(np.float32),
+                                         rng.randint(0, 10, 96).astype(np.int32))
+    it = chainer.iterators.SerialIterator(data, 16, shuffle=True)
+    updater = training.updaters.ParallelUpdater(it, opt, devices={"main": -1, "second": -1})
+    trainer = training.Trainer(updater, (8, "iteration"), out=out)
+    losses: List[bytes] = []
+    trainer.extend(lambda t: losses.append(t.observation["main/loss"].array.tobytes()),
+                   trigger=(1, "iteration"))
+    trainer.run()
+    state = {path: p.array.tobytes() for path, p in model.namedparams()}
+    for path, link in model.namedlinks():
+        for name in link._persistent:
+            value = getattr(link, name)
+            if isinstance(value, np.ndarray):
+                state[f"{path}/{name}"] = value.tobytes()
+    runners = [cr.runner_of(m) for m in updater._models.values()]
+    return losses, state, np.random.get_state()[1].tobytes(), [
+        r.last_stats for r in runners if r is not None]
+
+
+def test_parallel_updater_trainer_run_is_identical(tmp_path):
+    """An applied model under ParallelUpdater: its copy (a ``deepcopy``,
+    applied too) runs the other half of each batch, and both graphs are held
+    until both backwards. The whole Trainer run (losses, parameters,
+    BatchNorm statistics, the random state) equals plain Chainer's, with
+    both runners recomputing."""
+    plain = parallel_updater_run(False, str(tmp_path / "plain"))
+    ours = parallel_updater_run(True, str(tmp_path / "applied"))
+    assert len(plain[0]) == 8
+    assert plain[0] == ours[0]
+    assert plain[1] == ours[1]
+    assert plain[2] == ours[2]
+    assert len(ours[3]) == 2, ours[3]  # (the model and its copy, each applied)
+    assert all(st.path == "planned" and st.recomputed_nodes for st in ours[3]), ours[3]

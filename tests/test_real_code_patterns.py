@@ -1578,8 +1578,8 @@ def contrastive_step(model: chainer.Link, opt: Any, batch: Sequence[Any]) -> Any
 def test_siamese_model_called_twice_before_one_backward():
     """A contrastive loss over two calls of one applied model (BatchNorm
     statistics and dropout masks drawn at each): the first step shows the
-    second call, which the plan made from the captures did not count, and is
-    over its budget (said); every later step is planned for both calls,
+    second call, which the plan made from the captures did not count, and
+    may be over its budget (said); every later step is planned for both calls,
     under its budget and below plain Chainer's peak, identical to it."""
     plain, ours = least_pair(Embedder, pair_data(), "auto", optimizer=chainer.optimizers.Adam,
                              step=contrastive_step)
@@ -1612,6 +1612,9 @@ class TiedRepeated(chainer.Chain):
 
 
 def test_tied_embedding_repeated_blocks_group_and_layer_norm():
+    """Every step, the first (planned from the captures) included, under its
+    budget and identical to plain Chainer's, with the tied matrix read by
+    the embedding and the output projection."""
     rng = np.random.RandomState(5)
     batches = [(rng.randint(0, 300, 64).astype(np.int32), rng.randint(0, 300, 64).astype(np.int32))
                for _ in range(6)]
@@ -1647,6 +1650,7 @@ def parallel_updater_run(applied: bool,
                    trigger=(1, "iteration"))
     trainer.run()
     state = {path: p.array.tobytes() for path, p in model.namedparams()}
+    state.update({path + "/grad": p.grad.tobytes() for path, p in model.namedparams()})
     for path, link in model.namedlinks():
         for name in link._persistent:
             value = getattr(link, name)
@@ -1660,8 +1664,8 @@ def parallel_updater_run(applied: bool,
 def test_parallel_updater_trainer_run_is_identical(tmp_path):
     """An applied model under ParallelUpdater: its copy (a ``deepcopy``,
     applied too) runs the other half of each batch, and both graphs are held
-    until both backwards. The whole Trainer run (losses, parameters,
-    BatchNorm statistics, the random state) equals plain Chainer's, with
+    until both backwards. The whole Trainer run (losses, parameters and
+    their summed gradients, BatchNorm statistics, the random state) equals plain Chainer's, with
     both runners recomputing."""
     plain = parallel_updater_run(False, str(tmp_path / "plain"))
     ours = parallel_updater_run(True, str(tmp_path / "applied"))

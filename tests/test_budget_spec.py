@@ -53,6 +53,8 @@ def test_words_and_shares(text, kind):
     ("0%", "not a positive share"), ("x%", "share such as"), (None, "not a budget"),
     (True, "not a budget"), (float("nan"), "not a positive"), (math.inf, "not a positive"),
     ([1], "is a list"), ("8 XB", "cannot read"), ("G", "cannot read"),
+    (1.5, "'1.5G' for 1.5 GiB"), ("1.5", "not a whole number of bytes"),
+    (np.float32(100.5), "'100.5M' for 100.5 MiB"),
 ])
 def test_refusals_list_every_form(bad, said):
     with pytest.raises(BudgetError) as info:

@@ -1069,7 +1069,15 @@ def test_apply_rejects_an_unknown_keyword_at_once():
     assert cr.runner_of(model) is None  # nothing changed
     with pytest.raises(RecomputeError, match="on_infeasible"):
         cr.apply(model, budget="1M", on_infeasible="ignore")
-    cr.apply(model, budget="1M", max_lower_sets=10, on_infeasible="warn")
+    # a string would be true: 'no' would turn the option on
+    with pytest.raises(RecomputeError, match="free_previous_graph must be True or False, got 'no'"):
+        cr.apply(model, budget="1M", free_previous_graph="no")
+    with pytest.raises(RecomputeError, match="verify must be True or False"):
+        cr.apply(model, budget="1M", tuning=cr.Tuning(verify="false"))
+    assert cr.runner_of(model) is None
+    cr.apply(model, budget="1M", max_lower_sets=10, on_infeasible="warn",
+             free_previous_graph=np.bool_(False))
+    assert cr.runner_of(model).spec.free_previous_graph is False
 
 
 _LOGGING_SCRIPT = r"""

@@ -91,9 +91,9 @@ class RunnerSpec:
         check_count("check_iterations", spec.check_iterations, least=0)
         check_count("max_plans", spec.max_plans, least=1)
         check_count("max_structures", spec.max_structures, least=1)
-        return dataclasses.replace(spec, workspace=parsed, keep=parse_keep(keep),
-                                   free_previous_graph=bool(spec.free_previous_graph),
-                                   workspace_exact=bool(spec.workspace_exact))
+        flags = {name: check_flag(name, getattr(spec, name))
+                 for name in ("verify", "verbose", "free_previous_graph", "workspace_exact")}
+        return dataclasses.replace(spec, workspace=parsed, keep=parse_keep(keep), **flags)
 
     def digest(self, budget: Any) -> str:
         """What must agree between the ranks of a data-parallel run: the
@@ -168,6 +168,23 @@ def check_count(name: str, value: Any, *, least: int) -> int:
     if isinstance(value, bool) or count is None or count < least:
         raise RecomputeError(f"{name} must be a whole number of at least {least}, got {value!r}")
     return count
+
+
+def check_flag(name: str, value: Any) -> bool:
+    """``value`` as a bool if it is one (a NumPy bool too), else
+    :class:`RecomputeError` naming the option: a string such as ``'no'``
+    would be true.
+
+    >>> check_flag("verbose", False)
+    False
+    >>> check_flag("free_previous_graph", "no")
+    Traceback (most recent call last):
+    ...
+    chainer_recompute.core.errors.RecomputeError: free_previous_graph must be True or False, got 'no'
+    """
+    if not isinstance(value, (bool, np.bool_)):
+        raise RecomputeError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
 
 
 def _solver_keywords(solver: str) -> list:

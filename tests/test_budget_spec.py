@@ -29,6 +29,7 @@ G, GB = 2 ** 30, 10 ** 9
     ("8 GiB", 8 * G), ("8Gi", 8 * G), ("8GB", 8 * GB), ("8gb", 8 * GB), ("8Gb", 8 * GB),
     ("8 GB", 8 * GB), (" 8 gB ", 8 * GB), ("512m", 512 * 2 ** 20), ("1.5kB", 1500),
     ("123456", 123456), (123456, 123456), (np.int64(4096), 4096), (2e3, 2000),
+    (123456.8, 123457),  # (a computed size: rounded)
 ])
 def test_sizes_in_any_case_and_spacing(text, expected):
     b = parse_budget(text)

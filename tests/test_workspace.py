@@ -309,6 +309,8 @@ def test_parse_workspace_and_errors():
     assert parse_workspace(None) is None and parse_workspace("auto") == "auto"
     with pytest.raises(ValueError, match="auto"):
         parse_workspace("lots")
+    with pytest.raises(ValueError, match="'64.5M' for 64.5 MiB"):  # (its unit left out)
+        parse_workspace("64.5")
     with pytest.raises(RecomputeError, match="auto"):
         cr.Recompute(lambda x: x, "1G", workspace="lots")
     g = capture(TwoConv(), np.zeros((2, 3, 8, 8), np.float32), backward=True)

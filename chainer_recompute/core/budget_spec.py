@@ -31,7 +31,7 @@ import re
 from typing import Any, Optional
 
 from .errors import BudgetError
-from .units import format_bytes, format_bytes_up, parse_bytes
+from .units import format_bytes, format_bytes_up, parse_bytes, unit_forgotten
 
 __all__ = ["Budget", "parse_budget", "BUDGET_FORMS", "DEVICE_MARGIN", "host_available_bytes"]
 
@@ -129,13 +129,6 @@ def _refuse(value: Any, why: str) -> BudgetError:
     return BudgetError(f"{said}; accepted forms: {BUDGET_FORMS}")
 
 
-def _fraction_of_a_byte(x: float) -> str:
-    """Why a number of bytes with a fraction (a size without its unit:
-    ``1.5``) is refused, with the sizes it may have meant."""
-    return (f"is not a whole number of bytes; a size needs its unit: '{x:g}G' for "
-            f"{x:g} GiB, '{x:g}M' for {x:g} MiB")
-
-
 def parse_budget(value: Any) -> Budget:
     """Read a budget in any form of the module's table.
 
@@ -169,9 +162,10 @@ def parse_budget(value: Any) -> Budget:
                                  f"write '{100 * x:g}%'")
         if not math.isfinite(x) or x < 1:
             raise _refuse(value, "is not a positive number of bytes")
-        if not x.is_integer():
-            raise _refuse(value, _fraction_of_a_byte(x))
-        return Budget("bytes", bytes=int(x), text=str(value))
+        why = unit_forgotten(x)
+        if why is not None:
+            raise _refuse(value, why)
+        return Budget("bytes", bytes=int(round(x)), text=str(value))
     if not isinstance(value, str):
         raise _refuse(value, f"is a {type(value).__name__}")
     word = value.strip().lower()
@@ -195,8 +189,9 @@ def parse_budget(value: Any) -> Budget:
         if math.isfinite(x) and 0 < x < 1:
             raise _refuse(value, f"is less than one byte; for a share of plain Chainer's "
                                  f"peak write '{100 * x:g}%'")
-        if math.isfinite(x) and x > 1 and not x.is_integer():
-            raise _refuse(value, _fraction_of_a_byte(x))
+        why = unit_forgotten(x) if math.isfinite(x) else None
+        if why is not None:
+            raise _refuse(value, why)
     try:
         nbytes = parse_bytes(value)
     except BudgetError:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Union
+from typing import Optional, Union
 
 from .errors import BudgetError
 
@@ -66,11 +66,31 @@ def parse_bytes(value: Union[str, int, float]) -> int:
                           f"{type(value).__name__}; accepted forms: {ACCEPTED_FORMS}")
     if math.isnan(number) or math.isinf(number):
         raise BudgetError(f"memory size {value!r} is not finite; accepted forms: {ACCEPTED_FORMS}")
+    why = unit_forgotten(number) if multiplier == 1 else None
+    if why is not None:
+        raise BudgetError(f"memory size {value!r} {why}; accepted forms: {ACCEPTED_FORMS}")
     nbytes = number * multiplier
     if nbytes < 1:
         raise BudgetError(f"memory size {value!r} must be positive (at least one byte); "
                           f"accepted forms: {ACCEPTED_FORMS}")
     return int(round(nbytes))
+
+
+def unit_forgotten(number: float) -> Optional[str]:
+    """Why ``number`` bytes, given without a unit, is refused, or None: a
+    number of bytes with a fraction below a KiB (``1.5``) is a size whose
+    unit was left out. (A larger one, a computed ``0.9 * peak``, is
+    rounded.)
+
+    >>> unit_forgotten(1.5)
+    "is not a whole number of bytes; a size needs its unit: '1.5G' for 1.5 GiB, '1.5M' for 1.5 MiB"
+    >>> unit_forgotten(2.0), unit_forgotten(123456.8)
+    (None, None)
+    """
+    if number.is_integer() or not 1 < number < 1024:
+        return None
+    return (f"is not a whole number of bytes; a size needs its unit: '{number:g}G' for "
+            f"{number:g} GiB, '{number:g}M' for {number:g} MiB")
 
 
 def format_bytes(nbytes: float, binary: bool = True) -> str:

@@ -1074,6 +1074,8 @@ def test_apply_rejects_an_unknown_keyword_at_once():
         cr.apply(model, budget="1M", free_previous_graph="no")
     with pytest.raises(RecomputeError, match="verify must be True or False"):
         cr.apply(model, budget="1M", tuning=cr.Tuning(verify="false"))
+    with pytest.raises(RecomputeError, match="coordinator= takes an object with plan"):
+        cr.apply(model, budget="1M", coordinator=0)  # (else an AttributeError at the first call)
     assert cr.runner_of(model) is None
     cr.apply(model, budget="1M", max_lower_sets=10, on_infeasible="warn",
              free_previous_graph=np.bool_(False))

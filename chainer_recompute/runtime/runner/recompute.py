@@ -237,6 +237,12 @@ class Recompute:
             workspace=workspace, workspace_exact=workspace_exact, on_infeasible=on_infeasible,
             plan_at=plan_at, free_previous_graph=free_previous_graph, keep=keep,
             calls_per_step=calls_per_step, **solver_options)
+        if coordinator is not None and not all(
+                callable(getattr(coordinator, name, None)) for name in ("plan", "on_call")):
+            raise RecomputeError(
+                f"coordinator= takes an object with plan(graph, solve) and on_call(runner, "
+                f"signature, state), such as chainer_recompute.distributed.Coordinator(comm); "
+                f"got {type(coordinator).__name__}")
         self.fn = fn
         self.coordinator = coordinator
         #: each input signature's plans (:class:`~.signatures.SignatureCache`)

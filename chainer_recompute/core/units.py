@@ -37,8 +37,9 @@ def parse_bytes(value: Union[str, int, float]) -> int:
         The number of bytes, a positive int.
 
     Raises:
-        BudgetError: for garbage, zero, negative, infinite or NaN values;
-            the message lists the accepted forms.
+        BudgetError: for garbage, zero, negative, infinite or NaN values,
+            and a size without its unit (:func:`unit_forgotten`); the
+            message lists the accepted forms.
 
     >>> parse_bytes('8G'), parse_bytes('8GB'), parse_bytes('1.5K'), parse_bytes(1e3)
     (8589934592, 8000000000, 1536, 1000)

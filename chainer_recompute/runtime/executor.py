@@ -470,7 +470,10 @@ class IterationHook(chainer.FunctionHook):
             self._needs, self._done = self.program.needs, self.program.done
             if self.program.backward_order:
                 self.impose_order(self.program.backward_order)
-        elif self.program is not None and self.released:
+        elif self.program is not None:
+            # (whether or not the forward released anything: the backward
+            # releases after the last readers, and a later pass regenerates
+            # for its readers, by these)
             self._actual_readers()
 
     def _restore_unchained(self, held: Dict[int, Tuple[Any, Tuple[Any, ...]]]) -> None:

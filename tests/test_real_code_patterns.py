@@ -1636,12 +1636,12 @@ def test_tied_embedding_repeated_blocks_group_and_layer_norm():
     assert_metered(ours, first=0)
 
 
-def parallel_updater_run(applied: bool,
-                         out: str) -> Tuple[List[bytes], Dict[str, bytes], bytes, List[Any]]:
+def parallel_updater_run(applied: bool, out: str) -> Tuple[List[Dict[str, Any]], List[Any]]:
     """Chainer's ParallelUpdater (the model and its copy each take half of
     every batch; both forwards, then both backwards, the copy's gradients
     added to the model's, one update, the parameters copied back), under its
-    Trainer, on two CPU devices."""
+    Trainer, on two CPU devices: each iteration's :func:`records`, and each
+    runner's last stats."""
     from chainer import training
     np.random.seed(0)
     model = L.Classifier(Embedder())
@@ -1655,36 +1655,27 @@ def parallel_updater_run(applied: bool,
     it = chainer.iterators.SerialIterator(data, 16, shuffle=True)
     updater = training.updaters.ParallelUpdater(it, opt, devices={"main": -1, "second": -1})
     trainer = training.Trainer(updater, (8, "iteration"), out=out)
-    losses: List[bytes] = []
-    trainer.extend(lambda t: losses.append(t.observation["main/loss"].array.tobytes()),
+    recs: List[Dict[str, Any]] = []
+    trainer.extend(lambda t: recs.append(records(model, t.observation["main/loss"])),
                    trigger=(1, "iteration"))
     trainer.run()
-    state = {path: p.array.tobytes() for path, p in model.namedparams()}
-    state.update({path + "/grad": p.grad.tobytes() for path, p in model.namedparams()})
-    for path, link in model.namedlinks():
-        for name in link._persistent:
-            value = getattr(link, name)
-            if isinstance(value, np.ndarray):
-                state[f"{path}/{name}"] = value.tobytes()
     runners = [cr.runner_of(m) for m in updater._models.values()]
-    return losses, state, np.random.get_state()[1].tobytes(), [
-        r.last_stats for r in runners if r is not None]
+    return recs, [r.last_stats for r in runners if r is not None]
 
 
 def test_parallel_updater_trainer_run_is_identical(tmp_path):
     """An applied model under ParallelUpdater: its copy (a ``deepcopy``,
     applied too) runs the other half of each batch, and both graphs are held
-    until both backwards. The whole Trainer run (losses, parameters and
-    their summed gradients, BatchNorm statistics, the random state) equals plain Chainer's, with
-    both runners recomputing."""
-    plain = parallel_updater_run(False, str(tmp_path / "plain"))
-    ours = parallel_updater_run(True, str(tmp_path / "applied"))
-    assert len(plain[0]) == 8
-    assert plain[0] == ours[0]
-    assert plain[1] == ours[1]
-    assert plain[2] == ours[2]
-    assert len(ours[3]) == 2, ours[3]  # (the model and its copy, each applied)
-    assert all(st.path == "planned" and st.recomputed_nodes for st in ours[3]), ours[3]
+    until both backwards. The whole Trainer run (each iteration's loss,
+    parameters and their summed gradients, optimizer state, BatchNorm
+    statistics, the random state) equals plain Chainer's, with both runners
+    recomputing."""
+    plain, _ = parallel_updater_run(False, str(tmp_path / "plain"))
+    ours, stats = parallel_updater_run(True, str(tmp_path / "applied"))
+    assert len(plain) == 8
+    assert plain == ours
+    assert len(stats) == 2, stats  # (the model and its copy, each applied)
+    assert all(st.path == "planned" and st.recomputed_nodes for st in stats), stats
 
 
 class GrowingHead(chainer.Chain):

@@ -119,12 +119,15 @@ def test_chainers_dcgan_discriminator_at_least_holds_no_more_than_plain_chainer(
     the plan keeps what that later pass reads, as plain Chainer does. It
     released it, and the later pass regenerated it from parameter values
     saved at each update, in no replay: every step 12% over plain Chainer
-    (199.1 against 178.5 MiB), for a plan that drops nothing."""
+    (199.1 against 178.5 MiB), for a plan that drops nothing. The first
+    step, planned from captures on probation, saved every parameter at its
+    update (1.142x plain Chainer's step); it keeps the arrays instead, which
+    the plan drops none of."""
     import patterns
     row = patterns.run_example_variant("dcgan-dis", patterns._size_name("light", 5))
     assert row["identical"], row["report"]
     (runner,) = row["runners"].values()
     assert runner["last"]["release_mode"] == "all", runner["last"]
     assert runner["last"]["recomputed_nodes"] == 0, runner["last"]
-    steps = [s for s in row["per_step"] if s["step"] != "1"]  # (the first: recorded)
-    assert steps and all(s["applied"] <= 1.01 * s["plain"] for s in steps), row["per_step"]
+    steps = row["per_step"]
+    assert steps and all(s["applied"] <= 1.01 * s["plain"] for s in steps), steps

@@ -24,7 +24,8 @@ class Probation:
     probation over and save the parameters at one more update. Also
     whether a backward pass reached one of its graphs after an update of
     parameters its released blocks were computed from, whose values were
-    saved for it (``backward_after_update``: Chainer's DCGAN updater
+    saved for it, or would have been but for the probation's release mode
+    (``backward_after_update``: Chainer's DCGAN updater
     backpropagates the discriminator's graph again after updating it)."""
 
     __slots__ = ("clean_updates", "backward_after_update")
@@ -58,6 +59,13 @@ class Program(ExecutionPlan):
         # chosen by the runner from the replayed peaks and the budget
         self.release_mode = "none"
         self.release_mode_decided = False
+        # The modes an iteration whose update is on probation (see
+        # on_probation) may take in place of ``release_mode``: (mode, bytes
+        # one call keeps at the update beyond ``release_mode``, bytes of
+        # parameter values the update saves), and the bytes it saves in
+        # ``release_mode`` (Planner.decide_probation_modes)
+        self.probation_modes: Tuple[Tuple[str, int, int], ...] = ()
+        self.probation_saved = 0
         # Updates of parameters while a graph of this plan was alive, after
         # which it died without another backward pass: after PROBATION of
         # them, parameters are no longer saved before updates. Shared with

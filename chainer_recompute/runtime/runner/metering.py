@@ -152,15 +152,20 @@ def _graph_arrays(hook: Any) -> List[Any]:
     return found
 
 
-def _probation_bytes(hook: Any) -> int:
+def _probation_bytes(hook: Any, at_update: bool = True) -> int:
     """Bytes of the parameter values ``hook``'s iteration saved on probation
-    (:attr:`Program.on_probation`); 0 for ``hook`` None."""
+    (:attr:`Program.on_probation`); ``at_update``: or, where its backward
+    released in a probation mode, what its step was predicted to hold so
+    at the update, the larger. 0 for ``hook`` None."""
     program = getattr(hook, "program", None)
-    if program is None or not program.on_probation or not hook.snapshots:
+    if program is None or not program.on_probation:
         return 0
+    extra = (hook.probation_extra or 0) if at_update else 0
+    if not hook.snapshots:
+        return extra
     from ..device import device_of
     saved = list(hook.snapshots.values())
-    return _distinct_bytes(device_of(saved), saved)
+    return max(extra, _distinct_bytes(device_of(saved), saved))
 
 
 def _distinct_bytes(dev: Any, arrays: List[Any], as_shown: bool = False) -> int:
@@ -431,8 +436,12 @@ class StepMeter:
             held = _graph_arrays(previous)
             user_held = _previous_inputs(dev, previous, held)
             own += held
-            probation = _probation_bytes(previous)
+            probation = _probation_bytes(previous, at_update=False)
             replaced = self._replaced_plan_bytes(entry, hook, previous)
+            if not replaced and previous.probation_extra is not None:
+                # released in a probation mode: it holds more into this
+                # forward than this plan counts for it, and no later graph does
+                probation += self._held_beyond_plan(entry, hook, previous)
         off_plan = False
         for other in filter(None, (r() for r in self._step_others)):
             if other is not previous:  # (the step's earlier calls, none measured)
@@ -656,13 +665,14 @@ class StepMeter:
                  "keep its graph into the next call, or before a correction), which holds more "
                  "after its backward; later steps hold this plan's graph"),
                 (probation, "_said_probation",
-                 "of parameter values saved before the optimizer's update (in no plan): a plan "
-                 "made before the training loop was seen keeps them until a graph that was "
-                 "alive at an update dies without another backward pass, so that one after the "
-                 "update could still regenerate; later steps do not hold them, but for the "
-                 "next one where the loop keeps its loss into the next forward "
-                 "(capture_batch=None records the first call instead, plainly, and saves "
-                 "none)")):
+                 "held on probation, in no plan: parameter values saved before the optimizer's "
+                 "update, or the arrays they were read into kept through it where those are "
+                 "smaller. A plan made before the training loop was seen keeps them until a "
+                 "graph that was alive at an update dies without another backward pass, so "
+                 "that one after the update could still regenerate; later steps do not hold "
+                 "them, but for the next one where the loop keeps its loss into the next "
+                 "forward (capture_batch=None records the first call instead, plainly, and "
+                 "keeps none)")):
             if held and budget is not None and measured > budget and not getattr(self, said):
                 setattr(self, said, True)
                 report.warning("the measured peak %s is over the budget %s with %s " + what,
@@ -1014,6 +1024,12 @@ class StepMeter:
         if self.last_entry is not entry or previous.program is None or \
                 any(s.program is previous.program for s in entry.structures):
             return 0
+        return self._held_beyond_plan(entry, hook, previous)
+
+    def _held_beyond_plan(self, entry: _Entry, hook: IterationHook,
+                          previous: IterationHook) -> int:
+        """What the previous call's graph holds now beyond what the plan
+        ``hook`` follows counts for it."""
         s = next((s for s in entry.structures if s.program is hook.program), None)
         if s is None:
             return 0

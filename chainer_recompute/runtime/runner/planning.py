@@ -130,6 +130,18 @@ def _let_go(graph: Graph, hook: IterationHook) -> Graph:
     return graph
 
 
+def _saved_at_update(program: Program, mode: str) -> int:
+    """The bytes of the parameter values that an update on probation saves
+    where the backward before it released in ``mode``: those of the
+    parameters that the released nodes read (every releasable node in
+    ``none``, the dropped ones in ``checkpoints``, none in ``all``)."""
+    g = program.graph
+    nodes = (program.releasable if mode == "none" else
+             program.dropped if mode == "checkpoints" else ())
+    params = {a for u in nodes for a in g.nodes[u].inputs if g.arrays[a].kind == "param"}
+    return sum(g.arrays[a].nbytes for a in params)
+
+
 class Planner:
     """Makes a runner's plans: from captures, a recorded iteration, the
     shapes of a signature's family, or again (a correction, more calls per
@@ -387,6 +399,7 @@ class Planner:
             s = _Structure(graph, plan, program, time.perf_counter() - t0, limit)
             if plan.recompute:
                 self.decide_release(s)
+            self.decide_probation_modes(s)
         finally:
             release_caches()  # nothing of the planner's stays into the steps (raised or not)
         entry.structures.insert(0, s)
@@ -1010,6 +1023,39 @@ class Planner:
         self.add(entry, graph, refs, multi, t0, plan=plan, backward_known=known,
                  probation=probation)
         return True
+
+    def decide_probation_modes(self, s: _Structure) -> None:
+        """The release modes an iteration whose update is on probation may
+        take in place of the plan's (:attr:`Program.probation_modes`; total
+        scope, a byte budget). That update saves the values of the
+        parameters that the nodes released after the backward read
+        (IterationHook.before_param_update), in no plan; a mode that releases
+        less keeps those nodes' arrays through the update instead, which
+        costs less where they are smaller than the parameters (a model
+        returning its logits at a small batch). Each mode that saves less
+        and peaks no higher, replayed with the graph held through the update
+        (which no recording tells), is listed with what one call keeps at
+        the update beyond the plan's mode and what it saves; the iteration
+        chooses among them once it knows its step's calls."""
+        p = s.program
+        p.probation_modes, p.probation_saved = (), 0
+        if not p.on_probation or p.returns_loss or self.spec.budget_scope != "total" \
+                or s.plan.budget_bytes is None:
+            return  # (a model that returns its loss saves nothing on probation)
+        from ...core.replay import replay
+        held = s.graph.with_step(kept_after_backward=True)
+        figures = {}
+        for mode in dict.fromkeys((p.release_mode, "none", "checkpoints", "all")):
+            r = replay(held, p, release_mode=mode)
+            if "update" not in r.events:
+                return  # (no optimizer seen: nothing to count the values at)
+            figures[mode] = (r.peak_bytes, int(r.memory_bytes[r.events.index("update")]),
+                             _saved_at_update(p, mode))
+        peak0, at0, saved0 = figures.pop(p.release_mode)
+        p.probation_saved = saved0
+        p.probation_modes = tuple(
+            (mode, max(0, at - at0), saved) for mode, (peak, at, saved) in figures.items()
+            if saved < saved0 and peak <= max(peak0, at0 + saved0))
 
     def decide_release(self, s: _Structure) -> None:
         """What the executor keeps after a node's last backward reader

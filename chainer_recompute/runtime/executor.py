@@ -160,6 +160,9 @@ class IterationHook(chainer.FunctionHook):
         # release mode
         self.release_mode: Optional[str] = None
         self.probation_extra: Optional[int] = None
+        # the optimizer updates of the model's parameters at the forward's end
+        # (_updates_of), while a pass after an update is still to be learned
+        self._updates_at_forward: Optional[int] = None
         self.multi_backward = False
         self._bw_seen: Set[int] = set()
         self._reach: Optional[Set[int]] = None
@@ -463,6 +466,9 @@ class IterationHook(chainer.FunctionHook):
             self.no_release = False
         held, self._held_funcs = self._held_funcs, {}
         self._restore_unchained(held)
+        if self.program is None or not self.program.probation.backward_after_update:
+            # (to learn whether a later pass comes after an optimizer update)
+            self._updates_at_forward = _updates_of(self.recorder.param_refs)
         n = len(self.recorder.calls)
         if self.executing and n != self.program.n:
             self._set_mismatch(n, f"the forward applied {n} functions, but the planned graph "
@@ -683,10 +689,16 @@ class IterationHook(chainer.FunctionHook):
             # graph, or loss.backward() twice): count its readers afresh,
             # so that its regenerations are block-wise again.
             self.multi_backward = True
-            if self.program is not None:
-                self.program.multi_backward = True
-            if self.planned is not None:
-                self.planned.multi_backward = True
+            after_update = self._updates_at_forward is not None and \
+                _updates_of(self.recorder.param_refs) != self._updates_at_forward
+            for prog in (self.program, self.planned):
+                if prog is not None:
+                    prog.multi_backward = True
+                    if after_update:
+                        # (learned whether or not values were saved for it: a
+                        # recorded iteration's pass after the update, as
+                        # ``y`` backpropagated again after ``opt.update()``)
+                        prog.probation.backward_after_update = True
             self._bw_seen = set()
             self._reach = None
             self.remaining = {}
@@ -1146,6 +1158,12 @@ def _alive(candidates: List[Program], matches: Callable[..., bool], *args: Any) 
     if len(candidates) == 1:
         return candidates if matches(candidates[0], *args) else []
     return [p for p in candidates if matches(p, *args)]
+
+
+def _updates_of(param_refs: Dict[int, Any]) -> int:
+    """The optimizer updates of the parameters of ``param_refs`` (weak
+    references), summed: it changes with any update of one of them."""
+    return sum(_update_count(p) for p in (r() for r in param_refs.values()) if p is not None)
 
 
 def _same_link(a: Recorder, b: Recorder) -> bool:

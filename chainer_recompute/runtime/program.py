@@ -59,6 +59,10 @@ class Program(ExecutionPlan):
         # chosen by the runner from the replayed peaks and the budget
         self.release_mode = "none"
         self.release_mode_decided = False
+        # that mode is predicted over the budget: it keeps what a pass after
+        # an optimizer update reads (Planner.decide_release); a step within
+        # the prediction is no overshoot to correct
+        self.over_budget_by_mode = False
         # The modes an iteration whose update is on probation (see
         # on_probation) may take in place of ``release_mode``: (mode, bytes
         # one call keeps at the update beyond ``release_mode``, bytes of

@@ -677,9 +677,11 @@ class StepMeter:
                 setattr(self, said, True)
                 report.warning("the measured peak %s is over the budget %s with %s " + what,
                                format_bytes(measured), format_bytes(budget), format_bytes(held))
+        transient = probation + replaced + self._beyond.get(id(s), 0)
+        if s.program.over_budget_by_mode and measured - transient <= s.plan.predicted_peak_bytes:
+            return  # (over by the plan's own choice, said there: planned again, the same)
         correction = self._correction.overshoot(measured, budget, s.plan.predicted_peak_bytes,
-                                                transient=probation + replaced
-                                                + self._beyond.get(id(s), 0))
+                                                transient=transient)
         if not correction:
             return
         if self.corrections is None:

@@ -131,10 +131,12 @@ def _let_go(graph: Graph, hook: IterationHook) -> Graph:
 
 
 def _saved_at_update(program: Program, mode: str) -> int:
-    """The bytes of the parameter values that an update on probation saves
-    where the backward before it released in ``mode``: those of the
-    parameters that the released nodes read (every releasable node in
-    ``none``, the dropped ones in ``checkpoints``, none in ``all``)."""
+    """The bytes of the parameter values that an update saves (on
+    probation, or at each update where a later pass regenerates after it:
+    :attr:`Program.saves_parameters`) where the backward before it released
+    in ``mode``: those of the parameters that the released nodes read
+    (every releasable node in ``none``, the dropped ones in
+    ``checkpoints``, none in ``all``)."""
     g = program.graph
     nodes = (program.releasable if mode == "none" else
              program.dropped if mode == "checkpoints" else ())

@@ -160,6 +160,7 @@ class IterationHook(chainer.FunctionHook):
         # release mode
         self.release_mode: Optional[str] = None
         self.probation_extra: Optional[int] = None
+        self._own_updated = False  # (in a probation mode: see before_param_update)
         # the optimizer updates of the model's parameters at the forward's end
         # (_updates_of), while a pass after an update is still to be learned
         self._updates_at_forward: Optional[int] = None
@@ -677,7 +678,7 @@ class IterationHook(chainer.FunctionHook):
                 f"budget)")
         if self._update_state["updated"]:
             self._update_state["again"] = True
-            if self.program is not None and (self.snapshots or self.probation_extra is not None):
+            if self.program is not None and (self.snapshots or self._own_updated):
                 # (or would have been, but for the probation mode's keeping)
                 self.program.probation.backward_after_update = True
         if (self.on_backward_start is not None and self.recorder.forward_done
@@ -868,9 +869,17 @@ class IterationHook(chainer.FunctionHook):
         p = self.program
         if p is None or not p.saves_parameters:
             return
+        if not self.released:
+            # A probation mode that released nothing: an update of one of
+            # this model's parameters is counted all the same (it ends the
+            # probation, and a pass after it is one that values would have
+            # been saved for); another model's update (a critic's, between
+            # two passes through a generator's graph) is not.
+            if self.probation_extra is None or not (self._own_updated or any(
+                    r() is param for r in self.recorder.param_refs.values())):
+                return
+            self._own_updated = True
         if not self._update_state["updated"]:
-            # (counted whether or not anything is released: a probation
-            # mode that releases nothing ends the probation too)
             self._update_state["updated"] = True
             weakref.finalize(self, _after_update, weakref.ref(p), self._update_state)
         if not self.released:

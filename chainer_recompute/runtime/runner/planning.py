@@ -1122,12 +1122,12 @@ class Planner:
                     if s.program.over_budget_by_mode and not self._said_kept_over:
                         self._said_kept_over = True
                         report.warning(
-                            "the model's graph is backpropagated again after the optimizer's "
+                            "%s's graph is backpropagated again after the optimizer's "
                             "update: after each backward pass the plan keeps %s, which that "
                             "pass reads, predicted to peak at %s, over the budget %s (the "
                             "budget counts one pass; it is not corrected for this). Raise the "
                             "budget to at least that, or run the later pass before the update",
-                            "what it regenerated" if mode == "all" else "its checkpoints",
+                            s.graph.meta.get("model", "the model"), "what it regenerated" if mode == "all" else "its checkpoints",
                             format_bytes(peaks[mode]), format_bytes(budget))
         s.program.release_mode_decided = s.program.multi_backward
         if s.program.release_mode != "none" and self.spec.budget_scope == "total":

@@ -157,14 +157,9 @@ def parse_budget(value: Any) -> Budget:
         raise _refuse(value, "is not a budget")
     if isinstance(value, numbers.Real):
         x = float(value)
-        if math.isfinite(x) and 0 < x < 1:
-            raise _refuse(value, f"is less than one byte; for a share of plain Chainer's peak "
-                                 f"write '{100 * x:g}%'")
+        _refuse_unitless(value, x)
         if not math.isfinite(x) or x < 1:
             raise _refuse(value, "is not a positive number of bytes")
-        why = unit_forgotten(x)
-        if why is not None:
-            raise _refuse(value, why)
         return Budget("bytes", bytes=int(round(x)), text=str(value))
     if not isinstance(value, str):
         raise _refuse(value, f"is a {type(value).__name__}")
@@ -186,12 +181,7 @@ def parse_budget(value: Any) -> Budget:
     except ValueError:
         pass
     else:
-        if math.isfinite(x) and 0 < x < 1:
-            raise _refuse(value, f"is less than one byte; for a share of plain Chainer's "
-                                 f"peak write '{100 * x:g}%'")
-        why = unit_forgotten(x) if math.isfinite(x) else None
-        if why is not None:
-            raise _refuse(value, why)
+        _refuse_unitless(value, x)
     try:
         nbytes = parse_bytes(value)
     except BudgetError:
@@ -201,6 +191,18 @@ def parse_budget(value: Any) -> Budget:
                "cannot be read")
         raise _refuse(value, why) from None
     return Budget("bytes", bytes=nbytes, text=value.strip())
+
+
+def _refuse_unitless(value: Any, x: float) -> None:
+    """A budget of ``x`` bytes, given without a unit (``value``), that is
+    a share written as a fraction (``0.6``) or a size whose unit was left
+    out (``1.5``, :func:`~.units.unit_forgotten`): refused, saying which."""
+    if 0 < x < 1:
+        raise _refuse(value, f"is less than one byte; for a share of plain Chainer's peak "
+                             f"write '{100 * x:g}%'")
+    why = unit_forgotten(x)
+    if why is not None:
+        raise _refuse(value, why)
 
 
 def host_available_bytes() -> Optional[int]:

@@ -162,7 +162,7 @@ class IterationHook(chainer.FunctionHook):
         self.probation_extra: Optional[int] = None
         self._own_updated = False  # (in a probation mode: see before_param_update)
         # the optimizer updates of the model's parameters at the forward's end
-        # (_updates_of), while a pass after an update is still to be learned
+        # (_updates_of) of a recorded iteration or one on probation
         self._updates_at_forward: Optional[int] = None
         self.multi_backward = False
         self._bw_seen: Set[int] = set()
@@ -467,8 +467,9 @@ class IterationHook(chainer.FunctionHook):
             self.no_release = False
         held, self._held_funcs = self._held_funcs, {}
         self._restore_unchained(held)
-        if self.program is None or not self.program.probation.backward_after_update:
-            # (to learn whether a later pass comes after an optimizer update)
+        if self.program is None or self.program.on_probation:
+            # (to learn, while the loop is not known yet, whether a later
+            # pass comes after an optimizer update)
             self._updates_at_forward = _updates_of(self.recorder.param_refs)
         n = len(self.recorder.calls)
         if self.executing and n != self.program.n:

@@ -1093,12 +1093,16 @@ class Planner:
             held = s.graph.with_step(kept_after_backward=True)
             after_update = s.program.multi_backward and s.program.probation.backward_after_update
 
+            peaks: Dict[str, int] = {}
+
             def peak_of(mode: str) -> int:
                 # (a later pass after an update regenerates from parameter
                 # values saved at each update, Program.saves_parameters,
                 # held from the update through that pass)
-                return replay(held, s.program, release_mode=mode).peak_bytes + (
-                    _saved_at_update(s.program, mode) if after_update else 0)
+                if mode not in peaks:
+                    peaks[mode] = replay(held, s.program, release_mode=mode).peak_bytes + (
+                        _saved_at_update(s.program, mode) if after_update else 0)
+                return peaks[mode]
             for mode in modes:
                 if peak_of(mode) <= limit_of(budget):
                     s.program.release_mode = mode
@@ -1116,8 +1120,7 @@ class Planner:
                     # after the update 36%. Keep what that pass reads, as
                     # Chainer does, or the checkpoints, from which it
                     # regenerates block by block, where they peak lower.
-                    peaks = {m: peak_of(m) for m in ("all", "checkpoints")}
-                    s.program.release_mode = mode = min(peaks, key=peaks.get)
+                    s.program.release_mode = mode = min(("all", "checkpoints"), key=peak_of)
                     s.program.over_budget_by_mode = peaks[mode] > budget
                     if s.program.over_budget_by_mode and not self._said_kept_over:
                         self._said_kept_over = True

@@ -555,17 +555,27 @@ class BudgetSearch:
                 if time.perf_counter() - t0 > time_limit_s:
                     break
                 self.at(b)
-        plans = [self.vanilla()] + list(self.candidates()) + [
-            (plan, peak) for plan, peak in self._timed._cache.values()
-            if plan.feasible and peak is not None]
         points: Dict[Tuple[int, float, int], TradeoffPoint] = {}
-        for plan, peak in plans:
+        for plan, peak in self.tried():
             over = float(plan.overhead_fraction or 0.0) if plan.recompute else 0.0
             point = TradeoffPoint(least_for(peak), int(peak), over,
                                   int(plan.n_blocks if plan.recompute else 1),
                                   bool(plan.recompute))
             points[(point.peak_bytes, point.overhead_fraction, point.n_blocks)] = point
         return pareto_front(list(points.values())), len(points)
+
+    def tried(self) -> List[Tuple[Plan, int]]:
+        """Every plan this search has made, with its replayed peak: plain
+        backprop, the least budget's :meth:`candidates` and the plans for
+        the DPs' budgets tried (:meth:`at`; :meth:`tradeoff` tries more)."""
+        return [self.vanilla()] + list(self.candidates()) + [
+            (plan, peak) for plan, peak in self._timed._cache.values()
+            if plan.feasible and peak is not None]
+
+    def annotated(self, plan: Plan, peak: int, budget_bytes: Optional[int]) -> Plan:
+        """``plan`` (one of :meth:`tried`) as :meth:`fit` gives a plan for
+        ``budget_bytes``, predicted at ``peak``."""
+        return self._annotate(plan, peak, budget_bytes, None, time.perf_counter())
 
     def least_plan(self) -> Plan:
         """The plan at the least feasible total budget: with ``tc``, the

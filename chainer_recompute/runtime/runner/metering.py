@@ -532,6 +532,8 @@ class StepMeter:
         update (``at_update``), or at the next call."""
         if self._meter is None:
             return
+        if at_update and self._meter.tail and self._on_to_a_later_pass(self._meter):
+            return
         open_, self._meter = self._meter, None
         if open_.user_held:
             self.caller_keeps_inputs = any(ref() is not None for ref, _ in open_.user_held)
@@ -546,18 +548,8 @@ class StepMeter:
             s = open_.structure
             if s is None or s not in open_.entry.structures:
                 return
-            if at_update and not self.planner.held_at_update and open_.hook() is not None \
-                    and not s.graph.step.kept_after_backward:
-                # The graph is alive when the update ends: the loop holds it
-                # (its loss, from ``loss.backward()`` through
-                # ``optimizer.update()``), and with it what a plan keeps
-                # after the backward (``checkpoints``, ``all``). Such plans
-                # are replayed so at the next call, and every plan is
-                # predicted so from then on (Planner._with_facts).
-                self.planner.held_at_update = True
-                self._replays += [(e, t, {"kept_after_backward": True})
-                                  for e in list(self.planner.entries.values())
-                                  for t in e.structures if t.program.release_mode != "none"]
+            if at_update and open_.hook() is not None:
+                self._held_at_update(s)
             measured = open_.measured(m.absolute_peak_bytes)
             total = None if m.total_peak_bytes is None or open_.level_total is None else \
                 open_.own + m.total_peak_bytes - open_.level_total
@@ -617,6 +609,37 @@ class StepMeter:
                         open_.probation + _probation_bytes(hook), open_.replaced)
             if tail is None:
                 self._say_measured(s, stats)
+
+    def _held_at_update(self, s: _Structure) -> None:
+        """The graph of structure ``s`` is alive when the update ends: the
+        loop holds it (its loss, from ``loss.backward()`` through
+        ``optimizer.update()``), and with it what a plan keeps after the
+        backward (``checkpoints``, ``all``). Such plans are replayed so at
+        the next call, and every plan is predicted so from then on
+        (Planner._with_facts)."""
+        if self.planner.held_at_update or s.graph.step.kept_after_backward:
+            return
+        self.planner.held_at_update = True
+        self._replays += [(e, t, {"kept_after_backward": True})
+                          for e in list(self.planner.entries.values())
+                          for t in e.structures if t.program.release_mode != "none"]
+
+    def _on_to_a_later_pass(self, open_: _OpenMeter) -> bool:
+        """At the end of the update, a tail whose plan learned a backward
+        pass through its graph after the update: the graph's being held is
+        noted and the meter goes on until the graph is freed (or the next
+        call), that pass included. False for any other tail."""
+        s, hook = open_.structure, open_.hook()
+        if s is None or hook is None or s not in open_.entry.structures or not (
+                s.program.multi_backward and s.program.probation.backward_after_update):
+            return False
+        self._held_at_update(s)
+        if open_.watcher is not None:
+            from ..executor import remove_update_watcher
+            remove_update_watcher(open_.watcher)
+            open_.watcher = None
+        weakref.finalize(hook, _graph_died, weakref.ref(self), open_)
+        return True
 
     def _say_measured(self, s: _Structure, stats: IterationStats) -> None:
         """The first measured step of the runner's first plan, and of each

@@ -144,6 +144,29 @@ def _saved_at_update(program: Program, mode: str) -> int:
     return sum(g.arrays[a].nbytes for a in params)
 
 
+def _program(graph: Graph, plan: Any, param_refs: Dict[int, Any], multi_backward: bool,
+             backward_known: bool, probation: Optional[Probation]) -> Program:
+    """The executor's program of ``plan`` for ``graph``, with what the
+    runner knows of its iterations (``probation``: the record of the
+    program it replaces, continued)."""
+    program = Program(graph, plan.lower_sets, frozenset(plan.kept), param_refs=param_refs,
+                      inner=plan.inner, levels=plan.levels, backward_order=plan.backward_order)
+    program.multi_backward = multi_backward
+    program.backward_known = backward_known
+    if probation is not None:
+        program.probation = probation
+    return program
+
+
+def _peak_with_a_later_pass(held: Graph, program: Program, mode: str) -> int:
+    """The replayed peak of ``program`` in release ``mode`` (its graph
+    held through the update, ``held``) where a backward pass after the
+    update regenerates from the parameter values saved at it (held from
+    the update through that pass; that pass itself no replay counts)."""
+    from ...core.replay import replay
+    return replay(held, program, release_mode=mode).peak_bytes + _saved_at_update(program, mode)
+
+
 class Planner:
     """Makes a runner's plans: from captures, a recorded iteration, the
     shapes of a signature's family, or again (a correction, more calls per
@@ -392,13 +415,8 @@ class Planner:
                         plan = bound_plan
                 if plan is None:
                     plan = self.plan(graph)
-            program = Program(graph, plan.lower_sets, frozenset(plan.kept),
-                              param_refs=param_refs, inner=plan.inner, levels=plan.levels,
-                              backward_order=plan.backward_order)
-            program.multi_backward = multi_backward
-            program.backward_known = backward_known
-            if probation is not None:
-                program.probation = probation
+            program = _program(graph, plan, param_refs, multi_backward, backward_known,
+                               probation)
             s = _Structure(graph, plan, program, time.perf_counter() - t0, limit)
             if plan.recompute:
                 self.decide_release(s)
@@ -1060,6 +1078,38 @@ class Planner:
             (mode, max(0, at - at0), saved) for mode, (peak, at, saved) in figures.items()
             if saved < saved0 and peak <= max(peak0, at0 + saved0))
 
+    def _replan_for_a_later_pass(self, s: _Structure, held: Graph, budget: int, mode: str,
+                                 peak: int) -> Tuple[str, int]:
+        """Structure ``s``'s graph is backpropagated again after the
+        update, and its plan holds ``peak`` through that pass in its best
+        ``mode``, over ``budget``. The plans a budget search makes (those
+        that drop less, down to plain backprop's, which drops nothing and
+        holds what Chainer holds) replayed so: the fastest that fits the
+        budget, else the lowest-peaking, replaces the plan where it is not
+        the plan itself. Its mode and peak."""
+        from ...core.budget import BudgetSearch, limit_of
+        spec, current = self.spec, s.program
+        search = BudgetSearch(self._with_keep(s.graph), spec.solver, spec.strategy,
+                              **spec.solver_options)
+        search.tradeoff(extra_budgets=6)
+        best = None
+        for plan, _ in search.tried():
+            program = _program(s.graph, plan, current.param_refs, current.multi_backward,
+                               current.backward_known, current.probation)
+            modes = ("all", "checkpoints") if program.dropped else ("all",)
+            m, p = min(((m, _peak_with_a_later_pass(held, program, m)) for m in modes),
+                       key=lambda c: c[1])
+            over = float(plan.overhead or 0.0) if plan.recompute else 0.0
+            key = (p > limit_of(budget), over if p <= limit_of(budget) else p,
+                   p if p <= limit_of(budget) else over)
+            if best is None or key < best[0]:
+                best = (key, plan, program, m, p)
+        if best is None or best[4] >= peak:
+            return mode, peak
+        _, plan, program, mode, peak = best
+        s.plan, s.program = search.annotated(plan, peak, budget), program
+        return mode, peak
+
     def decide_release(self, s: _Structure) -> None:
         """What the executor keeps after a node's last backward reader
         (replay.RELEASE_MODES): the mode that makes a second backward pass
@@ -1096,12 +1146,9 @@ class Planner:
             peaks: Dict[str, int] = {}
 
             def peak_of(mode: str) -> int:
-                # (a later pass after an update regenerates from parameter
-                # values saved at each update, Program.saves_parameters,
-                # held from the update through that pass)
                 if mode not in peaks:
-                    peaks[mode] = replay(held, s.program, release_mode=mode).peak_bytes + (
-                        _saved_at_update(s.program, mode) if after_update else 0)
+                    peaks[mode] = (_peak_with_a_later_pass(held, s.program, mode) if after_update
+                                   else replay(held, s.program, release_mode=mode).peak_bytes)
                 return peaks[mode]
             for mode in modes:
                 if peak_of(mode) <= limit_of(budget):
@@ -1120,18 +1167,26 @@ class Planner:
                     # after the update 36%. Keep what that pass reads, as
                     # Chainer does, or the checkpoints, from which it
                     # regenerates block by block, where they peak lower.
-                    s.program.release_mode = mode = min(("all", "checkpoints"), key=peak_of)
-                    s.program.over_budget_by_mode = peaks[mode] > budget
+                    mode = min(("all", "checkpoints"), key=peak_of)
+                    peak = peaks[mode]
+                    if peak > limit_of(budget):
+                        mode, peak = self._replan_for_a_later_pass(s, held, budget, mode, peak)
+                    s.program.release_mode = mode
+                    s.program.over_budget_by_mode = peak > budget
                     if s.program.over_budget_by_mode and not self._said_kept_over:
                         self._said_kept_over = True
+                        how = ("no plan holds less through that pass than plain Chainer, "
+                               "so it runs without recomputation" if not s.program.dropped else
+                               "after each backward pass the plan keeps %s, which that pass "
+                               "reads" % ("what it regenerated" if mode == "all"
+                                          else "its checkpoints"))
                         report.warning(
                             "%s's graph is backpropagated again after the optimizer's "
-                            "update: after each backward pass the plan keeps %s, which that "
-                            "pass reads, predicted to peak at %s, over the budget %s (the "
+                            "update: %s, predicted to peak at %s, over the budget %s (the "
                             "budget counts one pass; it is not corrected for this). Raise the "
                             "budget to at least that, or run the later pass before the update",
-                            s.graph.meta.get("model", "the model"), "what it regenerated" if mode == "all" else "its checkpoints",
-                            format_bytes(peaks[mode]), format_bytes(budget))
+                            s.graph.meta.get("model", "the model"), how,
+                            format_bytes(peak), format_bytes(budget))
         s.program.release_mode_decided = s.program.multi_backward
         if s.program.release_mode != "none" and self.spec.budget_scope == "total":
             # what the plan will really hold: its prediction in that mode

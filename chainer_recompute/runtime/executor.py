@@ -553,7 +553,7 @@ class IterationHook(chainer.FunctionHook):
         ``self.loss``) holds no more than a planned one. A later backward
         pass through it regenerates as usual."""
         if (self.program is not None or self.no_release or self.multi_backward
-                or program.n != len(self.recorder.calls) or not program.dropped
+                or program.n != len(self.recorder.calls)
                 or program.release_mode == "all"):
             return
         self.program = program

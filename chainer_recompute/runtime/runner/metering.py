@@ -747,6 +747,7 @@ class StepMeter:
                     s.graph = s.program.graph = graph
                     s.plan = dataclasses.replace(s.plan, predicted_peak_bytes=int(peak),
                                                  info=info)
+                    self.planner.plans_made += 1  # (its memory is in this call: watch_planning)
             finally:
                 # the replays' caches (a plan's graph in its backward
                 # order, 6 KB on a 386-function LSTM) stay in no step
@@ -775,6 +776,16 @@ class StepMeter:
         self._replays += [(entry, s, _LET_GO) for s in entry.structures
                           if s.program is hook.program and (s.graph.step.held_into_next_forward
                                                             or s.graph.step.held_other_bytes)]
+
+    def held_previous_bytes(self, entry: _Entry) -> int:
+        """What the graph of the model's previous call of ``entry``'s
+        signature holds now, where :meth:`count_held_graph` found it alive
+        at this call (planning at the call has it alive too); 0 otherwise
+        (another signature's graph is the planner's ``held_other``)."""
+        previous = self.last_hook() if self.last_hook is not None else None
+        if self._held_previous is None or previous is None or self.last_entry is not entry:
+            return 0
+        return _held_now(previous, self.caller_keeps_inputs)
 
     def watch_held_graph(self, hook: IterationHook) -> None:
         """Whether the previous call's graph, alive at this call, is still
@@ -931,6 +942,29 @@ class StepMeter:
         except Exception as e:  # noqa: BLE001 - maybe inside the user's backward: at the next call
             entry.error = e
 
+    def _held_previous_hook(self) -> Optional[IterationHook]:
+        """The driver of the model's previous call, where its graph, its
+        backward run, is still alive at this call and counted
+        (:meth:`count_held_graph`); None otherwise."""
+        if (self.spec.free_previous_graph or self.spec.budget_scope != "total"
+                or self.planner.coordinator is not None):  # (a coordinator replans collectively)
+            return None
+        previous = self.last_hook() if self.last_hook is not None else None
+        if previous is None or not previous.backward_done or previous.let_go_done:
+            return None
+        if not any(c.func() is not None for c in previous.recorder.calls):
+            return None  # freed, as by StandardUpdater (``del loss`` after the backward)
+        return previous
+
+    def release_recorded(self) -> None:
+        """A recorded (plain) graph of the previous call still alive at
+        this one releases what its plan drops (:meth:`count_held_graph`)
+        before anything is planned or replayed at this call, which then
+        has the graph alive as a planned one."""
+        previous = self._held_previous_hook()
+        if previous is not None and previous.recorder.recording and previous.planned is not None:
+            previous.release_as_planned(previous.planned)
+
     def count_held_graph(self, entry: _Entry) -> None:
         """The graph of the model's previous call, its backward run, is
         still alive at this call (the loop keeps its ``loss`` into the next
@@ -939,22 +973,15 @@ class StepMeter:
         not count it is made again, before this step's meter starts, with
         what such a graph holds after its backward added to the forward
         (``step.held_into_next_forward``, replayed), so that the step
-        stays under the budget. A recorded (plain) graph first releases
-        what its plan drops: a backward pass through it later regenerates
-        them. (A model known to keep its graph is planned so from the
+        stays under the budget. A recorded (plain) graph has released
+        what its plan drops (:meth:`release_recorded`, first at the call):
+        a backward pass through it later regenerates them. (A model known to keep its graph is planned so from the
         start: :meth:`_recorded`, :meth:`_capture_at`.)"""
         self._held_previous = None
         self._beyond = {}  # (the previous step is checked: close_step, before this)
-        if (self.spec.free_previous_graph or self.spec.budget_scope != "total"
-                or self.planner.coordinator is not None):  # (a coordinator replans collectively)
+        previous = self._held_previous_hook()
+        if previous is None:
             return
-        previous = self.last_hook() if self.last_hook is not None else None
-        if previous is None or not previous.backward_done or previous.let_go_done:
-            return
-        if not any(c.func() is not None for c in previous.recorder.calls):
-            return  # freed, as by StandardUpdater (``del loss`` after the backward)
-        if previous.recorder.recording and previous.planned is not None:
-            previous.release_as_planned(previous.planned)
         self._held_previous = [c.func for c in previous.recorder.calls]  # (weak references)
         if self.last_entry is not entry:  # (another signature's graph)
             if self.held_at_start is not False and \

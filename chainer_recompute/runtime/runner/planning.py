@@ -226,7 +226,9 @@ class Planner:
         #: while :meth:`watch_planning` measures a call: its captures, (batch,
         #: peak with the model's own bytes)
         self._captures_run: Optional[List[Tuple[int, int]]] = None
-        self.plans_made = 0  # structures added (planned or adopted), to see planning in a call
+        # structures added (planned or adopted), replaced or replayed, to see
+        # planning in a call
+        self.plans_made = 0
 
     # ------------------------------------------------------------- keep
     def check_keep(self, model: chainer.Link) -> None:
@@ -908,14 +910,14 @@ class Planner:
 
     @contextlib.contextmanager
     def watch_planning(self, entry: _Entry, args: Tuple[Any, ...], kwargs: Dict[str, Any],
-                       where: str) -> Iterator[None]:
+                       where: str, held: Optional[Any] = None) -> Iterator[None]:
         """Planning inside a training call (a first call, or a plan made
         again at a call after a correction): the planner's memory is in
         that step and in no plan. On NumPy (on a GPU it is host memory,
         outside the budget) it is measured, and when with the model's own
         arrays (parameters, gradients, optimizer state, inputs) and the
-        previous call's graph of another signature alive at this call
-        (``held_other``) it is over
+        previous call's graph alive at this call (of another signature,
+        ``held_other``; of this one, ``held()``'s bytes) it is over
         the budget (as resolved for the plan: ``'least'``'s figure too),
         that step is, and it is said (once for each ``where``)."""
         from ..device import device_of
@@ -938,6 +940,8 @@ class Planner:
             return  # nothing planned (a call recorded instead is said there)
         budget = self.budget_bytes or entry.structures[0].plan.budget_bytes
         own = own_bytes(dev, self._link(args), arrays) + (self.held_other or 0)
+        previous = held() if held is not None else 0
+        own += previous
         if budget is None or own + planner <= budget:
             return
         self._said_planning.add(where)
@@ -961,7 +965,7 @@ class Planner:
                 "plan) on top of the model's own %s (parameters, gradients, optimizer state, "
                 "inputs%s): this step peaks at %s or more, over the budget %s",
                 self._name(args), entry.dims, where, format_bytes(planner), format_bytes(own),
-                ", the previous call's graph" if self.held_other else "",
+                ", the previous call's graph" if self.held_other or previous else "",
                 format_bytes(own + planner), format_bytes(budget))
 
     def _plan_from_family(self, entry: _Entry, args: Tuple[Any, ...],
@@ -1108,6 +1112,7 @@ class Planner:
             return mode, peak
         _, plan, program, mode, peak = best
         s.plan, s.program = search.annotated(plan, peak, budget), program
+        self.plans_made += 1
         return mode, peak
 
     def decide_release(self, s: _Structure) -> None:

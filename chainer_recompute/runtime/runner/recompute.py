@@ -485,7 +485,11 @@ class Recompute:
         # plans made again here, where no step's meter runs: after a
         # correction, for a graph held into this call, for more calls per step
         planner.held_other = 0  # (this call's: see StepMeter.count_held_graph)
-        with planner.watch_planning(entry, args, kwargs, "again at a training call"):
+        # (before the planner's memory is measured from here: what a
+        # recorded graph frees first hid as much of it)
+        steps.release_recorded()
+        with planner.watch_planning(entry, args, kwargs, "again at a training call",
+                                    held=lambda: steps.held_previous_bytes(entry)):
             if steps.pending:
                 steps.apply_pending()
             steps.count_held_graph(entry)
@@ -521,9 +525,11 @@ class Recompute:
             if not self._plan_without_held_other(entry, args, kwargs, e):
                 planner.infeasible(entry, e)
                 return False
-        for s in entry.structures:
-            if s.program.multi_backward and not s.program.release_mode_decided:
-                planner.decide_release(s)
+        with planner.watch_planning(entry, args, kwargs, "again at a training call",
+                                    held=lambda: self.steps.held_previous_bytes(entry)):
+            for s in entry.structures:
+                if s.program.multi_backward and not s.program.release_mode_decided:
+                    planner.decide_release(s)  # (may plan again: a pass after the update)
         return True
 
     def _plan_without_held_other(self, entry: Any, args: Tuple[Any, ...],

@@ -974,9 +974,10 @@ class StepMeter:
         what such a graph holds after its backward added to the forward
         (``step.held_into_next_forward``, replayed), so that the step
         stays under the budget. A recorded (plain) graph has released
-        what its plan drops (:meth:`release_recorded`, first at the call):
-        a backward pass through it later regenerates them. (A model known to keep its graph is planned so from the
-        start: :meth:`_recorded`, :meth:`_capture_at`.)"""
+        what its plan drops (:meth:`release_recorded`, first at the
+        call): a backward pass through it later regenerates them. (A model
+        known to keep its graph is planned so from the start:
+        :meth:`_recorded`, :meth:`_capture_at`.)"""
         self._held_previous = None
         self._beyond = {}  # (the previous step is checked: close_step, before this)
         previous = self._held_previous_hook()

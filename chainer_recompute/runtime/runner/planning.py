@@ -1104,8 +1104,7 @@ class Planner:
             m, p = min(((m, _peak_with_a_later_pass(held, program, m)) for m in modes),
                        key=lambda c: c[1])
             over = float(plan.overhead or 0.0) if plan.recompute else 0.0
-            key = (p > limit_of(budget), over if p <= limit_of(budget) else p,
-                   p if p <= limit_of(budget) else over)
+            key = (0, over, p) if p <= limit_of(budget) else (1, p, over)
             if best is None or key < best[0]:
                 best = (key, plan, program, m, p)
         if best is None or best[4] >= peak:

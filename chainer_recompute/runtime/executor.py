@@ -142,6 +142,7 @@ class IterationHook(chainer.FunctionHook):
         # backward last reached new functions (_extend_reach)
         self._checked: Set[int] = set()
         self.snapshots: Dict[int, Any] = {}  # array id -> parameter values saved before an update
+        self._reads: Optional[Tuple[Tuple[int, int], Set[int]]] = None  # (_released_reads)
         # dropped node -> NumPy's random state before its forward (its drawn
         # attributes are made again from it)
         self._rng_states: Dict[int, Any] = {}
@@ -898,9 +899,38 @@ class IterationHook(chainer.FunctionHook):
             # batches, still saves them, whether its calls ran on one plan
             # or on two: one made again for two calls per step).
             return
+        reads = None
         for a, p in self.params.items():
             if p is param and a not in self.snapshots and a not in self._inner:
-                self.snapshots[a] = copy()
+                if reads is None:
+                    reads = self._released_reads()
+                if a in reads:
+                    self.snapshots[a] = copy()
+
+    def _released_reads(self) -> Set[int]:
+        """The array ids that a later backward pass may regenerate from:
+        those the nodes released now read (their inputs and inner
+        parameters), an update saving only those parameters' values; none
+        where the arrays regenerated stay (the ``all`` mode a probation
+        iteration may take, double backprop) and no function whose backward
+        has not run reads a released node, since a pass through the
+        functions that ran finds what they read kept (a node released in the
+        forward that no backward reads, a Linear's output that ReLU does not
+        retain, stays released and reads its weights). Made again only where
+        the released nodes or the functions run changed."""
+        released = self.released
+        key = (len(released), self.stats.recomputed_nodes, len(self._bw_seen))
+        if self._reads is None or self._reads[0] != key:
+            mode = self.release_mode or self.program.release_mode
+            if (mode == "all" or self.no_release) and not any(
+                    u in released for i, us in self._needs.items() if i not in self._bw_seen
+                    for u in us):
+                reads: Set[int] = set()
+            else:
+                calls = self.recorder.calls
+                reads = {a for u in released for a in (calls[u].in_ids or ()) + calls[u].inner_ids}
+            self._reads = (key, reads)
+        return self._reads[1]
 
     def _input_array(self, f: Any, j: int, a: int, values: Dict[int, Any]) -> Any:
         if a in values:

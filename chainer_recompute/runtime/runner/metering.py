@@ -961,8 +961,10 @@ class StepMeter:
         this one releases what its plan drops (:meth:`count_held_graph`)
         before anything is planned or replayed at this call, which then
         has the graph alive as a planned one."""
-        previous = self._held_previous_hook()
-        if previous is not None and previous.recorder.recording and previous.planned is not None:
+        previous = self.last_hook() if self.last_hook is not None else None
+        if previous is None or not previous.recorder.recording or previous.planned is None:
+            return  # (the usual call: no walk of the previous graph's calls)
+        if self._held_previous_hook() is previous:
             previous.release_as_planned(previous.planned)
 
     def count_held_graph(self, entry: _Entry) -> None:

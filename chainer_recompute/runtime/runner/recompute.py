@@ -525,10 +525,12 @@ class Recompute:
             if not self._plan_without_held_other(entry, args, kwargs, e):
                 planner.infeasible(entry, e)
                 return False
-        with planner.watch_planning(entry, args, kwargs, "again at a training call",
-                                    held=lambda: self.steps.held_previous_bytes(entry)):
-            for s in entry.structures:
-                if s.program.multi_backward and not s.program.release_mode_decided:
+        undecided = [s for s in entry.structures
+                     if s.program.multi_backward and not s.program.release_mode_decided]
+        if undecided:  # (no meter at the calls that decide nothing)
+            with planner.watch_planning(entry, args, kwargs, "again at a training call",
+                                        held=lambda: self.steps.held_previous_bytes(entry)):
+                for s in undecided:
                     planner.decide_release(s)  # (may plan again: a pass after the update)
         return True
 

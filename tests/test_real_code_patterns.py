@@ -370,6 +370,7 @@ def test_two_structures_under_one_signature():
         assert st["measured_peak_bytes"] <= st["budget_bytes"] == budget
     for st in ours.stats[3::2]:  # the box steps: the other plan's
         assert st["predicted_peak_bytes"] != short.plan.predicted_peak_bytes
+        assert st["n_nodes"] == 20  # (begun on the shorter plan, switched at its end)
         if st["measured_peak_bytes"] is not None:
             assert st["measured_peak_bytes"] <= st["budget_bytes"] == budget, st
     assert [st["measured_peak_bytes"] is not None for st in ours.stats[2:]].count(True) >= 2

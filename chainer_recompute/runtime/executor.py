@@ -375,7 +375,9 @@ class IterationHook(chainer.FunctionHook):
     def _switch(self, program: Program) -> None:
         self.program = program
         self.recorder.shared_records = program.records
-        self.stats.n_dropped = len(program.dropped)
+        stats = self.stats  # (the iteration's, of the plan it ends on)
+        stats.n_dropped, stats.n_nodes = len(program.dropped), program.n
+        stats.release_mode = program.release_mode
         self._needs, self._done = program.needs, program.done
 
     def _pin(self, i: int, p: Program, in_data: Tuple[Any, ...]) -> None:

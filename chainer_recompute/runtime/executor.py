@@ -331,7 +331,7 @@ class IterationHook(chainer.FunctionHook):
             return
         self.candidates = alive
         if self.program not in alive:
-            self._switch(alive[0])
+            self._switch(alive[0], i)
         self._follow(call, in_data)
 
     def _follow(self, call: Call, in_data: Tuple[Any, ...]) -> None:
@@ -372,13 +372,74 @@ class IterationHook(chainer.FunctionHook):
                 return p.graph.nodes[i].inputs
         return self.program.graph.nodes[i].inputs if i < self.program.n else None
 
-    def _switch(self, program: Program) -> None:
+    def _switch(self, program: Program, upto: int) -> None:
+        """Follow ``program`` from call ``upto`` on. The calls before it ran
+        under another candidate plan (two structures' plans share the calls
+        before the structures differ), whose pins and releases need not be
+        this one's: this one's are made first (:meth:`_catch_up`), so that
+        the step holds what its prediction has."""
         self.program = program
         self.recorder.shared_records = program.records
         stats = self.stats  # (the iteration's, of the plan it ends on)
         stats.n_dropped, stats.n_nodes = len(program.dropped), program.n
         stats.release_mode = program.release_mode
         self._needs, self._done = program.needs, program.done
+        self._catch_up(program, upto)
+
+    def _catch_up(self, p: Program, upto: int) -> None:
+        """The state ``p`` holds before call ``upto`` (see :meth:`_switch`):
+        the nodes it keeps that the other plan released made again, its
+        sources of the nodes it drops pinned, the other plan's pins that
+        none of them starts from let go of, and what it releases by then
+        released."""
+        released, kept, pinned = self.released, self.kept, self._pinned_ok
+        calls, nodes, arrays = self.recorder.calls, p.graph.nodes, p.graph.arrays
+        back = [u for u in sorted(released) if u < upto and u not in p.dropped]
+        if back and not self._put_back(back):
+            for u in back:
+                self._put_back([u])
+        # (what the nodes left released read, the other plan's sources among it)
+        need: Set[int] = {a for u in back if u in released for a in calls[u].in_ids or ()}
+        for u in sorted(p.dropped):
+            if u >= upto:
+                break
+            f = calls[u].func()
+            node = nodes[u]
+            in_data: List[Any] = [None] * len(node.inputs)
+            ok = f is not None
+            for j in p.sources[u]:
+                a = node.inputs[j]
+                if arrays[a].kind == "param":
+                    continue
+                need.add(a)
+                if ok and a not in kept:
+                    in_data[j] = self._input_array(f, j, a, {})
+                    ok = in_data[j] is not None
+            if ok:
+                self._pin(u, p, tuple(in_data))
+            else:
+                pinned.discard(u)  # (its sources not all at hand: not released)
+        for a in [a for a in kept if a not in need]:
+            del kept[a]
+            self.fingerprints.pop(a, None)
+        for j in range(min(upto, p.n + 1)):
+            for u in p.release_at.get(j, ()):
+                if u in pinned:
+                    self._release(u)
+
+    def _put_back(self, nodes: List[int]) -> bool:
+        """Regenerate released ``nodes`` (from the pins that released
+        them), False where that cannot be done: an input lost with a
+        function the forward unchained, a function gone (read by none).
+        (:meth:`_regenerate` raises before it runs anything.) Those stay
+        released, found by the backward as any released node is."""
+        try:
+            self._regenerate(nodes[-1], nodes)
+        except UnsafeRecomputeError:
+            raise  # (a source written since it was pinned: as in the backward)
+        except RecomputeError:
+            return False
+        return True
 
     def _pin(self, i: int, p: Program, in_data: Tuple[Any, ...]) -> None:
         node = p.graph.nodes[i]
@@ -438,7 +499,7 @@ class IterationHook(chainer.FunctionHook):
             if p not in alive:
                 # This call's pins were made under the other plan's wiring.
                 self._unpin(call.index)
-                self._switch(alive[0])
+                self._switch(alive[0], call.index + 1)
         # (equal: the plan's tuples, shared by every iteration, in place of
         # this call's own)
         node = self.program.graph.nodes[call.index]

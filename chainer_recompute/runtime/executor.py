@@ -398,8 +398,7 @@ class IterationHook(chainer.FunctionHook):
         if back and not self._put_back(back):
             for u in back:
                 self._put_back([u])
-        # (what the nodes left released read, the other plan's sources among it)
-        need: Set[int] = {a for u in back if u in released for a in calls[u].in_ids or ()}
+        need: Set[int] = set()
         for u in sorted(p.dropped):
             if u >= upto:
                 break
@@ -419,6 +418,11 @@ class IterationHook(chainer.FunctionHook):
                 self._pin(u, p, tuple(in_data))
             else:
                 pinned.discard(u)  # (its sources not all at hand: not released)
+        for u in released:
+            if u not in pinned or u not in p.dropped:
+                # released by the other plan, not pinned by this one: what
+                # it reads (the other's sources among it) stays pinned
+                need.update(calls[u].in_ids or ())
         for a in [a for a in kept if a not in need]:
             del kept[a]
             self.fingerprints.pop(a, None)

@@ -535,14 +535,15 @@ class IterationHook(chainer.FunctionHook):
             self.no_release = False
         held, self._held_funcs = self._held_funcs, {}
         self._restore_unchained(held)
-        if self.program is None or self.program.on_probation:
-            # (to learn, while the loop is not known yet, whether a later
-            # pass comes after an optimizer update)
-            self._updates_at_forward = _updates_of(self.recorder.param_refs)
         n = len(self.recorder.calls)
         if self.executing and n != self.program.n:
             self._set_mismatch(n, f"the forward applied {n} functions, but the planned graph "
                                   f"has {self.program.n}")
+        if self.program is None or self.program.on_probation or self.mismatch_at is not None:
+            # (to learn, while the loop is not known yet, whether a later
+            # pass comes after an optimizer update; and for the structure
+            # an iteration that left its plan records)
+            self._updates_at_forward = _updates_of(self.recorder.param_refs)
         if self.executing:
             self.candidates = [p for p in self.candidates if p.n == n]
             for u in self.program.release_at.get(self.program.n, ()):

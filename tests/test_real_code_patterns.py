@@ -402,6 +402,17 @@ class DepthByData(chainer.Chain):
             h = F.relu(self.tail(h))
         return F.softmax_cross_entropy(self.out(h), t)
 
+    @staticmethod
+    def batches(keys: Sequence[int]) -> List[Tuple[Any, Any]]:
+        """Batches of 512 whose structures are ``keys`` (0-6)."""
+        rng = np.random.RandomState(2000)
+        out = []
+        for key in keys:
+            x = rng.randn(512, 32).astype(np.float32)
+            x[0, 0] = (key + 0.5) / 1000
+            out.append((x, rng.randint(0, 10, 512).astype(np.int32)))
+        return out
+
 
 def test_a_step_that_switches_structures_holds_what_its_plan_predicts():
     """Steps of a 17-function structure begin on a 15-function structure's
@@ -413,12 +424,7 @@ def test_a_step_that_switches_structures_holds_what_its_plan_predicts():
     its sources pinned, the other plan's pins let go of, its releases
     made): each switched step measures its prediction, and nothing is
     corrected. Identical to plain Chainer."""
-    rng = np.random.RandomState(2000)
-    batches = []
-    for key in [0, 3, 1, 3, 3, 1, 3, 3]:
-        x = rng.randn(512, 32).astype(np.float32)
-        x[0, 0] = (key + 0.5) / 1000
-        batches.append((x, rng.randint(0, 10, 512).astype(np.int32)))
+    batches = DepthByData.batches([0, 3, 1, 3, 3, 1, 3, 3])
     plain = train(DepthByData, batches)
     with Said() as said:
         ours = train(DepthByData, batches, dict(budget="least", verbose=False))
@@ -447,12 +453,7 @@ def test_a_structure_recorded_by_a_step_that_left_its_plan_learns_a_pass_after_t
     Chainer's step, at 80% of plain's. Now it plans for that pass as the
     first structure does (below plain Chainer's, over the one-pass budget
     by its own prediction, said). Identical to plain Chainer."""
-    rng = np.random.RandomState(2000)
-    batches = []
-    for key in [0, 1, 1, 0, 1, 1, 0, 1]:
-        x = rng.randn(512, 32).astype(np.float32)
-        x[0, 0] = (key + 0.5) / 1000
-        batches.append((x, rng.randint(0, 10, 512).astype(np.int32)))
+    batches = DepthByData.batches([0, 1, 1, 0, 1, 1, 0, 1])
 
     def again(model: chainer.Link, opt: Any, batch: Sequence[Any]) -> Any:
         loss = model(*batch)

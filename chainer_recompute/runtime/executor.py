@@ -408,12 +408,11 @@ class IterationHook(chainer.FunctionHook):
             ok = f is not None
             for j in p.sources[u]:
                 a = node.inputs[j]
-                if arrays[a].kind == "param":
-                    continue
-                need.add(a)
-                if ok and a not in kept:
-                    in_data[j] = self._input_array(f, j, a, {})
-                    ok = in_data[j] is not None
+                if arrays[a].kind != "param":  # (a parameter: _pin watches it)
+                    need.add(a)
+                    if ok:  # (pinned already, or still held by the graph)
+                        in_data[j] = self._input_array(f, j, a, {})
+                        ok = in_data[j] is not None
             if ok:
                 self._pin(u, p, tuple(in_data))
             else:
@@ -539,10 +538,10 @@ class IterationHook(chainer.FunctionHook):
         if self.executing and n != self.program.n:
             self._set_mismatch(n, f"the forward applied {n} functions, but the planned graph "
                                   f"has {self.program.n}")
-        if self.program is None or self.program.on_probation or self.mismatch_at is not None:
-            # (to learn, while the loop is not known yet, whether a later
-            # pass comes after an optimizer update; and for the structure
-            # an iteration that left its plan records)
+        if self.recorder.recording or self.program.on_probation:
+            # (to learn, for the graph this iteration records, the first or
+            # one that left its plan, or while the loop is not known yet,
+            # whether a later pass comes after an optimizer update)
             self._updates_at_forward = _updates_of(self.recorder.param_refs)
         if self.executing:
             self.candidates = [p for p in self.candidates if p.n == n]
